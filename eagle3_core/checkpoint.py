@@ -1,0 +1,162 @@
+"""Draft checkpoints: the SGLang-loadable directory (REFERENCE.md section 2) and the resumable training state.
+
+The export key map is data: `expected_tensors(shape)` lists every tensor name with its shape and dtype, and both
+export and load check it strictly (SGLang silently keeps random weights for names it does not know: handed case C7).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .draft_model import DraftShape, Eagle3Draft
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+class CheckpointError(ValueError):
+    """A draft checkpoint whose tensors or config do not match the EAGLE-3 schema; names the key and the fix."""
+
+
+def expected_tensors(s: DraftShape) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """name -> (shape, dtype or None for 'the float dtype of the checkpoint'), SGLang's names."""
+    H, qd, kvd = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+    return {
+        "embed_tokens.weight": ((s.vocab_size, H), None),
+        "fc.weight": ((H, 3 * s.target_hidden_size), None),
+        "midlayer.self_attn.q_proj.weight": ((qd, 2 * H), None),
+        "midlayer.self_attn.k_proj.weight": ((kvd, 2 * H), None),
+        "midlayer.self_attn.v_proj.weight": ((kvd, 2 * H), None),
+        "midlayer.self_attn.o_proj.weight": ((H, qd), None),
+        "midlayer.mlp.gate_proj.weight": ((s.intermediate_size, H), None),
+        "midlayer.mlp.up_proj.weight": ((s.intermediate_size, H), None),
+        "midlayer.mlp.down_proj.weight": ((H, s.intermediate_size), None),
+        "midlayer.input_layernorm.weight": ((H,), None),
+        "midlayer.hidden_norm.weight": ((H,), None),
+        "midlayer.post_attention_layernorm.weight": ((H,), None),
+        "norm.weight": ((H,), None),
+        "lm_head.weight": ((s.draft_vocab_size, H), None),
+        "d2t": ((s.draft_vocab_size,), torch.int64),
+        "t2d": ((s.vocab_size,), torch.bool),
+    }
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], s: DraftShape, where: str) -> None:
+    """Raise CheckpointError naming the first missing, unexpected, mis-shaped or mis-typed tensor."""
+    expected = expected_tensors(s)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: missing tensors {missing}, unexpected tensors {unexpected}; the EAGLE-3 "
+                              f"names are listed in eagle3_core.checkpoint.expected_tensors")
+    for name, (shape, dtype) in expected.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+        if dtype is not None and t.dtype != dtype:
+            raise CheckpointError(f"{where}: tensor {name} has dtype {t.dtype}, expected {dtype}")
+        if dtype is None and not t.is_floating_point():
+            raise CheckpointError(f"{where}: tensor {name} has dtype {t.dtype}, expected a float dtype")
+
+
+def sglang_config(s: DraftShape, dtype: torch.dtype) -> dict:
+    """config.json of the draft: nested eagle_config with the aux ids as layer *outputs* (SGLang's reading)."""
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": s.hidden_size, "target_hidden_size": s.target_hidden_size,
+        "intermediate_size": s.intermediate_size, "num_attention_heads": s.num_attention_heads,
+        "num_key_value_heads": s.num_key_value_heads, "head_dim": s.head_dim, "rms_norm_eps": s.rms_norm_eps,
+        "rope_theta": s.rope_theta, "rope_scaling": s.rope_scaling,
+        "max_position_embeddings": s.max_position_embeddings, "hidden_act": s.hidden_act,
+        "torch_dtype": str(dtype).removeprefix("torch."), "vocab_size": s.vocab_size,
+        "draft_vocab_size": s.draft_vocab_size, "tie_word_embeddings": False,
+        "pad_token_id": None, "attention_bias": False, "mlp_bias": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(s.aux_layer_ids), "use_aux_hidden_state": True},
+    }
+
+
+def save_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype | None = None) -> Path:
+    """Write an SGLang-loadable directory (config.json, model.safetensors) atomically; returns `out`.
+
+    dtype: float dtype of the weights (default: the draft's own, so a reload reproduces its logits exactly).
+    """
+    s = draft.shape
+    dtype = dtype or draft.fc.weight.dtype
+    tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
+               for k, v in draft.state_dict().items()}
+    check_tensors(tensors, s, f"export to {out}")
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(sglang_config(s, dtype), indent=2))
+    (tmp / "draft_shape.json").write_text(json.dumps(s.to_dict(), indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def shape_from_config(cfg: dict, where: str) -> DraftShape:
+    """DraftShape from an SGLang draft config.json. Raises CheckpointError on a non-EAGLE-3 config."""
+    if cfg.get("architectures") != [ARCHITECTURE]:
+        raise CheckpointError(f"{where}: architectures is {cfg.get('architectures')}, expected [{ARCHITECTURE!r}]")
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise CheckpointError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids missing")
+    return DraftShape(
+        hidden_size=cfg["hidden_size"], target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
+        num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"], intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+        draft_vocab_size=cfg["draft_vocab_size"], rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
+        rope_scaling=cfg.get("rope_scaling"), max_position_embeddings=cfg["max_position_embeddings"],
+        hidden_act=cfg.get("hidden_act", "silu"), aux_layer_ids=list(ids))
+
+
+def load_draft(path: Path, dtype: torch.dtype | None = None) -> Eagle3Draft:
+    """Load an exported draft directory strictly (every name and shape checked). Raises CheckpointError."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{path}: no config.json; give the directory written by the export")
+    s = shape_from_config(json.loads(cfg_file.read_text()), str(cfg_file))
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    check_tensors(tensors, s, str(path / "model.safetensors"))
+    draft = Eagle3Draft(s).to(dtype or tensors["fc.weight"].dtype)
+    draft.load_state_dict(tensors, strict=True)
+    return draft
+
+
+def save_training_state(out_dir: Path, draft, opt, sched, epoch: int, best: dict, history: list) -> None:
+    """Weights, optimizer, scheduler, epoch, best score, history and RNG states, written atomically."""
+    state = {"model": draft.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+             "epoch": epoch, "best": best, "history": json.dumps(history),
+             "rng_torch": torch.get_rng_state(), "rng_python": json.dumps(random.getstate())}
+    tmp = out_dir / f".training_state.pt.tmp{os.getpid()}"
+    torch.save(state, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out_dir / "training_state.pt")
+
+
+def load_training_state(out_dir: Path, draft, opt, sched) -> dict | None:
+    """Restore a state written by save_training_state (weights_only load); None if there is none."""
+    path = Path(out_dir) / "training_state.pt"
+    if not path.exists():
+        return None
+    state = torch.load(path, weights_only=True)
+    draft.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng_torch"])
+    py = json.loads(state["rng_python"])
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    return {"epoch": state["epoch"], "best": state["best"], "history": json.loads(state["history"])}
+

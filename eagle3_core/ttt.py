@@ -1,0 +1,97 @@
+"""Training-time test (TTT) forward, loss and metrics (REFERENCE.md section 3; EAGLE-3 paper section 3.2).
+
+Legend: B batch, T padded length, H hidden, N draft vocab, K TTT steps.
+Alignment (target features f_t after x_0..x_t, target logits z_t predicting x_{t+1}):
+  step k, index t: input token x_{t+1+k}, hidden = fused f_t (k=0) or the draft's step k-1 output,
+  RoPE position t+k, predicts x_{t+2+k} against softmax(z_{t+1+k}[draft vocab]),
+  supervised where loss_mask[t+2+k] = 1 (x_{t+2+k} is an assistant token) and the target's argmax is in the
+  draft vocab. So the shift of input, target and mask is the same at every step (handed case C5).
+Metrics: acc_k = top-1 agreement of the d2t-mapped draft argmax with the target's argmax over loss-masked positions;
+cond_k = P(step k right | steps 0..k-1 right); tau_sim = 1 + sum_k prod_{j<=k} acc_j.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def shift_left(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
+    """x[:, t] <- x[:, t + s] along dim 1, padded with `fill` at the end. x [B, T, ...]."""
+    if s == 0:
+        return x
+    pad = torch.full_like(x[:, :s], fill)
+    return torch.cat([x[:, s:], pad], dim=1)
+
+
+def supervised(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, T] bool: index t is supervised at TTT step k iff the token it predicts, x_{t+2+k}, has loss_mask 1."""
+    return shift_left(loss_mask, 2 + k, False)
+
+
+def collate(samples: list[dict]) -> dict:
+    """Right-pad samples to one batch: input_ids [B, T], loss_mask [B, T], aux [B, T, 3H_t], final [B, T, H_t],
+    target_top1 [B, T], valid [B, T] (True on real tokens)."""
+    T = max(len(s["input_ids"]) for s in samples)
+    B = len(samples)
+    out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+           "target_top1": torch.zeros(B, T, dtype=torch.long), "valid": torch.zeros(B, T, dtype=torch.bool),
+           "aux": torch.zeros(B, T, samples[0]["aux"].shape[-1]),
+           "final": torch.zeros(B, T, samples[0]["final"].shape[-1])}
+    for b, s in enumerate(samples):
+        n = len(s["input_ids"])
+        for k in ("input_ids", "loss_mask", "target_top1", "aux", "final"):
+            out[k][b, :n] = s[k]
+        out["valid"][b, :n] = True
+    return out
+
+
+def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: int, step_weight: float = 0.8):
+    """Weighted TTT loss and per-step counts for one batch.
+
+    target_head_draft [N, H_t]: rows of the target's lm_head for the draft vocab (in draft-id order).
+    Returns (loss scalar, stats) where stats holds per-step tensors 'n' (supervised positions), 'correct',
+    'chain' (positions right at every step so far) and 'loss'. Raises nothing; callers check finiteness.
+    """
+    ids, mask, top1 = batch["input_ids"], batch["loss_mask"], batch["target_top1"]
+    B, T = ids.shape
+    positions = torch.arange(T).expand(B, T)
+    in_vocab = draft.t2d[top1]                                             # [B, T] target argmax in draft vocab
+    target_logits = batch["final"] @ target_head_draft.T                   # [B, T, N]
+    hidden = draft.fuse(batch["aux"])                                      # [B, T, H]
+    cache_k, cache_v = [], []
+    total = hidden.new_zeros(())
+    stats = {"n": [], "correct": [], "chain": [], "loss": []}
+    chain = None
+    for k in range(ttt_length):
+        tokens = shift_left(ids, 1 + k)                                    # x_{t+1+k}
+        hidden, logits = draft.step(tokens, hidden, positions + k, cache_k, cache_v)
+        p_target = shift_left(target_logits, 1 + k).float().softmax(-1)    # softmax(z_{t+1+k}[draft vocab])
+        m_step = supervised(mask, k)                                       # x_{t+2+k} is supervised
+        m_loss = m_step & shift_left(in_vocab, 1 + k, False)
+        logp = F.log_softmax(logits.float(), dim=-1)
+        ce = -(p_target * logp).sum(-1)                                    # [B, T]
+        loss_k = (ce * m_loss).sum() / m_loss.sum().clamp(min=1)
+        total = total + (step_weight ** k) * loss_k
+        with torch.no_grad():
+            pred = draft.draft_to_target(logits.argmax(-1))                # [B, T] target ids
+            right = (pred == shift_left(top1, 1 + k)) & m_step
+            chain = right if chain is None else chain & right
+            stats["n"].append(m_step.sum())
+            stats["correct"].append(right.sum())
+            stats["chain"].append(chain.sum())
+            stats["loss"].append(loss_k.detach())
+    return total, {k: torch.stack(v) for k, v in stats.items()}
+
+
+def summarize(stats: dict) -> dict:
+    """acc_k, cond_k, tau_sim and loss_k from summed per-step counts (see module docstring)."""
+    n = stats["n"].double().clamp(min=1)
+    acc = (stats["correct"].double() / n).tolist()
+    chain = stats["chain"].double()
+    prev = torch.cat([stats["n"][:1].double(), chain[:-1]])
+    cond = (chain / prev.clamp(min=1)).tolist()
+    tau_sim, prod = 1.0, 1.0
+    for a in acc:
+        prod *= a
+        tau_sim += prod
+    return {"acc": acc, "cond_acc": cond, "tau_sim": tau_sim, "loss": stats["loss"].tolist()}

@@ -1,0 +1,94 @@
+"""The draft's TTT attention against a naive flattened-mask recomputation, and TTT steps against the inference-time
+chain with a KV cache (the convention shared by trainer and evaluator)."""
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_draft
+from eagle3_core.ttt import shift_left, supervised
+
+
+def naive_ttt_logits(d, aux, ids, K):
+    """Per step k, recompute all steps 0..k from scratch and attend with an explicit [T, T*(k+1)] mask:
+    step-0 keys causal, step-j keys (j>=1) only at the same index (REFERENCE.md section 3)."""
+    B, T = ids.shape
+    s = d.shape
+    layer = d.midlayer
+    out_logits = []
+    hidden = d.fuse(aux)
+    ks, vs = [], []
+    for k in range(K):
+        tok = shift_left(ids, 1 + k)
+        x = torch.cat([layer.input_layernorm(d.embed_tokens(tok)), layer.hidden_norm(hidden)], -1)
+        cos, sin = d.rope(torch.arange(T).expand(B, T) + k)
+        q, kk, vv = layer.self_attn.project(x, cos, sin)
+        ks.append(kk)
+        vs.append(vv)
+        keys = torch.cat(ks, dim=2).repeat_interleave(s.num_attention_heads // s.num_key_value_heads, 1)
+        vals = torch.cat(vs, dim=2).repeat_interleave(s.num_attention_heads // s.num_key_value_heads, 1)
+        mask = torch.zeros(T, T * (k + 1), dtype=torch.bool)
+        mask[:, :T] = torch.ones(T, T, dtype=torch.bool).tril()
+        for j in range(1, k + 1):
+            mask[:, j * T:(j + 1) * T] = torch.eye(T, dtype=torch.bool)
+        attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask).transpose(1, 2).reshape(B, T, -1)
+        a = hidden + layer.self_attn.o_proj(attn)
+        hidden = a + layer.mlp(layer.post_attention_layernorm(a))
+        out_logits.append(d.lm_head(d.norm(hidden)))
+    return out_logits
+
+
+def ttt_logits(d, aux, ids, K):
+    B, T = ids.shape
+    hidden = d.fuse(aux)
+    ck, cv, outs = [], [], []
+    for k in range(K):
+        hidden, logits = d.step(shift_left(ids, 1 + k), hidden, torch.arange(T).expand(B, T) + k, ck, cv)
+        outs.append(logits)
+    return outs
+
+
+def test_ttt_attention_matches_naive_recomputation():
+    d = tiny_draft().double()
+    g = torch.Generator().manual_seed(1)
+    aux = torch.randn(2, 12, 96, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 100, (2, 12), generator=g)
+    with torch.no_grad():
+        fused, naive = ttt_logits(d, aux, ids, 4), naive_ttt_logits(d, aux, ids, 4)
+    for k, (a, b) in enumerate(zip(fused, naive)):
+        assert torch.allclose(a, b, atol=1e-10), f"step {k} differs by {(a - b).abs().max()}"
+
+
+def test_ttt_steps_equal_inference_chain_with_kv_cache():
+    """TTT step k at index t must compute what the serving-time draft computes at chain step k after the prefix
+    0..t: same inputs, same RoPE positions (t+k), same visible keys."""
+    d = tiny_draft().double()
+    g = torch.Generator().manual_seed(2)
+    T, K, t = 14, 4, 6
+    aux = torch.randn(1, T, 96, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 100, (1, T), generator=g)
+    with torch.no_grad():
+        train_logits = ttt_logits(d, aux, ids, K)
+        cache = {}
+        # prefix pairs (f_p, x_{p+1}) at positions 0..t
+        h, logits = d.decode(ids[:, 1:t + 2], d.fuse(aux[:, :t + 1]), torch.arange(t + 1)[None], cache)
+        assert torch.allclose(logits[0, t], train_logits[0][0, t], atol=1e-10)
+        h = h[:, -1:]
+        for k in range(1, K):
+            h, logits = d.decode(ids[:, t + 1 + k:t + 2 + k], h, torch.tensor([[t + k]]), cache)
+            assert torch.allclose(logits[0, 0], train_logits[k][0, t], atol=1e-10), f"step {k}"
+
+
+def test_supervised_positions_shift_with_the_inputs():
+    """Handed case C5: a 6-token sequence whose assistant span (indices 3..5) runs to the end. Index t at step k
+    predicts x_{t+2+k}; exactly the reachable assistant tokens are supervised."""
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    assert supervised(mask, 0)[0].nonzero().flatten().tolist() == [1, 2, 3]      # predict x3, x4, x5
+    assert supervised(mask, 1)[0].nonzero().flatten().tolist() == [0, 1, 2]      # predict x3, x4, x5
+    assert supervised(mask, 2)[0].nonzero().flatten().tolist() == [0, 1]         # predict x4, x5
+    assert supervised(mask, 4)[0].nonzero().flatten().tolist() == []             # nothing reachable
+
+
+def test_rope_positions_advance_by_step():
+    d = tiny_draft()
+    cos0, _ = d.rope(torch.arange(5)[None] + 2)
+    cos1, _ = d.rope(torch.arange(2, 7)[None])
+    assert torch.equal(cos0, cos1)

@@ -1,0 +1,64 @@
+"""The end-to-end Prefect flow on a handful of prompts under prefect_test_harness, with the real llama.cpp server;
+and bad input failing the flow run with a message that names the file or URL, nothing earlier lost."""
+import json
+
+import pytest
+from prefect.client.orchestration import get_client
+
+from eagle3_core.checkpoint import load_draft
+from eagle3_core.config import ServerConfig, preset
+
+
+def test_pipeline_runs_end_to_end(e2e_run):
+    cfg, summary = e2e_run
+    run = cfg.run_dir
+    prompts = json.loads((run / "prompts" / "manifest.json").read_text())
+    assert len(prompts["train_ids"]) == 6 and len(prompts["eval_ids"]) == 2
+    assert not set(prompts["train_ids"]) & set(prompts["eval_ids"])
+    gen = json.loads((run / "generations" / "manifest.json").read_text())
+    assert gen["samples"] == 6 and gen["sampling"]["greedy"] and "llama.cpp" in gen["server"]
+    assert summary["aux_layer_ids"] == [1, 14, 26]
+    ev = summary["eval"]
+    for name in ("trained", "untrained"):
+        d = ev[name]
+        assert d["target_forward_calls"] == 2 + d["verify_steps"]
+        assert 1.0 <= d["tau"] <= 1 + cfg.eval.num_draft_steps
+        assert d["lossless"]["mismatch"] == 0
+    draft = load_draft(summary["draft_dir"])
+    assert draft.shape.draft_vocab_size == 1024
+    md = (run / "report.md").read_text()
+    assert "Acceptance length" in md and summary["draft_dir"] in md
+
+
+def test_flow_runs_and_report_artifact_are_in_prefect(e2e_run):
+    import asyncio
+
+    async def query():
+        async with get_client() as client:
+            runs = await client.read_flow_runs()
+            arts = await client.read_artifacts()
+            return runs, arts
+    runs, arts = asyncio.run(query())
+    names = {r.name for r in runs}
+    assert runs and all(r.state.is_completed() for r in runs), [(r.name, r.state.name) for r in runs]
+    assert "eagle3-report" in {a.key for a in arts}
+    assert len(names) >= 7                     # the end-to-end run and its stage subflows
+
+
+def test_missing_prompt_file_fails_the_run_naming_it(prefect_server, tmp_path):
+    from flows.pipeline import eagle3_pipeline
+    cfg = preset("debug_tiny", tmp_path / "run")
+    cfg.prompts.sources = [str(tmp_path / "missing.jsonl")]
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        eagle3_pipeline(cfg)
+
+
+def test_unreachable_server_fails_the_run_keeping_earlier_stages(prefect_server, tmp_path):
+    from eagle3_core.serving.launcher import ServerError
+    from flows.pipeline import eagle3_pipeline
+    cfg = preset("debug_tiny", tmp_path / "run")
+    cfg.server = ServerConfig(kind="external", url="http://127.0.0.1:9")
+    with pytest.raises(ServerError, match=r"http://127\.0\.0\.1:9.*server\.url"):
+        eagle3_pipeline(cfg)
+    assert (cfg.run_dir / "prompts" / "manifest.json").exists()          # the prompts stage is kept
+    assert (cfg.run_dir / "prompts" / "train.parquet").exists()

@@ -1,0 +1,31 @@
+import torch
+
+from eagle3_core.vocab_map import build_vocab_map, count_tokens, draft_to_target_ids
+
+
+def test_offsets_and_mask_from_counts():
+    ids = [torch.tensor([5, 5, 5, 7, 7, 9, 1]), torch.tensor([9, 9, 2])]
+    masks = [torch.tensor([1, 1, 1, 1, 1, 1, 0]), torch.tensor([1, 1, 0])]
+    counts = count_tokens(ids, masks, 12)
+    assert counts.tolist() == [0, 0, 0, 0, 0, 3, 0, 2, 0, 3, 0, 0]     # masked-out 1 and 2 not counted
+    d2t, t2d = build_vocab_map(counts, 3)
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
+    assert draft_to_target_ids(d2t).tolist() == [5, 7, 9]                # sorted by target id
+    assert d2t.tolist() == [5, 6, 7]                                      # offsets: target = draft + d2t
+    assert t2d.nonzero().flatten().tolist() == [5, 7, 9]
+
+
+def test_fewer_distinct_tokens_than_draft_vocab_fills_deterministically():
+    counts = torch.zeros(10, dtype=torch.long)
+    counts[[8, 3]] = torch.tensor([4, 1])
+    d2t, t2d = build_vocab_map(counts, 5)
+    targets = draft_to_target_ids(d2t).tolist()
+    assert targets == [0, 1, 2, 3, 8]           # seen ids 8, 3, then the lowest unseen ids 0, 1, 2
+    assert int(t2d.sum()) == 5
+    assert torch.equal(build_vocab_map(counts, 5)[0], d2t)
+
+
+def test_ties_break_by_lower_id():
+    counts = torch.tensor([1, 2, 2, 2, 0])
+    d2t, _ = build_vocab_map(counts, 2)
+    assert draft_to_target_ids(d2t).tolist() == [1, 2]
