@@ -114,12 +114,14 @@ def preset(name: str, run_dir: str | Path | None = None) -> PipelineConfig:
     if name == "demo":
         cfg = PipelineConfig(
             prompts=PromptConfig(num_train=120, num_eval=16),
-            generation=GenerationConfig(max_new_tokens=256),
+            # 8 slots: ~178 tok/s on 2 cores vs ~158 with 4 (measured)
+            server=ServerConfig(parallel=8, ctx_per_slot=1024),
+            generation=GenerationConfig(max_new_tokens=256, concurrency=8),
             features=FeatureConfig(max_length=1024),
             # HumanEval answers use ~1.2K distinct tokens: a 2K draft vocab covers them and keeps lm_head cheap
             draft=DraftConfig(draft_vocab_size=2048),
             # 2 CPU cores: 3 TTT steps and 3 draft tokens keep the whole demo within 15 minutes
-            train=TrainConfig(epochs=6, lr=1e-3, batch_tokens=4096, ttt_length=3),
+            train=TrainConfig(epochs=5, lr=1e-3, batch_tokens=4096, ttt_length=3),
             eval=EvalConfig(num_draft_steps=3, max_new_tokens=128),
         )
     elif name == "debug_tiny":

@@ -52,7 +52,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], response: str, row_id
                         f"conversation (it rewrites earlier turns); split this row by turn or drop it")
     completion = full[len(prefix):]
     # the generation prompt may already hold the start of the response (e.g. an opened <think>): skip that part
-    overlap = next((k for k in range(min(len(prefix), len(response), 256), 0, -1) if prefix.endswith(response[:k])), 0)
+    longest = min(len(prefix), len(response), 256)
+    overlap = next((k for k in range(longest, 0, -1) if prefix.endswith(response[:k])), 0)
     if response[overlap:] not in completion:
         raise MaskError(f"row {row_id}: the chat template changes the assistant text it trains on (e.g. strips "
                         f"reasoning); use a template that keeps it, or drop the row")

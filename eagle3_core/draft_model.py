@@ -16,8 +16,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 @dataclass
@@ -39,7 +39,7 @@ class DraftShape:
     aux_layer_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_target_config(cls, cfg, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DraftShape":
+    def from_target_config(cls, cfg, draft_vocab_size: int, aux_layer_ids: list[int]) -> DraftShape:
         """Draft shape from a transformers Llama-style config; N is capped at V. Raises ValueError if the
         target's heads do not divide its hidden size and no head_dim is given."""
         nh = cfg.num_attention_heads
@@ -131,30 +131,31 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(B, T, s.num_key_value_heads, s.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def ttt_attend(self, q, keys: list, values: list, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def ttt_attend(self, q, keys: list, values: list) -> torch.Tensor:
         """TTT attention at step k = len(keys) - 1.
 
-        q [B, nh, T, hd]; keys/values: k+1 tensors [B, nkv, T, hd], entry 0 from step 0 (causal), entry j>=1 from
-        step j (only the same position). key_mask [B, T] bool, False on padding. Returns [B, T, nh*hd].
+        q [B, nh, Tq, hd]; keys/values: k+1 tensors, entry 0 [B, nkv, T, hd] from step 0 (causal), entries j>=1
+        [B, nkv, Tq, hd] from step j (only the same index). Queries may cover only the last Tq <= T indices (steps
+        >= 1 skip a leading prompt region no loss reaches): query i is index T - Tq + i. Returns [B, Tq, nh*hd].
+        Padding is on the right, so causal masking alone keeps it out of real positions.
         """
-        B, nh, T, hd = q.shape
+        B, nh, Tq, hd = q.shape
+        T = keys[0].shape[2]
         rep = nh // keys[0].shape[1]
         scale = 1.0 / math.sqrt(hd)
         k0 = keys[0].repeat_interleave(rep, dim=1)                         # [B, nh, T, hd]
         v0 = values[0].repeat_interleave(rep, dim=1)
         acc = _acc_dtype(q.dtype)
-        scores0 = (q @ k0.transpose(-1, -2)).to(acc) * scale              # [B, nh, T, T]
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        if key_mask is not None:
-            causal = causal & key_mask[:, None, None, :]
+        scores0 = (q @ k0.transpose(-1, -2)).to(acc) * scale              # [B, nh, Tq, T]
+        causal = torch.ones(Tq, T, dtype=torch.bool, device=q.device).tril(diagonal=T - Tq)
         scores0 = scores0.masked_fill(~causal, float("-inf"))
         diag = [((q * kj.repeat_interleave(rep, dim=1)).sum(-1, keepdim=True)).to(acc) * scale
-                for kj in keys[1:]]                                         # k x [B, nh, T, 1]
-        probs = torch.cat([scores0, *diag], dim=-1).softmax(-1).to(q.dtype)  # [B, nh, T, T+k]
-        out = probs[..., :T] @ v0                                           # [B, nh, T, hd]
+                for kj in keys[1:]]                                         # k x [B, nh, Tq, 1]
+        probs = torch.cat([scores0, *diag], dim=-1).softmax(-1).to(q.dtype)  # [B, nh, Tq, T+k]
+        out = probs[..., :T] @ v0                                           # [B, nh, Tq, hd]
         for j, vj in enumerate(values[1:]):
             out = out + probs[..., T + j:T + j + 1] * vj.repeat_interleave(rep, dim=1)
-        return out.transpose(1, 2).reshape(B, T, nh * hd)
+        return out.transpose(1, 2).reshape(B, Tq, nh * hd)
 
 
 class DraftMLP(nn.Module):
@@ -222,11 +223,12 @@ class Eagle3Draft(nn.Module):
         s = self.shape
         return rope_cos_sin(positions, s.head_dim, s.rope_theta, s.rope_scaling)
 
-    def step(self, token_ids, hidden, positions, cache_k: list, cache_v: list, key_mask=None):
-        """One draft step with a TTT cache (training) — appends this step's k/v to the cache lists.
+    def step(self, token_ids, hidden, positions, cache_k: list, cache_v: list):
+        """One draft step with a TTT cache (training): appends this step's k/v to the cache lists.
 
-        token_ids [B, T] int64 target ids; hidden [B, T, H]; positions [B, T] int64 RoPE positions.
-        Returns (out [B, T, H] pre-norm hidden for the next step, logits [B, T, N] fp32-castable).
+        token_ids [B, Tq] int64 target ids; hidden [B, Tq, H]; positions [B, Tq] int64 RoPE positions; Tq may be
+        shorter than step 0's T at later steps (see DraftAttention.ttt_attend).
+        Returns (out [B, Tq, H] pre-norm hidden for the next step, logits [B, Tq, N]).
         """
         layer = self.midlayer
         e = layer.input_layernorm(self.embed_tokens(token_ids))
@@ -235,7 +237,7 @@ class Eagle3Draft(nn.Module):
         q, k, v = layer.self_attn.project(x, cos.to(x.device), sin.to(x.device))
         cache_k.append(k)
         cache_v.append(v)
-        attn = layer.self_attn.ttt_attend(q, cache_k, cache_v, key_mask)
+        attn = layer.self_attn.ttt_attend(q, cache_k, cache_v)
         a = hidden + layer.self_attn.o_proj(attn)
         out = a + layer.mlp(layer.post_attention_layernorm(a))
         return out, self.lm_head(self.norm(out))

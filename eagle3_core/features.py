@@ -24,12 +24,12 @@ from .manifest import read_manifest, sha256_file, write_atomic, write_manifest
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _batches_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
+def batches_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
     """Indices grouped so that (batch size x longest sequence) stays within `budget` tokens; length-sorted."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches, cur = [], []
     for i in order:
-        if cur and (len(cur) + 1) * max(lengths[j] for j in cur + [i]) > budget:
+        if cur and (len(cur) + 1) * lengths[i] > budget:              # ascending: i is the longest so far
             batches.append(cur)
             cur = []
         cur.append(i)
@@ -90,7 +90,7 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
         if not _shard_done(out_dir, name):
             todo += 1
             feats: dict[int, dict] = {}
-            for batch in _batches_by_tokens([len(r["input_ids"]) for r in part], batch_tokens):
+            for batch in batches_by_tokens([len(r["input_ids"]) for r in part], batch_tokens):
                 outs = extract_batch(model, aux_layer_ids, [part[i]["input_ids"] for i in batch], device)
                 feats.update(zip(batch, outs))
             lengths = [len(r["input_ids"]) for r in part]

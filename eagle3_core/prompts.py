@@ -49,7 +49,8 @@ def _read_rows(path: Path) -> list[dict]:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"prompt file {path}: invalid JSON at line {e.lineno}: {e.msg}; fix or re-export it") from e
+            raise ValueError(f"prompt file {path}: invalid JSON at line {e.lineno}: {e.msg}; fix or re-export "
+                             f"it") from e
         if not isinstance(data, list):
             raise ValueError(f"prompt file {path}: expected a JSON list of rows, got {type(data).__name__}")
         return data

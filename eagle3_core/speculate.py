@@ -9,6 +9,7 @@ RoPE position p, and chain step i from there at p + i.
 """
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -22,13 +23,16 @@ class TargetRunner:
 
     def __init__(self, model, aux_layer_ids: list[int]):
         self.model, self.aux_layer_ids, self.forward_calls = model, aux_layer_ids, 0
+        # transformers >= 5.2x names the KV-cache argument `cache` (`past_key_values` is deprecated)
+        params = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
 
     @torch.no_grad()
     def forward(self, ids: list[int], cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed `ids` after what `cache` holds. Returns (logits fp32 [len(ids), V], aux [len(ids), 3H_t])."""
         with capture(self.model, self.aux_layer_ids) as store:
-            out = self.model(input_ids=torch.tensor([ids], device=self.model.device), past_key_values=cache,
-                             use_cache=True)
+            out = self.model(input_ids=torch.tensor([ids], device=self.model.device), use_cache=True,
+                             **{self.cache_arg: cache})
         self.forward_calls += 1
         return out.logits[0].float(), torch.cat(store["aux"], dim=-1)[0]
 

@@ -88,14 +88,26 @@ def run_generation(cfg: PipelineConfig, log=print, shard_size: int = 32) -> dict
     g = cfg.generation
 
     def generate(url: str) -> None:
+        """All pending prompts in one pass (no idle slots between shards); a shard is written once complete."""
         asyncio.run(check_reachable(url))
-        for i, part in todo:
-            t1 = time.monotonic()
-            done = asyncio.run(generate_all(url, part, g.max_new_tokens, g.temperature, g.concurrency,
-                                            g.max_retries, g.request_timeout_s))
-            prompts_mod.write_rows(out / f"shard_{i // shard_size:05d}.parquet", done)
-            n_tok = sum(r["completion_tokens"] for r in done)
-            log(f"generation: {i + len(part)}/{len(rows)} prompts, {n_tok / (time.monotonic() - t1):.0f} tok/s")
+        shard_of = {r["id"]: i for i, part in todo for r in part}
+        done: dict[int, dict] = {i: {} for i, _ in todo}
+        parts = dict(todo)
+        t1, n_tok = time.monotonic(), [0, 0]
+
+        def on_done(row: dict) -> None:
+            i = shard_of[row["id"]]
+            done[i][row["id"]] = row
+            n_tok[0] += row["completion_tokens"]
+            n_tok[1] += 1
+            if len(done[i]) == len(parts[i]):
+                prompts_mod.write_rows(out / f"shard_{i // shard_size:05d}.parquet",
+                                       [done[i][r["id"]] for r in parts[i]])
+                log(f"generation: {n_tok[1]}/{sum(len(p) for p in parts.values())} prompts this run, "
+                    f"{n_tok[0] / (time.monotonic() - t1):.0f} tok/s")
+
+        asyncio.run(generate_all(url, [r for _, part in todo for r in part], g.max_new_tokens, g.temperature,
+                                 g.concurrency, g.max_retries, g.request_timeout_s, on_done=on_done))
 
     server = cfg.server
     if todo and server.kind == "llama.cpp":

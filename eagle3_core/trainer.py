@@ -15,7 +15,7 @@ import torch
 from .checkpoint import load_training_state, save_draft, save_training_state
 from .config import TrainConfig
 from .draft_model import DraftShape, Eagle3Draft
-from .features import _batches_by_tokens
+from .features import batches_by_tokens
 from .ttt import collate, summarize, ttt_loss
 
 
@@ -41,7 +41,7 @@ def lr_lambda(step: int, total: int, warmup: int) -> float:
 
 def _epoch_batches(samples: list[dict], cfg: TrainConfig, epoch: int) -> list[list[int]]:
     """Length-bucketed batches under the token budget, in an order seeded by (seed, epoch)."""
-    batches = _batches_by_tokens([len(s["input_ids"]) for s in samples], cfg.batch_tokens)
+    batches = batches_by_tokens([len(s["input_ids"]) for s in samples], cfg.batch_tokens)
     random.Random(cfg.seed * 1000 + epoch).shuffle(batches)
     return batches
 
@@ -51,7 +51,7 @@ def evaluate_ttt(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tens
     """TTT metrics (acc_k, cond_acc_k, tau_sim, loss_k) over `samples` without gradients."""
     draft.eval()
     total = None
-    for batch in _batches_by_tokens([len(s["input_ids"]) for s in samples], cfg.batch_tokens):
+    for batch in batches_by_tokens([len(s["input_ids"]) for s in samples], cfg.batch_tokens):
         _, stats = ttt_loss(draft, collate([samples[i] for i in batch]), head_draft, cfg.ttt_length, cfg.step_weight)
         stats["loss"] = stats["loss"] * stats["n"]          # weight batch means by their counts
         total = stats if total is None else {k: total[k] + stats[k] for k in stats}
@@ -60,12 +60,13 @@ def evaluate_ttt(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tens
 
 
 def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict], target_lm_head: torch.Tensor,
-          cfg: TrainConfig, out_dir: Path, log=print) -> dict:
+          cfg: TrainConfig, out_dir: Path, log=print, stop_after_epochs: int | None = None) -> dict:
     """Train `draft` in place; resume from out_dir/training_state if present. Returns a summary dict.
 
     target_lm_head [V, H_t] fp32. Writes out_dir/last (and out_dir/best when eval samples exist) as SGLang draft
     directories and out_dir/training_state.pt after each epoch. Raises FloatingPointError naming epoch, step and
-    batch on a non-finite loss, before anything of that epoch is saved.
+    batch on a non-finite loss, before anything of that epoch is saved. `stop_after_epochs` ends this call after
+    that many epochs (a time-boxed run); calling again resumes where it stopped, with the same schedule.
     """
     from torch.utils.tensorboard import SummaryWriter
 
@@ -86,7 +87,8 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
     tb = SummaryWriter(str(out_dir / "tensorboard"))
     step = start_epoch * steps_per_epoch
     t0 = time.monotonic()
-    for epoch in range(start_epoch, cfg.epochs):
+    end_epoch = cfg.epochs if stop_after_epochs is None else min(cfg.epochs, start_epoch + stop_after_epochs)
+    for epoch in range(start_epoch, end_epoch):
         draft.train()
         sums, n_tokens = None, 0
         batches = _epoch_batches(train_samples, cfg, epoch)

@@ -45,12 +45,24 @@ def collate(samples: list[dict]) -> dict:
     return out
 
 
-def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: int, step_weight: float = 0.8):
+def trim_start(loss_mask: torch.Tensor, ttt_length: int) -> int:
+    """First index that steps k >= 1 must compute. Index t feeds only index t of later steps (its output hidden
+    and its diagonal key), so a leading region whose tokens no step >= 1 supervises (mask[t+2+k'] = 0 for all
+    k' in 1..K-1, i.e. t < first supervised index - K - 1) is skipped; step 0 still runs on it (causal keys)."""
+    B, T = loss_mask.shape
+    has = loss_mask.any(dim=1)
+    first = torch.where(has, loss_mask.float().argmax(dim=1), torch.full((B,), T))
+    return max(0, int(first.min()) - ttt_length - 1)
+
+
+def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: int, step_weight: float = 0.8,
+             trim: bool = True):
     """Weighted TTT loss and per-step counts for one batch.
 
     target_head_draft [N, H_t]: rows of the target's lm_head for the draft vocab (in draft-id order).
+    trim: skip the leading unsupervised region at steps >= 1 (same loss and metrics, less compute; trim_start).
     Returns (loss scalar, stats) where stats holds per-step tensors 'n' (supervised positions), 'correct',
-    'chain' (positions right at every step so far) and 'loss'. Raises nothing; callers check finiteness.
+    'chain' (positions right at every step so far) and 'loss'. Callers check finiteness.
     """
     ids, mask, top1 = batch["input_ids"], batch["loss_mask"], batch["target_top1"]
     B, T = ids.shape
@@ -58,23 +70,27 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
     in_vocab = draft.t2d[top1]                                             # [B, T] target argmax in draft vocab
     target_logits = batch["final"] @ target_head_draft.T                   # [B, T, N]
     hidden = draft.fuse(batch["aux"])                                      # [B, T, H]
+    start = trim_start(mask, ttt_length) if trim else 0
     cache_k, cache_v = [], []
     total = hidden.new_zeros(())
     stats = {"n": [], "correct": [], "chain": [], "loss": []}
     chain = None
     for k in range(ttt_length):
-        tokens = shift_left(ids, 1 + k)                                    # x_{t+1+k}
-        hidden, logits = draft.step(tokens, hidden, positions + k, cache_k, cache_v)
-        p_target = shift_left(target_logits, 1 + k).float().softmax(-1)    # softmax(z_{t+1+k}[draft vocab])
-        m_step = supervised(mask, k)                                       # x_{t+2+k} is supervised
-        m_loss = m_step & shift_left(in_vocab, 1 + k, False)
+        sl = slice(start if k > 0 else 0, None)                            # indices this step computes
+        if k == 1 and start:
+            hidden, chain = hidden[:, start:], chain[:, start:]
+        tokens = shift_left(ids, 1 + k)[:, sl]                             # x_{t+1+k}
+        hidden, logits = draft.step(tokens, hidden, (positions + k)[:, sl], cache_k, cache_v)
+        p_target = shift_left(target_logits, 1 + k)[:, sl].float().softmax(-1)  # softmax(z_{t+1+k}[draft vocab])
+        m_step = supervised(mask, k)[:, sl]                                # x_{t+2+k} is supervised
+        m_loss = m_step & shift_left(in_vocab, 1 + k, False)[:, sl]
         logp = F.log_softmax(logits.float(), dim=-1)
-        ce = -(p_target * logp).sum(-1)                                    # [B, T]
+        ce = -(p_target * logp).sum(-1)                                    # [B, Tq]
         loss_k = (ce * m_loss).sum() / m_loss.sum().clamp(min=1)
         total = total + (step_weight ** k) * loss_k
         with torch.no_grad():
-            pred = draft.draft_to_target(logits.argmax(-1))                # [B, T] target ids
-            right = (pred == shift_left(top1, 1 + k)) & m_step
+            pred = draft.draft_to_target(logits.argmax(-1))                # [B, Tq] target ids
+            right = (pred == shift_left(top1, 1 + k)[:, sl]) & m_step
             chain = right if chain is None else chain & right
             stats["n"].append(m_step.sum())
             stats["correct"].append(right.sum())

@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_draft
 from safetensors.torch import load_file, save_file
 
-from conftest import tiny_draft
 from eagle3_core.checkpoint import CheckpointError, load_draft, save_draft
 
 # REFERENCE.md section 2, for H = 32, 4 heads x 8, 2 kv heads, I = 64, V = 100, N = 50, H_t = 32

@@ -2,8 +2,8 @@
 chain with a KV cache (the convention shared by trainer and evaluator)."""
 import torch
 import torch.nn.functional as F
-
 from conftest import tiny_draft
+
 from eagle3_core.ttt import shift_left, supervised
 
 
@@ -92,3 +92,32 @@ def test_rope_positions_advance_by_step():
     cos0, _ = d.rope(torch.arange(5)[None] + 2)
     cos1, _ = d.rope(torch.arange(2, 7)[None])
     assert torch.equal(cos0, cos1)
+
+
+def test_trimmed_ttt_loss_equals_full_loss_and_gradients():
+    """Skipping the leading unsupervised region at steps >= 1 changes nothing but the compute."""
+    from eagle3_core.ttt import collate, trim_start, ttt_loss
+    g = torch.Generator().manual_seed(3)
+    samples = []
+    for T, first in ((30, 18), (24, 12), (28, 21)):
+        mask = torch.zeros(T, dtype=torch.bool)
+        mask[first:] = True
+        samples.append({"input_ids": torch.randint(0, 100, (T,), generator=g), "loss_mask": mask,
+                        "aux": torch.randn(T, 96, generator=g, dtype=torch.float64),
+                        "final": torch.randn(T, 32, generator=g, dtype=torch.float64),
+                        "target_top1": torch.randint(0, 100, (T,), generator=g)})
+    batch = collate(samples)
+    batch["aux"], batch["final"] = batch["aux"].double(), batch["final"].double()
+    assert trim_start(batch["loss_mask"], 3) == 12 - 3 - 1
+    head = torch.randn(50, 32, generator=g, dtype=torch.float64)
+    results = []
+    for trim in (False, True):
+        d = tiny_draft().double()
+        loss, stats = ttt_loss(d, batch, head, 3, trim=trim)
+        loss.backward()
+        results.append((loss.detach(), stats, {n: p.grad.clone() for n, p in d.named_parameters()
+                                               if p.grad is not None}))
+    (l0, s0, g0), (l1, s1, g1) = results
+    assert torch.allclose(l0, l1, atol=1e-12)
+    assert all(torch.equal(s0[k], s1[k]) for k in ("n", "correct", "chain"))
+    assert all(torch.allclose(g0[n], g1[n], atol=1e-10) for n in g0)

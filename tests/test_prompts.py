@@ -2,8 +2,8 @@
 import json
 
 import pytest
-
 from conftest import SHARED_DATA
+
 from eagle3_core.config import PromptConfig
 from eagle3_core.prompts import build_prompts, load_source
 

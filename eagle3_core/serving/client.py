@@ -56,8 +56,9 @@ async def check_reachable(url: str) -> None:
 
 
 async def generate_all(url: str, prompts: list[dict], max_new_tokens: int, temperature: float, concurrency: int,
-                       max_retries: int, timeout_s: float) -> list[dict]:
+                       max_retries: int, timeout_s: float, on_done=None) -> list[dict]:
     """Answer every prompt row ({id, messages, ...}); returns rows with response fields, in input order.
+    `on_done(row)` is called as each answer arrives (e.g. to write shards as they complete).
 
     Raises ServerError naming the URL and prompt id when a request exhausts its retries or is rejected.
     """
@@ -74,6 +75,9 @@ async def generate_all(url: str, prompts: list[dict], max_new_tokens: int, tempe
                     raise ServerError(f"request for prompt {row['id']} to {url} failed after {max_retries} retries "
                                       f"({type(e).__name__}: {e}); check the server and rerun: finished shards "
                                       f"are kept") from e
-                return {**row, **out, "latency_s": time.monotonic() - t0}
+                result = {**row, **out, "latency_s": time.monotonic() - t0}
+                if on_done is not None:
+                    on_done(result)
+                return result
 
         return list(await asyncio.gather(*(one(r) for r in prompts)))

@@ -5,16 +5,15 @@ SIGKILL after a grace period), so no server outlives the stage on success, failu
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-
-import ctypes
-import sys
 
 import httpx
 
@@ -77,11 +76,16 @@ def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         pass
 
 
+# resolved in the parent: the preexec hook below runs between fork and exec and must not import or load anything
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
-    """preexec hook: the kernel sends SIGTERM to the server if the process that started it dies (Linux), so a
+    """preexec hook: the kernel sends SIGTERM to the server if the thread that started it dies (Linux), so a
     cancelled or killed flow run never leaves a server behind."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 @contextmanager

@@ -1,0 +1,40 @@
+"""Layer-id convention, presets, and the draft's shape and RoPE taken from a target config."""
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from eagle3_core.config import default_aux_layer_ids, preset
+from eagle3_core.draft_model import DraftShape, rope_cos_sin
+
+
+def test_default_aux_layer_ids():
+    assert default_aux_layer_ids(30) == [1, 14, 26]          # SmolLM2-135M
+    assert default_aux_layer_ids(32) == [1, 15, 28]          # Llama-3.1-8B
+    assert default_aux_layer_ids(61) == [1, 29, 57]          # Kimi-K2.5: SGLang captures inputs of [2, 30, 58]
+    with pytest.raises(ValueError, match="at least 5"):
+        default_aux_layer_ids(4)
+
+
+def test_presets_and_unknown_preset():
+    demo = preset("demo")
+    assert demo.prompts.num_train >= 120 and demo.prompts.num_eval >= 16
+    assert demo.eval.max_new_tokens == 128 and demo.generation.temperature == 0.0
+    assert demo.server.host == "127.0.0.1" and not demo.target.trust_remote_code
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("huge")
+
+
+def test_llama31_shape_and_rope_match_transformers():
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                      num_hidden_layers=32, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                      rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 8192})
+    s = DraftShape.from_target_config(cfg, 32000, default_aux_layer_ids(32))
+    assert (s.hidden_size, s.head_dim, s.num_key_value_heads, s.draft_vocab_size) == (4096, 128, 8, 32000)
+    assert s.max_position_embeddings == 131072 and s.rope_theta == 500000.0
+    pos = torch.tensor([[0, 1, 7, 100, 5000, 20000]])
+    cos, sin = rope_cos_sin(pos, s.head_dim, s.rope_theta, s.rope_scaling)
+    ref_cos, ref_sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, 6, 4096), pos)
+    assert torch.allclose(cos, ref_cos, atol=1e-4) and torch.allclose(sin, ref_sin, atol=1e-4)
