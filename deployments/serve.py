@@ -12,13 +12,13 @@ from eagle3_core.config import preset
 from flows import stages
 from flows.pipeline import eagle3_pipeline
 
-NIGHTLY = Cron("0 2 * * *", timezone="UTC")
+# nightly runs are opt-in: the schedule is created inactive; switch it on in the UI
+NIGHTLY = Cron("0 2 * * *", timezone="UTC", active=False)
 
 
 def main() -> None:
     params = {"config": preset("demo").model_dump(mode="json")}
     deployments = [eagle3_pipeline.to_deployment(name="eagle3-pipeline", parameters=params, schedule=NIGHTLY)]
-    deployments[0].schedules[0].active = False          # nightly runs are opt-in: switch on in the UI
     for fl in (stages.prompts_flow, stages.generation_flow, stages.features_flow, stages.vocab_flow,
                stages.train_flow, stages.evaluate_flow):
         deployments.append(fl.to_deployment(name=fl.name, parameters=params))

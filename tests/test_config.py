@@ -38,3 +38,12 @@ def test_llama31_shape_and_rope_match_transformers():
     cos, sin = rope_cos_sin(pos, s.head_dim, s.rope_theta, s.rope_scaling)
     ref_cos, ref_sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, 6, 4096), pos)
     assert torch.allclose(cos, ref_cos, atol=1e-4) and torch.allclose(sin, ref_sin, atol=1e-4)
+
+
+def test_deployments_build_with_an_inactive_nightly_schedule():
+    from deployments.serve import NIGHTLY
+    from flows.pipeline import eagle3_pipeline
+    d = eagle3_pipeline.to_deployment(name="eagle3-pipeline", parameters={"config": preset("demo").model_dump(
+        mode="json")}, schedule=NIGHTLY)
+    (sched,) = d.schedules
+    assert sched.schedule.cron == "0 2 * * *" and sched.schedule.timezone == "UTC" and sched.active is False
