@@ -53,9 +53,10 @@ def markdown(r: dict) -> str:
               f"{base['tokens_per_s']:.1f} | 1.00x | |", "",
               "Acceptance per draft position (trained): "
               + ", ".join(f"{i + 1}: {a:.2f}" for i, a in enumerate(tr["accept_per_position"])), "",
-              "## Wall time per stage (s)", "", "| " + " | ".join(r["stage_seconds"]) + " |",
-              "|" + "---|" * len(r["stage_seconds"]),
-              "| " + " | ".join(str(v) for v in r["stage_seconds"].values()) + " |"]
+              "## Wall time per stage (s)", "", "| " + " | ".join(r["stage_seconds"]) + " | total |",
+              "|" + "---|" * (len(r["stage_seconds"]) + 1),
+              "| " + " | ".join(str(v) for v in r["stage_seconds"].values())
+              + f" | {sum(r['stage_seconds'].values()):.1f} |"]
     if tr["tau"] < 1.2:
         lines += ["", "**Warning**: tau below 1.2 usually means a misconfiguration (aux layer ids, d2t, chat "
                   "template), not a weak draft."]

@@ -12,7 +12,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
+# real data sets beside the checkout (CI lays shared/ next to the clone); EAGLE3_SHARED_DATA overrides
+SHARED_DATA = Path(os.environ.get("EAGLE3_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
 
 def tiny_shape(**kw):
