@@ -54,6 +54,16 @@ def test_missing_prompt_file_fails_the_run_naming_it(prefect_server, tmp_path):
         eagle3_pipeline(cfg)
 
 
+def test_malformed_prompt_file_fails_the_run_naming_file_and_line(prefect_server, tmp_path):
+    from flows.pipeline import eagle3_pipeline
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + '{"prompt": "unterminated\n')
+    cfg = preset("debug_tiny", tmp_path / "run")
+    cfg.prompts.sources = [str(bad)]
+    with pytest.raises(ValueError, match=r"prompts.jsonl: line 2 is not valid JSON.*fix or remove it"):
+        eagle3_pipeline(cfg)
+
+
 def test_unreachable_server_fails_the_run_keeping_earlier_stages(prefect_server, tmp_path):
     from eagle3_core.serving.launcher import ServerError
     from flows.pipeline import eagle3_pipeline
