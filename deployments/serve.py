@@ -20,7 +20,7 @@ def main() -> None:
     params = {"config": preset("demo").model_dump(mode="json")}
     deployments = [eagle3_pipeline.to_deployment(name="eagle3-pipeline", parameters=params, schedule=NIGHTLY)]
     for fl in (stages.prompts_flow, stages.generation_flow, stages.features_flow, stages.vocab_flow,
-               stages.train_flow, stages.evaluate_flow):
+               stages.train_flow, stages.evaluate_flow, stages.deploy_llama_cpp_flow):
         deployments.append(fl.to_deployment(name=fl.name, parameters=params))
     serve(*deployments)
 

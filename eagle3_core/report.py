@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-STAGES = ["prompts", "generations", "tokenized", "features", "vocab", "draft", "eval"]
+STAGES = ["prompts", "generations", "tokenized", "features", "vocab", "draft", "eval", "deploy_llama_cpp"]
 
 
 def collect(run_dir: Path) -> dict:
@@ -26,6 +26,7 @@ def collect(run_dir: Path) -> dict:
         "best_epoch": m["draft"]["best"], "draft_dir": m["draft"]["export_dir"],
         "stage_seconds": {s: round(m[s]["seconds"], 1) for s in STAGES},
         "eval": ev,
+        "llama_cpp": m["deploy_llama_cpp"].get("summary"),
     }
 
 
@@ -57,6 +58,22 @@ def markdown(r: dict) -> str:
               "|" + "---|" * (len(r["stage_seconds"]) + 1),
               "| " + " | ".join(str(v) for v in r["stage_seconds"].values())
               + f" | {sum(r['stage_seconds'].values()):.1f} |"]
+    lc = r.get("llama_cpp")
+    if lc:
+        ll = lc["lossless"]
+        lines += ["", f"## Deployed on llama.cpp (`--spec-type draft-eagle3`, {lc['num_draft_steps']} draft tokens, "
+                  f"greedy, one stream, same held-out prompts)", "",
+                  "| | tau | 95% CI | tokens | tok/s | vs baseline | lossless (equal/near-tie/mismatch) |",
+                  "|---|---|---|---|---|---|---|",
+                  f"| EAGLE-3 draft | {lc['tau']:.2f} | {lc['tau_ci95'][0]:.2f}-{lc['tau_ci95'][1]:.2f} | "
+                  f"{lc['tokens']} | {lc['tokens_per_s']:.1f} | {lc['speedup']:.2f}x | "
+                  f"{ll['equal']}/{ll['near_tie']}/{ll['mismatch']} |",
+                  f"| no draft | 1.00 | | | {lc['baseline_tokens_per_s']:.1f} | 1.00x | |", "",
+                  f"llama.cpp tau / offline tau = {lc['tau'] / tr['tau']:.3f}; draft acceptance rate "
+                  f"{lc['acceptance_rate']:.2f} ({lc['draft_n_accepted']} of {lc['draft_n']} drafted)."]
+        if abs(lc["tau"] / tr["tau"] - 1) > 0.1:
+            lines.append("**Warning**: the engine's tau differs from the offline tau by more than 10%: check the "
+                         "aux layer ids and d2t of the exported draft.")
     if tr["tau"] < 1.2:
         lines += ["", "**Warning**: tau below 1.2 usually means a misconfiguration (aux layer ids, d2t, chat "
                   "template), not a weak draft."]

@@ -311,3 +311,41 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
         f"lossless {report['trained']['lossless']}")
     return write_manifest(out / "manifest.json", {"inputs_key": key, "report": str(out / "report.json"),
                                                   "summary": report, "seconds": time.monotonic() - t0})
+
+
+def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
+    """Deploy the exported draft on llama.cpp (GGUF conversion, `--spec-type draft-eagle3`) and benchmark it
+    against the same server without a draft on the held-out prompts, greedy, one stream (deploy_llama_cpp/).
+    Skipped (manifest says why) when the target is not a GGUF file llama.cpp can serve."""
+    from .serving.launcher import llama_server
+    from .serving.llama_cpp import LLAMA_CPP_TIE_GAP, convert_draft, run_requests, summarize
+    from .target import gguf_path, local_model_dir
+    out = cfg.run_dir / "deploy_llama_cpp"
+    up = _upstream(cfg.run_dir, "draft")
+    key = _key(up["inputs_key"], cfg.eval, cfg.server.host, _upstream(cfg.run_dir, "prompts")["inputs_key"])
+    if (m := cached_manifest(out / "manifest.json", key)):
+        return m
+    t0 = time.monotonic()
+    gguf = gguf_path(cfg.target)
+    if gguf is None:
+        log("deploy: target is not GGUF; llama.cpp deployment skipped (use the SGLang benchmark)")
+        return write_manifest(out / "manifest.json", {"inputs_key": key, "skipped": "target is not GGUF",
+                                                      "seconds": time.monotonic() - t0})
+    draft_gguf = convert_draft(Path(up["export_dir"]), Path(local_model_dir(cfg.target)), out / "draft.gguf")
+    rows = prompts_mod.read_rows(cfg.run_dir / "prompts" / "eval.parquet")
+    S, n_new = cfg.eval.num_draft_steps, cfg.eval.max_new_tokens
+    common = dict(host=cfg.server.host, parallel=1, ctx_per_slot=cfg.server.ctx_per_slot * 2,
+                  startup_timeout_s=cfg.server.startup_timeout_s)
+    with llama_server(gguf, out / "baseline.log", **common) as url:
+        base = run_requests(url, rows, n_new)
+    spec_args = ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(S),
+                 "--spec-draft-n-min", str(S)]
+    with llama_server(gguf, out / "eagle3.log", extra_args=spec_args, **common) as url:
+        spec = run_requests(url, rows, n_new)
+    summary = {**summarize(base, spec, LLAMA_CPP_TIE_GAP), "num_draft_steps": S, "max_new_tokens": n_new,
+               "tie_gap": LLAMA_CPP_TIE_GAP, "draft_gguf": str(draft_gguf),
+               "server_args": ["--spec-type", "draft-eagle3", "--spec-draft-n-max", str(S)]}
+    log(f"deploy: llama.cpp tau {summary['tau']:.2f}, {summary['tokens_per_s']:.1f} tok/s with the draft vs "
+        f"{summary['baseline_tokens_per_s']:.1f} without ({summary['speedup']:.2f}x); lossless {summary['lossless']}")
+    return write_manifest(out / "manifest.json", {"inputs_key": key, "summary": summary,
+                                                  "seconds": time.monotonic() - t0})

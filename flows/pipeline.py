@@ -1,6 +1,7 @@
 """The end-to-end EAGLE-3 pipeline flow. Reads like the diagram in DESIGN.md:
 
 prompts -> regenerate -> tokenize + loss masks -> aux hidden states -> vocab map -> train (TTT) + export -> tau
+                                                                              -> deploy on llama.cpp (EAGLE-3) -> tau, tok/s
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def eagle3_pipeline(config: PipelineConfig | None = None) -> dict:
     s.vocab_flow(cfg)
     s.train_flow(cfg)
     s.evaluate_flow(cfg)
+    s.deploy_llama_cpp_flow(cfg)
     summary = report.collect(cfg.run_dir)
     md = report.markdown(summary)
     (cfg.run_dir / "report.md").write_text(md)

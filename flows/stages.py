@@ -47,3 +47,9 @@ def train_flow(config: PipelineConfig | None = None) -> dict:
 def evaluate_flow(config: PipelineConfig | None = None) -> dict:
     """Measure tau of the trained and an untrained draft on held-out prompts."""
     return t.evaluate_task(_cfg(config))
+
+
+@flow(name="deploy-llama-cpp")
+def deploy_llama_cpp_flow(config: PipelineConfig | None = None) -> dict:
+    """Serve the draft on llama.cpp's EAGLE-3 mode and benchmark it against the same server without a draft."""
+    return t.deploy_llama_cpp_task(_cfg(config))

@@ -1,32 +1,38 @@
 #!/usr/bin/env bash
 # Build llama.cpp's C++ llama-server (with EAGLE-3 speculative support) from the llama-cpp-python sdist on PyPI,
-# which vendors llama.cpp (REFERENCE.md section 5b). The build is cached: a second call returns at once.
-# Output: $EAGLE3_CACHE/llama.cpp-$VERSION/{bin/llama-server, convert_hf_to_gguf.py, gguf-py/}
+# which vendors llama.cpp (REFERENCE.md section 5b), and keep its GGUF converter beside it. Cached: a second call
+# returns at once. Output: $EAGLE3_CACHE/llama.cpp-$VERSION/{bin/llama-server, convert_hf_to_gguf.py, conversion/,
+# gguf-py/}
 set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 CACHE="${EAGLE3_CACHE:-$HOME/.cache/eagle3-pipeline}"
 DEST="$CACHE/llama.cpp-$VERSION"
 PY="${PYTHON:-python3}"
-if [ -x "$DEST/bin/llama-server" ]; then
+if [ -x "$DEST/bin/llama-server" ] && [ -f "$DEST/conversion/__init__.py" ] && [ -d "$DEST/gguf-py" ]; then
   echo "llama-server cached: $DEST/bin/llama-server"
   exit 0
 fi
 mkdir -p "$CACHE"
 WORK="$(mktemp -d "$CACHE/build.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
-echo "building llama-server $VERSION in $WORK (about 6 minutes on 2 cores, once)"
 "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$WORK"
 tar xzf "$WORK"/llama_cpp_python-"$VERSION".tar.gz -C "$WORK"
 SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
-cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF > "$WORK/cmake.log" 2>&1 \
-  || { tail -30 "$WORK/cmake.log"; exit 1; }
-cmake --build "$SRC/build" -j "$(nproc)" --target llama-server > "$WORK/build.log" 2>&1 \
-  || { tail -30 "$WORK/build.log"; exit 1; }
 STAGE="$WORK/stage"
 mkdir -p "$STAGE/bin"
-cp "$SRC/build/bin/llama-server" "$STAGE/bin/"
+if [ -x "$DEST/bin/llama-server" ]; then
+  cp "$DEST/bin/llama-server" "$STAGE/bin/"          # binary already built: only the converter files were missing
+else
+  echo "building llama-server $VERSION in $WORK (6-9 minutes on 2 cores, once)"
+  cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF > "$WORK/cmake.log" 2>&1 \
+    || { tail -30 "$WORK/cmake.log"; exit 1; }
+  cmake --build "$SRC/build" -j "$(nproc)" --target llama-server > "$WORK/build.log" 2>&1 \
+    || { tail -30 "$WORK/build.log"; exit 1; }
+  cp "$SRC/build/bin/llama-server" "$STAGE/bin/"
+fi
 cp "$SRC/convert_hf_to_gguf.py" "$STAGE/"
+cp -r "$SRC/conversion" "$STAGE/conversion"
 cp -r "$SRC/gguf-py" "$STAGE/gguf-py"
 rm -rf "$DEST" && mv "$STAGE" "$DEST"   # rename last, so a half-built cache is never seen as done
-echo "llama-server built: $DEST/bin/llama-server"
+echo "llama-server ready: $DEST/bin/llama-server"

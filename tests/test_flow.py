@@ -27,11 +27,13 @@ def test_pipeline_runs_end_to_end(e2e_run):
     draft = load_draft(summary["draft_dir"])
     assert draft.shape.draft_vocab_size == 1024
     md = (run / "report.md").read_text()
-    assert "Acceptance length" in md and summary["draft_dir"] in md
+    assert "Acceptance length" in md and summary["draft_dir"] in md and "Deployed on llama.cpp" in md
+    lc = summary["llama_cpp"]
+    assert lc["tokens"] > 0 and lc["baseline_tokens_per_s"] > 0 and lc["tokens_per_s"] > 0
 
 
 def test_flow_runs_and_report_artifact_are_in_prefect(e2e_run):
-    """The end-to-end run and its six stage subflows are recorded by the Prefect server, completed, with the
+    """The end-to-end run and its seven stage subflows are recorded by the Prefect server, completed, with the
     report artifact."""
     import asyncio
     cfg, _ = e2e_run
@@ -41,7 +43,7 @@ def test_flow_runs_and_report_artifact_are_in_prefect(e2e_run):
             return await client.read_flow_runs(), await client.read_artifacts()
     runs, arts = asyncio.run(query())
     ours = [r for r in runs if str((r.parameters.get("config") or {}).get("run_dir")) == str(cfg.run_dir)]
-    assert len(ours) == 7, [r.name for r in ours]
+    assert len(ours) == 8, [r.name for r in ours]
     assert all(r.state.is_completed() for r in ours), [(r.name, r.state.name) for r in ours]
     assert "eagle3-report" in {a.key for a in arts}
 

@@ -7,6 +7,7 @@ default to 128 tokens or to the context limit). Reasoning content and finish rea
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -24,8 +25,9 @@ def _transient(exc: BaseException) -> bool:
 
 
 async def _complete(client: httpx.AsyncClient, url: str, messages: list[dict], max_new_tokens: int,
-                    temperature: float, max_retries: int) -> dict:
-    body = {"messages": messages, "max_tokens": max_new_tokens, "temperature": temperature, "stream": False}
+                    temperature: float, max_retries: int, extra: dict | None = None) -> dict:
+    body = {"messages": messages, "max_tokens": max_new_tokens, "temperature": temperature, "stream": False,
+            **(extra or {})}
     if temperature == 0.0:
         body["top_k"] = 1  # llama.cpp samples even at temperature 0 unless top_k is 1; others ignore it
     async for attempt in AsyncRetrying(retry=retry_if_exception(_transient), stop=stop_after_attempt(max_retries + 1),
@@ -41,7 +43,10 @@ async def _complete(client: httpx.AsyncClient, url: str, messages: list[dict], m
     return {"response": msg.get("content") or "", "reasoning": msg.get("reasoning_content") or "",
             "finish_reason": choice.get("finish_reason") or "",
             "completion_tokens": int((data.get("usage") or {}).get("completion_tokens") or 0),
-            "model": data.get("model") or ""}
+            "model": data.get("model") or "",
+            # llama.cpp: predicted_n, predicted_per_second, draft_n, draft_n_accepted (JSON text: servers differ)
+            "timings": json.dumps(data.get("timings") or {}),
+            "logprobs": json.dumps((choice.get("logprobs") or {}).get("content") or [])}
 
 
 async def check_reachable(url: str) -> None:
@@ -56,9 +61,10 @@ async def check_reachable(url: str) -> None:
 
 
 async def generate_all(url: str, prompts: list[dict], max_new_tokens: int, temperature: float, concurrency: int,
-                       max_retries: int, timeout_s: float, on_done=None) -> list[dict]:
+                       max_retries: int, timeout_s: float, on_done=None, extra: dict | None = None) -> list[dict]:
     """Answer every prompt row ({id, messages, ...}); returns rows with response fields, in input order.
-    `on_done(row)` is called as each answer arrives (e.g. to write shards as they complete).
+    `on_done(row)` is called as each answer arrives (e.g. to write shards as they complete); `extra` adds fields
+    to every request body (e.g. {"logprobs": True, "top_logprobs": 2}).
 
     Raises ServerError naming the URL and prompt id when a request exhausts its retries or is rejected.
     """
@@ -70,7 +76,8 @@ async def generate_all(url: str, prompts: list[dict], max_new_tokens: int, tempe
             async with sem:
                 t0 = time.monotonic()
                 try:
-                    out = await _complete(client, url, row["messages"], max_new_tokens, temperature, max_retries)
+                    out = await _complete(client, url, row["messages"], max_new_tokens, temperature, max_retries,
+                                          extra)
                 except httpx.HTTPError as e:
                     raise ServerError(f"request for prompt {row['id']} to {url} failed after {max_retries} retries "
                                       f"({type(e).__name__}: {e}); check the server and rerun: finished shards "
