@@ -1,7 +1,7 @@
 """The end-to-end EAGLE-3 pipeline flow. Reads like the diagram in DESIGN.md:
 
-prompts -> regenerate -> tokenize + loss masks -> aux hidden states -> vocab map -> train (TTT) + export -> tau
-                                                                              -> deploy on llama.cpp (EAGLE-3) -> tau, tok/s
+prompts -> regenerate -> tokenize + loss masks -> aux hidden states -> vocab map -> train (TTT) + export
+        -> offline tau (HF target verifies) -> deploy on llama.cpp's EAGLE-3 server -> tau, tok/s vs no draft
 """
 from __future__ import annotations
 
