@@ -11,6 +11,7 @@ A shard is done when its file exists and its sha256 matches the sidecar written 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .manifest import read_manifest, sha256_file, write_atomic, write_manifest
+from .manifest import read_manifest, sha256_file, sha256_json, write_atomic, write_manifest
 
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -56,11 +57,13 @@ def extract_batch(model, aux_layer_ids: list[int], seqs: list[list[int]], device
              "target_top1": top1[b, :len(s)].to(torch.int32).cpu()} for b, s in enumerate(seqs)]
 
 
-def _shard_done(out_dir: Path, name: str) -> bool:
+def _shard_done(out_dir: Path, name: str, content_key: str) -> bool:
+    """True if the shard exists, was written for the same samples and settings, and its bytes are intact."""
     path, side = out_dir / f"{name}.safetensors", out_dir / f"{name}.json"
     if not (path.exists() and side.exists()):
         return False
-    return json.loads(side.read_text())["sha256"] == sha256_file(path)
+    meta = json.loads(side.read_text())
+    return meta.get("content_key") == content_key and meta["sha256"] == sha256_file(path)
 
 
 def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list[int], shard_samples: int,
@@ -74,20 +77,23 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
         raise ValueError(f"unknown feature dtype {store_dtype!r}; choose one of {sorted(STORE_DTYPES)}")
     dtype = STORE_DTYPES[store_dtype]
     out_dir.mkdir(parents=True, exist_ok=True)
-    head = out_dir / "head.safetensors"
-    if not head.exists():
-        emb = model.get_input_embeddings().weight.detach().float().cpu()
-        lm = model.get_output_embeddings().weight.detach().float().cpu()
-        tensors = {"embed_tokens": emb.contiguous()}
-        if lm.data_ptr() != emb.data_ptr() and not torch.equal(lm, emb):
-            tensors["lm_head"] = lm.contiguous()
-        save_file(tensors, str(head) + ".tmp")
-        Path(str(head) + ".tmp").replace(head)
+    head = out_dir / "head.safetensors"                                     # rewritten: it must match this target
+    emb = model.get_input_embeddings().weight.detach().float().cpu()
+    lm = model.get_output_embeddings().weight.detach().float().cpu()
+    tensors = {"embed_tokens": emb.contiguous()}
+    if lm.data_ptr() != emb.data_ptr() and not torch.equal(lm, emb):
+        tensors["lm_head"] = lm.contiguous()
+    save_file(tensors, str(head) + ".tmp")
+    Path(str(head) + ".tmp").replace(head)
+    # identifies the target weights cheaply: its config and a checksum of some embedding rows
+    target_id = sha256_json([model.config.to_dict(), hashlib.sha256(emb[:64].numpy().tobytes()).hexdigest()])
     shards, t0, todo = [], time.monotonic(), 0
     for start in range(0, len(rows), shard_samples):
         name = f"shard_{start // shard_samples:05d}"
         part = rows[start:start + shard_samples]
-        if not _shard_done(out_dir, name):
+        # a shard is reused only for the same samples, tokens, layers, dtype and target
+        content_key = sha256_json([[r["id"], r["input_ids"]] for r in part] + [aux_layer_ids, store_dtype, target_id])
+        if not _shard_done(out_dir, name, content_key):
             todo += 1
             feats: dict[int, dict] = {}
             for batch in batches_by_tokens([len(r["input_ids"]) for r in part], batch_tokens):
@@ -106,7 +112,8 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
             tmp = out_dir / f".{name}.safetensors.tmp"
             save_file(tensors, str(tmp), metadata={"ids": json.dumps([r["id"] for r in part])})
             tmp.replace(path)
-            write_atomic(out_dir / f"{name}.json", json.dumps({"sha256": sha256_file(path)}).encode())
+            write_atomic(out_dir / f"{name}.json",
+                         json.dumps({"sha256": sha256_file(path), "content_key": content_key}).encode())
         side = json.loads((out_dir / f"{name}.json").read_text())
         n_tok = sum(len(r["input_ids"]) for r in part)
         shards.append({"file": f"{name}.safetensors", "sha256": side["sha256"], "samples": len(part),

@@ -58,3 +58,16 @@ def test_rerun_with_everything_done_does_nothing_and_says_so(target_model, token
     third = extract_features(target_model, rows, tmp_path, [1, 14, 26], shard_samples=4, batch_tokens=512)
     assert third["shards_extracted"] == 1
     assert len(load_samples(tmp_path)) == 8
+
+
+def test_shards_of_other_samples_or_layers_are_not_reused(target_model, tokenizer, tmp_path):
+    rows = _rows(tokenizer, 4)
+    extract_features(target_model, rows, tmp_path, [1, 14, 26], shard_samples=4, batch_tokens=512)
+    other = extract_features(target_model, rows, tmp_path, [2, 14, 26], shard_samples=4, batch_tokens=512)
+    assert other["shards_extracted"] == 1                                   # other layers: recomputed
+    changed = [dict(r) for r in rows]
+    changed[0]["input_ids"] = changed[0]["input_ids"][:-1]
+    changed[0]["loss_mask"] = changed[0]["loss_mask"][:-1]
+    again = extract_features(target_model, changed, tmp_path, [2, 14, 26], shard_samples=4, batch_tokens=512)
+    assert again["shards_extracted"] == 1                                   # other tokens: recomputed
+    assert load_samples(tmp_path)[0]["input_ids"].tolist() == changed[0]["input_ids"]
