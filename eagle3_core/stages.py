@@ -84,7 +84,11 @@ def run_generation(cfg: PipelineConfig, log=print, shard_size: int = 32) -> dict
             stale.unlink()
     (out / "inputs_key").write_text(key)
     shards = [(i, rows[i:i + shard_size]) for i in range(0, len(rows), shard_size)]
-    todo = [(i, part) for i, part in shards if not (out / f"shard_{i // shard_size:05d}.parquet").exists()]
+
+    def shard_path(i: int) -> Path:                                        # i: index of the shard's first row
+        return out / f"shard_{i // shard_size:05d}.parquet"
+
+    todo = [(i, part) for i, part in shards if not shard_path(i).exists()]
     g = cfg.generation
 
     def generate(url: str) -> None:
@@ -101,8 +105,7 @@ def run_generation(cfg: PipelineConfig, log=print, shard_size: int = 32) -> dict
             n_tok[0] += row["completion_tokens"]
             n_tok[1] += 1
             if len(done[i]) == len(parts[i]):
-                prompts_mod.write_rows(out / f"shard_{i // shard_size:05d}.parquet",
-                                       [done[i][r["id"]] for r in parts[i]])
+                prompts_mod.write_rows(shard_path(i), [done[i][r["id"]] for r in parts[i]])
                 log(f"generation: {n_tok[1]}/{sum(len(p) for p in parts.values())} prompts this run, "
                     f"{n_tok[0] / (time.monotonic() - t1):.0f} tok/s")
 
@@ -126,7 +129,7 @@ def run_generation(cfg: PipelineConfig, log=print, shard_size: int = 32) -> dict
         server_desc = server.url
     else:
         server_desc = "(all shards were already done)"
-    done_rows = [r for i, _ in shards for r in prompts_mod.read_rows(out / f"shard_{i // shard_size:05d}.parquet")]
+    done_rows = [r for i, _ in shards for r in prompts_mod.read_rows(shard_path(i))]
     finish = {}
     for r in done_rows:
         finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
@@ -135,7 +138,7 @@ def run_generation(cfg: PipelineConfig, log=print, shard_size: int = 32) -> dict
                                                                               for r in done_rows),
         "finish_reasons": finish, "sampling": {"temperature": g.temperature, "max_new_tokens": g.max_new_tokens,
                                                "greedy": g.temperature == 0.0},
-        "server": server_desc, "shards": [f"shard_{i // shard_size:05d}.parquet" for i, _ in shards],
+        "server": server_desc, "shards": [shard_path(i).name for i, _ in shards],
         "seconds": time.monotonic() - t0})
 
 
@@ -344,7 +347,7 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
         spec = run_requests(url, rows, n_new)
     summary = {**summarize(base, spec, LLAMA_CPP_TIE_GAP), "num_draft_steps": S, "max_new_tokens": n_new,
                "tie_gap": LLAMA_CPP_TIE_GAP, "draft_gguf": str(draft_gguf),
-               "server_args": ["--spec-type", "draft-eagle3", "--spec-draft-n-max", str(S)]}
+               "server_args": spec_args[2:]}                                 # without the local -md path
     log(f"deploy: llama.cpp tau {summary['tau']:.2f}, {summary['tokens_per_s']:.1f} tok/s with the draft vs "
         f"{summary['baseline_tokens_per_s']:.1f} without ({summary['speedup']:.2f}x); lossless {summary['lossless']}")
     return write_manifest(out / "manifest.json", {"inputs_key": key, "summary": summary,

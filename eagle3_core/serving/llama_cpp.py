@@ -92,9 +92,9 @@ def summarize(base: list[dict], spec: list[dict], tie_gap: float) -> dict:
     base_tps = sum(r["predicted_n"] for r in base) / sum(r["predicted_n"] / r["tokens_per_s"] for r in base)
     spec_tps = sum(tokens) / sum(r["predicted_n"] / r["tokens_per_s"] for r in spec)
     drafted = sum(r["draft_n"] for r in spec)
+    accepted = sum(r["draft_n_accepted"] for r in spec)
     return {"tau": sum(tokens) / max(sum(steps), 1), "tau_ci95": bootstrap_ci(tokens, steps),
             "tokens": sum(tokens), "verify_steps": sum(steps), "draft_n": drafted,
-            "draft_n_accepted": sum(r["draft_n_accepted"] for r in spec),
-            "acceptance_rate": sum(r["draft_n_accepted"] for r in spec) / max(drafted, 1),
+            "draft_n_accepted": accepted, "acceptance_rate": accepted / max(drafted, 1),
             "baseline_tokens_per_s": base_tps, "tokens_per_s": spec_tps, "speedup": spec_tps / base_tps,
             "lossless": {v: verdicts.count(v) for v in ("equal", "near_tie", "mismatch")}}
