@@ -20,6 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from .client import generate_all
 from .launcher import ServerError, llama_server_binary
 
@@ -34,20 +37,24 @@ def converter_dir() -> Path:
     return llama_server_binary().parent.parent
 
 
-def convert_draft(draft_dir: Path, target_dir: Path, out_file: Path) -> Path:
+def convert_draft(draft_dir: Path, target_dir: Path, out_file: Path,
+                  llama_cpp_layer_ids: list[int] | None = None) -> Path:
     """Convert an SGLang-format EAGLE-3 draft directory to a llama.cpp GGUF draft.
 
     target_dir: the target's HF directory (config.json + tokenizer), e.g. `target.local_model_dir(...)`.
+    llama_cpp_layer_ids: None (the right thing) writes our aux ids (layer outputs) + 1, which llama.cpp reads as
+    layer inputs (GGUF `eagle3.target_layers`); anything else is written as given, for convention experiments.
     Raises ServerError with the converter's output tail if it fails.
     """
     cfg = json.loads((Path(draft_dir) / "config.json").read_text())
     output_ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    layer_inputs = llama_cpp_layer_ids if llama_cpp_layer_ids is not None else [i + 1 for i in output_ids]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "draft"
         shutil.copytree(draft_dir, work)
         # llama.cpp reads these as layer inputs: input of layer i+1 == output of layer i
-        (work / "config.json").write_text(json.dumps({**cfg, "eagle_aux_hidden_state_layer_ids":
-                                                      [i + 1 for i in output_ids]}, indent=2))
+        (work / "config.json").write_text(json.dumps({**cfg, "eagle_aux_hidden_state_layer_ids": layer_inputs},
+                                                     indent=2))
         tool = converter_dir()
         env = {**os.environ, "PYTHONPATH": str(tool / "gguf-py") + os.pathsep + os.environ.get("PYTHONPATH", "")}
         out_file.parent.mkdir(parents=True, exist_ok=True)
@@ -56,6 +63,30 @@ def convert_draft(draft_dir: Path, target_dir: Path, out_file: Path) -> Path:
     if proc.returncode != 0:
         raise ServerError(f"llama.cpp could not convert {draft_dir}: {proc.stderr[-2000:]}")
     return out_file
+
+
+def engine_aux_hidden_states(target_gguf: Path, draft_gguf: Path, tokens: list[int]) -> tuple[list[int], torch.Tensor]:
+    """The target hidden states llama.cpp's EAGLE-3 decoder would feed `draft_gguf` for a prefill of `tokens`.
+
+    Runs `llama-eagle3-layer-probe` (scripts/llama_layer_probe/probe.cpp, built beside llama-server), which makes
+    the calls of llama.cpp's common/speculative.cpp: the draft's `eagle3.target_layers`, extraction of those
+    target layers' inputs, one decode. Returns (llama.cpp's layer ids, float32 tensor [n_ids, len(tokens), H_t]).
+    Raises ServerError if the probe is missing or fails.
+    """
+    probe = llama_server_binary().parent / "llama-eagle3-layer-probe"
+    if not probe.exists():
+        raise ServerError(f"{probe} not found: run `make setup` (or scripts/build_llama_server.sh)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "aux.bin"
+        proc = subprocess.run([str(probe), str(target_gguf), str(draft_gguf), str(out), *map(str, tokens)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ServerError(f"layer probe failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        raw = out.read_bytes()
+    n_ids, n_tok, n_embd = np.frombuffer(raw, dtype=np.int32, count=3)
+    ids = np.frombuffer(raw, dtype=np.int32, count=n_ids, offset=12).tolist()
+    rows = np.frombuffer(raw, dtype=np.float32, offset=12 + 4 * n_ids).reshape(n_ids, n_tok, n_embd)
+    return ids, torch.from_numpy(rows.copy())
 
 
 def _tokens_and_gaps(logprobs_json: str) -> tuple[list[int], list[float]]:
