@@ -222,14 +222,23 @@ class Eagle3Draft(nn.Module):
         shorter than step 0's T at later steps (see DraftAttention.ttt_attend).
         Returns (out [B, Tq, H] pre-norm hidden for the next step, logits [B, Tq, N]).
         """
-        layer = self.midlayer
-        e = layer.input_layernorm(self.embed_tokens(token_ids))
-        x = torch.cat([e, layer.hidden_norm(hidden)], dim=-1)               # [B, T, 2H]
-        cos, sin = self.rope(positions)
-        q, k, v = layer.self_attn.project(x, cos, sin)
+        q, k, v = self.attention_inputs(token_ids, hidden, positions)
         cache_k.append(k)
         cache_v.append(v)
-        attn = layer.self_attn.ttt_attend(q, cache_k, cache_v)
+        return self.attention_outputs(hidden, self.midlayer.self_attn.ttt_attend(q, cache_k, cache_v))
+
+    def attention_inputs(self, token_ids, hidden, positions):
+        """token_ids [B, T], hidden [B, T, H], positions [B, T] -> q [B, nh, T, hd], k/v [B, nkv, T, hd] (RoPE'd).
+        The dense part before attention (one graph for every step: what trainer.compile_for_training compiles)."""
+        layer = self.midlayer
+        e = layer.input_layernorm(self.embed_tokens(token_ids))
+        x = torch.cat([e, layer.hidden_norm(hidden)], dim=-1)               # [B, T, 2H], embedding first
+        cos, sin = self.rope(positions)
+        return layer.self_attn.project(x, cos, sin)
+
+    def attention_outputs(self, hidden, attn):
+        """hidden [B, T, H] (the residual), attn [B, T, nh*hd] -> (out [B, T, H] pre-norm, logits [B, T, N])."""
+        layer = self.midlayer
         a = hidden + layer.self_attn.o_proj(attn)
         out = a + layer.mlp(layer.post_attention_layernorm(a))
         return out, self.lm_head(self.norm(out))
@@ -245,11 +254,7 @@ class Eagle3Draft(nn.Module):
         earlier positions (absent when empty) and is extended in place; the T new queries attend causally among
         themselves and to all P cached keys. Returns (out [1, T, H], logits [1, T, N]).
         """
-        layer = self.midlayer
-        e = layer.input_layernorm(self.embed_tokens(token_ids))
-        x = torch.cat([e, layer.hidden_norm(hidden)], dim=-1)
-        cos, sin = self.rope(positions)
-        q, k, v = layer.self_attn.project(x, cos, sin)
+        q, k, v = self.attention_inputs(token_ids, hidden, positions)
         if "k" in cache:
             k = torch.cat([cache["k"], k], dim=2)
             v = torch.cat([cache["v"], v], dim=2)
@@ -259,7 +264,4 @@ class Eagle3Draft(nn.Module):
         rep = q.shape[1] // k.shape[1]
         attn = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
                                               attn_mask=mask)
-        attn = attn.transpose(1, 2).reshape(1, T, -1)
-        a = hidden + layer.self_attn.o_proj(attn)
-        out = a + layer.mlp(layer.post_attention_layernorm(a))
-        return out, self.lm_head(self.norm(out))
+        return self.attention_outputs(hidden, attn.transpose(1, 2).reshape(1, T, -1))

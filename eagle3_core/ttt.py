@@ -28,14 +28,14 @@ def supervised(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def collate(samples: list[dict]) -> dict:
-    """Right-pad samples to one batch: input_ids [B, T], loss_mask [B, T], aux [B, T, 3H_t], final [B, T, H_t],
-    target_top1 [B, T], valid [B, T] (True on real tokens)."""
+    """Right-pad samples to one batch: input_ids [B, T], loss_mask [B, T], aux [B, T, 3H_t], final [B, T, H_t]
+    (the samples' float dtype), target_top1 [B, T], valid [B, T] (True on real tokens)."""
     T = max(len(s["input_ids"]) for s in samples)
     B = len(samples)
     out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.bool),
            "target_top1": torch.zeros(B, T, dtype=torch.long), "valid": torch.zeros(B, T, dtype=torch.bool),
-           "aux": torch.zeros(B, T, samples[0]["aux"].shape[-1]),
-           "final": torch.zeros(B, T, samples[0]["final"].shape[-1])}
+           "aux": torch.zeros(B, T, samples[0]["aux"].shape[-1], dtype=samples[0]["aux"].dtype),
+           "final": torch.zeros(B, T, samples[0]["final"].shape[-1], dtype=samples[0]["final"].dtype)}
     for b, s in enumerate(samples):
         n = len(s["input_ids"])
         for k in ("input_ids", "loss_mask", "target_top1", "aux", "final"):
