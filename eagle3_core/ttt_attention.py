@@ -120,7 +120,8 @@ def ttt_attention_merged(q: torch.Tensor, keys: list, values: list, causal=causa
         return out0
     qg = _grouped(q, nkv)
     scale = 1.0 / math.sqrt(hd)
-    diag = [(qg * kj[:, :, None]).sum(-1).to(acc).reshape(B, nh, Tq) * scale for kj in keys[1:]]  # k x [B,nh,Tq]
+    qa = qg.to(acc)                                                       # diagonal dot products in fp32
+    diag = [(qa * kj[:, :, None].to(acc)).sum(-1).reshape(B, nh, Tq) * scale for kj in keys[1:]]  # k x [B,nh,Tq]
     lse = torch.logsumexp(torch.stack([lse0.to(acc), *diag]), dim=0)      # [B, nh, Tq], all visible keys
     out = (lse0.to(acc) - lse).exp()[..., None] * out0.to(acc)            # causal part, re-weighted
     for s_j, vj in zip(diag, values[1:]):
