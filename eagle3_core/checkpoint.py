@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -127,36 +128,71 @@ def load_draft(path: Path, dtype: torch.dtype | None = None) -> Eagle3Draft:
         raise CheckpointError(f"{path}: no config.json; give the directory written by the export")
     s = shape_from_config(json.loads(cfg_file.read_text()), str(cfg_file))
     with safe_open(str(path / "model.safetensors"), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
     check_tensors(tensors, s, str(path / "model.safetensors"))
     draft = Eagle3Draft(s).to(dtype or tensors["fc.weight"].dtype)
     draft.load_state_dict(tensors, strict=True)
     return draft
 
 
-def save_training_state(out_dir: Path, draft, opt, sched, epoch: int, best: dict, history: list) -> None:
-    """Weights, optimizer, scheduler, epoch, best score, history and RNG states, written atomically."""
-    state = {"model": draft.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-             "epoch": epoch, "best": best, "history": json.dumps(history),
-             "rng_torch": torch.get_rng_state(), "rng_python": json.dumps(random.getstate())}
-    tmp = out_dir / f".training_state.pt.tmp{os.getpid()}"
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out_dir / "training_state.pt")
+TRAINING_STATE_DIR = "checkpoints"      # under the training output directory: step_{step:09d}.pt files
 
 
-def load_training_state(out_dir: Path, draft, opt, sched) -> dict | None:
-    """Restore a state written by save_training_state (weights_only load); None if there is none."""
-    path = Path(out_dir) / "training_state.pt"
-    if not path.exists():
-        return None
-    state = torch.load(path, weights_only=True)
-    draft.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng_torch"])
-    py = json.loads(state["rng_python"])
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_states() -> dict:
+    """Torch (CPU and every CUDA device) and Python RNG states, in a form torch.load(weights_only=True) reads."""
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": json.dumps(random.getstate())}
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    py = json.loads(states["python"])
     random.setstate((py[0], tuple(py[1]), py[2]))
-    return {"epoch": state["epoch"], "best": state["best"], "history": json.loads(state["history"])}
 
+
+def save_training_state(out_dir: Path, state: dict, step: int, keep: int) -> Path:
+    """Write `state` (tensors, dicts, lists, numbers, strings) as out_dir/checkpoints/step_{step}.pt atomically
+    (temporary name, fsync, rename, fsync of the directory), then delete all but the newest `keep`.
+    A crash at any moment leaves only complete checkpoints under their final names. Returns the path."""
+    ckpt_dir = Path(out_dir) / TRAINING_STATE_DIR
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / f"step_{step:09d}.pt"
+    tmp = ckpt_dir / f".{path.name}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(ckpt_dir)
+    for old in sorted(ckpt_dir.glob("step_*.pt"))[:-keep]:
+        old.unlink()
+    return path
+
+
+def load_latest_training_state(out_dir: Path, log=print) -> tuple[dict, Path] | tuple[None, None]:
+    """The newest checkpoint under out_dir/checkpoints that loads (weights_only), and its path; (None, None) if
+    there is none. A file that fails to load (damaged outside our atomic writes) is reported and skipped."""
+    ckpt_dir = Path(out_dir) / TRAINING_STATE_DIR
+    for path in sorted(ckpt_dir.glob("step_*.pt"), reverse=True):
+        try:
+            return torch.load(path, weights_only=True, map_location="cpu"), path
+        except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:  # damaged: try an older one
+            log(f"train: skipping unreadable checkpoint {path} ({type(e).__name__}: {e})")
+    return None, None
+
+
+def clear_training_state(out_dir: Path) -> None:
+    """Delete the resumable checkpoints (e.g. when the training inputs changed and resuming would be wrong)."""
+    shutil.rmtree(Path(out_dir) / TRAINING_STATE_DIR, ignore_errors=True)
+    (Path(out_dir) / "training_state.pt").unlink(missing_ok=True)       # the walking skeleton's single file

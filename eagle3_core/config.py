@@ -88,6 +88,13 @@ class TrainConfig(BaseModel):
     step_weight: float = Field(0.8, gt=0, description="loss weight of TTT step k is step_weight**k")
     eval_frac: float = Field(0.05, ge=0, lt=1, description="fraction of feature samples held out for eval loss")
     seed: int = Field(0)
+    checkpoint_every: int = Field(200, ge=1, description="optimizer steps between resumable checkpoints "
+                                                         "(one is also written at every epoch end)")
+    keep_checkpoints: int = Field(3, ge=1, description="newest resumable checkpoints kept on disk")
+    device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:1'...")
+    attention: Literal["auto", "eager", "merged_math", "merged_flex"] = Field(
+        "auto", description="TTT attention implementation; 'auto': merged_flex on CUDA, eager on CPU (same results)")
+    compile: bool = Field(False, description="torch.compile the draft's dense parts and the loss (GPU)")
 
 
 class EvalConfig(BaseModel):

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ttt_attention import IMPLEMENTATIONS, _acc_dtype, ttt_attention
+
 
 @dataclass
 class DraftShape:
@@ -39,8 +41,10 @@ class DraftShape:
     aux_layer_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_target_config(cls, cfg, draft_vocab_size: int, aux_layer_ids: list[int]) -> DraftShape:
-        """Draft shape from a transformers Llama-style config; N is capped at V. Raises ValueError if the
+    def from_target_config(cls, cfg, draft_vocab_size: int, aux_layer_ids: list[int],
+                           hidden_size: int | None = None) -> DraftShape:
+        """Draft shape from a transformers Llama-style config; N is capped at V. `hidden_size` gives a draft
+        hidden H other than the target's H_t (the draft then trains its own embedding). Raises ValueError if the
         target's heads do not divide its hidden size and no head_dim is given."""
         nh = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
@@ -54,7 +58,7 @@ class DraftShape:
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         return cls(
-            hidden_size=cfg.hidden_size, target_hidden_size=cfg.hidden_size, num_attention_heads=nh,
+            hidden_size=hidden_size or cfg.hidden_size, target_hidden_size=cfg.hidden_size, num_attention_heads=nh,
             num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or nh, head_dim=head_dim,
             intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
             draft_vocab_size=min(draft_vocab_size, cfg.vocab_size), rms_norm_eps=cfg.rms_norm_eps,
@@ -64,11 +68,6 @@ class DraftShape:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for half-precision inputs (softmax, norms), the input's own dtype otherwise (fp32, fp64 in tests)."""
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 class RMSNorm(nn.Module):
@@ -86,7 +85,8 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: dict | None):
     """cos, sin [*positions.shape, hd] for integer `positions`. Supports default and Llama-3 ('llama3') scaling."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
         # Llama-3.1 frequency rescaling (transformers `_compute_llama3_parameters`)
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -121,6 +121,7 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(2 * s.hidden_size, s.num_key_value_heads * s.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * s.hidden_size, s.num_key_value_heads * s.head_dim, bias=False)
         self.o_proj = nn.Linear(s.num_attention_heads * s.head_dim, s.hidden_size, bias=False)
+        self.impl = "eager"                  # TTT attention implementation (Eagle3Draft.set_attention)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, 2H] -> q [B, nh, T, hd], k/v [B, nkv, T, hd] with RoPE applied to q and k."""
@@ -132,29 +133,13 @@ class DraftAttention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def ttt_attend(self, q, keys: list, values: list) -> torch.Tensor:
-        """TTT attention at step k = len(keys) - 1.
+        """TTT attention at step k = len(keys) - 1 by `self.impl` (eagle3_core.ttt_attention states the rule).
 
         q [B, nh, Tq, hd]; keys/values: k+1 tensors, entry 0 [B, nkv, T, hd] from step 0 (causal), entries j>=1
-        [B, nkv, Tq, hd] from step j (only the same index). Queries may cover only the last Tq <= T indices (steps
-        >= 1 skip a leading prompt region no loss reaches): query i is index T - Tq + i. Returns [B, Tq, nh*hd].
-        Padding is on the right, so causal masking alone keeps it out of real positions.
+        [B, nkv, Tq, hd] from step j (only the same index); query i is index T - Tq + i. Returns [B, Tq, nh*hd].
         """
         B, nh, Tq, hd = q.shape
-        T = keys[0].shape[2]
-        rep = nh // keys[0].shape[1]
-        scale = 1.0 / math.sqrt(hd)
-        k0 = keys[0].repeat_interleave(rep, dim=1)                         # [B, nh, T, hd]
-        v0 = values[0].repeat_interleave(rep, dim=1)
-        acc = _acc_dtype(q.dtype)
-        scores0 = (q @ k0.transpose(-1, -2)).to(acc) * scale              # [B, nh, Tq, T]
-        causal = torch.ones(Tq, T, dtype=torch.bool, device=q.device).tril(diagonal=T - Tq)
-        scores0 = scores0.masked_fill(~causal, float("-inf"))
-        diag = [((q * kj.repeat_interleave(rep, dim=1)).sum(-1, keepdim=True)).to(acc) * scale
-                for kj in keys[1:]]                                         # k x [B, nh, Tq, 1]
-        probs = torch.cat([scores0, *diag], dim=-1).softmax(-1).to(q.dtype)  # [B, nh, Tq, T+k]
-        out = probs[..., :T] @ v0                                           # [B, nh, Tq, hd]
-        for j, vj in enumerate(values[1:]):
-            out = out + probs[..., T + j:T + j + 1] * vj.repeat_interleave(rep, dim=1)
+        out = ttt_attention(q, keys, values, self.impl)                    # [B, nh, Tq, hd]
         return out.transpose(1, 2).reshape(B, Tq, nh * hd)
 
 
@@ -185,17 +170,15 @@ class Eagle3Draft(nn.Module):
     """EAGLE-3 draft. Parameter names are SGLang's checkpoint names (REFERENCE.md section 2).
 
     Buffers: d2t int64 [N] offsets (target_id = draft_id + d2t[draft_id]); t2d bool [V].
-    embed_tokens [V, H] is the target's embedding, frozen.
+    embed_tokens [V, H] is the target's embedding, frozen, when H == H_t; with H != H_t the draft trains its own
+    (SGLang then keeps the draft's embedding instead of sharing the target's: REFERENCE.md section 1).
     """
 
     def __init__(self, s: DraftShape):
         super().__init__()
-        if s.hidden_size != s.target_hidden_size:
-            raise ValueError(f"draft hidden {s.hidden_size} != target hidden {s.target_hidden_size}: a draft with "
-                             "its own embedding is not supported yet; use the target's hidden size")
         self.shape = s
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens.weight.requires_grad_(s.hidden_size != s.target_hidden_size)
         self.fc = nn.Linear(3 * s.target_hidden_size, s.hidden_size, bias=False)
         self.midlayer = DraftDecoderLayer(s)
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
@@ -203,11 +186,20 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(s.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(s.vocab_size, dtype=torch.bool))
 
+    def set_attention(self, impl: str) -> Eagle3Draft:
+        """Choose the TTT attention implementation (eagle3_core.ttt_attention.IMPLEMENTATIONS); same results,
+        different speed and memory. Raises ValueError for an unknown name."""
+        if impl not in IMPLEMENTATIONS:
+            raise ValueError(f"unknown TTT attention {impl!r}; choose one of {IMPLEMENTATIONS}")
+        self.midlayer.self_attn.impl = impl
+        return self
+
     def init_weights(self, seed: int) -> None:
-        """Deterministic init of the trainable weights (normal std 0.02, norms 1); keeps embed_tokens, d2t, t2d."""
+        """Deterministic init of the trainable weights (normal std 0.02, norms 1); keeps a frozen embed_tokens,
+        d2t and t2d."""
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
-            if name == "embed_tokens.weight":
+            if not p.requires_grad:
                 continue
             with torch.no_grad():
                 if name.endswith("norm.weight"):
@@ -230,14 +222,23 @@ class Eagle3Draft(nn.Module):
         shorter than step 0's T at later steps (see DraftAttention.ttt_attend).
         Returns (out [B, Tq, H] pre-norm hidden for the next step, logits [B, Tq, N]).
         """
-        layer = self.midlayer
-        e = layer.input_layernorm(self.embed_tokens(token_ids))
-        x = torch.cat([e, layer.hidden_norm(hidden)], dim=-1)               # [B, T, 2H]
-        cos, sin = self.rope(positions)
-        q, k, v = layer.self_attn.project(x, cos.to(x.device), sin.to(x.device))
+        q, k, v = self.attention_inputs(token_ids, hidden, positions)
         cache_k.append(k)
         cache_v.append(v)
-        attn = layer.self_attn.ttt_attend(q, cache_k, cache_v)
+        return self.attention_outputs(hidden, self.midlayer.self_attn.ttt_attend(q, cache_k, cache_v))
+
+    def attention_inputs(self, token_ids, hidden, positions):
+        """token_ids [B, T], hidden [B, T, H], positions [B, T] -> q [B, nh, T, hd], k/v [B, nkv, T, hd] (RoPE'd).
+        The dense part before attention (one graph for every step: what trainer.compile_for_training compiles)."""
+        layer = self.midlayer
+        e = layer.input_layernorm(self.embed_tokens(token_ids))
+        x = torch.cat([e, layer.hidden_norm(hidden)], dim=-1)               # [B, T, 2H], embedding first
+        cos, sin = self.rope(positions)
+        return layer.self_attn.project(x, cos, sin)
+
+    def attention_outputs(self, hidden, attn):
+        """hidden [B, T, H] (the residual), attn [B, T, nh*hd] -> (out [B, T, H] pre-norm, logits [B, T, N])."""
+        layer = self.midlayer
         a = hidden + layer.self_attn.o_proj(attn)
         out = a + layer.mlp(layer.post_attention_layernorm(a))
         return out, self.lm_head(self.norm(out))
@@ -253,21 +254,14 @@ class Eagle3Draft(nn.Module):
         earlier positions (absent when empty) and is extended in place; the T new queries attend causally among
         themselves and to all P cached keys. Returns (out [1, T, H], logits [1, T, N]).
         """
-        layer = self.midlayer
-        e = layer.input_layernorm(self.embed_tokens(token_ids))
-        x = torch.cat([e, layer.hidden_norm(hidden)], dim=-1)
-        cos, sin = self.rope(positions)
-        q, k, v = layer.self_attn.project(x, cos, sin)
+        q, k, v = self.attention_inputs(token_ids, hidden, positions)
         if "k" in cache:
             k = torch.cat([cache["k"], k], dim=2)
             v = torch.cat([cache["v"], v], dim=2)
         cache["k"], cache["v"] = k, v
         T, P = q.shape[2], k.shape[2] - q.shape[2]
-        mask = torch.ones(T, T + P, dtype=torch.bool).tril(diagonal=P)       # [T, P+T]
+        mask = torch.ones(T, T + P, dtype=torch.bool, device=q.device).tril(diagonal=P)  # [T, P+T]
         rep = q.shape[1] // k.shape[1]
         attn = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
                                               attn_mask=mask)
-        attn = attn.transpose(1, 2).reshape(1, T, -1)
-        a = hidden + layer.self_attn.o_proj(attn)
-        out = a + layer.mlp(layer.post_attention_layernorm(a))
-        return out, self.lm_head(self.norm(out))
+        return self.attention_outputs(hidden, attn.transpose(1, 2).reshape(1, T, -1))

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import prompts as prompts_mod
-from .checkpoint import load_draft, save_draft
+from .checkpoint import clear_training_state, load_draft, save_draft
 from .config import PipelineConfig, default_aux_layer_ids
 from .data import assistant_content, prompt_ids, tokenize_conversation
 from .manifest import cached_manifest, sha256_file, sha256_json, write_manifest
@@ -255,7 +255,7 @@ def run_train(cfg: PipelineConfig, log=print) -> dict:
     draft, lm_head = _fresh_draft(cfg)
     out.mkdir(parents=True, exist_ok=True)
     if (out / "inputs_key").exists() and (out / "inputs_key").read_text() != key:
-        (out / "training_state.pt").unlink(missing_ok=True)   # state of other inputs: never resume from it
+        clear_training_state(out)                             # state of other inputs: never resume from it
     (out / "inputs_key").write_text(key)
     summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log)
     best = load_draft(out / "best")

@@ -12,7 +12,6 @@ cond_k = P(step k right | steps 0..k-1 right); tau_sim = 1 + sum_k prod_{j<=k} a
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def shift_left(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
@@ -29,14 +28,14 @@ def supervised(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def collate(samples: list[dict]) -> dict:
-    """Right-pad samples to one batch: input_ids [B, T], loss_mask [B, T], aux [B, T, 3H_t], final [B, T, H_t],
-    target_top1 [B, T], valid [B, T] (True on real tokens)."""
+    """Right-pad samples to one batch: input_ids [B, T], loss_mask [B, T], aux [B, T, 3H_t], final [B, T, H_t]
+    (the samples' float dtype), target_top1 [B, T], valid [B, T] (True on real tokens)."""
     T = max(len(s["input_ids"]) for s in samples)
     B = len(samples)
     out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.bool),
            "target_top1": torch.zeros(B, T, dtype=torch.long), "valid": torch.zeros(B, T, dtype=torch.bool),
-           "aux": torch.zeros(B, T, samples[0]["aux"].shape[-1]),
-           "final": torch.zeros(B, T, samples[0]["final"].shape[-1])}
+           "aux": torch.zeros(B, T, samples[0]["aux"].shape[-1], dtype=samples[0]["aux"].dtype),
+           "final": torch.zeros(B, T, samples[0]["final"].shape[-1], dtype=samples[0]["final"].dtype)}
     for b, s in enumerate(samples):
         n = len(s["input_ids"])
         for k in ("input_ids", "loss_mask", "target_top1", "aux", "final"):
@@ -55,48 +54,91 @@ def trim_start(loss_mask: torch.Tensor, ttt_length: int) -> int:
     return max(0, int(first.min()) - ttt_length - 1)
 
 
+class SoftCrossEntropy(torch.autograd.Function):
+    """sum_rows weight * CE(p, softmax(logits)) with CE = logsumexp(logits) - sum_n p_n logits_n (equal to
+    -sum_n p_n log_softmax(logits)_n because every teacher row sums to 1, or is 0 where weight is 0).
+
+    Fused by hand: saves only the logits (their own dtype, bf16 under autocast) and the row log-sum-exp instead
+    of fp32 log-probabilities, and the backward is one expression, (softmax(logits) - p) * weight.
+    logits [..., N] any float dtype; p [..., N] fp32/fp64 (no gradient); weight [...] (no gradient). Scalar out.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, p, weight):
+        lf = logits.to(p.dtype)
+        lse = torch.logsumexp(lf, dim=-1)                                   # [...]
+        ce = lse - (p * lf).sum(-1)
+        ctx.save_for_backward(logits, p, weight, lse)
+        return (ce * weight).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, p, weight, lse = ctx.saved_tensors
+        g = (logits.to(p.dtype) - lse[..., None]).exp_().sub_(p).mul_((weight * grad)[..., None])
+        return g.to(logits.dtype), None, None
+
+
+def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over positions where `mask` of the soft cross-entropy -sum_n p_n log softmax(logits)_n (nats).
+
+    logits [B, T, N]; p [B, T, N] teacher probabilities (rows sum to 1 where mask); mask [B, T] bool.
+    Returns a scalar in p's dtype; 0 when the mask is empty.
+    """
+    weight = mask.to(p.dtype) / mask.sum().clamp(min=1)
+    return SoftCrossEntropy.apply(logits, p, weight)
+
+
 def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: int, step_weight: float = 0.8,
              trim: bool = True):
-    """Weighted TTT loss and per-step counts for one batch.
+    """Weighted TTT loss and per-step counts for one batch (tensors of `batch` on the draft's device).
 
     target_head_draft [N, H_t]: rows of the target's lm_head for the draft vocab (in draft-id order).
+    Loss = sum_k step_weight**k * loss_k, loss_k the soft cross-entropy against softmax(z_{t+1+k}[draft vocab])
+    averaged over positions supervised at step k whose target argmax is in the draft vocab (module docstring).
     trim: skip the leading unsupervised region at steps >= 1 (same loss and metrics, less compute; trim_start).
     Returns (loss scalar, stats) where stats holds per-step tensors 'n' (supervised positions), 'correct',
     'chain' (positions right at every step so far) and 'loss'. Callers check finiteness.
     """
     ids, mask, top1 = batch["input_ids"], batch["loss_mask"], batch["target_top1"]
     B, T = ids.shape
-    positions = torch.arange(T).expand(B, T)
+    positions = torch.arange(T, device=ids.device).expand(B, T)
     in_vocab = draft.t2d[top1]                                             # [B, T] target argmax in draft vocab
-    target_logits = batch["final"] @ target_head_draft.T                   # [B, T, N]
+    with torch.no_grad():
+        # the teacher once for all steps, fp32 (fp64 in tests); padded so that step k's view is a slice
+        z = batch["final"] @ target_head_draft.T                           # [B, T, N] z_t[draft vocab]
+        p_target = z.to(_loss_dtype(batch["final"].dtype)).softmax(-1)
+        p_target = torch.cat([p_target, p_target.new_zeros(B, ttt_length + 1, p_target.shape[-1])], dim=1)
     hidden = draft.fuse(batch["aux"])                                      # [B, T, H]
     start = trim_start(mask, ttt_length) if trim else 0
     cache_k, cache_v = [], []
-    total = hidden.new_zeros(())
+    total = 0.0
     stats = {"n": [], "correct": [], "chain": [], "loss": []}
     chain = None
     for k in range(ttt_length):
-        sl = slice(start if k > 0 else 0, None)                            # indices this step computes
+        s0 = start if k > 0 else 0                                         # first index this step computes
         if k == 1 and start:
             hidden, chain = hidden[:, start:], chain[:, start:]
-        tokens = shift_left(ids, 1 + k)[:, sl]                             # x_{t+1+k}
-        hidden, logits = draft.step(tokens, hidden, (positions + k)[:, sl], cache_k, cache_v)
-        p_target = shift_left(target_logits, 1 + k)[:, sl].float().softmax(-1)  # softmax(z_{t+1+k}[draft vocab])
-        m_step = supervised(mask, k)[:, sl]                                # x_{t+2+k} is supervised
-        m_loss = m_step & shift_left(in_vocab, 1 + k, False)[:, sl]
-        logp = F.log_softmax(logits.float(), dim=-1)
-        ce = -(p_target * logp).sum(-1)                                    # [B, Tq]
-        loss_k = (ce * m_loss).sum() / m_loss.sum().clamp(min=1)
+        tokens = shift_left(ids, 1 + k)[:, s0:]                            # x_{t+1+k}
+        hidden, logits = draft.step(tokens, hidden, (positions + k)[:, s0:], cache_k, cache_v)
+        p_k = p_target[:, 1 + k + s0:1 + k + T]                            # softmax(z_{t+1+k}[draft vocab]), a view
+        m_step = supervised(mask, k)[:, s0:]                               # x_{t+2+k} is supervised
+        m_loss = m_step & shift_left(in_vocab, 1 + k, False)[:, s0:]
+        loss_k = soft_cross_entropy(logits, p_k, m_loss)
         total = total + (step_weight ** k) * loss_k
         with torch.no_grad():
             pred = draft.draft_to_target(logits.argmax(-1))                # [B, Tq] target ids
-            right = (pred == shift_left(top1, 1 + k)[:, sl]) & m_step
+            right = (pred == shift_left(top1, 1 + k)[:, s0:]) & m_step
             chain = right if chain is None else chain & right
             stats["n"].append(m_step.sum())
             stats["correct"].append(right.sum())
             stats["chain"].append(chain.sum())
             stats["loss"].append(loss_k.detach())
     return total, {k: torch.stack(v) for k, v in stats.items()}
+
+
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The loss is computed in fp32, or fp64 when the inputs are fp64 (exactness tests)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def summarize(stats: dict) -> dict:

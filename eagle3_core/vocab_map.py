@@ -36,3 +36,18 @@ def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.
 def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
     """[N] target id of each draft id."""
     return torch.arange(d2t.numel()) + d2t
+
+
+def target_to_draft_ids(t2d: torch.Tensor) -> torch.Tensor:
+    """int64 [V]: the draft id of each target id in the draft vocab, -1 elsewhere (draft ids follow target order)."""
+    return torch.where(t2d, torch.cumsum(t2d.long(), 0) - 1, torch.full_like(t2d, -1, dtype=torch.long))
+
+
+def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
+    """Raise ValueError naming `where` unless d2t (int64 [N] offsets) and t2d (bool [V]) describe the same N
+    target ids in ascending order (what SGLang's d2t and vLLM's t2d both assume)."""
+    if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
+        raise ValueError(f"{where}: d2t must be int64 and t2d bool, got {d2t.dtype} and {t2d.dtype}")
+    targets = draft_to_target_ids(d2t)
+    if not torch.equal(targets, t2d.nonzero().flatten()):
+        raise ValueError(f"{where}: d2t and t2d name different target ids; rebuild the vocab map")

@@ -84,7 +84,10 @@ def test_wrong_shape_is_an_error_naming_the_tensor(tmp_path):
 
 def test_specforge_loads_the_export_and_gives_the_same_logits(tmp_path):
     """An independent loader: SpecForge's LlamaForCausalLMEagle3 (PyPI specforge, installed --no-deps)."""
-    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3, prepare_decoder_attention_mask
+    from specforge.modeling.draft.llama3_eagle import (
+        LlamaForCausalLMEagle3,
+        prepare_decoder_attention_mask,
+    )
     d = tiny_draft()
     out = save_draft(d, tmp_path / "draft")
     _, info = LlamaForCausalLMEagle3.from_pretrained(str(out), output_loading_info=True)
@@ -100,3 +103,22 @@ def test_specforge_loads_the_export_and_gives_the_same_logits(tmp_path):
         h = model.backbone(model.embed_input_ids(ids), hidden, None, mask, torch.arange(7)[None])
         theirs = model.compute_logits(h)
     assert torch.allclose(theirs, ours, atol=1e-5), (theirs - ours).abs().max()
+
+
+def test_draft_hidden_other_than_target_hidden_trains_its_embedding_and_round_trips(tmp_path):
+    """H = 48 != H_t = 32: fc maps 3*H_t -> H, the draft's own embedding [V, H] is trainable and exported, the
+    teacher stays in H_t; TTT runs and the export reloads to the same logits."""
+    from eagle3_core.ttt import ttt_loss
+    d = tiny_draft(hidden_size=48, intermediate_size=96)
+    assert d.embed_tokens.weight.requires_grad and d.fc.weight.shape == (48, 96)
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 100, (1, 9), generator=g), "loss_mask": torch.ones(1, 9, dtype=torch.bool),
+             "target_top1": torch.randint(0, 100, (1, 9), generator=g), "aux": torch.randn(1, 9, 96, generator=g),
+             "final": torch.randn(1, 9, 32, generator=g)}
+    loss, _ = ttt_loss(d, batch, torch.randn(50, 32, generator=g), 3)
+    loss.backward()
+    assert d.embed_tokens.weight.grad.abs().sum() > 0
+    out = save_draft(d, tmp_path / "draft")
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["target_hidden_size"]) == (48, 32)
+    assert torch.equal(_probe(d)[0], _probe(load_draft(out))[0])

@@ -1,10 +1,16 @@
 """The draft's TTT attention against a naive flattened-mask recomputation, and TTT steps against the inference-time
 chain with a KV cache (the convention shared by trainer and evaluator)."""
+import math
+
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_draft
 
 from eagle3_core.ttt import shift_left, supervised
+from eagle3_core.ttt_attention import ttt_attention
+
+IMPLS = ("eager", "merged_math")     # "merged_flex" has no backward on CPU: checked forward-only below
 
 
 def naive_ttt_logits(d, aux, ids, K):
@@ -36,6 +42,56 @@ def naive_ttt_logits(d, aux, ids, K):
     return out_logits
 
 
+def naive_ttt_attention(q, keys, values):
+    """Query by query: gather the keys step k may see (step-0 keys 0..i, then key i of each step j >= 1), one
+    softmax, weighted sum. q [B, nh, T, hd]; keys/values: k+1 tensors [B, nkv, T, hd]."""
+    B, nh, T, hd = q.shape
+    rep = nh // keys[0].shape[1]
+    out = torch.zeros_like(q)
+    for b in range(B):
+        for h in range(nh):
+            for i in range(T):
+                ks = [keys[0][b, h // rep, :i + 1]] + [kj[b, h // rep, i:i + 1] for kj in keys[1:]]
+                vs = [values[0][b, h // rep, :i + 1]] + [vj[b, h // rep, i:i + 1] for vj in values[1:]]
+                w = torch.softmax(torch.cat(ks) @ q[b, h, i] / math.sqrt(hd), dim=0)
+                out[b, h, i] = w @ torch.cat(vs)
+    return out
+
+
+@pytest.mark.parametrize("impl", (*IMPLS, "merged_flex"))
+@pytest.mark.parametrize("ttt_length", (1, 3, 7))
+def test_ttt_attention_equals_naive_per_step_recomputation(impl, ttt_length):
+    """Acceptance: float64, random inputs, every step k < ttt_length, to 1e-10; GQA (4 query, 2 kv heads)."""
+    g = torch.Generator().manual_seed(ttt_length)
+    B, nh, nkv, T, hd = 2, 4, 2, 10, 8
+    keys = [torch.randn(B, nkv, T, hd, generator=g, dtype=torch.float64) for _ in range(ttt_length)]
+    values = [torch.randn(B, nkv, T, hd, generator=g, dtype=torch.float64) for _ in range(ttt_length)]
+    for k in range(ttt_length):
+        q = torch.randn(B, nh, T, hd, generator=g, dtype=torch.float64)
+        ours = ttt_attention(q, keys[:k + 1], values[:k + 1], impl)
+        naive = naive_ttt_attention(q, keys[:k + 1], values[:k + 1])
+        assert (ours - naive).abs().max() < 1e-10, f"{impl} step {k}: {(ours - naive).abs().max()}"
+
+
+def test_merged_ttt_attention_gradients_equal_eager():
+    """The log-sum-exp merge differentiates through lse: its gradients must equal the materialised softmax's."""
+    g = torch.Generator().manual_seed(9)
+    B, nh, nkv, T, Tq, hd, K = 1, 4, 2, 9, 6, 8, 4
+    q = torch.randn(B, nh, Tq, hd, generator=g, dtype=torch.float64)
+    keys = [torch.randn(B, nkv, T if j == 0 else Tq, hd, generator=g, dtype=torch.float64) for j in range(K)]
+    values = [torch.randn_like(k) for k in keys]
+    grads = []
+    for impl in IMPLS:
+        leaves = [t.clone().requires_grad_() for t in (q, *keys, *values)]
+        out = ttt_attention(leaves[0], leaves[1:1 + K], leaves[1 + K:], impl)
+        grads.append(torch.autograd.grad((out * torch.arange(out.numel()).view_as(out).sin()).sum(), leaves))
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() < 1e-10
+    with torch.no_grad():                         # flex, forward only on CPU, with queries at the last Tq indices
+        flex = ttt_attention(q, keys, values, "merged_flex")
+    assert (flex - ttt_attention(q, keys, values, "eager")).abs().max() < 1e-10
+
+
 def ttt_logits(d, aux, ids, K):
     B, T = ids.shape
     hidden = d.fuse(aux)
@@ -46,13 +102,15 @@ def ttt_logits(d, aux, ids, K):
     return outs
 
 
-def test_ttt_attention_matches_naive_recomputation():
-    d = tiny_draft().double()
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("ttt_length", (1, 3, 7))
+def test_ttt_draft_steps_match_naive_recomputation(impl, ttt_length):
+    d = tiny_draft().double().set_attention(impl)
     g = torch.Generator().manual_seed(1)
     aux = torch.randn(2, 12, 96, generator=g, dtype=torch.float64)
     ids = torch.randint(0, 100, (2, 12), generator=g)
     with torch.no_grad():
-        fused, naive = ttt_logits(d, aux, ids, 4), naive_ttt_logits(d, aux, ids, 4)
+        fused, naive = ttt_logits(d, aux, ids, ttt_length), naive_ttt_logits(d, aux, ids, ttt_length)
     for k, (a, b) in enumerate(zip(fused, naive)):
         assert torch.allclose(a, b, atol=1e-10), f"step {k} differs by {(a - b).abs().max()}"
 

@@ -1,46 +1,122 @@
-"""The training loop on a tiny draft: loss goes down, resume equals an uninterrupted run, NaN stops cleanly."""
+"""The training loop on a tiny draft: loss goes down, a SIGKILLed run resumes to the same bits, NaN stops cleanly,
+checkpoints are pruned to the newest K."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import tiny_draft
+from safetensors.torch import load_file
+from train_worker import CFG, samples
 
-from eagle3_core.config import TrainConfig
+from eagle3_core.checkpoint import load_latest_training_state
 from eagle3_core.trainer import train
 
+WORKER = Path(__file__).with_name("train_worker.py")
 
-def _samples(n=12, T=20, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        ids = torch.randint(0, 100, (T,), generator=g)
-        mask = torch.zeros(T, dtype=torch.bool)
-        mask[T // 2:] = True
-        out.append({"id": f"s{i}", "input_ids": ids, "loss_mask": mask, "aux": torch.randn(T, 96, generator=g),
-                    "final": torch.randn(T, 32, generator=g), "target_top1": torch.roll(ids, -1) // 2 * 2})
+
+def _run_worker(out_dir: Path, pause_at_step: int | None = None) -> str:
+    """Run tests/train_worker.py; with pause_at_step, SIGKILL it once it has written that step's checkpoint.
+    Returns its output."""
+    args = [sys.executable, str(WORKER), str(out_dir)] + ([str(pause_at_step)] if pause_at_step else [])
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.strip() == "PAUSED":
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+        rc = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines)
+    if pause_at_step:
+        assert rc == -signal.SIGKILL, out
+    else:
+        assert rc == 0, out
     return out
 
 
-CFG = TrainConfig(epochs=2, lr=3e-3, batch_tokens=80, ttt_length=3, warmup_frac=0.1)
+def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run_bit_for_bit(tmp_path):
+    """Acceptance: a real process killed with SIGKILL mid-epoch (after step 4's checkpoint: epoch 1, batch 1 of
+    3) and restarted ends with the same weights and optimizer state, bit for bit, as a run never interrupted."""
+    _run_worker(tmp_path / "full")
+    killed = _run_worker(tmp_path / "killed", pause_at_step=4)
+    assert "train: checkpoint step 4 (epoch 1, batch 1)" in killed and "epoch 1 loss" not in killed
+    state, path = load_latest_training_state(tmp_path / "killed", log=lambda s: None)
+    assert path.name == "step_000000004.pt" and (state["epoch"], state["batch"]) == (1, 1)
+    resumed = _run_worker(tmp_path / "killed")
+    assert "resumed from step_000000004.pt (epoch 1, batch 1, step 4)" in resumed
+    a, _ = load_latest_training_state(tmp_path / "full", log=lambda s: None)
+    b, _ = load_latest_training_state(tmp_path / "killed", log=lambda s: None)
+    assert a["step"] == b["step"] == 9
+    for name, t in a["model"].items():
+        assert torch.equal(t, b["model"][name]), name
+    for pid, st in a["optimizer"]["state"].items():
+        for key, t in st.items():
+            assert torch.equal(t, b["optimizer"]["state"][pid][key]), (pid, key)
+    for ha, hb in zip(json.loads(a["history"]), json.loads(b["history"]), strict=True):   # all but wall time
+        assert ha["train"] == hb["train"] and ha["eval"] == hb["eval"] and ha["tokens"] == hb["tokens"]
+    for d in ("last", "best"):
+        fa, fb = load_file(tmp_path / "full" / d / "model.safetensors"), load_file(tmp_path / "killed" / d /
+                                                                                   "model.safetensors")
+        assert all(torch.equal(fa[k], fb[k]) for k in fa), d
+    # keep_checkpoints = 2: only the newest two remain
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == [
+        "step_000000008.pt", "step_000000009.pt"]
 
 
-def test_resume_equals_uninterrupted_run(tmp_path):
+def test_loss_goes_down_and_best_is_chosen_by_eval_tau(tmp_path):
     lm_head = torch.randn(100, 32, generator=torch.Generator().manual_seed(5))
-    data = _samples()
-    a = tiny_draft()
-    full = train(a, data, data[:4], lm_head, CFG, tmp_path / "a", log=lambda s: None)
-    assert full["history"][-1]["train"]["loss"][0] < full["history"][0]["train"]["loss"][0] * 1.5
-    b = tiny_draft()
-    train(b, data, data[:4], lm_head, CFG, tmp_path / "b", log=lambda s: None, stop_after_epochs=1)
-    c = tiny_draft()                                     # a fresh process: weights come from the training state
-    said = []
-    train(c, data, data[:4], lm_head, CFG, tmp_path / "b", log=said.append)
-    assert any("resumed after epoch 0" in s for s in said)
-    for (name, p), q in zip(a.state_dict().items(), c.state_dict().values()):
-        assert torch.allclose(p, q, atol=1e-6), name
+    data = samples()
+    cfg = CFG.model_copy(update={"checkpoint_every": 100})
+    summary = train(tiny_draft(), data, samples(4, seed=1), lm_head, cfg, tmp_path, log=lambda s: None)
+    h = summary["history"]
+    assert sum(h[-1]["train"]["loss"]) < sum(h[0]["train"]["loss"])
+    taus = [r["eval"]["tau_sim"] for r in h]
+    assert summary["best"] == {"tau_sim": max(taus), "epoch": taus.index(max(taus))}
+    assert len(h[0]["train"]["acc"]) == cfg.ttt_length and len(h[0]["eval"]["cond_acc"]) == cfg.ttt_length
 
 
-def test_non_finite_loss_names_the_step_and_saves_nothing(tmp_path):
-    data = _samples()
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    """Two micro-batches of 4 accumulated equal one batch of 8 when every sample has the same supervised count
+    (each micro-batch loss is a mean over its positions)."""
+    lm_head = torch.randn(100, 32, generator=torch.Generator().manual_seed(5))
+    data = samples(8)
+    base = {"epochs": 1, "lr": 1e-3, "ttt_length": 2, "warmup_frac": 0.0, "device": "cpu", "grad_clip": 1e9}
+    one, two = tiny_draft().double(), tiny_draft().double()
+    for s in data:
+        s["aux"], s["final"] = s["aux"].double(), s["final"].double()
+    train(one, data, [], lm_head.double(), CFG.model_copy(update={**base, "batch_tokens": 160}), tmp_path / "1",
+          log=lambda s: None)
+    train(two, data, [], lm_head.double(), CFG.model_copy(update={**base, "batch_tokens": 80, "grad_accum": 2}),
+          tmp_path / "2", log=lambda s: None)
+    for (name, p), q in zip(one.state_dict().items(), two.state_dict().values()):
+        assert torch.allclose(p, q, atol=1e-12), name
+
+
+def test_non_finite_loss_names_the_step_and_saves_nothing_corrupt(tmp_path):
+    data = samples()
     data[3]["aux"][0, 0] = float("nan")
-    with pytest.raises(FloatingPointError, match=r"epoch 0, step \d+, batch \d+"):
+    with pytest.raises(FloatingPointError, match=r"epoch 0, step \d+, batch \d+ \(samples .*s3") as err:
         train(tiny_draft(), data, [], torch.randn(100, 32), CFG, tmp_path, log=lambda s: None)
-    assert not (tmp_path / "training_state.pt").exists() and not (tmp_path / "last").exists()
+    failed_step = int(re.search(r"step (\d+)", str(err.value)).group(1))
+    assert not (tmp_path / "last").exists()
+    for path in (tmp_path / "checkpoints").glob("*"):        # only checkpoints of the steps before, all finite
+        state = torch.load(path, weights_only=True)
+        assert path.name.startswith("step_") and state["step"] <= failed_step
+        assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
+
+
+def test_checkpoint_for_other_data_is_refused(tmp_path):
+    lm_head = torch.randn(100, 32)
+    train(tiny_draft(), samples(), [], lm_head, CFG.model_copy(update={"epochs": 1}), tmp_path, log=lambda s: None)
+    with pytest.raises(ValueError, match="other training data"):
+        train(tiny_draft(), samples(8), [], lm_head, CFG, tmp_path, log=lambda s: None)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from eagle3_core.vocab_map import build_vocab_map, count_tokens, draft_to_target_ids
@@ -29,3 +30,25 @@ def test_ties_break_by_lower_id():
     counts = torch.tensor([1, 2, 2, 2, 0])
     d2t, _ = build_vocab_map(counts, 2)
     assert draft_to_target_ids(d2t).tolist() == [1, 2]
+
+
+def test_d2t_t2d_round_trip_and_consistency():
+    from eagle3_core.vocab_map import check_vocab_map, target_to_draft_ids
+    counts = torch.randint(0, 50, (300,), generator=torch.Generator().manual_seed(0))
+    counts[::7] = 0
+    for N in (1, 64, 200, 300):                  # 200 and 300 exceed the distinct tokens seen: filled
+        d2t, t2d = build_vocab_map(counts, N)
+        check_vocab_map(d2t, t2d, "test")
+        targets = draft_to_target_ids(d2t)
+        t2d_ids = target_to_draft_ids(t2d)
+        assert torch.equal(t2d_ids[targets], torch.arange(N))                 # draft -> target -> draft
+        in_vocab = t2d.nonzero().flatten()
+        assert torch.equal(targets[t2d_ids[in_vocab]], in_vocab)              # target -> draft -> target
+        assert (t2d_ids[~t2d] == -1).all() and int(t2d.sum()) == N
+        seen = (counts > 0).nonzero().flatten()
+        if N >= len(seen):
+            assert t2d[seen].all()                                            # every seen token kept
+    bad = d2t.clone()
+    bad[0] += 1
+    with pytest.raises(ValueError, match="different target ids"):
+        check_vocab_map(bad, t2d, "test")

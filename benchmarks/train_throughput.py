@@ -1,0 +1,309 @@
+"""EAGLE-3 draft training throughput: our TTT step against SpecForge 0.2.0's on identical shapes and inputs.
+
+GPU (the point of it): python benchmarks/train_throughput.py            Llama-3.1-8B-shaped draft, bf16, T=2048
+CPU smoke test:        python benchmarks/train_throughput.py --tiny     small shapes, checks the script runs
+
+One measured step = TTT forward (ttt_length steps) + backward + grad clipping + AdamW step, on one batch of
+B x T tokens with random weights and random features (aux [B, T, 3H], target final hidden [B, T, H], target
+lm_head [V, H]), loss mask all ones. Prints tokens/s, MFU, peak memory per variant and the ratio of ours to
+SpecForge's best backend. Each measurement runs in its own try/except: a failure prints its error and the
+others still run.
+
+FLOPs (model FLOPs, the same count for every variant, so MFU ratios equal throughput ratios), per token:
+  per TTT step, forward: 2 * (2H*(nh+2*nkv)*hd + nh*hd*H + 3*H*I + H*N)        q/k/v, o, MLP, draft lm_head
+                         + 4 * nh*hd * ((T+1)/2 + k)                          attention: causal + k diagonal
+  training = 3 x forward (backward = 2 x forward) for all of the above, summed over k = 0..K-1,
+  + 2 * 3H_t*H * 2 (fc: forward + weight gradient; aux needs no gradient)
+  + 2 * H_t*N (teacher logits over the draft vocab, no gradient).
+Not counted: norms, RoPE, softmax/loss elementwise work, the optimizer, SpecForge's extra full-vocab
+log-sum-exp/argmax of the teacher (we read the target's argmax from the feature store instead).
+MFU = FLOPs/s / --peak-tflops (790 TFLOP/s: bf16 dense measured on an H200).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3_core.draft_model import DraftShape, Eagle3Draft
+from eagle3_core.trainer import compile_for_training
+from eagle3_core.ttt import ttt_loss
+
+FULL = {"H": 4096, "nh": 32, "nkv": 8, "hd": 128, "I": 14336, "V": 128256, "N": 32000, "T": 2048}
+TINY = {"H": 64, "nh": 4, "nkv": 2, "hd": 16, "I": 128, "V": 512, "N": 256, "T": 64}
+
+
+@dataclass
+class Result:
+    name: str
+    tok_s: float = float("nan")
+    mfu: float = float("nan")
+    peak_gib: float = float("nan")
+    loss: float = float("nan")
+    error: str = ""
+
+
+def flops_per_token(s: dict, K: int) -> float:
+    """Model FLOPs of one training step per token (module docstring)."""
+    H, nh, nkv, hd, I, N, T = (s[k] for k in ("H", "nh", "nkv", "hd", "I", "N", "T"))
+    dense = 2 * (2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I + H * N)
+    total = 0.0
+    for k in range(K):
+        total += 3 * (dense + 4 * nh * hd * ((T + 1) / 2 + k))
+    return total + 2 * 3 * H * H * 2 + 2 * H * N
+
+
+def make_inputs(s: dict, B: int, device: torch.device, seed: int = 0) -> dict:
+    """Random weights and features, identical for every variant (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    H, V, N, T = s["H"], s["V"], s["N"], s["T"]
+    vocab = torch.randperm(V, generator=g)[:N].sort().values               # draft vocab: N target ids
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[vocab] = True
+    lm_head = torch.randn(V, H, generator=g) * H ** -0.5
+    final = torch.randn(B, T, H, generator=g)
+    top1 = torch.cat([(final[b] @ lm_head.T).argmax(-1)[None] for b in range(B)])  # the target's argmax
+    return {"input_ids": torch.randint(0, V, (B, T), generator=g).to(device),
+            "loss_mask": torch.ones(B, T, dtype=torch.bool, device=device),
+            "aux": torch.randn(B, T, 3 * H, generator=g).to(device, torch.bfloat16),
+            "final": final.to(device, torch.bfloat16), "target_top1": top1.to(device),
+            "lm_head": lm_head.to(device), "embed": (torch.randn(V, H, generator=g) * 0.02).to(device),
+            "d2t": (vocab - torch.arange(N)).to(device), "t2d": t2d.to(device), "vocab": vocab.to(device)}
+
+
+def make_draft(s: dict, inp: dict, device: torch.device) -> Eagle3Draft:
+    shape = DraftShape(hidden_size=s["H"], target_hidden_size=s["H"], num_attention_heads=s["nh"],
+                       num_key_value_heads=s["nkv"], head_dim=s["hd"], intermediate_size=s["I"],
+                       vocab_size=s["V"], draft_vocab_size=s["N"], rope_theta=500000.0,
+                       max_position_embeddings=max(8192, s["T"] * 2), aux_layer_ids=[1, 15, 28])
+    with torch.device(device):
+        draft = Eagle3Draft(shape)
+    draft.init_weights(0)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(inp["embed"])
+        draft.d2t.copy_(inp["d2t"])
+        draft.t2d.copy_(inp["t2d"])
+    return draft
+
+
+def timed(step, device: torch.device, warmup: int, iters: int) -> tuple[float, float, float]:
+    """(seconds per step, peak GiB, last loss) of `step()` after `warmup` untimed calls."""
+    loss = None
+    for _ in range(warmup):
+        loss = step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        loss = step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / iters
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else float("nan")
+    return dt, peak, float(loss)
+
+
+def ours_step_fn(s: dict, inp: dict, device: torch.device, K: int, attention: str, compile_: bool):
+    draft = make_draft(s, inp, device).set_attention(attention)
+    if compile_:
+        compile_for_training(draft)
+    head_draft = inp["lm_head"][inp["vocab"]]                                  # [N, H_t] fp32
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    batch = {k: inp[k] for k in ("input_ids", "loss_mask", "aux", "final", "target_top1")}
+    if device.type != "cuda":                                              # fp32 on CPU, as the trainer does
+        batch = {k: v.float() if v.is_floating_point() else v for k, v in batch.items()}
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss, _ = ttt_loss(draft, batch, head_draft, K, 0.8)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+def specforge_step_fn(s: dict, inp: dict, device: torch.device, K: int, backend: str):
+    """SpecForge 0.2.0: OnlineEagle3Model around LlamaForCausalLMEagle3 (built from its config: under
+    transformers 5.x from_pretrained leaves its rotary caches uninitialised), bf16 weights with its
+    BF16Optimizer (fp32 master weights, AdamW, clip 0.5), loss sum_k 0.8**k ploss_k as SpecForge's trainer."""
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from specforge.optimizer import BF16Optimizer
+    from transformers.models.llama.configuration_llama import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=s["H"], num_attention_heads=s["nh"], num_key_value_heads=s["nkv"],
+                      head_dim=s["hd"], intermediate_size=s["I"], vocab_size=s["V"], num_hidden_layers=1,
+                      max_position_embeddings=max(8192, s["T"] * 2), rms_norm_eps=1e-5, hidden_act="silu",
+                      rope_theta=500000.0, tie_word_embeddings=False, pretraining_tp=1)
+    cfg.draft_vocab_size = s["N"]
+    with torch.device(device):
+        model = LlamaForCausalLMEagle3(cfg, attention_backend=backend)
+    ours = make_draft(s, inp, device)                                       # the same initial weights
+    missing, unexpected = model.load_state_dict(ours.state_dict(), strict=False)
+    assert not unexpected and all("rotary" in m or "inv_freq" in m for m in missing), (missing, unexpected)
+    del ours
+    model = model.to(device, torch.bfloat16)
+    model.embed_tokens.weight.requires_grad_(False)                         # the target's, frozen
+    model.d2t.copy_(inp["d2t"])
+    model.t2d.copy_(inp["t2d"])
+    wrapper = OnlineEagle3Model(draft_model=model, length=K, attention_backend=backend)
+    opt = BF16Optimizer(model, lr=1e-4, max_grad_norm=0.5, total_steps=1000)
+    opt.configure_grad_norm_reduction(enabled=False)
+    lm_head = inp["lm_head"].to(torch.bfloat16)
+
+    def step():
+        plosses, *_ = wrapper(input_ids=inp["input_ids"], attention_mask=torch.ones_like(inp["input_ids"]),
+                              target=None, loss_mask=inp["loss_mask"][..., None].long(), hidden_states=inp["aux"],
+                              target_hidden_for_compact=inp["final"], target_head_weight=lm_head)
+        loss = sum(0.8 ** i * pl for i, pl in enumerate(plosses))
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
+def measure(name: str, make_step, s: dict, B: int, K: int, device, warmup: int, iters: int, peak_tflops: float):
+    res = Result(name)
+    try:
+        step = make_step()
+        dt, peak, loss = timed(step, device, warmup, iters)
+        tok_s = B * s["T"] / dt
+        res.tok_s, res.peak_gib, res.loss = tok_s, peak, loss
+        res.mfu = tok_s * flops_per_token(s, K) / (peak_tflops * 1e12)
+    except Exception as e:  # noqa: BLE001 (a benchmark: report the failure, go on with the other variants)
+        res.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        traceback.print_exc(limit=4)
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"  {name}: " + (f"{res.tok_s:,.0f} tok/s, MFU {res.mfu:.1%}, peak {res.peak_gib:.1f} GiB, "
+                           f"loss {res.loss:.4f}" if not res.error else f"FAILED {res.error}"), flush=True)
+    return res
+
+
+def check_equivalence(s: dict, device: torch.device, K: int) -> None:
+    """Loss and gradients of our merged_flex attention against eager on this device (small T)."""
+    small = {**s, "T": min(s["T"], 256)}
+    inp = make_inputs(small, 1, device, seed=1)
+    batch = {k: inp[k] for k in ("input_ids", "loss_mask", "aux", "final", "target_top1")}
+    batch = {k: v.float() if v.is_floating_point() else v for k, v in batch.items()}
+    out = {}
+    for impl in ("eager", "merged_flex"):
+        if impl == "merged_flex" and device.type != "cuda":
+            continue                                                        # flex has no backward on CPU
+        d = make_draft(small, inp, device).set_attention(impl)
+        loss, _ = ttt_loss(d, batch, inp["lm_head"][inp["vocab"]], K)
+        loss.backward()
+        out[impl] = (loss.item(), torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None]))
+    if len(out) == 2:
+        (la, ga), (lb, gb) = out.values()
+        print(f"check (fp32, T={small['T']}): loss eager {la:.6f} merged_flex {lb:.6f}; gradient max rel diff "
+              f"{((ga - gb).abs().max() / ga.abs().max()).item():.2e}")
+
+
+def profile(make_step, device: torch.device, rows: int = 20) -> None:
+    """Top CUDA kernels of one step (what bounds it)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+    step = make_step()
+    step()
+    step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with prof(activities=acts) as p:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(p.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="small shapes on CPU (smoke test of this script)")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per step (B)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length T (default 2048; --tiny 64)")
+    ap.add_argument("--ttt", type=int, default=7, help="TTT steps K")
+    ap.add_argument("--iters", type=int, default=None, help="timed steps (default 10; --tiny 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense peak for MFU (H200 measured)")
+    ap.add_argument("--attention", default=None,
+                    help="our TTT attention implementations to measure, comma-separated (default: "
+                         "merged_flex,eager on CUDA; eager,merged_math on CPU, where flex has no backward)")
+    ap.add_argument("--compile", default="off,on", help="our variants without/with torch.compile: off,on")
+    ap.add_argument("--specforge", default="flex_attention,sdpa",
+                    help="SpecForge attention backends to measure, comma-separated ('' for none)")
+    ap.add_argument("--check", action="store_true", help="first compare merged_flex with eager (loss, grads)")
+    ap.add_argument("--profile", default="", help="profile one step of this variant, e.g. ours:merged_flex:on "
+                                                  "or specforge:flex_attention")
+    args = ap.parse_args()
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu"))
+    s = dict(TINY if args.tiny else FULL)
+    if args.seq:
+        s["T"] = args.seq
+    iters = args.iters or (2 if args.tiny else 10)
+    warmup = args.warmup or (1 if args.tiny else 3)
+    B, K = args.batch, args.ttt
+    print(f"shapes {s}, B {B}, TTT {K}, device {device} "
+          f"({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch {torch.__version__}")
+    print(f"model FLOPs per token per training step: {flops_per_token(s, K) / 1e9:.2f} GFLOP "
+          f"(formula in the module docstring); peak {args.peak_tflops:.0f} TFLOP/s")
+    inp = make_inputs(s, B, device)
+    if args.check:
+        try:
+            check_equivalence(s, device, K)
+        except Exception:  # noqa: BLE001 (report and go on to the timings)
+            traceback.print_exc(limit=4)
+
+    variants = []
+    attentions = args.attention or ("merged_flex,eager" if device.type == "cuda" else "eager,merged_math")
+    for attn in filter(None, attentions.split(",")):
+        for c in filter(None, args.compile.split(",")):
+            variants.append((f"ours:{attn}:{c}", lambda a=attn, c=c: ours_step_fn(s, inp, device, K, a, c == "on")))
+    for backend in filter(None, args.specforge.split(",")):
+        variants.append((f"specforge:{backend}", lambda b=backend: specforge_step_fn(s, inp, device, K, b)))
+
+    if args.profile:
+        make = dict(variants).get(args.profile)
+        if make is None:
+            print(f"--profile {args.profile!r}: not one of {[n for n, _ in variants]}")
+        else:
+            try:
+                profile(make, device)
+            except Exception:  # noqa: BLE001 (report and go on to the timings)
+                traceback.print_exc(limit=4)
+
+    results = [measure(name, make, s, B, K, device, warmup, iters, args.peak_tflops) for name, make in variants]
+
+    print("\n| variant | tok/s | MFU | peak GiB | loss |\n|---|---|---|---|---|")
+    for r in results:
+        if r.error:
+            print(f"| {r.name} | failed: {r.error[:120]} | | | |")
+        else:
+            print(f"| {r.name} | {r.tok_s:,.0f} | {r.mfu:.1%} | {r.peak_gib:.1f} | {r.loss:.4f} |")
+    ours = [r for r in results if r.name.startswith("ours") and not r.error]
+    theirs = [r for r in results if r.name.startswith("specforge") and not r.error]
+    if ours and theirs:
+        a, b = max(ours, key=lambda r: r.tok_s), max(theirs, key=lambda r: r.tok_s)
+        print(f"\nbest ours {a.name} {a.tok_s:,.0f} tok/s / best SpecForge {b.name} {b.tok_s:,.0f} tok/s = "
+              f"{a.tok_s / b.tok_s:.2f}x (goal >= 1.5x)")
+    elif ours:
+        print("\nno SpecForge measurement succeeded: ratio not available (errors above)")
+
+
+if __name__ == "__main__":
+    main()

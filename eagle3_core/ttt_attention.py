@@ -1,0 +1,141 @@
+"""Training-time-test (TTT) attention (REFERENCE.md section 3): three implementations of one rule.
+
+Legend: B batch, nh query heads, nkv kv heads (rep = nh // nkv), T step-0 keys, Tq queries, hd head dim,
+k = len(keys) - 1 the TTT step.
+
+Rule: at step k, the query at index i attends causally to the step-0 keys 0..i and, from each later step
+j = 1..k, only to the key at the same index i (the "diagonal"). Queries may cover only the last Tq <= T indices
+(steps >= 1 skip a leading region no loss reaches): query i is index T - Tq + i. Padding is on the right, so the
+causal rule alone keeps it out of real positions.
+
+- `ttt_attention_eager`: scores against all step-0 keys materialised ([B, nh, Tq, T]), diagonal scores
+  appended, one softmax. Simple; the reference the others are tested against.
+- `ttt_attention_merged`: the causal part by any attention kernel that also returns its log-sum-exp (flex
+  attention on GPU: no [Tq, T] matrix in memory), then the k diagonal terms merged in exactly by their
+  log-sum-exp: softmax over the union of keys = weighted sum of the parts, weights exp(lse_part - lse_all).
+  Gradients flow through lse (flex attention supports that), so autograd needs no custom backward.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+try:  # torch >= 2.9
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # pragma: no cover - older torch: the deprecated return_lse flag
+    AuxRequest = None
+
+IMPLEMENTATIONS = ("eager", "merged_math", "merged_flex")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half-precision inputs (softmax), the input's own dtype otherwise (fp32, fp64 in tests)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _grouped(q: torch.Tensor, nkv: int) -> torch.Tensor:
+    """q [B, nh, Tq, hd] -> [B, nkv, rep, Tq, hd] (a view): query heads grouped by their kv head (GQA)."""
+    B, nh, Tq, hd = q.shape
+    return q.view(B, nkv, nh // nkv, Tq, hd)
+
+
+def ttt_attention_eager(q: torch.Tensor, keys: list, values: list) -> torch.Tensor:
+    """q [B, nh, Tq, hd]; keys/values: k+1 tensors, entry 0 [B, nkv, T, hd] (step 0), entries j >= 1
+    [B, nkv, Tq, hd] (step j, same indices as q). Returns [B, nh, Tq, hd] in q's dtype."""
+    B, nh, Tq, hd = q.shape
+    nkv, T = keys[0].shape[1], keys[0].shape[2]
+    acc = _acc_dtype(q.dtype)
+    scale = 1.0 / math.sqrt(hd)
+    qg = _grouped(q, nkv)                                                  # [B, nkv, rep, Tq, hd]
+    scores0 = (qg @ keys[0][:, :, None].transpose(-1, -2)).to(acc) * scale  # [B, nkv, rep, Tq, T]
+    causal = torch.ones(Tq, T, dtype=torch.bool, device=q.device).tril(diagonal=T - Tq)
+    scores0 = scores0.masked_fill(~causal, float("-inf"))
+    diag = [(qg * kj[:, :, None]).sum(-1, keepdim=True).to(acc) * scale for kj in keys[1:]]  # k x [.., Tq, 1]
+    probs = torch.cat([scores0, *diag], dim=-1).softmax(-1).to(q.dtype)   # [B, nkv, rep, Tq, T+k]
+    out = probs[..., :T] @ values[0][:, :, None]                           # [B, nkv, rep, Tq, hd]
+    for j, vj in enumerate(values[1:]):
+        out = out + probs[..., T + j:T + j + 1] * vj[:, :, None]
+    return out.reshape(B, nh, Tq, hd)
+
+
+def causal_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Causal attention with its log-sum-exp, written out (CPU, tests). q [B, nh, Tq, hd], k/v [B, nkv, T, hd];
+    query i is index T - Tq + i. Returns (out [B, nh, Tq, hd] q's dtype, lse [B, nh, Tq] fp32 or fp64)."""
+    B, nh, Tq, hd = q.shape
+    nkv, T = k.shape[1], k.shape[2]
+    acc = _acc_dtype(q.dtype)
+    scores = (_grouped(q, nkv) @ k[:, :, None].transpose(-1, -2)).to(acc) / math.sqrt(hd)
+    causal = torch.ones(Tq, T, dtype=torch.bool, device=q.device).tril(diagonal=T - Tq)
+    scores = scores.masked_fill(~causal, float("-inf"))                   # [B, nkv, rep, Tq, T]
+    lse = scores.logsumexp(-1)
+    out = (scores - lse[..., None]).exp().to(q.dtype) @ v[:, :, None]
+    return out.reshape(B, nh, Tq, hd), lse.reshape(B, nh, Tq)
+
+
+_BLOCK_MASKS: dict = {}
+_COMPILED_FLEX = None
+
+
+def _causal_block_mask(Tq: int, T: int, device: torch.device):
+    """Flex block mask of the causal rule with queries at the last Tq of T indices; cached per shape."""
+    key = (Tq, T, str(device))
+    if key not in _BLOCK_MASKS:
+        offset = T - Tq
+
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx + offset >= kv_idx
+
+        _BLOCK_MASKS[key] = create_block_mask(causal, None, None, Tq, T, device=device)
+    return _BLOCK_MASKS[key]
+
+
+def causal_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """As causal_attention_math, by flex attention (fused kernel; compiled on first use on CUDA, where it is
+    meant to run: uncompiled flex materialises the scores, and its backward does not run on CPU).
+    Returns (out [B, nh, Tq, hd] q's dtype, lse [B, nh, Tq] fp32)."""
+    global _COMPILED_FLEX
+    fn = flex_attention
+    if q.is_cuda and not torch.compiler.is_compiling():
+        if _COMPILED_FLEX is None:
+            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+        fn = _COMPILED_FLEX
+    mask = _causal_block_mask(q.shape[2], k.shape[2], q.device)
+    if AuxRequest is not None:
+        out, aux = fn(q, k, v, block_mask=mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    out, lse = fn(q, k, v, block_mask=mask, enable_gqa=True, return_lse=True)  # pragma: no cover
+    return out, lse
+
+
+def ttt_attention_merged(q: torch.Tensor, keys: list, values: list, causal=causal_attention_math) -> torch.Tensor:
+    """Same contract as ttt_attention_eager; the causal part by `causal` (causal_attention_math or
+    causal_attention_flex), the diagonal terms merged by log-sum-exp in fp32 (fp64 for fp64 inputs)."""
+    B, nh, Tq, hd = q.shape
+    nkv = keys[0].shape[1]
+    acc = _acc_dtype(q.dtype)
+    out0, lse0 = causal(q, keys[0], values[0])                            # [B, nh, Tq, hd], [B, nh, Tq]
+    if len(keys) == 1:
+        return out0
+    qg = _grouped(q, nkv)
+    scale = 1.0 / math.sqrt(hd)
+    qa = qg.to(acc)                                                       # diagonal dot products in fp32
+    diag = [(qa * kj[:, :, None].to(acc)).sum(-1).reshape(B, nh, Tq) * scale for kj in keys[1:]]  # k x [B,nh,Tq]
+    lse = torch.logsumexp(torch.stack([lse0.to(acc), *diag]), dim=0)      # [B, nh, Tq], all visible keys
+    out = (lse0.to(acc) - lse).exp()[..., None] * out0.to(acc)            # causal part, re-weighted
+    for s_j, vj in zip(diag, values[1:]):
+        w = (s_j - lse).exp().view(B, nkv, nh // nkv, Tq, 1)
+        out = out + (w * vj[:, :, None].to(acc)).reshape(B, nh, Tq, hd)
+    return out.to(q.dtype)
+
+
+def ttt_attention(q: torch.Tensor, keys: list, values: list, impl: str = "eager") -> torch.Tensor:
+    """Dispatch to one implementation by name (IMPLEMENTATIONS). Raises ValueError for an unknown name."""
+    if impl == "eager":
+        return ttt_attention_eager(q, keys, values)
+    if impl == "merged_math":
+        return ttt_attention_merged(q, keys, values, causal_attention_math)
+    if impl == "merged_flex":
+        return ttt_attention_merged(q, keys, values, causal_attention_flex)
+    raise ValueError(f"unknown TTT attention {impl!r}; choose one of {IMPLEMENTATIONS}")

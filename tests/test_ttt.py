@@ -1,0 +1,60 @@
+"""TTT loss and metrics on cases small enough to compute by hand (the numbers below are worked out in comments)."""
+import math
+
+import torch
+from conftest import tiny_draft
+
+from eagle3_core.ttt import soft_cross_entropy, summarize, ttt_loss
+
+
+def test_soft_cross_entropy_and_its_gradient_by_hand():
+    # row 0: draft softmax(ln[1, 2, 1]) = [1/4, 1/2, 1/4] against teacher [1/4, 1/4, 1/2]:
+    #        CE = -(1/4 ln 1/4 + 1/4 ln 1/2 + 1/2 ln 1/4) = (1/2 + 1/4 + 1) ln 2 = 1.75 ln 2
+    # row 1: draft uniform over 3 against teacher [1, 0, 0]: CE = ln 3
+    # row 2: masked out (would be large), so the mean is over rows 0 and 1
+    logits = torch.tensor([[[0.0, math.log(2), 0.0], [5.0, 5.0, 5.0], [-9.0, 9.0, 0.0]]], dtype=torch.float64,
+                          requires_grad=True)
+    p = torch.tensor([[[0.25, 0.25, 0.5], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False]])
+    loss = soft_cross_entropy(logits, p, mask)
+    assert abs(loss.item() - (1.75 * math.log(2) + math.log(3)) / 2) < 1e-12
+    loss.backward()
+    # d loss / d logits = (softmax - teacher) / 2 on supervised rows, 0 elsewhere
+    expected = torch.tensor([[[0.0, 0.125, -0.125], [-1 / 3, 1 / 6, 1 / 6], [0.0, 0.0, 0.0]]], dtype=torch.float64)
+    assert torch.allclose(logits.grad, expected, atol=1e-12)
+
+
+def test_ttt_loss_acc_and_tau_by_hand():
+    """A draft whose final norm weight is 0 gives all-zero logits: every draft distribution is uniform over
+    N = 50 (CE = ln 50 against any teacher) and its argmax is draft id 0 = target id 0 (tiny_draft maps draft i to
+    target 2i). One sequence, T = 8, 3 TTT steps, step weight 0.5.
+
+    Index t at step k predicts x_{t+2+k} (supervised iff loss_mask[t+2+k]) and is right iff target_top1[t+1+k]
+    is 0. loss_mask = [0,0,0,1,1,1,1,1], target_top1 = [7,7,0,0,3,0,8,9]:
+      step 0: t = 1..5 see top1[2..6] = 0,0,3,0,8 -> right at t = 1,2,4: acc 3/5
+      step 1: t = 0..4 see top1[2..6]             -> right at t = 0,1,3: acc 3/5
+      step 2: t = 0..3 see top1[3..6] = 0,3,0,8   -> right at t = 0,2:   acc 2/4
+    chain (right at every step so far, same t): {1,2,4}, {1}, {} -> 3, 1, 0; conditional 3/5, 1/3, 0/1.
+    tau_sim = 1 + 3/5 + 3/5*3/5 + 3/5*3/5*1/2 = 2.14. loss = ln 50 * (1 + 0.5 + 0.25).
+    """
+    d = tiny_draft().double()
+    with torch.no_grad():
+        d.norm.weight.zero_()
+    g = torch.Generator().manual_seed(0)
+    T = 8
+    batch = {"input_ids": torch.randint(0, 100, (1, T), generator=g),
+             "loss_mask": torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]], dtype=torch.bool),
+             "target_top1": torch.tensor([[7, 7, 0, 0, 3, 0, 8, 9]]),
+             "aux": torch.randn(1, T, 96, generator=g, dtype=torch.float64),
+             "final": torch.randn(1, T, 32, generator=g, dtype=torch.float64)}
+    head = torch.randn(50, 32, generator=g, dtype=torch.float64)
+    loss, stats = ttt_loss(d, batch, head, ttt_length=3, step_weight=0.5)
+    assert abs(loss.item() - math.log(50) * 1.75) < 1e-12
+    assert stats["n"].tolist() == [5, 5, 4]
+    assert stats["correct"].tolist() == [3, 3, 2]
+    assert stats["chain"].tolist() == [3, 1, 0]
+    m = summarize(stats)
+    assert m["acc"] == [3 / 5, 3 / 5, 2 / 4]
+    assert m["cond_acc"] == [3 / 5, 1 / 3, 0.0]
+    assert abs(m["tau_sim"] - 2.14) < 1e-12
+    assert all(abs(x - math.log(50)) < 1e-12 for x in m["loss"])
