@@ -70,11 +70,16 @@ def bad_shards(store_dir: Path, entries: list[dict], threads: int = 4) -> list[s
 
 # ---- extraction ---------------------------------------------------------------------------------------------
 
-def _write_head(extractor, out_dir: Path) -> str:
-    """head.safetensors (embedding, lm_head if untied, fp32); returns an id of the target weights (config + a
-    checksum of some embedding rows), part of every shard's content key."""
+def _write_head(extractor, out_dir: Path, prev_target_id: str | None) -> str:
+    """head.safetensors (embedding, lm_head if untied, fp32), unless it is there for the same target; returns an
+    id of the target weights (config + a checksum of some embedding rows), part of every shard's content key."""
     model = extractor.model
-    emb = model.get_input_embeddings().weight.detach().float().cpu()
+    emb = model.get_input_embeddings().weight.detach()
+    target_id = sha256_json([model.config.to_dict(),
+                             hashlib.sha256(emb[:64].float().cpu().numpy().tobytes()).hexdigest()])
+    if target_id == prev_target_id and (out_dir / "head.safetensors").exists():
+        return target_id
+    emb = emb.float().cpu()
     lm = model.get_output_embeddings().weight.detach().float().cpu()
     tensors = {"embed_tokens": emb.contiguous()}
     if lm.data_ptr() != emb.data_ptr() and not torch.equal(lm, emb):
@@ -82,7 +87,7 @@ def _write_head(extractor, out_dir: Path) -> str:
     tmp = out_dir / ".head.safetensors.tmp"
     save_file(tensors, str(tmp))
     tmp.replace(out_dir / "head.safetensors")
-    return sha256_json([model.config.to_dict(), hashlib.sha256(emb[:64].numpy().tobytes()).hexdigest()])
+    return target_id
 
 
 def _shard_tensors(part: list[dict], pieces: list[tuple[HostCopy, list[int], list[int]]]) -> dict:
@@ -104,6 +109,31 @@ def _shard_tensors(part: list[dict], pieces: list[tuple[HostCopy, list[int], lis
     return {k: v.contiguous() for k, v in tensors.items()}
 
 
+def write_shards(extractor, jobs: list[tuple[Path, list[dict]]], store_format: str, batch_tokens: int,
+                 writer_threads: int, on_written) -> int:
+    """The extraction loop: for each (shard path, rows) run the extractor on length-bucketed batches under
+    `batch_tokens`, encode on the device, copy to pinned host memory, and hand the shard to the background writer,
+    which assembles, checksums and writes it and then calls `on_written(path, sha256, nbytes, rows)` (from a writer
+    thread). The GPU never waits for the disk unless writer_threads + 1 shards are already queued. Returns the
+    number of tokens extracted."""
+    n_tokens = 0
+    with ShardWriter(writer_threads) as writer:
+        for path, part in jobs:
+            pieces = []
+            if store_format != "online":
+                for batch in batches_by_tokens([len(r["input_ids"]) for r in part], batch_tokens):
+                    out = extractor.forward([part[i]["input_ids"] for i in batch])
+                    enc = ff.encode(store_format, out["aux"], out["final"], out["target_top1"])
+                    pieces.append((HostCopy(enc), batch, out["lengths"].tolist()))
+            n_tokens += sum(len(r["input_ids"]) for r in part)
+
+            def build(part=part, pieces=pieces):
+                return _shard_tensors(part, pieces), {"ids": json.dumps([r["id"] for r in part])}
+
+            writer.submit(path, build, lambda p, sha, n, part=part: on_written(p, sha, n, part))
+    return n_tokens
+
+
 def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list[int] | None, shard_samples: int,
                      batch_tokens: int, store_format: str = "bf16", log=print, target: dict | None = None,
                      writer_threads: int = 2, device: str | None = None) -> dict:
@@ -122,7 +152,8 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     extractor = HFExtractor(model, aux_layer_ids) if isinstance(model, torch.nn.Module) else model
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target_id = _write_head(extractor, out_dir)
+    previous = read_manifest(out_dir / "manifest.json") or {}
+    target_id = _write_head(extractor, out_dir, previous.get("target_id"))
     ids = extractor.aux_layer_ids
     header = {"store_version": STORE_VERSION, "format": store_format, "aux_layer_ids": ids,
               "hidden_size": extractor.hidden_size, "target": target, "target_id": target_id,
@@ -134,7 +165,7 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
         key = sha256_json([STORE_VERSION, [[r["id"], list(r["input_ids"])] for r in part], ids, store_format,
                            target_id])
         plan.append((f"shard_{start // shard_samples:05d}.safetensors", part, key))
-    prev = {s["file"]: s for s in (read_manifest(out_dir / "manifest.json") or {}).get("shards", [])}
+    prev = {s["file"]: s for s in previous.get("shards", [])}
     candidates = [prev[f] for f, _, key in plan if f in prev and prev[f].get("content_key") == key]
     bad = set(bad_shards(out_dir, candidates))
     done = {e["file"]: e for e in candidates if e["file"] not in bad}
@@ -157,29 +188,18 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     todo = [(f, part, key) for f, part, key in plan if f not in done]
     if not todo:
         log(f"features: all {len(plan)} shards in {out_dir} are complete; nothing to extract")
-    extracted_tokens = 0
-    with ShardWriter(writer_threads) as writer:
-        for file, part, key in todo:
-            pieces = []
-            if store_format != "online":
-                for batch in batches_by_tokens([len(r["input_ids"]) for r in part], batch_tokens):
-                    out = extractor.forward([part[i]["input_ids"] for i in batch])
-                    enc = ff.encode(store_format, out["aux"], out["final"], out["target_top1"])
-                    pieces.append((HostCopy(enc), batch, out["lengths"].tolist()))
-            extracted_tokens += sum(len(r["input_ids"]) for r in part)
+    by_file = {file: key for file, _, key in todo}
 
-            def build(part=part, pieces=pieces):
-                return (_shard_tensors(part, pieces), {"ids": json.dumps([r["id"] for r in part])})
+    def record(path: Path, sha: str, nbytes: int, part: list[dict]) -> None:
+        entry = {"file": path.name, "sha256": sha, "bytes": nbytes, "samples": len(part),
+                 "tokens": sum(len(r["input_ids"]) for r in part), "ids": [r["id"] for r in part],
+                 "content_key": by_file[path.name]}
+        with lock:
+            done[path.name] = entry
+            publish()
 
-            def record(path, sha, nbytes, part=part, key=key):
-                entry = {"file": path.name, "sha256": sha, "bytes": nbytes, "samples": len(part),
-                         "tokens": sum(len(r["input_ids"]) for r in part), "ids": [r["id"] for r in part],
-                         "content_key": key}
-                with lock:
-                    done[path.name] = entry
-                    publish()
-
-            writer.submit(out_dir / file, build, record)
+    extracted_tokens = write_shards(extractor, [(out_dir / f, part) for f, part, _ in todo], store_format,
+                                    batch_tokens, writer_threads, record)
     seconds = time.monotonic() - t0
     manifest = publish({"shards_extracted": len(todo), "seconds": seconds,
                         "tokens_per_s": extracted_tokens / seconds if todo else None})
