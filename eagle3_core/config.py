@@ -18,10 +18,11 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     """Default aux layer ids (outputs of 0-based decoder layers) for a target with `num_layers` layers.
 
     Source: SGLang `llama_eagle3.py` captures the *inputs* of layers [2, L//2, L-3], i.e. outputs [1, L//2-1, L-4].
-    Raises ValueError for targets with fewer than 5 layers (the three ids would collide).
+    Raises ValueError for targets with fewer than 7 layers (two of the three ids would collide).
     """
-    if num_layers < 5:
-        raise ValueError(f"target has {num_layers} decoder layers; EAGLE-3 default aux ids need at least 5")
+    if num_layers < 7:
+        raise ValueError(f"target has {num_layers} decoder layers; EAGLE-3 default aux ids need at least 7 "
+                         "(set features.aux_layer_ids to three distinct ids)")
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
@@ -63,6 +64,10 @@ class FeatureConfig(BaseModel):
     max_length: int = Field(2048, ge=8, description="sequences are truncated to this many tokens")
     shard_samples: int = Field(64, ge=1, description="samples per safetensors shard")
     batch_tokens: int = Field(4096, ge=64, description="token budget of one extraction forward")
+    format: Literal["bf16", "fp8", "online"] = Field(
+        "bf16", description="feature storage: bf16; fp8 (e4m3, per-token scales, ~half the bytes); online (nothing "
+                            "stored, training runs the target on the fly)")
+    writer_threads: int = Field(2, ge=1, description="background threads serializing, hashing and writing shards")
 
     @field_validator("aux_layer_ids")
     @classmethod

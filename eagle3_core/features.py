@@ -1,28 +1,36 @@
-"""Aux hidden-state extraction and the shard store (DESIGN.md 'hidden states').
+"""The feature store (DESIGN.md 'hidden states'): extraction into checksummed shards, resumable per shard, and the
+one reader training uses for every storage format, including the online one that stores nothing.
 
 Legend: T tokens of one sample, H_t target hidden, S samples per shard.
-A shard `shard_{i:05d}.safetensors` holds S samples concatenated along T:
-  aux [sum T, 3*H_t] (bf16 by default)  outputs of the aux layers, concatenated in id order
-  final [sum T, H_t]                      the target's final normed hidden state (lm_head input)
-  target_top1 int32 [sum T]               the target's argmax next token at each position
-  input_ids int32 [sum T], loss_mask int8 [sum T], offsets int64 [S + 1]
-and its sample ids in the safetensors metadata. `head.safetensors` holds the target's embedding and lm_head.
-A shard is done when its file exists and its sha256 matches the sidecar written after it; the manifest lists them.
+A shard `shard_{i:05d}.safetensors` holds S samples concatenated along T: the format's feature tensors
+(feature_formats.py; e.g. bf16 aux [sum T, 3H_t], final [sum T, H_t], target_top1 int32 [sum T]) plus
+input_ids int32 [sum T], loss_mask int8 [sum T], offsets int64 [S + 1], and its sample ids in the metadata.
+`head.safetensors` holds the target's embedding and lm_head. `manifest.json` lists the finished shards only, each
+with its sha256, byte size, sample ids, token count and a content key (samples, tokens, layers, format, target); it
+is rewritten atomically after every shard, so it never names a shard that is not complete on disk.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .manifest import read_manifest, sha256_file, sha256_json, write_atomic, write_manifest
+from . import feature_formats as ff
+from .extract import HFExtractor, HostCopy
+from .manifest import read_manifest, sha256_file, sha256_json, write_manifest
+from .shard_writer import ShardWriter
 
-STORE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+STORE_VERSION = 2
 
 
 def batches_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
@@ -39,123 +47,285 @@ def batches_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
     return batches
 
 
-@torch.no_grad()
 def extract_batch(model, aux_layer_ids: list[int], seqs: list[list[int]], device: str = "cpu") -> list[dict]:
-    """Run the target on right-padded `seqs`; per sample {'aux' [T, 3H_t], 'final' [T, H_t], 'target_top1' [T]}."""
-    from .target import capture
-    T = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), T, dtype=torch.long)
-    attn = torch.zeros(len(seqs), T, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        ids[b, :len(s)] = torch.tensor(s)
-        attn[b, :len(s)] = 1
-    with capture(model, aux_layer_ids) as store:
-        logits = model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False).logits
-    aux = torch.cat(store["aux"], dim=-1)                                  # [B, T, 3H_t]
-    top1 = logits.argmax(-1)                                               # [B, T]
-    return [{"aux": aux[b, :len(s)].cpu(), "final": store["final"][b, :len(s)].cpu(),
-             "target_top1": top1[b, :len(s)].to(torch.int32).cpu()} for b, s in enumerate(seqs)]
+    """Run the target on right-padded `seqs`; per sample {'aux' [T, 3H_t], 'final' [T, H_t], 'target_top1' [T]}
+    on the CPU in the model's dtype (HFExtractor)."""
+    return HFExtractor(model, aux_layer_ids)(seqs)
 
 
-def _shard_done(out_dir: Path, name: str, content_key: str) -> bool:
-    """True if the shard exists, was written for the same samples and settings, and its bytes are intact."""
-    path, side = out_dir / f"{name}.safetensors", out_dir / f"{name}.json"
-    if not (path.exists() and side.exists()):
-        return False
-    meta = json.loads(side.read_text())
-    return meta.get("content_key") == content_key and meta["sha256"] == sha256_file(path)
+# ---- verification -------------------------------------------------------------------------------------------
+
+def _shard_ok(store_dir: Path, entry: dict) -> bool:
+    path = store_dir / entry["file"]
+    return path.exists() and path.stat().st_size == entry["bytes"] and sha256_file(path) == entry["sha256"]
 
 
-def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list[int], shard_samples: int,
-                     batch_tokens: int, store_dtype: str = "bf16", device: str = "cpu", log=print) -> dict:
-    """Extract and store features for tokenized `rows` ({id, input_ids, loss_mask}); resumable per shard.
+def bad_shards(store_dir: Path, entries: list[dict], threads: int = 4) -> list[str]:
+    """Files of `entries` (manifest shard records) that are missing, of another size or fail their sha256.
+    Shards are hashed in parallel (hashlib releases the GIL)."""
+    with ThreadPoolExecutor(threads) as pool:
+        ok = list(pool.map(lambda e: _shard_ok(Path(store_dir), e), entries))
+    return [e["file"] for e, good in zip(entries, ok) if not good]
 
-    Returns the manifest (also written to out_dir/manifest.json). Shards already complete are skipped; when all
-    are, nothing is computed (handed case C8). Raises ValueError on an unknown store dtype.
-    """
-    if store_dtype not in STORE_DTYPES:
-        raise ValueError(f"unknown feature dtype {store_dtype!r}; choose one of {sorted(STORE_DTYPES)}")
-    dtype = STORE_DTYPES[store_dtype]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    head = out_dir / "head.safetensors"                                     # rewritten: it must match this target
-    emb = model.get_input_embeddings().weight.detach().float().cpu()
+
+# ---- extraction ---------------------------------------------------------------------------------------------
+
+def _write_head(extractor, out_dir: Path, prev_target_id: str | None) -> str:
+    """head.safetensors (embedding, lm_head if untied, fp32), unless it is there for the same target; returns an
+    id of the target weights (config + a checksum of some embedding rows), part of every shard's content key."""
+    model = extractor.model
+    emb = model.get_input_embeddings().weight.detach()
+    target_id = sha256_json([model.config.to_dict(),
+                             hashlib.sha256(emb[:64].float().cpu().numpy().tobytes()).hexdigest()])
+    if target_id == prev_target_id and (out_dir / "head.safetensors").exists():
+        return target_id
+    emb = emb.float().cpu()
     lm = model.get_output_embeddings().weight.detach().float().cpu()
     tensors = {"embed_tokens": emb.contiguous()}
     if lm.data_ptr() != emb.data_ptr() and not torch.equal(lm, emb):
         tensors["lm_head"] = lm.contiguous()
-    save_file(tensors, str(head) + ".tmp")
-    Path(str(head) + ".tmp").replace(head)
-    # identifies the target weights cheaply: its config and a checksum of some embedding rows
-    target_id = sha256_json([model.config.to_dict(), hashlib.sha256(emb[:64].numpy().tobytes()).hexdigest()])
-    shards, t0, todo = [], time.monotonic(), 0
+    tmp = out_dir / ".head.safetensors.tmp"
+    save_file(tensors, str(tmp))
+    tmp.replace(out_dir / "head.safetensors")
+    return target_id
+
+
+def _shard_tensors(part: list[dict], pieces: list[tuple[HostCopy, list[int], list[int]]]) -> dict:
+    """Shard tensors in row order from per-batch host copies: pieces = (copy, indices into part, lengths)."""
+    rows_of: dict[int, tuple[dict, int, int]] = {}
+    for copy, idx, lens in pieces:
+        host = copy.wait()
+        for b, (i, n) in enumerate(zip(idx, lens)):
+            rows_of[i] = (host, b, n)
+    tensors = {}
+    if rows_of:
+        keys = next(iter(rows_of.values()))[0].keys()
+        tensors = {k: torch.cat([rows_of[i][0][k][rows_of[i][1], :rows_of[i][2]] for i in range(len(part))])
+                   for k in keys}
+    lengths = [len(r["input_ids"]) for r in part]
+    tensors["input_ids"] = torch.tensor([t for r in part for t in r["input_ids"]], dtype=torch.int32)
+    tensors["loss_mask"] = torch.tensor([m for r in part for m in r["loss_mask"]], dtype=torch.int8)
+    tensors["offsets"] = torch.tensor([0] + lengths, dtype=torch.long).cumsum(0)
+    return {k: v.contiguous() for k, v in tensors.items()}
+
+
+def write_shards(extractor, jobs: list[tuple[Path, list[dict]]], store_format: str, batch_tokens: int,
+                 writer_threads: int, on_written) -> int:
+    """The extraction loop: for each (shard path, rows) run the extractor on length-bucketed batches under
+    `batch_tokens`, encode on the device, copy to pinned host memory, and hand the shard to the background writer,
+    which assembles, checksums and writes it and then calls `on_written(path, sha256, nbytes, rows)` (from a writer
+    thread). The GPU never waits for the disk unless writer_threads + 1 shards are already queued. Returns the
+    number of tokens extracted."""
+    n_tokens = 0
+    with ShardWriter(writer_threads) as writer:
+        for path, part in jobs:
+            pieces = []
+            if store_format != "online":
+                for batch in batches_by_tokens([len(r["input_ids"]) for r in part], batch_tokens):
+                    out = extractor.forward([part[i]["input_ids"] for i in batch])
+                    enc = ff.encode(store_format, out["aux"], out["final"], out["target_top1"])
+                    pieces.append((HostCopy(enc), batch, out["lengths"].tolist()))
+            n_tokens += sum(len(r["input_ids"]) for r in part)
+
+            def build(part=part, pieces=pieces):
+                return _shard_tensors(part, pieces), {"ids": json.dumps([r["id"] for r in part])}
+
+            writer.submit(path, build, lambda p, sha, n, part=part: on_written(p, sha, n, part))
+    return n_tokens
+
+
+def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list[int] | None, shard_samples: int,
+                     batch_tokens: int, store_format: str = "bf16", log=print, target: dict | None = None,
+                     writer_threads: int = 2, device: str | None = None) -> dict:
+    """Extract and store features for tokenized `rows` ({id, input_ids, loss_mask}); resumable per shard.
+
+    model: an HF causal LM (wrapped in HFExtractor) or an Extractor. aux_layer_ids None: the config's defaults.
+    store_format: one of feature_formats.FORMATS; 'online' stores only tokens and needs `target` (the TargetConfig
+    as a dict) so that training can load the target. Shards listed in an earlier manifest for the same content
+    whose bytes still match their sha256 are kept; any other shard (missing, corrupt, other inputs) is extracted
+    again. Returns the manifest (also out_dir/manifest.json); when nothing was left to do it says so via `log`.
+    Raises ValueError on an unknown format or an online store without `target`. `device` is unused (the model's).
+    """
+    ff.check_format(store_format)
+    if store_format == "online" and target is None:
+        raise ValueError("store_format 'online' needs `target` (the TargetConfig dict) so training can load it")
+    extractor = HFExtractor(model, aux_layer_ids) if isinstance(model, torch.nn.Module) else model
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    previous = read_manifest(out_dir / "manifest.json") or {}
+    target_id = _write_head(extractor, out_dir, previous.get("target_id"))
+    ids = extractor.aux_layer_ids
+    header = {"store_version": STORE_VERSION, "format": store_format, "aux_layer_ids": ids,
+              "hidden_size": extractor.hidden_size, "target": target, "target_id": target_id,
+              "samples": len(rows)}
+    plan = []
     for start in range(0, len(rows), shard_samples):
-        name = f"shard_{start // shard_samples:05d}"
         part = rows[start:start + shard_samples]
-        # a shard is reused only for the same samples, tokens, layers, dtype and target
-        content_key = sha256_json([[r["id"], r["input_ids"]] for r in part] + [aux_layer_ids, store_dtype, target_id])
-        if not _shard_done(out_dir, name, content_key):
-            todo += 1
-            feats: dict[int, dict] = {}
-            for batch in batches_by_tokens([len(r["input_ids"]) for r in part], batch_tokens):
-                outs = extract_batch(model, aux_layer_ids, [part[i]["input_ids"] for i in batch], device)
-                feats.update(zip(batch, outs))
-            lengths = [len(r["input_ids"]) for r in part]
-            tensors = {
-                "aux": torch.cat([feats[i]["aux"] for i in range(len(part))]).to(dtype).contiguous(),
-                "final": torch.cat([feats[i]["final"] for i in range(len(part))]).to(dtype).contiguous(),
-                "target_top1": torch.cat([feats[i]["target_top1"] for i in range(len(part))]),
-                "input_ids": torch.tensor([t for r in part for t in r["input_ids"]], dtype=torch.int32),
-                "loss_mask": torch.tensor([m for r in part for m in r["loss_mask"]], dtype=torch.int8),
-                "offsets": torch.tensor([0] + lengths, dtype=torch.long).cumsum(0),
-            }
-            path = out_dir / f"{name}.safetensors"
-            tmp = out_dir / f".{name}.safetensors.tmp"
-            save_file(tensors, str(tmp), metadata={"ids": json.dumps([r["id"] for r in part])})
-            tmp.replace(path)
-            write_atomic(out_dir / f"{name}.json",
-                         json.dumps({"sha256": sha256_file(path), "content_key": content_key}).encode())
-        side = json.loads((out_dir / f"{name}.json").read_text())
-        n_tok = sum(len(r["input_ids"]) for r in part)
-        shards.append({"file": f"{name}.safetensors", "sha256": side["sha256"], "samples": len(part),
-                       "tokens": n_tok, "bytes": (out_dir / f"{name}.safetensors").stat().st_size,
-                       "ids": [r["id"] for r in part]})
-    if todo == 0:
-        log(f"features: all {len(shards)} shards in {out_dir} are complete; nothing to extract")
-    total_tokens = sum(s["tokens"] for s in shards)
-    total_bytes = sum(s["bytes"] for s in shards)
-    manifest = {"aux_layer_ids": aux_layer_ids, "dtype": store_dtype, "shards": shards, "samples": len(rows),
-                "tokens": total_tokens, "bytes": total_bytes,
-                "bytes_per_token": total_bytes / max(total_tokens, 1), "shards_extracted": todo,
-                "seconds": time.monotonic() - t0}
-    return write_manifest(out_dir / "manifest.json", manifest)
+        # a shard is reused only for the same samples, tokens, layers, format and target
+        key = sha256_json([STORE_VERSION, [[r["id"], list(r["input_ids"])] for r in part], ids, store_format,
+                           target_id])
+        plan.append((f"shard_{start // shard_samples:05d}.safetensors", part, key))
+    prev = {s["file"]: s for s in previous.get("shards", [])}
+    candidates = [prev[f] for f, _, key in plan if f in prev and prev[f].get("content_key") == key]
+    bad = set(bad_shards(out_dir, candidates))
+    done = {e["file"]: e for e in candidates if e["file"] not in bad}
+    if bad:
+        log(f"features: {len(bad)} shard(s) failed their checksum or are missing, extracting again: {sorted(bad)}")
+    names = {f for f, _, _ in plan}
+    for stale in list(out_dir.glob("shard_*.safetensors")) + list(out_dir.glob(".shard_*.tmp*")):
+        if stale.name not in done and (stale.name in names or stale.name.startswith(".")):
+            stale.unlink(missing_ok=True)
+
+    lock, t0 = threading.Lock(), time.monotonic()
+
+    def publish(extra: dict | None = None) -> dict:
+        shards = sorted(done.values(), key=lambda e: e["file"])
+        n_tok, n_bytes = sum(s["tokens"] for s in shards), sum(s["bytes"] for s in shards)
+        return write_manifest(out_dir / "manifest.json", {
+            **header, "shards": shards, "complete": len(shards) == len(plan), "tokens": n_tok, "bytes": n_bytes,
+            "bytes_per_token": n_bytes / max(n_tok, 1), **(extra or {})})
+
+    todo = [(f, part, key) for f, part, key in plan if f not in done]
+    if not todo:
+        log(f"features: all {len(plan)} shards in {out_dir} are complete; nothing to extract")
+    by_file = {file: key for file, _, key in todo}
+
+    def record(path: Path, sha: str, nbytes: int, part: list[dict]) -> None:
+        entry = {"file": path.name, "sha256": sha, "bytes": nbytes, "samples": len(part),
+                 "tokens": sum(len(r["input_ids"]) for r in part), "ids": [r["id"] for r in part],
+                 "content_key": by_file[path.name]}
+        with lock:
+            done[path.name] = entry
+            publish()
+
+    extracted_tokens = write_shards(extractor, [(out_dir / f, part) for f, part, _ in todo], store_format,
+                                    batch_tokens, writer_threads, record)
+    seconds = time.monotonic() - t0
+    manifest = publish({"shards_extracted": len(todo), "seconds": seconds,
+                        "tokens_per_s": extracted_tokens / seconds if todo else None})
+    if not manifest["complete"]:
+        raise RuntimeError(f"features: {out_dir} is missing shards after extraction; rerun to finish it")
+    return manifest
 
 
-def load_samples(store_dir: Path) -> list[dict]:
-    """All samples of a store as fp32 tensors: {id, input_ids int64 [T], loss_mask bool [T], aux [T, 3H_t],
-    final [T, H_t], target_top1 int64 [T]}. Raises ValueError naming a shard whose checksum does not match."""
+# ---- reading: one interface for every format ---------------------------------------------------------------
+
+class FeatureSample(Mapping):
+    """One training sample: 'id', 'input_ids' int64 [T], 'loss_mask' bool [T] held in memory; 'aux' fp32
+    [T, 3H_t], 'final' fp32 [T, H_t], 'target_top1' int64 [T] produced on access by the sample's source (read from
+    a shard, or computed by the target in online mode) and kept only in a small cache."""
+
+    KEYS = ("id", "input_ids", "loss_mask", "aux", "final", "target_top1")
+
+    def __init__(self, sid: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, source, where):
+        self._own = {"id": sid, "input_ids": input_ids, "loss_mask": loss_mask}
+        self._source, self._where = source, where
+
+    def __getitem__(self, key):
+        if key in self._own:
+            return self._own[key]
+        if key in ("aux", "final", "target_top1"):
+            return self._source.features(self._own["id"], self._where, self._own["input_ids"])[key]
+        raise KeyError(key)
+
+    def __iter__(self):
+        return iter(self.KEYS)
+
+    def __len__(self):
+        return len(self.KEYS)
+
+
+class _Cache:
+    """A tiny LRU of decoded features: `collate` reads aux, final and top1 of one sample in a row."""
+
+    def __init__(self, size: int = 8):
+        self.items: OrderedDict = OrderedDict()
+        self.size = size
+
+    def get(self, key, make):
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        value = self.items[key] = make()
+        if len(self.items) > self.size:
+            self.items.popitem(last=False)
+        return value
+
+
+class _ShardSource:
+    """Features read from the shards (memory-mapped, only the sample's rows) and decoded to fp32."""
+
+    def __init__(self, store_dir: Path, fmt: str):
+        self.store_dir, self.fmt, self.cache = store_dir, fmt, _Cache()
+        self.open = lru_cache(maxsize=32)(lambda file: safe_open(str(self.store_dir / file), "pt"))
+
+    def features(self, sid, where, input_ids):
+        file, a, b = where
+
+        def read():
+            f = self.open(file)
+            stored = {k: f.get_slice(k)[a:b] for k in f.keys() if k not in ("input_ids", "loss_mask", "offsets")}
+            return ff.decode(self.fmt, stored)
+        return self.cache.get(sid, read)
+
+
+class _OnlineSource:
+    """Features computed by the target for one sample at a time on access (nothing stored), fp32 on the CPU."""
+
+    def __init__(self, extractor):
+        self.extractor, self.cache = extractor, _Cache()
+
+    def features(self, sid, where, input_ids):
+        def run():
+            out = self.extractor([input_ids.tolist()])[0]
+            return {"aux": out["aux"].float(), "final": out["final"].float(),
+                    "target_top1": out["target_top1"].long()}
+        return self.cache.get(sid, run)
+
+
+def load_samples(store_dir: Path, verify: bool = True, target_model=None) -> list[FeatureSample]:
+    """The samples of a feature store, in row order, whatever its format (feature_formats.FORMATS).
+
+    Each is a FeatureSample (a read-only Mapping; see its docstring for keys, shapes and dtypes). verify: check
+    every shard's sha256 first (in parallel). Online stores run the target on access: `target_model` (an HF causal
+    LM) or the manifest's target config, loaded on CUDA if available. Raises FileNotFoundError if the store has no
+    manifest, ValueError naming every shard that is missing or fails its checksum (rerunning the features stage
+    extracts exactly those again) or if the store is incomplete.
+    """
+    store_dir = Path(store_dir)
     manifest = read_manifest(store_dir / "manifest.json")
     if manifest is None:
         raise FileNotFoundError(f"{store_dir}/manifest.json missing: run the features stage first")
+    fmt = manifest.get("format", manifest.get("dtype"))
+    if not manifest.get("complete", True):
+        raise ValueError(f"feature store {store_dir} is incomplete ({len(manifest['shards'])} shards listed); "
+                         "rerun the features stage to finish it")
+    if verify and (bad := bad_shards(store_dir, manifest["shards"])):
+        raise ValueError(f"feature shard(s) {[str(store_dir / b) for b in bad]} corrupt or missing (sha256 "
+                         "mismatch); rerun the features stage: it extracts exactly those shards again")
+    if fmt == "online":
+        if target_model is None:
+            from .config import TargetConfig
+            from .target import load_target
+            target_model = load_target(TargetConfig(**manifest["target"]),
+                                       "cuda" if torch.cuda.is_available() else "cpu")
+        source = _OnlineSource(HFExtractor(target_model, manifest["aux_layer_ids"]))
+    else:
+        source = _ShardSource(store_dir, fmt)
     samples = []
     for shard in manifest["shards"]:
-        path = store_dir / shard["file"]
-        if sha256_file(path) != shard["sha256"]:
-            raise ValueError(f"feature shard {path} is corrupt (sha256 mismatch); delete it and rerun extraction")
-        with safe_open(str(path), "pt") as f:
+        with safe_open(str(store_dir / shard["file"]), "pt") as f:
             ids = json.loads(f.metadata()["ids"])
-            t = {k: f.get_tensor(k) for k in f.keys()}
-        off = t["offsets"].tolist()
+            tok, mask, off = f.get_tensor("input_ids"), f.get_tensor("loss_mask"), f.get_tensor("offsets").tolist()
         for i, sid in enumerate(ids):
             a, b = off[i], off[i + 1]
-            samples.append({"id": sid, "input_ids": t["input_ids"][a:b].long(), "loss_mask": t["loss_mask"][a:b].bool(),
-                            "aux": t["aux"][a:b].float(), "final": t["final"][a:b].float(),
-                            "target_top1": t["target_top1"][a:b].long()})
+            samples.append(FeatureSample(sid, tok[a:b].long(), mask[a:b].bool(), source, (shard["file"], a, b)))
     return samples
 
 
 def load_head(store_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(embed_tokens [V, H_t], lm_head [V, H_t]) of the target, fp32."""
-    with safe_open(str(store_dir / "head.safetensors"), "pt") as f:
+    with safe_open(str(Path(store_dir) / "head.safetensors"), "pt") as f:
         emb = f.get_tensor("embed_tokens")
         lm = f.get_tensor("lm_head") if "lm_head" in f.keys() else emb
     return emb, lm

@@ -175,21 +175,24 @@ def _aux_ids(cfg: PipelineConfig, num_layers: int) -> list[int]:
 
 def run_features(cfg: PipelineConfig, log=print) -> dict:
     """Aux hidden states of the target at the aux layer ids, sharded safetensors (features/)."""
-    from .features import extract_features
+    from .features import bad_shards, extract_features
     from .target import load_target
     out = cfg.run_dir / "features"
     up = _upstream(cfg.run_dir, "tokenized")
     key = _key(up["inputs_key"], cfg.features, _target_key(cfg))
     if (m := cached_manifest(out / "manifest.json", key)):
-        return m
+        if not (bad := bad_shards(out, m["shards"])):            # data on disk is the source of truth
+            return m
+        log(f"features: shard(s) {bad} missing or failing their sha256; extracting them again")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_target(cfg.target, device)
     ids = _aux_ids(cfg, model.config.num_hidden_layers)
     rows = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
-    manifest = extract_features(model, rows, out, ids, cfg.features.shard_samples, cfg.features.batch_tokens,
-                                device=device, log=log)
+    f = cfg.features
+    manifest = extract_features(model, rows, out, ids, f.shard_samples, f.batch_tokens, store_format=f.format,
+                                log=log, target=cfg.target.model_dump(), writer_threads=f.writer_threads)
     log(f"features: {manifest['samples']} samples, {manifest['tokens']} tokens, aux layers {ids}, "
-        f"{manifest['bytes_per_token']:.0f} bytes/token")
+        f"format {f.format}, {manifest['bytes_per_token']:.0f} bytes/token")
     return write_manifest(out / "manifest.json", {**manifest, "inputs_key": key})
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .config import EMBEDDED, TargetConfig
+from .config import EMBEDDED, TargetConfig, default_aux_layer_ids
 from .manifest import sha256_file
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -100,6 +100,16 @@ def load_target(cfg: TargetConfig, device: str = "cpu", dtype: torch.dtype | Non
         trust_remote_code=cfg.trust_remote_code).to(device)
     model.eval().requires_grad_(False)
     return model
+
+
+def default_aux_ids(config) -> list[int]:
+    """Default aux layer ids for an HF config (`num_hidden_layers` L): `[1, L//2 - 1, L - 4]` (REFERENCE.md
+    section 1, config.default_aux_layer_ids). Raises ValueError for configs without `num_hidden_layers`."""
+    L = getattr(config, "num_hidden_layers", None)
+    if L is None:
+        raise ValueError(f"target config {type(config).__name__} has no num_hidden_layers: set "
+                         "features.aux_layer_ids explicitly")
+    return default_aux_layer_ids(L)
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:

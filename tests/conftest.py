@@ -75,3 +75,11 @@ def e2e_run(prefect_server, tmp_path_factory):
     cfg = preset("debug_tiny", tmp_path_factory.mktemp("run") / "debug_tiny")
     summary = eagle3_pipeline(cfg)
     return cfg, summary
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dirs(tmp_path_factory):
+    """{family: directory} of tiny random-weight Llama, Qwen3 and DeepSeek-V3-style MoE targets (tiny_targets.py)."""
+    from tiny_targets import build
+    root = tmp_path_factory.mktemp("tiny_targets")
+    return {f: build(f, root / f) for f in ("llama", "qwen3", "deepseek_v3")}

@@ -12,8 +12,10 @@ def test_default_aux_layer_ids():
     assert default_aux_layer_ids(30) == [1, 14, 26]          # SmolLM2-135M
     assert default_aux_layer_ids(32) == [1, 15, 28]          # Llama-3.1-8B
     assert default_aux_layer_ids(61) == [1, 29, 57]          # Kimi-K2.5: SGLang captures inputs of [2, 30, 58]
-    with pytest.raises(ValueError, match="at least 5"):
-        default_aux_layer_ids(4)
+    assert default_aux_layer_ids(7) == [1, 2, 3]              # the smallest target with three distinct ids
+    for L in (4, 6):                                           # L = 6 would give [1, 2, 2]
+        with pytest.raises(ValueError, match="at least 7"):
+            default_aux_layer_ids(L)
 
 
 def test_presets_and_unknown_preset():

@@ -1,8 +1,18 @@
-"""Aux capture against HF's output_hidden_states, the shard store's resume (C8) and corruption check."""
+"""Aux capture against HF's output_hidden_states, the shard store (resume, checksums, SIGKILL during a write) and
+the storage formats (bf16, fp8, online) read through one interface."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
+from eagle3_core.extract import HFExtractor
 from eagle3_core.features import extract_batch, extract_features, load_samples
+from eagle3_core.manifest import sha256_file
 
 
 def _rows(tokenizer, n):
@@ -15,30 +25,47 @@ def _rows(tokenizer, n):
     return rows
 
 
-def test_aux_layers_are_decoder_layer_outputs(target_model, tokenizer):
-    """Layer id i means the output of decoder layer i = HF output_hidden_states[i + 1] (REFERENCE.md 1)."""
-    ids = [1, 14, 26]
-    seqs = [r["input_ids"] for r in _rows(tokenizer, 2)]
-    feats = extract_batch(target_model, ids, seqs)
+def _padded(seqs):
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, :len(s)] = torch.tensor(s)
+    return ids
+
+
+def test_aux_layers_are_decoder_layer_outputs_exactly(target_model, tokenizer):
+    """Layer id i means the output of decoder layer i = HF output_hidden_states[i + 1] (REFERENCE.md 1): equal
+    bit for bit in fp32 on the CPU for the same batch; the default ids of the 30-layer target are [1, 14, 26]."""
+    ex = HFExtractor(target_model)
+    assert ex.aux_layer_ids == [1, 14, 26]
+    seqs = [r["input_ids"] for r in _rows(tokenizer, 3)]
+    out = ex.forward(seqs)
     with torch.no_grad():
-        ref = target_model(torch.tensor([seqs[1]]), output_hidden_states=True)
+        ref = target_model(_padded(seqs), output_hidden_states=True)
     hs = ref.hidden_states
-    expected = torch.cat([hs[i + 1][0] for i in ids], dim=-1)
-    assert feats[1]["aux"].shape == (len(seqs[1]), 3 * 576)
-    assert torch.allclose(feats[1]["aux"], expected, atol=1e-4)
-    # the last entry of output_hidden_states is normed: that is what 'final' holds, and top1 is its argmax
-    assert torch.allclose(feats[1]["final"], hs[-1][0], atol=1e-4)
-    assert torch.equal(feats[1]["target_top1"].long(), ref.logits[0].argmax(-1))
+    for b, s in enumerate(seqs):
+        n = len(s)
+        expected = torch.cat([hs[i + 1][b, :n] for i in [1, 14, 26]], dim=-1)
+        assert out["aux"][b, :n].shape == (n, 3 * 576)
+        assert torch.equal(out["aux"][b, :n], expected)
+        # the last entry of output_hidden_states is normed: that is what 'final' holds, and top1 is its argmax
+        assert torch.equal(out["final"][b, :n], hs[-1][b, :n])
+        assert torch.equal(out["target_top1"][b, :n].long(), ref.logits[b, :n].argmax(-1))
+    # aux differs from the neighbouring layers (an off-by-one would pass a loose check on a smooth model)
+    assert not torch.allclose(out["aux"][0, :, :576], hs[1][0, :out["aux"].shape[1]], atol=1e-3)
     # right padding in a batch does not change a shorter sample's features
-    alone = extract_batch(target_model, ids, [seqs[0]])[0]
-    assert torch.allclose(alone["aux"], feats[0]["aux"], atol=1e-4)
+    alone = extract_batch(target_model, [1, 14, 26], [seqs[0]])[0]
+    assert torch.allclose(alone["aux"], out["aux"][0, :len(seqs[0])], atol=1e-4)
 
 
-def test_rerun_with_everything_done_does_nothing_and_says_so(target_model, tokenizer, tmp_path):
-    """C8: run extraction twice on 8 rows; the second run extracts nothing and says so."""
+def test_rerun_resumes_and_corrupt_or_missing_shards_are_extracted_again(target_model, tokenizer, tmp_path):
+    """C8: a second run extracts nothing and says so; a shard corrupted on disk is detected by its sha256 (on read
+    and on the next run) and only it is extracted again; a deleted shard likewise."""
     rows = _rows(tokenizer, 8)
     first = extract_features(target_model, rows, tmp_path, [1, 14, 26], shard_samples=4, batch_tokens=512)
-    assert first["shards_extracted"] == 2 and first["samples"] == 8
+    assert first["shards_extracted"] == 2 and first["samples"] == 8 and first["complete"]
+    for s in first["shards"]:
+        assert s["sha256"] == sha256_file(tmp_path / s["file"]) and s["tokens"] > 0 and len(s["ids"]) == 4
+    assert first["bytes_per_token"] == first["bytes"] / first["tokens"]
     said = []
     second = extract_features(target_model, rows, tmp_path, [1, 14, 26], shard_samples=4, batch_tokens=512,
                               log=said.append)
@@ -48,16 +75,21 @@ def test_rerun_with_everything_done_does_nothing_and_says_so(target_model, token
     assert [s["id"] for s in samples] == [r["id"] for r in rows]
     assert samples[3]["input_ids"].tolist() == rows[3]["input_ids"]
     assert samples[3]["aux"].shape == (len(rows[3]["input_ids"]), 1728)
-    # a corrupted shard is detected on read and re-extracted on the next run
+    good = samples[5]["aux"].clone()
     shard = tmp_path / "shard_00001.safetensors"
     data = bytearray(shard.read_bytes())
     data[-10] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="shard_00001.*corrupt"):
         load_samples(tmp_path)
-    third = extract_features(target_model, rows, tmp_path, [1, 14, 26], shard_samples=4, batch_tokens=512)
-    assert third["shards_extracted"] == 1
-    assert len(load_samples(tmp_path)) == 8
+    said.clear()
+    third = extract_features(target_model, rows, tmp_path, [1, 14, 26], shard_samples=4, batch_tokens=512,
+                             log=said.append)
+    assert third["shards_extracted"] == 1 and any("shard_00001" in s for s in said)
+    assert torch.equal(load_samples(tmp_path)[5]["aux"], good)
+    (tmp_path / "shard_00000.safetensors").unlink()
+    fourth = extract_features(target_model, rows, tmp_path, [1, 14, 26], shard_samples=4, batch_tokens=512)
+    assert fourth["shards_extracted"] == 1 and len(load_samples(tmp_path)) == 8
 
 
 def test_shards_of_other_samples_or_layers_are_not_reused(target_model, tokenizer, tmp_path):
@@ -71,3 +103,90 @@ def test_shards_of_other_samples_or_layers_are_not_reused(target_model, tokenize
     again = extract_features(target_model, changed, tmp_path, [2, 14, 26], shard_samples=4, batch_tokens=512)
     assert again["shards_extracted"] == 1                                   # other tokens: recomputed
     assert load_samples(tmp_path)[0]["input_ids"].tolist() == changed[0]["input_ids"]
+
+
+def test_formats_bytes_and_values(target_model, target_cfg, tokenizer, tmp_path):
+    """fp32 (exact), bf16, fp8 and online stores of the same rows, read through load_samples: values against the
+    exact features, bytes per token, and online features equal to stored ones for the same (single-sample) batches."""
+    rows = _rows(tokenizer, 4)
+    kw = dict(shard_samples=2, batch_tokens=64)          # budget below every length: one sample per forward
+    stores = {}
+    for fmt in ("fp32", "bf16", "fp8", "online"):
+        m = extract_features(target_model, rows, tmp_path / fmt, None, store_format=fmt,
+                             target=target_cfg.model_dump(), **kw)
+        assert m["format"] == fmt and m["aux_layer_ids"] == [1, 14, 26]
+        stores[fmt] = (m, load_samples(tmp_path / fmt, target_model=target_model))
+    bpt = {f: m["bytes_per_token"] for f, (m, _) in stores.items()}
+    H = 576
+    assert bpt["fp32"] > 16 * H and bpt["bf16"] > 8 * H and bpt["fp8"] > 4 * H
+    assert bpt["bf16"] < 8 * H + 60 and bpt["fp8"] < 4 * H + 70 and bpt["online"] < 60
+    assert bpt["fp8"] / bpt["bf16"] < 0.51
+    exact = stores["fp32"][1]
+    for fmt, rel_tol in (("bf16", 2 ** -8), ("fp8", 2 ** -4)):
+        for s, e in zip(stores[fmt][1], exact):
+            assert s["id"] == e["id"] and torch.equal(s["target_top1"], e["target_top1"])
+            for k in ("aux", "final"):
+                err = (s[k] - e[k]).abs()
+                # per row, the error is within the format's relative step of that row's largest value
+                assert (err.amax(-1) <= rel_tol * e[k].abs().amax(-1) + 1e-6).all(), (fmt, k)
+            assert not torch.equal(s["aux"], e["aux"])                    # it did quantize
+    for s, e in zip(stores["online"][1], exact):
+        for k in ("aux", "final", "target_top1"):
+            assert torch.equal(s[k], e[k]), k
+    assert dict(stores["online"][1][0]).keys() == {"id", "input_ids", "loss_mask", "aux", "final", "target_top1"}
+
+
+KILL_SCRIPT = r"""
+import sys, time, torch
+from pathlib import Path
+from transformers import AutoModelForCausalLM
+from eagle3_core import shard_writer
+from eagle3_core.features import extract_features
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+out = Path(sys.argv[2])
+g = torch.Generator().manual_seed(0)
+rows = [{"id": f"s{i}", "input_ids": torch.randint(0, 128, (12 + i,), generator=g).tolist(),
+         "loss_mask": [0] * 6 + [1] * (6 + i)} for i in range(6)]
+
+def pause(path):
+    # fault injection (a real writer is too quick to kill mid-write reliably): signal the test, then hang
+    # half-way through writing the second shard until the test SIGKILLs this process
+    if path.name == "shard_00001.safetensors":
+        (out / "KILL_ME").write_text("now")
+        time.sleep(120)
+
+shard_writer._mid_write_hook = None if sys.argv[3] == "clean" else pause
+m = extract_features(model, rows, out, [1, 3, 4], shard_samples=2, batch_tokens=64, writer_threads=1)
+print(m["shards_extracted"])
+"""
+
+
+def test_sigkill_during_a_shard_write_leaves_no_bad_shard_in_the_manifest(tmp_path, tiny_target_dirs):
+    tiny_llama_dir = tiny_target_dirs["llama"]
+    out = tmp_path / "store"
+    script = tmp_path / "extract.py"
+    script.write_text(KILL_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(os.getcwd())}
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_llama_dir), str(out), "kill"], env=env)
+    deadline = time.monotonic() + 120
+    while not (out / "KILL_ME").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "extraction subprocess ended early"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [s["file"] for s in manifest["shards"]] == ["shard_00000.safetensors"] and not manifest["complete"]
+    for s in manifest["shards"]:
+        assert sha256_file(out / s["file"]) == s["sha256"]
+    assert list(out.glob(".shard_00001.safetensors.tmp*"))                 # the half-written file, never listed
+    assert not (out / "shard_00001.safetensors").exists()
+    with pytest.raises(ValueError, match="incomplete"):
+        load_samples(out)
+    done = subprocess.run([sys.executable, str(script), str(tiny_llama_dir), str(out), "clean"], env=env,
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.split()[-1] == "2"                                  # shards 1 and 2; shard 0 kept
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] and len(manifest["shards"]) == 3
+    assert not list(out.glob(".shard_*"))
+    assert [s["id"] for s in load_samples(out)] == [f"s{i}" for i in range(6)]
