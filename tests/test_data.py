@@ -251,3 +251,40 @@ def test_template_emitting_bos_gives_one_bos(tokenizer):
     seq = tokenize_conversation(tok, USER, "4", "c4")
     assert seq["input_ids"].count(bos) == 1 and seq["input_ids"][0] == bos
     assert prompt_ids(tok, USER).count(bos) == 1
+
+
+@pytest.mark.slow
+def test_stages_regenerate_prompt_rows_and_train_kept_rows_as_they_are(tmp_path, tokenizer):
+    """prompts -> generation (real llama-server) -> tokenize on a mix of multi-turn rows: prompt rows get the final
+    assistant turn regenerated after the dataset's earlier turns, and only that turn is trained; kept rows are not
+    sent to the server and every assistant turn is trained."""
+    from conftest import SHARED_DATA
+
+    from eagle3_core import prompts as prompts_mod
+    from eagle3_core import stages
+    from eagle3_core.config import GenerationConfig, PipelineConfig, PromptConfig, ServerConfig
+    from eagle3_core.prompt_data import DataMix, SourceSpec
+    share = str(SHARED_DATA / "sharegpt/dummy_conversation.json")
+    mix = DataMix(name="t", sources=[SourceSpec(name="kept", path=share, mode="keep", count=4),
+                                     SourceSpec(name="regen", path=share, mode="prompt", count=4, min_chars=60)])
+    cfg = PipelineConfig(run_dir=tmp_path / "run", prompts=PromptConfig(mix=mix, num_train=6, num_eval=2),
+                         server=ServerConfig(parallel=2, ctx_per_slot=1024),
+                         generation=GenerationConfig(max_new_tokens=16, concurrency=2))
+    pm = stages.run_prompts(cfg, log=lambda *_: None)
+    assert pm["stats"]["per_source"]["kept"]["selected"] == 4 and (cfg.run_dir / "prompts/rejects.jsonl").exists()
+    gm = stages.run_generation(cfg, log=lambda *_: None)
+    rows = {r["id"]: r for s in gm["shards"] for r in prompts_mod.read_rows(cfg.run_dir / "generations" / s)}
+    kept = [r for r in rows.values() if r["mode"] == "keep"]
+    regen = [r for r in rows.values() if r["mode"] == "prompt"]
+    assert kept and regen and gm["finish_reasons"]["kept"] == len(kept)
+    assert all(r["response"] and r["messages"][-1]["role"] == "user" for r in regen)
+    assert any(len(r["messages"]) > 1 for r in regen)                   # multi-turn prompts were sent whole
+    stages.run_tokenize(cfg, log=lambda *_: None)
+    import pyarrow.parquet as pq
+    for t in pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist():
+        r = rows[t["id"]]
+        if r["mode"] == "keep":
+            want = [m["content"] + "<|im_end|>" for m in r["messages"] if m["role"] == "assistant"]
+        else:
+            want = [r["response"] + ("" if r["finish_reason"] == "length" else "<|im_end|>")]
+        assert masked_spans(tokenizer, t) == want, t["id"]
