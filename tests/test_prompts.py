@@ -278,3 +278,13 @@ def test_too_few_prompts_is_an_error(tmp_path):
     f.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(3)))
     with pytest.raises(ValueError, match="3 unique prompts"):
         build_prompts(PromptConfig(sources=[str(f)], num_train=3, num_eval=1))
+
+
+def test_message_lists_in_either_field_layout(tmp_path):
+    """ShareGPT speakers under `messages` and OpenAI roles under `conversations` (both occur in converted sets)."""
+    f = tmp_path / "mixed_layouts.jsonl"
+    f.write_text(json.dumps({"messages": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}) + "\n"
+                 + json.dumps({"conversations": [{"role": "user", "content": "hi"},
+                                                 {"role": "assistant", "content": "yo"}]}) + "\n")
+    rows = load_source(SourceSpec(path=str(f), mode="keep"))
+    assert [r["messages"] for r in rows] == [[msg(U, "hi"), msg(A, "yo")]] * 2

@@ -77,8 +77,8 @@ def normalize(row, spec) -> tuple[list[dict], dict]:
     fmt = detect_format(row, spec)
     meta: dict = {"format": fmt}
     if fmt in ("openai", "sharegpt", "swe_agent"):
-        field = spec.messages_field or {"openai": "messages", "sharegpt": "conversations",
-                                        "swe_agent": "trajectory"}[fmt]
+        field = spec.messages_field or next((k for k in ("messages", "conversations", "trajectory")
+                                             if isinstance(row.get(k), (list, str))), "messages")
         raw = row.get(field)
         if isinstance(raw, str):                      # some sets store the list as JSON text
             try:
