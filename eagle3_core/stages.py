@@ -19,10 +19,10 @@ from safetensors.torch import load_file, save_file
 from . import prompts as prompts_mod
 from .checkpoint import clear_training_state, load_draft, save_draft
 from .config import PipelineConfig, default_aux_layer_ids
-from .data import assistant_content, prompt_ids, tokenize_conversation
+from .data import assistant_content, prompt_ids, tokenize_chat
 from .manifest import cached_manifest, sha256_file, sha256_json, write_manifest
 
-CODE_VERSION = "1"  # bump when a stage's output format or semantics change
+CODE_VERSION = "2"  # bump when a stage's output format or semantics change
 
 
 def _key(*parts) -> str:
@@ -44,25 +44,32 @@ def _target_key(cfg: PipelineConfig) -> dict:
 
 
 def run_prompts(cfg: PipelineConfig, log=print) -> dict:
-    """Load, dedupe and split the prompt sources into prompts/{train,eval}.parquet."""
+    """Read, normalize, reject, dedupe, sample and split the prompt sources into prompts/{train,eval}.parquet;
+    bad rows go to prompts/rejects.jsonl with source, row and reason."""
     out = cfg.run_dir / "prompts"
-    files = [s for s in cfg.prompts.sources if s != prompts_mod.HUMAN_EVAL]
-    key = _key(cfg.prompts, [sha256_file(Path(f)) if Path(f).exists() else f for f in files])
+    key = _key(cfg.prompts, prompts_mod.source_fingerprints(cfg.prompts))
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
-    train, evals, stats = prompts_mod.build_prompts(cfg.prompts)
     out.mkdir(parents=True, exist_ok=True)
+    train, evals, stats = prompts_mod.build_prompts(cfg.prompts, rejects_path=out / "rejects.jsonl")
     prompts_mod.write_rows(out / "train.parquet", train)
     prompts_mod.write_rows(out / "eval.parquet", evals)
-    log(f"prompts: {len(train)} train, {len(evals)} held-out from {cfg.prompts.sources}")
+    kept = sum(r["mode"] == "keep" for r in train)
+    log(f"prompts: {len(train)} train ({kept} with responses kept), {len(evals)} held-out, {stats['rejected']} "
+        f"rejected, {stats['duplicates_dropped']} duplicates; per source: "
+        + ", ".join(f"{k} {v.get('train', 0)}+{v.get('eval', 0)}" for k, v in stats["per_source"].items()))
+    specs = prompts_mod.source_specs(cfg.prompts)
     return write_manifest(out / "manifest.json", {
         "inputs_key": key, "stats": stats, "train_ids": [r["id"] for r in train],
-        "eval_ids": [r["id"] for r in evals], "sources": cfg.prompts.sources, "seconds": time.monotonic() - t0})
+        "eval_ids": [r["id"] for r in evals], "sources": [s.model_dump(exclude_defaults=True) for s in specs],
+        "unpinned": [s.label for s in specs if s.hf and not s.revision and s.hf not in ("json", "parquet")],
+        "rejects": str(out / "rejects.jsonl"), "seconds": time.monotonic() - t0})
 
 
 def run_generation(cfg: PipelineConfig, log=print, shard_size: int = 32) -> dict:
-    """Regenerate responses for the train prompts with the target behind an OpenAI-compatible server.
+    """Regenerate responses for the train prompts with the target behind an OpenAI-compatible server: the final
+    assistant turn, given the turns before it. Rows in mode 'keep' are not sent (finish_reason 'kept').
 
     kind 'llama.cpp': starts llama-server on the target's GGUF for this stage only (stopped on success, failure
     or cancel). Resumable: finished shards (generations/shard_*.parquet) are kept and skipped on rerun.
@@ -88,6 +95,13 @@ def run_generation(cfg: PipelineConfig, log=print, shard_size: int = 32) -> dict
     def shard_path(i: int) -> Path:                                        # i: index of the shard's first row
         return out / f"shard_{i // shard_size:05d}.parquet"
 
+    def kept(r: dict) -> dict:                                             # responses kept as they are
+        return {**r, "response": "", "reasoning": "", "finish_reason": "kept", "completion_tokens": 0, "model": "",
+                "timings": "{}", "logprobs": "[]", "latency_s": 0.0}
+
+    for i, part in shards:
+        if not shard_path(i).exists() and all(r.get("mode") == "keep" for r in part):
+            prompts_mod.write_rows(shard_path(i), [kept(r) for r in part])
     todo = [(i, part) for i, part in shards if not shard_path(i).exists()]
     g = cfg.generation
 
@@ -95,7 +109,7 @@ def run_generation(cfg: PipelineConfig, log=print, shard_size: int = 32) -> dict
         """All pending prompts in one pass (no idle slots between shards); a shard is written once complete."""
         asyncio.run(check_reachable(url))
         shard_of = {r["id"]: i for i, part in todo for r in part}
-        done: dict[int, dict] = {i: {} for i, _ in todo}
+        done = {i: {r["id"]: kept(r) for r in part if r.get("mode") == "keep"} for i, part in todo}
         parts = dict(todo)
         t1, n_tok = time.monotonic(), [0, 0]
 
@@ -109,8 +123,9 @@ def run_generation(cfg: PipelineConfig, log=print, shard_size: int = 32) -> dict
                 log(f"generation: {n_tok[1]}/{sum(len(p) for p in parts.values())} prompts this run, "
                     f"{n_tok[0] / (time.monotonic() - t1):.0f} tok/s")
 
-        asyncio.run(generate_all(url, [r for _, part in todo for r in part], g.max_new_tokens, g.temperature,
-                                 g.concurrency, g.max_retries, g.request_timeout_s, on_done=on_done))
+        send = [r for _, part in todo for r in part if r.get("mode") != "keep"]
+        asyncio.run(generate_all(url, send, g.max_new_tokens, g.temperature, g.concurrency, g.max_retries,
+                                 g.request_timeout_s, on_done=on_done))
 
     server = cfg.server
     if todo and server.kind == "llama.cpp":
@@ -143,28 +158,44 @@ def run_generation(cfg: PipelineConfig, log=print, shard_size: int = 32) -> dict
 
 
 def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
-    """Tokenize prompt + regenerated response with the target's chat template; assistant-only loss mask."""
+    """Tokenize each conversation with the target's chat template; loss mask over assistant tokens: the
+    regenerated final turn of prompt rows, every assistant turn of rows kept as they are (data.tokenize_chat).
+    Samples longer than features.max_length are cut or dropped (prompts.overlong), counted in the manifest."""
     from .target import load_tokenizer
     out = cfg.run_dir / "tokenized"
     up = _upstream(cfg.run_dir, "generations")
-    key = _key(up["inputs_key"], cfg.features.max_length, _target_key(cfg))
+    key = _key(up["inputs_key"], cfg.features.max_length, cfg.prompts.overlong, _target_key(cfg))
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
     tok = load_tokenizer(cfg.target)
-    rows = []
+    rows, n_cut, dropped = [], 0, []
     for shard in up["shards"]:
         for r in prompts_mod.read_rows(cfg.run_dir / "generations" / shard):
-            seq = tokenize_conversation(tok, r["messages"], assistant_content(r["response"], r["reasoning"]),
-                                        r["id"], truncated=r["finish_reason"] == "length",
-                                        max_length=cfg.features.max_length)
-            rows.append({"id": r["id"], **seq})
+            if r.get("mode") == "keep":
+                msgs, train, truncated = r["messages"], "all", False
+            else:
+                answer = {"role": "assistant", "content": assistant_content(r["response"], r["reasoning"])}
+                msgs, train, truncated = r["messages"] + [answer], "last", r["finish_reason"] == "length"
+            seq = tokenize_chat(tok, msgs, r["id"], train=train, truncated=truncated,
+                                max_length=cfg.features.max_length, overlong=cfg.prompts.overlong)
+            if seq is None:
+                dropped.append(r["id"])
+                continue
+            n_cut += seq["cut"]
+            rows.append({"id": r["id"], "input_ids": seq["input_ids"], "loss_mask": seq["loss_mask"]})
+    if not rows:
+        raise ValueError(f"tokenize: every sample is longer than features.max_length {cfg.features.max_length} "
+                         f"and prompts.overlong is 'drop'; raise max_length or use 'truncate'")
     out.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), out / "train.parquet")
     n_tok, n_loss = sum(len(r["input_ids"]) for r in rows), sum(sum(r["loss_mask"]) for r in rows)
-    log(f"tokenize: {len(rows)} samples, {n_tok} tokens, {n_loss} in the loss mask")
+    log(f"tokenize: {len(rows)} samples, {n_tok} tokens, {n_loss} in the loss mask; over max_length "
+        f"{cfg.features.max_length}: {n_cut} cut, {len(dropped)} dropped")
     return write_manifest(out / "manifest.json", {
         "inputs_key": key, "samples": len(rows), "tokens": n_tok, "loss_tokens": n_loss,
+        "overlong": {"policy": cfg.prompts.overlong, "max_length": cfg.features.max_length, "cut": n_cut,
+                     "dropped": len(dropped), "dropped_ids": dropped[:100]},
         "token_source": "re-tokenized with the target's chat template (the OpenAI API returns text, not ids)",
         "seconds": time.monotonic() - t0})
 

@@ -1,9 +1,98 @@
-"""Loss masks and chat templates on the embedded target's real tokenizer (handed cases C1-C4)."""
+"""Loss masks and chat templates on the embedded target's real tokenizer (handed cases C1-C4): ChatML (SmolLM2's own
+template), and Llama-3-style and Qwen3-thinking-style templates applied to the same tokenizer with their special
+tokens added. Decoding the masked tokens of each trained turn must give exactly that turn's rendered text plus its
+end-of-turn token."""
+import copy
+
 import pytest
 
-from eagle3_core.data import MaskError, prompt_ids, tokenize_conversation
+from eagle3_core.data import MaskError, end_of_turn, prompt_ids, tokenize_chat, tokenize_conversation
 
 USER = [{"role": "user", "content": "What is 2+2?"}]
+MULTI = [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": "What is 2+2?"},
+         {"role": "assistant", "content": "<think>\n2 plus 2 makes 4.\n</think>\n\nIt is 4."},
+         {"role": "user", "content": "And 3+3?"},
+         {"role": "assistant", "content": "<think>\n3 plus 3 makes 6.\n</think>\n\nIt is 6."}]
+
+# Llama-3-Instruct layout (meta-llama/Meta-Llama-3-8B-Instruct tokenizer_config.json): BOS once, role headers,
+# content trimmed, <|eot_id|> closes every turn
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+          "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+# Qwen3 thinking layout (Qwen/Qwen3-8B tokenizer_config.json, tools header left out): reasoning from
+# `reasoning_content` or an inline </think>; assistant turns after the last user query keep a <think> block (the
+# final one always), earlier ones lose it; tool calls as <tool_call> JSON; tool results inside a user turn
+QWEN3 = """{%- set ns = namespace(last_query=messages|length - 1, found=false) -%}
+{%- for m in messages[::-1] -%}{%- set i = messages|length - 1 - loop.index0 -%}
+{%- if not ns.found and m.role == 'user' -%}{%- set ns.last_query = i -%}{%- set ns.found = true -%}{%- endif -%}
+{%- endfor -%}
+{%- for m in messages -%}
+{%- if m.role == 'system' or m.role == 'user' -%}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% elif m.role == 'assistant' -%}
+{%- set content = m.content or '' -%}{%- set reasoning = m.reasoning_content or '' -%}
+{%- if not reasoning and '</think>' in content -%}
+{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}
+{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}
+{%- if loop.index0 > ns.last_query and (loop.last or reasoning) -%}<|im_start|>assistant
+<think>
+{{ reasoning.strip('\\n') }}
+</think>
+
+{{ content.lstrip('\\n') }}
+{%- else -%}<|im_start|>assistant
+{{ content }}
+{%- endif -%}
+{%- for c in m.tool_calls or [] -%}
+{%- if loop.first and content %}
+{% elif not loop.first %}
+{% endif -%}
+<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments }}}
+</tool_call>
+{%- endfor -%}<|im_end|>
+{% elif m.role == 'tool' -%}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|im_start|>assistant
+{% endif -%}"""
+
+
+def _with_template(tokenizer, template, special=(), bos=None):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    if special:
+        tok.add_special_tokens({"additional_special_tokens": list(special)})
+    if bos:
+        tok.bos_token = bos
+    return tok
+
+
+@pytest.fixture(scope="module")
+def llama3_tok(tokenizer):
+    return _with_template(tokenizer, LLAMA3, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                                              "<|eot_id|>"], bos="<|begin_of_text|>")
+
+
+@pytest.fixture(scope="module")
+def qwen3_tok(tokenizer):
+    return _with_template(tokenizer, QWEN3)
+
+
+def masked_spans(tok, seq) -> list[str]:
+    """Decoded text of each contiguous run of supervised tokens."""
+    spans, run = [], []
+    for t, m in zip(seq["input_ids"] + [None], seq["loss_mask"] + [0]):
+        if m:
+            run.append(t)
+        elif run:
+            spans.append(tok.decode(run))
+            run = []
+    return spans
 
 
 def test_chatml_mask_covers_exactly_the_assistant_text_and_end_of_turn(tokenizer):
@@ -20,6 +109,72 @@ def test_chatml_mask_covers_exactly_the_assistant_text_and_end_of_turn(tokenizer
     assert ids[:first] == prompt_ids(tokenizer, USER)
 
 
+def test_chatml_multi_turn_masks_every_assistant_turn_with_its_reasoning(tokenizer):
+    seq = tokenize_chat(tokenizer, MULTI, "m0", train="all")
+    assert masked_spans(tokenizer, seq) == [MULTI[2]["content"] + "<|im_end|>", MULTI[4]["content"] + "<|im_end|>"]
+    assert seq["input_ids"][-1] == tokenizer.eos_token_id             # ends at the last end-of-turn token
+    last = tokenize_chat(tokenizer, MULTI, "m0", train="last")       # regenerated final turn only
+    assert masked_spans(tokenizer, last) == [MULTI[4]["content"] + "<|im_end|>"]
+    assert last["input_ids"] == prompt_ids(tokenizer, MULTI[:4]) + [t for t, m in zip(last["input_ids"],
+                                                                                       last["loss_mask"]) if m]
+
+
+@pytest.mark.parametrize("msgs", [USER + [{"role": "assistant", "content": "<think>\nsum\n</think>\n\nIt is 4."}],
+                                  MULTI])
+def test_llama3_template_masks_each_turn_and_eot(llama3_tok, msgs):
+    eot_id, eot = end_of_turn(llama3_tok)
+    assert eot == "<|eot_id|>" and eot_id == llama3_tok.convert_tokens_to_ids("<|eot_id|>")
+    seq = tokenize_chat(llama3_tok, msgs, "l3")
+    want = [m["content"].strip() + "<|eot_id|>" for m in msgs if m["role"] == "assistant"]
+    assert masked_spans(llama3_tok, seq) == want
+    assert seq["input_ids"].count(llama3_tok.bos_token_id) == 1 and seq["input_ids"][0] == llama3_tok.bos_token_id
+    # everything before the first supervised token is exactly what a server sends for the first answer
+    first = seq["loss_mask"].index(1)
+    assert seq["input_ids"][:first] == prompt_ids(llama3_tok, msgs[:[m["role"] for m in msgs].index("assistant")])
+
+
+def test_qwen3_template_strips_earlier_reasoning_and_the_mask_follows_it(qwen3_tok):
+    """The template keeps <think> only after the last user query: the earlier turn is trained as rendered (its
+    visible answer), the final turn with its reasoning (documented choice in eagle3_core/data.py)."""
+    seq = tokenize_chat(qwen3_tok, MULTI, "q3", train="all")
+    assert masked_spans(qwen3_tok, seq) == ["It is 4.<|im_end|>",
+                                            "<think>\n3 plus 3 makes 6.\n</think>\n\nIt is 6.<|im_end|>"]
+    # the same with reasoning given apart from the answer, as servers return it
+    split = [{**m, "content": m["content"].split("</think>\n\n")[-1],
+              "reasoning_content": m["content"].split("\n</think>")[0].removeprefix("<think>\n")}
+             if m["role"] == "assistant" else m for m in MULTI]
+    assert tokenize_chat(qwen3_tok, split, "q3r", train="all") == seq
+    single = tokenize_chat(qwen3_tok, MULTI[:3], "q3s")
+    assert masked_spans(qwen3_tok, single) == ["<think>\n2 plus 2 makes 4.\n</think>\n\nIt is 4.<|im_end|>"]
+
+
+def test_qwen3_tool_calls_are_trained_and_tool_results_are_not(qwen3_tok):
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}
+    msgs = USER + [{"role": "assistant", "content": "", "reasoning_content": "Use the tool.", "tool_calls": [call]},
+                   {"role": "tool", "content": "4"},
+                   {"role": "assistant", "content": "It is 4."}]
+    seq = tokenize_chat(qwen3_tok, msgs, "tc")
+    assert masked_spans(qwen3_tok, seq) == [
+        '<think>\nUse the tool.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n'
+        '</tool_call><|im_end|>',
+        "<think>\n\n</think>\n\nIt is 4.<|im_end|>"]
+    text = qwen3_tok.decode(seq["input_ids"])
+    assert "<tool_response>\n4\n</tool_response>" in text
+
+
+def test_mask_equals_return_assistant_tokens_mask_where_the_template_has_generation_markers(tokenizer):
+    """On a template with {% generation %} markers, transformers' own assistant mask and ours agree token for
+    token; SmolLM2's template has no markers, so there the option gives nothing to compare."""
+    marked = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"
+              "{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}<|im_start|>{{ m['role'] }}\n"
+              "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = _with_template(tokenizer, marked)
+    ref = tok.apply_chat_template(MULTI, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    seq = tokenize_chat(tok, MULTI, "g")
+    assert seq["input_ids"] == ref["input_ids"] and seq["loss_mask"] == list(ref["assistant_masks"])
+
+
 def test_truncated_response_does_not_train_an_end_of_turn(tokenizer):
     seq = tokenize_conversation(tokenizer, USER, "It is", "r0", truncated=True)
     assert seq["input_ids"][-1] != tokenizer.eos_token_id
@@ -27,8 +182,19 @@ def test_truncated_response_does_not_train_an_end_of_turn(tokenizer):
 
 
 def test_empty_mask_is_an_error(tokenizer):
-    with pytest.raises(MaskError, match="r7"):
+    with pytest.raises(MaskError, match="r7.*empty loss mask"):
         tokenize_conversation(tokenizer, USER, "It is 4.", "r7", max_length=5)
+    with pytest.raises(MaskError, match="r8.*must end with an assistant turn"):
+        tokenize_chat(tokenizer, USER, "r8")
+
+
+def test_overlong_samples_are_cut_or_dropped(tokenizer):
+    full = tokenize_chat(tokenizer, MULTI, "o", train="all")
+    n = len(full["input_ids"])
+    cut = tokenize_chat(tokenizer, MULTI, "o", train="all", max_length=n - 3)
+    assert cut["cut"] and cut["input_ids"] == full["input_ids"][:n - 3] and cut["loss_mask"] == full["loss_mask"][:n - 3]
+    assert tokenize_chat(tokenizer, MULTI, "o", train="all", max_length=n - 3, overlong="drop") is None
+    assert not tokenize_chat(tokenizer, MULTI, "o", train="all", max_length=n, overlong="drop")["cut"]
 
 
 def test_think_prefix_in_generation_prompt_keeps_prompt_plus_completion_tokens(tokenizer):
@@ -57,6 +223,9 @@ def test_history_reasoning_stripped_by_template_never_spills_the_mask(tokenizer)
     seq = tokenize_conversation(tok, history, "<think>add</think>6", "c3")
     trained = tok.decode([t for t, m in zip(seq["input_ids"], seq["loss_mask"]) if m])
     assert trained == "<think>add</think>6<|im_end|>"
+    # every turn trained: the earlier one as the template renders it in the conversation (reasoning stripped)
+    both = tokenize_chat(tok, history + [{"role": "assistant", "content": "<think>add</think>6"}], "c3a")
+    assert masked_spans(tok, both) == ["4<|im_end|>", "<think>add</think>6<|im_end|>"]
     # rewrites the last user turn once an answer follows: the prompt is no longer a prefix
     marks_last = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% if loop.last %} (last)"
                   "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -84,8 +253,38 @@ def test_template_emitting_bos_gives_one_bos(tokenizer):
     assert prompt_ids(tok, USER).count(bos) == 1
 
 
-def _with_template(tokenizer, template):
-    import copy
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = template
-    return tok
+@pytest.mark.slow
+def test_stages_regenerate_prompt_rows_and_train_kept_rows_as_they_are(tmp_path, tokenizer):
+    """prompts -> generation (real llama-server) -> tokenize on a mix of multi-turn rows: prompt rows get the final
+    assistant turn regenerated after the dataset's earlier turns, and only that turn is trained; kept rows are not
+    sent to the server and every assistant turn is trained."""
+    from conftest import SHARED_DATA
+
+    from eagle3_core import prompts as prompts_mod
+    from eagle3_core import stages
+    from eagle3_core.config import GenerationConfig, PipelineConfig, PromptConfig, ServerConfig
+    from eagle3_core.prompt_data import DataMix, SourceSpec
+    share = str(SHARED_DATA / "sharegpt/dummy_conversation.json")
+    mix = DataMix(name="t", sources=[SourceSpec(name="kept", path=share, mode="keep", count=4),
+                                     SourceSpec(name="regen", path=share, mode="prompt", count=4, min_chars=60)])
+    cfg = PipelineConfig(run_dir=tmp_path / "run", prompts=PromptConfig(mix=mix, num_train=6, num_eval=2),
+                         server=ServerConfig(parallel=2, ctx_per_slot=1024),
+                         generation=GenerationConfig(max_new_tokens=16, concurrency=2))
+    pm = stages.run_prompts(cfg, log=lambda *_: None)
+    assert pm["stats"]["per_source"]["kept"]["selected"] == 4 and (cfg.run_dir / "prompts/rejects.jsonl").exists()
+    gm = stages.run_generation(cfg, log=lambda *_: None)
+    rows = {r["id"]: r for s in gm["shards"] for r in prompts_mod.read_rows(cfg.run_dir / "generations" / s)}
+    kept = [r for r in rows.values() if r["mode"] == "keep"]
+    regen = [r for r in rows.values() if r["mode"] == "prompt"]
+    assert kept and regen and gm["finish_reasons"]["kept"] == len(kept)
+    assert all(r["response"] and r["messages"][-1]["role"] == "user" for r in regen)
+    assert any(len(r["messages"]) > 1 for r in regen)                   # multi-turn prompts were sent whole
+    stages.run_tokenize(cfg, log=lambda *_: None)
+    import pyarrow.parquet as pq
+    for t in pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist():
+        r = rows[t["id"]]
+        if r["mode"] == "keep":
+            want = [m["content"] + "<|im_end|>" for m in r["messages"] if m["role"] == "assistant"]
+        else:
+            want = [r["response"] + ("" if r["finish_reason"] == "length" else "<|im_end|>")]
+        assert masked_spans(tokenizer, t) == want, t["id"]

@@ -1,0 +1,205 @@
+"""Row formats -> one normalized conversation schema (OpenAI chat messages).
+
+A normalized message is {"role": "system"|"user"|"assistant"|"tool", "content": str} plus, where the source has
+them, "reasoning_content" (str: reasoning given apart from the answer; reasoning written inline as a <think> block
+stays in "content"), "tool_calls" ([{"id", "type": "function", "function": {"name", "arguments"}}], OpenAI
+Chat Completions) and "tool_call_id"/"name" on tool results. Inline tool-call markup inside assistant text
+(Hermes `<tool_call>`, SWE-agent command blocks, `<function=...>` XML) is kept verbatim: it is what the model
+wrote.
+
+Formats (detected from the row's fields unless the source names one):
+  openai          `messages`: [{role, content, tool_calls?, reasoning_content?}] (ultrachat_200k,
+                  Mixture-of-Thoughts, DeepSWE Kimi-K2 trajectories)
+  sharegpt        `conversations`: [{from, value}] (ShareGPT, OpenThoughts-114k, Hermes function calling)
+  swe_agent       `trajectory`: [{role: system|user|ai, text, system_prompt}] (nebius/SWE-agent-trajectories)
+  alpaca          `instruction` (+ `input`) -> user, `output` -> assistant
+  prompt_response a prompt field (prompt/question/problem/query) and optional response and reasoning fields
+                  (HumanEval `prompt`, GSM8K `question`/`answer`, problem/thinking/solution sets)
+  spec_bench      `turns`: [user turn, ...]; only the first turn is a prompt (later turns need the target's own
+                  earlier answers; their count is kept in meta)
+Mode 'prompt' cuts the conversation before its final assistant turn (the target regenerates it); mode 'keep' needs
+a conversation that ends with an assistant turn.
+"""
+from __future__ import annotations
+
+import json
+
+ROLES = {"system": "system", "developer": "system",
+         "user": "user", "human": "user",
+         "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+         "bard": "assistant", "model": "assistant", "ai": "assistant",
+         "tool": "tool", "function": "tool", "observation": "tool", "ipython": "tool", "tool_response": "tool"}
+ID_FIELDS = ("task_id", "id", "question_id", "prompt_id", "instance_id")
+PROMPT_FIELDS = ("prompt", "question", "problem", "query")
+RESPONSE_FIELDS = ("response", "completion", "answer", "solution", "output")
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
+
+
+class RowReject(ValueError):
+    """A row that cannot be read or normalized; `reason` says why and what to do. Collected, not raised past the
+    prompts stage unless a source's reject fraction passes `prompts.max_reject_frac`."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def detect_format(row: dict, spec) -> str:
+    if spec.format != "auto":
+        return spec.format
+    field = spec.messages_field
+    if field:
+        return "sharegpt" if _looks_sharegpt(row.get(field)) else "openai"
+    for key, fmt in (("messages", "openai"), ("conversations", "sharegpt"), ("trajectory", "swe_agent")):
+        if isinstance(row.get(key), list):
+            return "sharegpt" if fmt == "openai" and _looks_sharegpt(row[key]) else fmt
+    if isinstance(row.get("turns"), list):
+        return "spec_bench"
+    if isinstance(row.get("instruction"), str):
+        return "alpaca"
+    if spec.prompt_field or any(isinstance(row.get(k), str) for k in PROMPT_FIELDS):
+        return "prompt_response"
+    raise RowReject(f"no conversation or prompt field; expected one of messages, conversations, trajectory, turns, "
+                    f"instruction, {', '.join(PROMPT_FIELDS)} (found {sorted(row)}); set the source's `format` "
+                    f"and field names")
+
+
+def _looks_sharegpt(msgs) -> bool:
+    return isinstance(msgs, list) and bool(msgs) and isinstance(msgs[0], dict) and "from" in msgs[0]
+
+
+def normalize(row, spec) -> tuple[list[dict], dict]:
+    """(messages, meta) of one raw row under `spec` (a SourceSpec): the normalized conversation, cut for the
+    source's mode. Raises RowReject with the reason (empty conversation, unknown role, conversation ending in a
+    user turn in mode 'keep', ...)."""
+    if not isinstance(row, dict):
+        raise RowReject(f"expected an object, got {type(row).__name__}")
+    fmt = detect_format(row, spec)
+    meta: dict = {"format": fmt}
+    if fmt in ("openai", "sharegpt", "swe_agent"):
+        field = spec.messages_field or next((k for k in ("messages", "conversations", "trajectory")
+                                             if isinstance(row.get(k), (list, str))), "messages")
+        raw = row.get(field)
+        if isinstance(raw, str):                      # some sets store the list as JSON text
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError:
+                raise RowReject(f"field {field!r} is text that is not a JSON message list") from None
+        if not isinstance(raw, list):
+            raise RowReject(f"field {field!r} is missing or not a list")
+        msgs = [_message(m, k, fmt) for k, m in enumerate(raw)]
+    elif fmt == "spec_bench":
+        turns = row.get("turns") or []
+        msgs = [{"role": "user", "content": _text(turns[0], 0)}] if turns else []
+        meta["later_turns"] = max(len(turns) - 1, 0)
+    elif fmt == "alpaca":
+        extra = row.get("input") or ""
+        msgs = [{"role": "user", "content": (row.get("instruction") or "") + ("\n\n" + extra if extra else "")}]
+        if row.get("output"):
+            msgs.append({"role": "assistant", "content": _text(row["output"], 1)})
+    else:                                             # prompt_response
+        prompt_key = spec.prompt_field or next((k for k in PROMPT_FIELDS if isinstance(row.get(k), str)), None)
+        response_key = spec.response_field or next((k for k in RESPONSE_FIELDS if row.get(k)), None)
+        reasoning_key = spec.reasoning_field or next((k for k in REASONING_FIELDS if row.get(k)), None)
+        if prompt_key is None or not isinstance(row.get(prompt_key), str):
+            raise RowReject(f"prompt field {prompt_key!r} is missing or not text")
+        msgs = [{"role": "user", "content": row[prompt_key]}]
+        if response_key and row.get(response_key):
+            answer = {"role": "assistant", "content": _text(row[response_key], 1)}
+            if reasoning_key and row.get(reasoning_key):
+                answer["reasoning_content"] = _text(row[reasoning_key], 1)
+            msgs.append(answer)
+    system_key = spec.system_field or ("system" if isinstance(row.get("system"), str) else None)
+    if system_key and row.get(system_key) and not (msgs and msgs[0]["role"] == "system"):
+        msgs.insert(0, {"role": "system", "content": _text(row[system_key], -1)})
+    msgs = [m for m in msgs if not (m["role"] == "system" and not m["content"].strip())]
+    return _cut_for_mode(_check(msgs), spec.mode), meta
+
+
+def _message(m, k: int, fmt: str) -> dict:
+    if not isinstance(m, dict):
+        raise RowReject(f"message {k} is {type(m).__name__}, not an object")
+    speaker = m.get("from", m.get("role")) if fmt == "sharegpt" else m.get("role", m.get("from"))
+    role = ROLES.get(speaker.lower() if isinstance(speaker, str) else speaker)
+    if role is None:
+        raise RowReject(f"message {k} has unknown role {speaker!r}; known: {sorted(ROLES)}")
+    if fmt == "sharegpt":
+        content = m.get("value", m.get("content"))
+    elif fmt == "swe_agent":
+        content = m.get("text") or (m.get("system_prompt") if role == "system" else None)
+    else:
+        content = m.get("content")
+    out = {"role": role, "content": _text(content, k)}
+    reasoning = next((m[key] for key in REASONING_FIELDS if m.get(key)), None)
+    if reasoning:
+        out["reasoning_content"] = _text(reasoning, k)
+    if m.get("tool_calls"):
+        out["tool_calls"] = [_tool_call(c, k) for c in m["tool_calls"]]
+    for key in ("tool_call_id", "name"):
+        if role == "tool" and m.get(key):
+            out[key] = str(m[key])
+    return out
+
+
+def _text(content, k: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):                    # OpenAI content parts
+        parts = [p.get("text", "") if isinstance(p, dict) else p for p in content]
+        if all(isinstance(p, str) for p in parts):
+            return "".join(parts)
+    raise RowReject(f"message {k}: content is {type(content).__name__}, not text")
+
+
+def _tool_call(c, k: int) -> dict:
+    fn = c.get("function", c) if isinstance(c, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RowReject(f"message {k}: a tool call has no function name")
+    args = fn.get("arguments", {})
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if c.get("id"):
+        out["id"] = str(c["id"])
+    return out
+
+
+def _check(msgs: list[dict]) -> list[dict]:
+    if not msgs:
+        raise RowReject("empty conversation")
+    for k, m in enumerate(msgs):
+        if not m["content"].strip() and not m.get("tool_calls") and not m.get("reasoning_content"):
+            raise RowReject(f"message {k} ({m['role']}) is empty")
+    if not any(m["role"] == "user" for m in msgs):
+        raise RowReject("conversation has no user turn")
+    return msgs
+
+
+def _cut_for_mode(msgs: list[dict], mode: str) -> list[dict]:
+    if mode == "keep":
+        if msgs[-1]["role"] != "assistant":
+            raise RowReject(f"conversation ends in a {msgs[-1]['role']} turn, so there is no response to keep; use "
+                            f"mode 'prompt' to have the target answer it")
+        return msgs
+    return to_prompt(msgs)
+
+
+def to_prompt(msgs: list[dict]) -> list[dict]:
+    """The conversation before its final assistant turn (what the target is asked to answer). Raises RowReject
+    if nothing but assistant turns would be left."""
+    end = len(msgs)
+    while end and msgs[end - 1]["role"] == "assistant":
+        end -= 1
+    if end == 0 or not any(m["role"] == "user" for m in msgs[:end]):
+        raise RowReject("no user turn before the final assistant turn")
+    return msgs[:end]
+
+
+def conversation_text(msgs: list[dict]) -> str:
+    """All text of a conversation (roles, reasoning, tool calls): what length filters measure and dedup hashes."""
+    parts = []
+    for m in msgs:
+        parts += [m["role"], m.get("reasoning_content", ""), m["content"]]
+        if m.get("tool_calls"):
+            parts.append(json.dumps(m["tool_calls"], sort_keys=True))
+    return "\n".join(parts)
