@@ -50,7 +50,7 @@ def trim_start(loss_mask: torch.Tensor, ttt_length: int) -> int:
     k' in 1..K-1, i.e. t < first supervised index - K - 1) is skipped; step 0 still runs on it (causal keys)."""
     B, T = loss_mask.shape
     has = loss_mask.any(dim=1)
-    first = torch.where(has, loss_mask.float().argmax(dim=1), torch.full((B,), T))
+    first = torch.where(has, loss_mask.float().argmax(dim=1), torch.full((B,), T, device=loss_mask.device))
     return max(0, int(first.min()) - ttt_length - 1)
 
 
