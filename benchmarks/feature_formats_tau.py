@@ -37,7 +37,7 @@ from eagle3_core.target import load_target, load_tokenizer  # noqa: E402
 from eagle3_core.trainer import build_draft, train  # noqa: E402
 
 
-def run_format(fmt: str, cfg, model, rows, vocab, prompts, eos, out: Path, log) -> dict:
+def run_format(fmt: str, cfg, model, cpu_model, rows, vocab, prompts, eos, out: Path, log) -> dict:
     ids = cfg.features.aux_layer_ids or default_aux_layer_ids(model.config.num_hidden_layers)
     t0 = time.monotonic()
     m = extract_features(model, rows, out / "features", ids, cfg.features.shard_samples, cfg.features.batch_tokens,
@@ -52,9 +52,10 @@ def run_format(fmt: str, cfg, model, rows, vocab, prompts, eos, out: Path, log) 
     summary = train(draft, samples[n_eval:], samples[:n_eval], lm, cfg.train, out / "draft", log=log)
     t_train = time.monotonic() - t0
     trained = load_draft(Path(summary["best_dir"]))
-    report = measure(TargetRunner(model, ids), {"trained": trained}, prompts, cfg.eval.max_new_tokens, eos,
+    report = measure(TargetRunner(cpu_model, ids), {"trained": trained}, prompts, cfg.eval.max_new_tokens, eos,
                      cfg.eval.num_draft_steps, cfg.eval.tie_gap)["trained"]
-    return {"format": fmt, "bytes_per_token": m["bytes_per_token"], "bytes": m["bytes"], "tokens": m["tokens"],
+    return {"format": fmt, "epochs": cfg.train.epochs, "ttt_length": cfg.train.ttt_length,
+            "bytes_per_token": m["bytes_per_token"], "bytes": m["bytes"], "tokens": m["tokens"],
             "tau": report["tau"], "tau_ci95": report["tau_ci95"], "tau_sim": summary["best"]["tau_sim"],
             "lossless": report["lossless"], "extract_s": t_extract, "train_s": t_train}
 
@@ -66,6 +67,13 @@ def main() -> None:
     ap.add_argument("--formats", default="bf16,fp8,online")
     ap.add_argument("--out", default=None, help="output directory (default: <run-dir>/feature_formats)")
     ap.add_argument("--tiny", action="store_true", help="8 samples, 1 epoch, 2 prompts x 8 tokens")
+    ap.add_argument("--device", default=None, help="extraction, online features and training (default: cuda if "
+                                                    "available); offline evaluation runs on the CPU")
+    ap.add_argument("--attention", default=None, help="override train.attention (e.g. merged_math: no compile "
+                                                       "per sequence length for a small draft)")
+    ap.add_argument("--target-gguf", default=None, help="GGUF file of the target (default: the embedded one)")
+    ap.add_argument("--longer", default="", help="extra bf16 runs with other epochs:ttt_length, e.g. '20:3,20:7' "
+                                                 "(issue 4: a longer run against the preset's)")
     args = ap.parse_args()
     run_dir = Path(args.run_dir)
     cfg = preset(args.preset, run_dir)
@@ -75,25 +83,37 @@ def main() -> None:
     if args.tiny:
         rows, eval_rows = rows[:8], eval_rows[:2]
         cfg.train.epochs, cfg.eval.max_new_tokens, cfg.features.shard_samples = 1, 8, 4
-    model = load_target(cfg.target)
+    if args.target_gguf:
+        cfg.target.model, cfg.target.gguf_file = str(Path(args.target_gguf).parent), Path(args.target_gguf).name
+    if args.attention:
+        cfg.train.attention = args.attention
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_target(cfg.target, device)
+    cpu_model = model if device == "cpu" else load_target(cfg.target)
     tok = load_tokenizer(cfg.target)
     prompts = [prompt_ids(tok, r["messages"]) for r in eval_rows]
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     vocab = load_file(str(run_dir / "vocab" / "vocab_map.safetensors"))
+    runs = [(fmt, cfg) for fmt in args.formats.split(",")]
+    for spec in filter(None, args.longer.split(",")):
+        epochs, ttt = map(int, spec.split(":"))
+        runs.append(("bf16", cfg.model_copy(update={"train": cfg.train.model_copy(
+            update={"epochs": epochs, "ttt_length": ttt})})))
     results = []
-    for fmt in args.formats.split(","):
-        torch.manual_seed(cfg.train.seed)
-        results.append(run_format(fmt, cfg, model, rows, vocab, prompts, eos, out / fmt,
-                                  log=lambda s, fmt=fmt: print(f"[{fmt}] {s}", flush=True)))
+    for fmt, run_cfg in runs:
+        name = f"{fmt}-e{run_cfg.train.epochs}-ttt{run_cfg.train.ttt_length}"
+        torch.manual_seed(run_cfg.train.seed)
+        results.append(run_format(fmt, run_cfg, model, cpu_model, rows, vocab, prompts, eos, out / name,
+                                  log=lambda s, name=name: print(f"[{name}] {s}", flush=True)))
     (out / "feature_formats_tau.json").write_text(json.dumps(results, indent=2))
     ref = next((r for r in results if r["format"] == "bf16"), results[0])
     print(f"\n{len(rows)} samples, {ref['tokens']} tokens; {len(prompts)} held-out prompts x "
           f"{cfg.eval.max_new_tokens} tokens, {cfg.eval.num_draft_steps} draft tokens per verify step")
-    print("| format | bytes/token | vs bf16 | tau (95% CI) | vs bf16 | tau_sim | extract s | train s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| format | epochs | TTT | bytes/token | vs bf16 | tau (95% CI) | vs bf16 | tau_sim | extract s | train s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         lo, hi = r["tau_ci95"]
-        print(f"| {r['format']} | {r['bytes_per_token']:,.1f} | {r['bytes_per_token'] / ref['bytes_per_token']:.3f} "
+        print(f"| {r['format']} | {r['epochs']} | {r['ttt_length']} | {r['bytes_per_token']:,.1f} | {r['bytes_per_token'] / ref['bytes_per_token']:.3f} "
               f"| {r['tau']:.3f} ({lo:.2f}-{hi:.2f}) | {r['tau'] / ref['tau'] - 1:+.1%} | {r['tau_sim']:.3f} "
               f"| {r['extract_s']:.0f} | {r['train_s']:.0f} |")
 
