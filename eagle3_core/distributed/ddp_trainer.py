@@ -102,7 +102,8 @@ def evaluate_sharded(draft: Eagle3Draft, samples: list, head_draft: torch.Tensor
 
 
 def train_ddp(draft: Eagle3Draft, train_samples: list, eval_samples: list, target_lm_head: torch.Tensor,
-              cfg: TrainConfig, out_dir: Path, log=print, stop_after_steps: int | None = None) -> dict:
+              cfg: TrainConfig, out_dir: Path, log=print, stop_after_steps: int | None = None,
+              on_step=None, tensorboard: bool = True) -> dict:
     """trainer.train's contract under an initialised process group (torchrun): train `draft` in place on
     cfg.device (this rank's device, e.g. 'cuda:3' or 'cpu'), resume from the newest checkpoint in
     out_dir/checkpoints, write out_dir/{last,best} and checkpoints from rank 0. Every rank passes the same
@@ -111,12 +112,12 @@ def train_ddp(draft: Eagle3Draft, train_samples: list, eval_samples: list, targe
     target_lm_head [V, H_t] fp32. Raises FloatingPointError on every rank when any rank sees a non-finite loss or
     the gradient norm is non-finite (before that step changes the weights), ValueError if the checkpoint was
     written for other data or another global batch. `stop_after_steps` ends this call after that many optimizer
-    steps in total (time-boxed runs, resume tests); calling again resumes.
+    steps in total (time-boxed runs, resume tests); calling again resumes. `on_step(step, loss)` is called on
+    every rank after each optimizer step (loss: the step's mean micro-batch loss over all ranks); `tensorboard`
+    False writes no TensorBoard scalars (benchmark hosts without the package).
     Returns {'best', 'history', 'steps', 'step_losses' (mean micro-batch loss of each step of this call, over all
     ranks), 'tokens' (real tokens trained on by this rank in this call), 'best_dir', 'last_dir'}.
     """
-    from torch.utils.tensorboard import SummaryWriter
-
     rank, world = dist.get_rank(), dist.get_world_size()
     out_dir, device = Path(out_dir), torch.device(cfg.device if cfg.device != "auto" else "cpu")
     one_process = cfg.model_copy(update={"grad_accum": cfg.grad_accum * world})   # what this run equals
@@ -174,8 +175,10 @@ def train_ddp(draft: Eagle3Draft, train_samples: list, eval_samples: list, targe
                 "best": best, "history": json.dumps(history), "rng": rng_states()}, step, cfg.keep_checkpoints)
             log(f"train: checkpoint step {step} (epoch {epoch}, batch {batch})")
 
-    tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=step if state is not None else None) \
-        if rank == 0 else None
+    tb = None
+    if rank == 0 and tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=step if state is not None else None)
     t0, step_losses, my_tokens, steps_this_call = time.monotonic(), [], 0, 0
     for epoch in range(epoch0, cfg.epochs):
         draft.train()
@@ -220,6 +223,8 @@ def train_ddp(draft: Eagle3Draft, train_samples: list, eval_samples: list, targe
                 tb.add_scalar("train/lr", sched.get_last_lr()[0], step)
             step += 1
             steps_this_call += 1
+            if on_step is not None:
+                on_step(step, step_losses[-1])
             end = g0 + group_size
             if step % cfg.checkpoint_every == 0 and end < len(batches):
                 checkpoint(epoch, end)
@@ -233,13 +238,14 @@ def train_ddp(draft: Eagle3Draft, train_samples: list, eval_samples: list, targe
         history.append({"epoch": epoch, "train": train_m, "eval": eval_m, "tokens": tokens,
                         "seconds": time.monotonic() - t0})
         score = (eval_m or train_m)["tau_sim"]
-        if rank == 0:
+        if tb:
             for split, mt in (("train", train_m), ("eval", eval_m)):
                 for k, (a, c) in enumerate(zip(mt["acc"], mt["cond_acc"]) if mt else ()):
                     tb.add_scalar(f"{split}/acc_{k}", a, step)
                     tb.add_scalar(f"{split}/cond_acc_{k}", c, step)
                 if mt:
                     tb.add_scalar(f"{split}/tau_sim", mt["tau_sim"], step)
+        if rank == 0:
             log(f"train: epoch {epoch} loss {sum(train_m['loss']):.3f} acc_0 {train_m['acc'][0]:.3f} "
                 f"tau_sim {train_m['tau_sim']:.2f}" + (f" eval tau_sim {eval_m['tau_sim']:.2f}" if eval_m else "")
                 + f" ({time.monotonic() - t0:.0f} s, {world} ranks)")
