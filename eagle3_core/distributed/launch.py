@@ -1,0 +1,143 @@
+"""Run `torchrun` as a child in its own process group, stream its output line by line, and never leave a process
+behind: on success, failure, an exception in the caller (a cancelled Prefect flow run raises one in the thread
+that waits here) or the caller's death.
+
+Why more than killpg: torchrun's agent starts each worker in a new session (torch.distributed.elastic's
+SubprocessHandler uses start_new_session), so the workers are not in torchrun's process group. Stopping therefore
+takes a snapshot of the whole process tree first (/proc, Linux), sends SIGTERM to torchrun (its handler stops the
+workers) and to every descendant, and SIGKILLs whatever is still alive after the grace period. Workers also call
+`die_with_parent()` so that they get SIGTERM if torchrun itself is SIGKILLed, and torchrun gets SIGTERM if the
+thread that started it dies (PR_SET_PDEATHSIG).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
+class TorchrunError(RuntimeError):
+    """torchrun exited with a non-zero code; the message holds the command and the last lines of its output."""
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux; a no-op elsewhere). Called by
+    worker entry points at start, and (as a preexec hook) by `run_torchrun` for torchrun itself."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(sig))
+
+
+def torchrun_command(args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
+                     rdzv_endpoint: str | None = None) -> list[str]:
+    """The torchrun command line for `args` (e.g. ['-m', 'eagle3_core.distributed.train_ddp', '--config', f]).
+
+    One node: `--standalone` (a local rendezvous on a free port, so parallel runs do not collide). Several nodes:
+    the c10d rendezvous at `rdzv_endpoint` (host:port of node 0), run the same command on every node with its
+    `node_rank`. Raises ValueError if nnodes > 1 without an endpoint."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
+    if nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        if not rdzv_endpoint:
+            raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of node 0, reachable from every node)")
+        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={rdzv_endpoint}"]
+    return cmd + list(args)
+
+
+def descendants(pid: int) -> list[int]:
+    """Pids of every live descendant of `pid` (children first), read from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:                                                  # exited while we looked
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])                   # field 4; comm may hold spaces
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:                                                                 # a zombie is dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop_tree(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """Stop `proc` and every process below it: SIGTERM to all (torchrun forwards it to its workers), SIGKILL to
+    whatever is alive after `grace_s` seconds, then reap `proc`."""
+    family = descendants(proc.pid) if proc.poll() is None else []
+    for pid in [proc.pid, *family]:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and (proc.poll() is None or any(_alive(p) for p in family)):
+        time.sleep(0.1)
+    for pid in [proc.pid, *family]:
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    proc.wait()
+
+
+def run_torchrun(args: list[str], nproc_per_node: int, on_line: Callable[[str], None] = print,
+                 log_path: Path | None = None, env: dict[str, str] | None = None, grace_s: float = 30.0,
+                 cwd: Path | None = None, **rdzv) -> None:
+    """Run torchrun on `args` (torchrun_command; `rdzv`: nnodes, node_rank, rdzv_endpoint) and wait for it.
+
+    Every output line of torchrun and its workers (stdout and stderr, unbuffered) goes to `on_line` as it comes
+    (without the newline) and to `log_path` if given. Whatever ends the wait (the run finishing, an exception in
+    `on_line`, KeyboardInterrupt, Prefect's TerminationSignal) the process tree is stopped (stop_tree) before this
+    returns or raises. Raises TorchrunError (command, exit code, last 50 lines) on a non-zero exit.
+    """
+    cmd = torchrun_command(args, nproc_per_node, **rdzv)
+    full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    tail: deque[str] = deque(maxlen=50)
+    log = open(log_path, "a") if log_path else None                     # noqa: SIM115 (closed in finally)
+    # own session and process group: a signal meant for the caller's group (Ctrl-C, the runner's SIGTERM) does not
+    # hit the workers mid-collective; the caller stops them through stop_tree instead
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            env=full_env, cwd=cwd, start_new_session=True,
+                            preexec_fn=die_with_parent)  # noqa: PLW1509 (one prctl call, resolved in the parent)
+    try:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            if log:
+                log.write(line + "\n")
+                log.flush()
+            on_line(line)
+        proc.wait()
+    finally:
+        stop_tree(proc, grace_s)
+        proc.stdout.close()
+        if log:
+            log.close()
+    if proc.returncode != 0:
+        raise TorchrunError(f"torchrun exited with code {proc.returncode}: {' '.join(cmd)}\n" + "\n".join(tail))

@@ -1,0 +1,110 @@
+"""The train stage under torchrun: `torchrun --nproc-per-node 8 -m eagle3_core.distributed.train_ddp --config
+run.json` (run.json: a PipelineConfig; the features and vocab stages must have finished under its run_dir).
+
+Every rank builds the same seeded draft, verifies its 1/W of the feature shards' checksums, and trains with
+ddp_trainer.train_ddp (DDP over NCCL on GPUs, gloo on CPU); rank 0 exports the best epoch and writes the stage
+manifest exactly as stages.run_train does (plus `world_size`), so later stages cannot tell the difference.
+With W ranks the optimisation equals one process with train.grad_accum x W (ddp_trainer's docstring).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import clear_training_state, load_draft, save_draft
+from ..config import PipelineConfig
+from ..features import bad_shards, load_samples
+from ..manifest import read_manifest, write_manifest
+from .ddp_trainer import train_ddp
+from .launch import die_with_parent
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join torchrun's process group (NCCL on CUDA, gloo on CPU); returns (rank, world size, this rank's
+    device: cuda:LOCAL_RANK, or cpu). Raises RuntimeError outside torchrun (no RANK/WORLD_SIZE in the env)."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("not started by torchrun: run `torchrun --nproc-per-node N -m "
+                           "eagle3_core.distributed.train_ddp --config run.json`")
+    die_with_parent()                                  # torchrun SIGKILLed: do not linger in a collective
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def verify_my_shards(store_dir: Path, rank: int, world: int) -> None:
+    """Each rank checks the sha256 of every W-th shard (so a 9 TB store is hashed W times faster than by one
+    process); raises ValueError on every rank naming the bad shards if any rank found one."""
+    shards = read_manifest(store_dir / "manifest.json")["shards"]
+    bad = bad_shards(store_dir, shards[rank::world])
+    n_bad = torch.tensor([len(bad)], dtype=torch.float64)
+    dist.all_reduce(n_bad)
+    if n_bad.item():
+        raise ValueError(f"{int(n_bad.item())} feature shard(s) corrupt or missing (this rank: "
+                         f"{[str(store_dir / b) for b in bad]}); rerun the features stage: it extracts exactly "
+                         "those shards again")
+
+
+def run_train_ddp(cfg: PipelineConfig, log=print) -> dict:
+    """stages.run_train on every rank of an initialised process group; returns the stage manifest."""
+    from ..manifest import cached_manifest
+    from ..stages import _fresh_draft, _key, _logits_probe, _upstream
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = cfg.run_dir / "draft"
+    key = _key(_upstream(cfg.run_dir, "features")["inputs_key"], _upstream(cfg.run_dir, "vocab")["inputs_key"],
+               cfg.train, cfg.draft)
+    if (m := cached_manifest(out / "manifest.json", key)):
+        return m
+    t0 = time.monotonic()
+    verify_my_shards(cfg.run_dir / "features", rank, world)
+    samples = load_samples(cfg.run_dir / "features", verify=False)
+    n_eval = int(len(samples) * cfg.train.eval_frac)
+    train_s, eval_s = samples[n_eval:], samples[:n_eval]
+    draft, lm_head = _fresh_draft(cfg)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if (out / "inputs_key").exists() and (out / "inputs_key").read_text() != key:
+            clear_training_state(out)                     # state of other inputs: never resume from it
+        (out / "inputs_key").write_text(key)
+    dist.barrier()
+    summary = train_ddp(draft, train_s, eval_s, lm_head, cfg.train, out, log=log)
+    manifest = None
+    if rank == 0:
+        best = load_draft(out / "best")
+        export = save_draft(best, out / "export")
+        if not _logits_probe(best, load_draft(export)):
+            raise RuntimeError(f"export {export} does not reproduce the trained draft's logits")
+        log(f"train: best epoch {summary['best']['epoch']} (tau_sim {summary['best']['tau_sim']:.2f}); "
+            f"exported to {export}")
+        manifest = write_manifest(out / "manifest.json", {
+            "inputs_key": key, "export_dir": str(export), "best": summary["best"], "steps": summary["steps"],
+            "history": summary["history"], "train_samples": len(train_s), "eval_samples": len(eval_s),
+            "world_size": world, "seconds": time.monotonic() - t0})
+    dist.barrier()
+    return manifest or read_manifest(out / "manifest.json")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, type=Path, help="a PipelineConfig JSON file")
+    args = ap.parse_args(argv)
+    cfg = PipelineConfig.model_validate_json(args.config.read_text())
+    rank, _, device = init_distributed()
+    cfg.train.device = str(device)
+    try:
+        run_train_ddp(cfg, log=lambda s: print(s, flush=True) if rank == 0 else None)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""A torchrun worker for tests/test_distributed.py (gloo on CPU).
+
+  torchrun --standalone --nproc-per-node 2 tests/ddp_worker.py train OUT_DIR [STOP_AFTER_STEPS]
+      trains the tiny draft of train_worker.py with ddp_trainer.train_ddp (train.grad_accum 1 per rank); rank 0
+      writes OUT_DIR/result.json (steps, step losses)
+  torchrun --standalone --nproc-per-node 2 tests/ddp_worker.py hold
+      joins the process group, prints 'rank R pid P ready' and sleeps (the cancellation test kills it)
+"""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from conftest import tiny_draft
+from train_worker import CFG, samples
+
+from eagle3_core.distributed.ddp_trainer import train_ddp
+from eagle3_core.distributed.train_ddp import init_distributed
+
+LM_HEAD_SEED = 5
+
+
+def main():
+    torch.set_num_threads(1)                                     # the same kernels in every process
+    rank, _, _ = init_distributed()
+    if sys.argv[1] == "hold":
+        print(f"rank {rank} pid {os.getpid()} ready", flush=True)
+        time.sleep(600)
+        return
+    out_dir, stop = Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None
+    lm_head = torch.randn(100, 32, generator=torch.Generator().manual_seed(LM_HEAD_SEED))
+    res = train_ddp(tiny_draft(), samples(), samples(4, seed=1), lm_head, CFG, out_dir,
+                    log=lambda s: print(s, flush=True) if rank == 0 else None, stop_after_steps=stop)
+    if rank == 0:
+        (out_dir / "result.json").write_text(json.dumps({"steps": res["steps"], "step_losses": res["step_losses"],
+                                                         "history": res["history"]}))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
