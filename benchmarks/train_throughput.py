@@ -112,8 +112,9 @@ def timed(step, device: torch.device, warmup: int, iters: int) -> tuple[float, f
     return dt, peak, float(loss)
 
 
-def ours_step_fn(s: dict, inp: dict, device: torch.device, K: int, attention: str, compile_: bool):
-    draft = make_draft(s, inp, device).set_attention(attention)
+def ours_step_fn(s: dict, inp: dict, device: torch.device, K: int, attention: str, compile_: bool,
+                 fast: bool = True):
+    draft = make_draft(s, inp, device).set_attention(attention).set_fast_step(fast)
     if compile_:
         compile_for_training(draft)
     head_draft = inp["lm_head"][inp["vocab"]]                                  # [N, H_t] fp32
@@ -201,16 +202,24 @@ def check_equivalence(s: dict, device: torch.device, K: int) -> None:
     batch = {k: inp[k] for k in ("input_ids", "loss_mask", "aux", "final", "target_top1")}
     batch = {k: v.float() if v.is_floating_point() else v for k, v in batch.items()}
     out = {}
-    for impl in ("eager", "merged_flex"):
-        if impl == "merged_flex" and device.type != "cuda":
-            continue                                                        # flex has no backward on CPU
-        d = make_draft(small, inp, device).set_attention(impl)
-        loss, _ = ttt_loss(d, batch, inp["lm_head"][inp["vocab"]], K)
+    impl = "merged_flex" if device.type == "cuda" else "merged_math"        # flex has no backward on CPU
+    for name, attn, fast, amp in (("eager old step fp32", "eager", False, False),
+                                  (f"{impl} new step fp32", impl, True, False),
+                                  (f"{impl} old step bf16", impl, False, True),
+                                  (f"{impl} new step bf16", impl, True, True)):
+        if amp and device.type != "cuda":
+            continue
+        d = make_draft(small, inp, device).set_attention(attn).set_fast_step(fast)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss, _ = ttt_loss(d, batch, inp["lm_head"][inp["vocab"]], K)
         loss.backward()
-        out[impl] = (loss.item(), torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None]))
-    if len(out) == 2:
-        (la, ga), (lb, gb) = out.values()
-        print(f"check (fp32, T={small['T']}): loss eager {la:.6f} merged_flex {lb:.6f}; gradient max rel diff "
+        out[name] = (loss.item(), torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None]))
+    names = list(out)
+    for a, b in ((names[0], names[1]), (names[2], names[3]) if len(names) == 4 else (None, None)):
+        if a is None:
+            continue
+        (la, ga), (lb, gb) = out[a], out[b]
+        print(f"check (T={small['T']}): loss {a} {la:.6f}, {b} {lb:.6f}; gradient max rel diff "
               f"{((ga - gb).abs().max() / ga.abs().max()).item():.2e}")
 
 
@@ -242,13 +251,16 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense peak for MFU (H200 measured)")
     ap.add_argument("--attention", default=None,
                     help="our TTT attention implementations to measure, comma-separated (default: "
-                         "merged_flex,eager on CUDA; eager,merged_math on CPU, where flex has no backward)")
+                         "merged_flex on CUDA; merged_math on CPU, where flex has no backward)")
     ap.add_argument("--compile", default="off,on", help="our variants without/with torch.compile: off,on")
-    ap.add_argument("--specforge", default="flex_attention,sdpa",
+    ap.add_argument("--step", default="old,new",
+                    help="our TTT step paths: new (Eagle3Draft.set_fast_step(True): RoPE and weight casts once per "
+                         "batch, fused loss from teacher logits, compiled attention merge) and/or old (the former)")
+    ap.add_argument("--specforge", default="flex_attention",
                     help="SpecForge attention backends to measure, comma-separated ('' for none)")
     ap.add_argument("--check", action="store_true", help="first compare merged_flex with eager (loss, grads)")
-    ap.add_argument("--profile", default="", help="profile one step of this variant, e.g. ours:merged_flex:on "
-                                                  "or specforge:flex_attention")
+    ap.add_argument("--profile", default="", help="profile one step of this variant, e.g. "
+                                                  "ours:merged_flex:on:new or specforge:flex_attention")
     args = ap.parse_args()
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu"))
@@ -270,10 +282,12 @@ def main() -> None:
             traceback.print_exc(limit=4)
 
     variants = []
-    attentions = args.attention or ("merged_flex,eager" if device.type == "cuda" else "eager,merged_math")
+    attentions = args.attention or ("merged_flex" if device.type == "cuda" else "merged_math")
     for attn in filter(None, attentions.split(",")):
         for c in filter(None, args.compile.split(",")):
-            variants.append((f"ours:{attn}:{c}", lambda a=attn, c=c: ours_step_fn(s, inp, device, K, a, c == "on")))
+            for st in filter(None, args.step.split(",")):
+                variants.append((f"ours:{attn}:{c}:{st}", lambda a=attn, c=c, st=st: ours_step_fn(
+                    s, inp, device, K, a, c == "on", st == "new")))
     for backend in filter(None, args.specforge.split(",")):
         variants.append((f"specforge:{backend}", lambda b=backend: specforge_step_fn(s, inp, device, K, b)))
 
@@ -295,6 +309,11 @@ def main() -> None:
             print(f"| {r.name} | failed: {r.error[:120]} | | | |")
         else:
             print(f"| {r.name} | {r.tok_s:,.0f} | {r.mfu:.1%} | {r.peak_gib:.1f} | {r.loss:.4f} |")
+    by_name = {r.name: r for r in results if not r.error}
+    for r in results:
+        old = by_name.get(r.name[:-len(":new")] + ":old") if r.name.endswith(":new") else None
+        if old and r.name in by_name:
+            print(f"{r.name} / {old.name}: {r.tok_s / old.tok_s:.2f}x")
     ours = [r for r in results if r.name.startswith("ours") and not r.error]
     theirs = [r for r in results if r.name.startswith("specforge") and not r.error]
     if ours and theirs:

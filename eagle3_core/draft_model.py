@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -77,10 +78,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 as Llama does, then cast back
-        xf = x.to(_acc_dtype(x.dtype))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama RMSNorm: normalise in fp32, cast back to x's dtype, times weight (result in the promoted dtype)."""
+    xf = x.to(_acc_dtype(x.dtype))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: dict | None):
@@ -122,14 +127,17 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(2 * s.hidden_size, s.num_key_value_heads * s.head_dim, bias=False)
         self.o_proj = nn.Linear(s.num_attention_heads * s.head_dim, s.hidden_size, bias=False)
         self.impl = "eager"                  # TTT attention implementation (Eagle3Draft.set_attention)
+        self.compile_merge = True            # merged impls on CUDA: compile the diagonal merge (set_fast_step)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, T, 2H] -> q [B, nh, T, hd], k/v [B, nkv, T, hd] with RoPE applied to q and k."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: dict | None = None):
+        """x [B, T, 2H] -> q [B, nh, T, hd], k/v [B, nkv, T, hd] with RoPE applied to q and k.
+        w: optional {'q', 'k', 'v'} weights to use instead of the parameters (Eagle3Draft.step_weights)."""
         B, T, _ = x.shape
         s = self.s
-        q = self.q_proj(x).view(B, T, s.num_attention_heads, s.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, s.num_key_value_heads, s.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, s.num_key_value_heads, s.head_dim).transpose(1, 2)
+        wq, wk, wv = (w["q"], w["k"], w["v"]) if w else (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        q = F.linear(x, wq).view(B, T, s.num_attention_heads, s.head_dim).transpose(1, 2)
+        k = F.linear(x, wk).view(B, T, s.num_key_value_heads, s.head_dim).transpose(1, 2)
+        v = F.linear(x, wv).view(B, T, s.num_key_value_heads, s.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def ttt_attend(self, q, keys: list, values: list) -> torch.Tensor:
@@ -139,7 +147,7 @@ class DraftAttention(nn.Module):
         [B, nkv, Tq, hd] from step j (only the same index); query i is index T - Tq + i. Returns [B, Tq, nh*hd].
         """
         B, nh, Tq, hd = q.shape
-        out = ttt_attention(q, keys, values, self.impl)                    # [B, nh, Tq, hd]
+        out = ttt_attention(q, keys, values, self.impl, self.compile_merge)  # [B, nh, Tq, hd]
         return out.transpose(1, 2).reshape(B, Tq, nh * hd)
 
 
@@ -150,8 +158,11 @@ class DraftMLP(nn.Module):
         self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, w: dict | None = None):
+        """w: optional {'gate', 'up', 'down'} weights to use instead of the parameters."""
+        if w is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return F.linear(F.silu(F.linear(x, w["gate"])) * F.linear(x, w["up"]), w["down"])
 
 
 class DraftDecoderLayer(nn.Module):
@@ -185,6 +196,7 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(s.hidden_size, s.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(s.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(s.vocab_size, dtype=torch.bool))
+        self.fast_step = True                # see set_fast_step
 
     def set_attention(self, impl: str) -> Eagle3Draft:
         """Choose the TTT attention implementation (eagle3_core.ttt_attention.IMPLEMENTATIONS); same results,
@@ -192,6 +204,15 @@ class Eagle3Draft(nn.Module):
         if impl not in IMPLEMENTATIONS:
             raise ValueError(f"unknown TTT attention {impl!r}; choose one of {IMPLEMENTATIONS}")
         self.midlayer.self_attn.impl = impl
+        return self
+
+    def set_fast_step(self, on: bool) -> Eagle3Draft:
+        """Switch the faster TTT step on (default) or off (the former path, kept measurable by
+        benchmarks/train_throughput.py): RoPE tables once per batch, matmul weights cast once per batch
+        (step_weights, under bf16/fp16 autocast), the loss from the teacher's logits by a fused kernel
+        (ttt.ttt_loss) and, on CUDA, the attention merge compiled. Same results up to rounding."""
+        self.fast_step = on
+        self.midlayer.self_attn.compile_merge = on
         return self
 
     def init_weights(self, seed: int) -> None:
@@ -207,6 +228,20 @@ class Eagle3Draft(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.02)
 
+    # matmul weights of a TTT step: step_weights() key -> parameter path
+    STEP_WEIGHTS: ClassVar[dict] = {"q": "midlayer.self_attn.q_proj.weight", "k": "midlayer.self_attn.k_proj.weight",
+                    "v": "midlayer.self_attn.v_proj.weight", "o": "midlayer.self_attn.o_proj.weight",
+                    "gate": "midlayer.mlp.gate_proj.weight", "up": "midlayer.mlp.up_proj.weight",
+                    "down": "midlayer.mlp.down_proj.weight", "lm_head": "lm_head.weight"}
+
+    def step_weights(self, dtype: torch.dtype) -> dict:
+        """The matmul weights of a TTT step cast to `dtype` once (differentiable casts), for all K steps of a
+        batch: autocast would do the same cast, but a compiled step would redo it (and cast the weight gradient
+        back to fp32) at every step. The gradients of the K uses add up in `dtype` and reach the fp32 parameters
+        through one cast, as under eager autocast (its cast cache). Norm weights and the embedding are not cast."""
+        params = dict(self.named_parameters())
+        return {k: params[name].to(dtype) for k, name in self.STEP_WEIGHTS.items()}
+
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [B, T, 3*H_t] target aux hidden states -> g [B, T, H]."""
         return self.fc(aux)
@@ -215,33 +250,50 @@ class Eagle3Draft(nn.Module):
         s = self.shape
         return rope_cos_sin(positions, s.head_dim, s.rope_theta, s.rope_scaling)
 
-    def step(self, token_ids, hidden, positions, cache_k: list, cache_v: list):
+    def step(self, token_ids, hidden, positions, cache_k: list, cache_v: list, rope=None, weights: dict | None = None):
         """One draft step with a TTT cache (training): appends this step's k/v to the cache lists.
 
         token_ids [B, Tq] int64 target ids; hidden [B, Tq, H]; positions [B, Tq] int64 RoPE positions; Tq may be
-        shorter than step 0's T at later steps (see DraftAttention.ttt_attend).
+        shorter than step 0's T at later steps (see DraftAttention.ttt_attend). rope: optional (cos, sin)
+        [B, Tq, hd] of `positions`, computed once per batch by the caller; weights: optional step_weights().
         Returns (out [B, Tq, H] pre-norm hidden for the next step, logits [B, Tq, N]).
         """
-        q, k, v = self.attention_inputs(token_ids, hidden, positions)
+        if weights is None:
+            q, k, v = self.attention_inputs(token_ids, hidden, positions, rope)
+        else:
+            q, k, v = self.attention_inputs(token_ids, hidden, positions, rope, weights)
         cache_k.append(k)
         cache_v.append(v)
-        return self.attention_outputs(hidden, self.midlayer.self_attn.ttt_attend(q, cache_k, cache_v))
+        attn = self.midlayer.self_attn.ttt_attend(q, cache_k, cache_v)
+        if weights is None:
+            return self.attention_outputs(hidden, attn)
+        return self.attention_outputs(hidden, attn, weights)
 
-    def attention_inputs(self, token_ids, hidden, positions):
+    def attention_inputs(self, token_ids, hidden, positions, rope=None, weights: dict | None = None):
         """token_ids [B, T], hidden [B, T, H], positions [B, T] -> q [B, nh, T, hd], k/v [B, nkv, T, hd] (RoPE'd).
-        The dense part before attention (one graph for every step: what trainer.compile_for_training compiles)."""
+        The dense part before attention (one graph for every step: what trainer.compile_for_training compiles).
+        rope: optional (cos, sin) of `positions`; weights: optional step_weights() (the inputs of the q/k/v
+        matmuls are then cast to their dtype here, as autocast would)."""
         layer = self.midlayer
         e = layer.input_layernorm(self.embed_tokens(token_ids))
         x = torch.cat([e, layer.hidden_norm(hidden)], dim=-1)               # [B, T, 2H], embedding first
-        cos, sin = self.rope(positions)
-        return layer.self_attn.project(x, cos, sin)
+        cos, sin = rope if rope is not None else self.rope(positions)
+        if weights is not None:
+            x = x.to(weights["q"].dtype)
+        return layer.self_attn.project(x, cos, sin, weights)
 
-    def attention_outputs(self, hidden, attn):
-        """hidden [B, T, H] (the residual), attn [B, T, nh*hd] -> (out [B, T, H] pre-norm, logits [B, T, N])."""
+    def attention_outputs(self, hidden, attn, weights: dict | None = None):
+        """hidden [B, T, H] (the residual), attn [B, T, nh*hd] -> (out [B, T, H] pre-norm, logits [B, T, N]).
+        weights: optional step_weights()."""
         layer = self.midlayer
-        a = hidden + layer.self_attn.o_proj(attn)
-        out = a + layer.mlp(layer.post_attention_layernorm(a))
-        return out, self.lm_head(self.norm(out))
+        if weights is None:
+            a = hidden + layer.self_attn.o_proj(attn)
+            out = a + layer.mlp(layer.post_attention_layernorm(a))
+            return out, self.lm_head(self.norm(out))
+        dt = weights["o"].dtype
+        a = hidden + F.linear(attn.to(dt), weights["o"])
+        out = a + layer.mlp(layer.post_attention_layernorm(a).to(dt), weights)
+        return out, F.linear(self.norm(out).to(dt), weights["lm_head"])
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab ids to target ids through the d2t offsets."""

@@ -109,13 +109,34 @@ def _shard_tensors(part: list[dict], pieces: list[tuple[HostCopy, list[int], lis
     return {k: v.contiguous() for k, v in tensors.items()}
 
 
+def _shard_parts(part: list[dict], pieces: list[tuple[HostCopy, list[int], list[int]]]) -> dict:
+    """As `_shard_tensors`, but each feature tensor as the list of its samples' row slices of the host copies (no
+    concatenation: shard_writer.write_shard_parts writes them to the file as they are)."""
+    rows_of: dict[int, tuple[dict, int, int]] = {}
+    for copy, idx, lens in pieces:
+        host = copy.wait()
+        for b, (i, n) in enumerate(zip(idx, lens)):
+            rows_of[i] = (host, b, n)
+    parts = {}
+    if rows_of:
+        keys = next(iter(rows_of.values()))[0].keys()
+        parts = {k: [rows_of[i][0][k][rows_of[i][1], :rows_of[i][2]] for i in range(len(part))] for k in keys}
+    lengths = [len(r["input_ids"]) for r in part]
+    parts["input_ids"] = [torch.tensor([t for r in part for t in r["input_ids"]], dtype=torch.int32)]
+    parts["loss_mask"] = [torch.tensor([m for r in part for m in r["loss_mask"]], dtype=torch.int8)]
+    parts["offsets"] = [torch.tensor([0] + lengths, dtype=torch.long).cumsum(0)]
+    return {k: [t.contiguous() for t in v] for k, v in parts.items()}
+
+
 def write_shards(extractor, jobs: list[tuple[Path, list[dict]]], store_format: str, batch_tokens: int,
-                 writer_threads: int, on_written) -> int:
+                 writer_threads: int, on_written, zero_copy: bool = True) -> int:
     """The extraction loop: for each (shard path, rows) run the extractor on length-bucketed batches under
     `batch_tokens`, encode on the device, copy to pinned host memory, and hand the shard to the background writer,
-    which assembles, checksums and writes it and then calls `on_written(path, sha256, nbytes, rows)` (from a writer
-    thread). The GPU never waits for the disk unless writer_threads + 1 shards are already queued. Returns the
-    number of tokens extracted."""
+    which checksums and writes it and then calls `on_written(path, sha256, nbytes, rows)` (from a writer thread).
+    The GPU never waits for the disk unless writer_threads + 1 shards are already queued. zero_copy: write the
+    samples' rows straight from the host copies (shard_writer.write_shard_parts); False: concatenate them and
+    serialize with safetensors.torch.save (the slower former path, kept for benchmarks/extract_throughput.py).
+    Returns the number of tokens extracted."""
     n_tokens = 0
     with ShardWriter(writer_threads) as writer:
         for path, part in jobs:
@@ -128,7 +149,8 @@ def write_shards(extractor, jobs: list[tuple[Path, list[dict]]], store_format: s
             n_tokens += sum(len(r["input_ids"]) for r in part)
 
             def build(part=part, pieces=pieces):
-                return _shard_tensors(part, pieces), {"ids": json.dumps([r["id"] for r in part])}
+                assemble = _shard_parts if zero_copy else _shard_tensors
+                return assemble(part, pieces), {"ids": json.dumps([r["id"] for r in part])}
 
             writer.submit(path, build, lambda p, sha, n, part=part: on_written(p, sha, n, part))
     return n_tokens

@@ -78,6 +78,54 @@ class SoftCrossEntropy(torch.autograd.Function):
         return g.to(logits.dtype), None, None
 
 
+def _ce_from_teacher_logits(logits, z, z_lse, weight):
+    """Forward of SoftCrossEntropyFromLogits: (sum_rows weight * CE, row log-sum-exp of the draft logits)."""
+    lf = logits.to(z_lse.dtype)
+    lse = torch.logsumexp(lf, dim=-1)
+    p = (z.to(lf.dtype) - z_lse[..., None]).exp()                          # teacher softmax, never stored
+    return ((lse - (p * lf).sum(-1)) * weight).sum(), lse
+
+
+def _ce_from_teacher_logits_grad(logits, z, z_lse, weight, lse, grad):
+    """Backward of SoftCrossEntropyFromLogits: (softmax(logits) - softmax(z)) * weight * grad, logits' dtype."""
+    lf = logits.to(lse.dtype)
+    g = (lf - lse[..., None]).exp() - (z.to(lf.dtype) - z_lse[..., None]).exp()
+    return (g * (weight * grad)[..., None]).to(logits.dtype)
+
+
+_COMPILED_CE: dict = {}
+
+
+def _ce_kernels(cuda: bool):
+    """The forward/backward bodies, each compiled into a few fused reductions on CUDA (eager elsewhere)."""
+    if not cuda:
+        return _ce_from_teacher_logits, _ce_from_teacher_logits_grad
+    if not _COMPILED_CE:
+        _COMPILED_CE["fwd"] = torch.compile(_ce_from_teacher_logits, dynamic=None)
+        _COMPILED_CE["bwd"] = torch.compile(_ce_from_teacher_logits_grad, dynamic=None)
+    return _COMPILED_CE["fwd"], _COMPILED_CE["bwd"]
+
+
+class SoftCrossEntropyFromLogits(torch.autograd.Function):
+    """As SoftCrossEntropy, with the teacher given by its logits z and their row log-sum-exp z_lse instead of
+    probabilities: p = exp(z - z_lse) is recomputed inside the fused forward and backward (bit-for-bit the fp32
+    softmax of z up to the last ulp), so no [.., N] fp32 teacher tensor is read or stored.
+    logits [..., N] (bf16 under autocast); z [..., N] any float dtype (bf16 teacher logits); z_lse [...] fp32
+    (fp64 in tests); weight [...] in z_lse's dtype. Scalar out in z_lse's dtype."""
+
+    @staticmethod
+    def forward(ctx, logits, z, z_lse, weight):
+        fwd, _ = _ce_kernels(logits.is_cuda)
+        loss, lse = fwd(logits, z, z_lse, weight)
+        ctx.save_for_backward(logits, z, z_lse, weight, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        _, bwd = _ce_kernels(grad.is_cuda)
+        return bwd(*ctx.saved_tensors, grad), None, None, None
+
+
 def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean over positions where `mask` of the soft cross-entropy -sum_n p_n log softmax(logits)_n (nats).
 
@@ -103,11 +151,22 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
     B, T = ids.shape
     positions = torch.arange(T, device=ids.device).expand(B, T)
     in_vocab = draft.t2d[top1]                                             # [B, T] target argmax in draft vocab
+    fast = getattr(draft, "fast_step", False)
+    loss_dtype = _loss_dtype(batch["final"].dtype)
     with torch.no_grad():
-        # the teacher once for all steps, fp32 (fp64 in tests); padded so that step k's view is a slice
+        # the teacher once for all steps; padded so that step k's view is a slice
         z = batch["final"] @ target_head_draft.T                           # [B, T, N] z_t[draft vocab]
-        p_target = z.to(_loss_dtype(batch["final"].dtype)).softmax(-1)
-        p_target = torch.cat([p_target, p_target.new_zeros(B, ttt_length + 1, p_target.shape[-1])], dim=1)
+        z = torch.cat([z, z.new_zeros(B, ttt_length + 1, z.shape[-1])], dim=1)
+        if fast:                                                           # logits (bf16 on GPU) + row lse
+            z_lse = z.to(loss_dtype).logsumexp(-1)                         # [B, T + K + 1]
+        else:                                                              # probabilities, fp32 (fp64 in tests)
+            p_target = z.to(loss_dtype).softmax(-1)
+            p_target[:, T:] = 0
+    weights = None
+    if fast:
+        cos, sin = draft.rope(torch.arange(T + ttt_length, device=ids.device).expand(B, -1))  # once per batch
+        dt = torch.get_autocast_dtype(ids.device.type) if torch.is_autocast_enabled(ids.device.type) else None
+        weights = draft.step_weights(dt) if dt is not None else None      # cast once, not at every step
     hidden = draft.fuse(batch["aux"])                                      # [B, T, H]
     start = trim_start(mask, ttt_length) if trim else 0
     cache_k, cache_v = [], []
@@ -119,11 +178,19 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
         if k == 1 and start:
             hidden, chain = hidden[:, start:], chain[:, start:]
         tokens = shift_left(ids, 1 + k)[:, s0:]                            # x_{t+1+k}
-        hidden, logits = draft.step(tokens, hidden, (positions + k)[:, s0:], cache_k, cache_v)
-        p_k = p_target[:, 1 + k + s0:1 + k + T]                            # softmax(z_{t+1+k}[draft vocab]), a view
+        if fast:
+            hidden, logits = draft.step(tokens, hidden, (positions + k)[:, s0:], cache_k, cache_v,
+                                        rope=(cos[:, k + s0:k + T], sin[:, k + s0:k + T]), weights=weights)
+        else:
+            hidden, logits = draft.step(tokens, hidden, (positions + k)[:, s0:], cache_k, cache_v)
         m_step = supervised(mask, k)[:, s0:]                               # x_{t+2+k} is supervised
         m_loss = m_step & shift_left(in_vocab, 1 + k, False)[:, s0:]
-        loss_k = soft_cross_entropy(logits, p_k, m_loss)
+        if fast:                                                           # teacher z_{t+1+k}[draft vocab], views
+            weight = m_loss.to(loss_dtype) / m_loss.sum().clamp(min=1)
+            loss_k = SoftCrossEntropyFromLogits.apply(logits, z[:, 1 + k + s0:1 + k + T],
+                                                      z_lse[:, 1 + k + s0:1 + k + T], weight)
+        else:
+            loss_k = soft_cross_entropy(logits, p_target[:, 1 + k + s0:1 + k + T], m_loss)
         total = total + (step_weight ** k) * loss_k
         with torch.no_grad():
             pred = draft.draft_to_target(logits.argmax(-1))                # [B, Tq] target ids

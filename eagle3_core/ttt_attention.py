@@ -109,33 +109,52 @@ def causal_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return out, lse
 
 
-def ttt_attention_merged(q: torch.Tensor, keys: list, values: list, causal=causal_attention_math) -> torch.Tensor:
+_COMPILED_MERGE = None
+
+
+def ttt_attention_merged(q: torch.Tensor, keys: list, values: list, causal=causal_attention_math,
+                         compile_merge: bool = False) -> torch.Tensor:
     """Same contract as ttt_attention_eager; the causal part by `causal` (causal_attention_math or
-    causal_attention_flex), the diagonal terms merged by log-sum-exp in fp32 (fp64 for fp64 inputs)."""
-    B, nh, Tq, hd = q.shape
-    nkv = keys[0].shape[1]
-    acc = _acc_dtype(q.dtype)
+    causal_attention_flex), the diagonal terms merged by log-sum-exp in fp32 (fp64 for fp64 inputs).
+    compile_merge: on CUDA, run the merge (about 10 elementwise passes per diagonal key, forward and backward)
+    as one torch.compile'd graph per step count."""
+    global _COMPILED_MERGE
     out0, lse0 = causal(q, keys[0], values[0])                            # [B, nh, Tq, hd], [B, nh, Tq]
     if len(keys) == 1:
         return out0
+    merge = _merge_diagonal
+    if compile_merge and q.is_cuda and not torch.compiler.is_compiling():
+        if _COMPILED_MERGE is None:
+            _COMPILED_MERGE = torch.compile(_merge_diagonal, dynamic=None)
+        merge = _COMPILED_MERGE
+    return merge(q, out0, lse0, keys[1:], values[1:])
+
+
+def _merge_diagonal(q, out0, lse0, keys: list, values: list) -> torch.Tensor:
+    """The causal part (out0, lse0) merged with the diagonal keys/values of steps 1..k (ttt_attention_merged)."""
+    B, nh, Tq, hd = q.shape
+    nkv = keys[0].shape[1]
+    acc = _acc_dtype(q.dtype)
     qg = _grouped(q, nkv)
     scale = 1.0 / math.sqrt(hd)
     qa = qg.to(acc)                                                       # diagonal dot products in fp32
-    diag = [(qa * kj[:, :, None].to(acc)).sum(-1).reshape(B, nh, Tq) * scale for kj in keys[1:]]  # k x [B,nh,Tq]
+    diag = [(qa * kj[:, :, None].to(acc)).sum(-1).reshape(B, nh, Tq) * scale for kj in keys]  # k x [B, nh, Tq]
     lse = torch.logsumexp(torch.stack([lse0.to(acc), *diag]), dim=0)      # [B, nh, Tq], all visible keys
     out = (lse0.to(acc) - lse).exp()[..., None] * out0.to(acc)            # causal part, re-weighted
-    for s_j, vj in zip(diag, values[1:]):
+    for s_j, vj in zip(diag, values):
         w = (s_j - lse).exp().view(B, nkv, nh // nkv, Tq, 1)
         out = out + (w * vj[:, :, None].to(acc)).reshape(B, nh, Tq, hd)
     return out.to(q.dtype)
 
 
-def ttt_attention(q: torch.Tensor, keys: list, values: list, impl: str = "eager") -> torch.Tensor:
-    """Dispatch to one implementation by name (IMPLEMENTATIONS). Raises ValueError for an unknown name."""
+def ttt_attention(q: torch.Tensor, keys: list, values: list, impl: str = "eager",
+                  compile_merge: bool = False) -> torch.Tensor:
+    """Dispatch to one implementation by name (IMPLEMENTATIONS); compile_merge: see ttt_attention_merged.
+    Raises ValueError for an unknown name."""
     if impl == "eager":
         return ttt_attention_eager(q, keys, values)
     if impl == "merged_math":
-        return ttt_attention_merged(q, keys, values, causal_attention_math)
+        return ttt_attention_merged(q, keys, values, causal_attention_math, compile_merge)
     if impl == "merged_flex":
-        return ttt_attention_merged(q, keys, values, causal_attention_flex)
+        return ttt_attention_merged(q, keys, values, causal_attention_flex, compile_merge)
     raise ValueError(f"unknown TTT attention {impl!r}; choose one of {IMPLEMENTATIONS}")

@@ -190,3 +190,32 @@ def test_sigkill_during_a_shard_write_leaves_no_bad_shard_in_the_manifest(tmp_pa
     assert manifest["complete"] and len(manifest["shards"]) == 3
     assert not list(out.glob(".shard_*"))
     assert [s["id"] for s in load_samples(out)] == [f"s{i}" for i in range(6)]
+
+
+def test_zero_copy_shard_writer_matches_safetensors_save(tmp_path):
+    """write_shard_parts (hand-built header, pieces written as they are) gives a file safetensors reads back to
+    the concatenated tensors and metadata, with the sha256 and size it reports; so does the former writer."""
+    from safetensors import safe_open
+
+    from eagle3_core.shard_writer import write_shard, write_shard_parts
+    g = torch.Generator().manual_seed(0)
+    lengths = (5, 1, 7)
+    parts = {"aux": [torch.randn(n, 12, generator=g).bfloat16() for n in lengths],
+             "aux_scale": [torch.rand(n, 3, generator=g).to(torch.float8_e4m3fn) for n in lengths],
+             "target_top1": [torch.randint(0, 99, (n,), generator=g, dtype=torch.int32) for n in lengths],
+             "loss_mask": [torch.tensor([1, 0, 1] * 4 + [0], dtype=torch.int8)],
+             "offsets": [torch.tensor([0, 5, 6, 13])]}
+    meta = {"ids": json.dumps(["a", "b", "c"])}
+    whole = {k: torch.cat(v) for k, v in parts.items()}
+    for name, write in (("new", lambda p: write_shard_parts(p, parts, meta)),
+                        ("old", lambda p: write_shard(p, whole, meta))):
+        path = tmp_path / f"{name}.safetensors"
+        sha, n = write(path)
+        assert sha == sha256_file(path) and n == path.stat().st_size, name
+        with safe_open(str(path), "pt") as f:
+            assert f.metadata() == meta
+            assert sorted(f.keys()) == sorted(whole)
+            for k, t in whole.items():
+                got = f.get_tensor(k)
+                assert got.dtype == t.dtype and torch.equal(got.view(torch.uint8), t.view(torch.uint8)), (name, k)
+        assert not list(tmp_path.glob(".*.tmp*"))
