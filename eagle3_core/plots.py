@@ -12,7 +12,8 @@ import matplotlib.pyplot as plt
 LABELS = {"trained": "trained, chain", "trained_tree": "trained, tree", "untrained": "untrained, chain"}
 
 
-def _label(name: str, run: dict) -> str:
+def run_label(name: str, run: dict) -> str:
+    """'trained, tree (S=3, k=4, T=8)' from a run name and its measure() entry."""
     p = run.get("params") or {}
     shape = f"S={p.get('num_steps')}" + (f", k={p['topk']}, T={p['num_draft_tokens']}" if p.get("topk", 1) > 1
                                           else "")
@@ -36,7 +37,7 @@ def plot_acceptance_per_position(runs: dict[str, dict], path: Path) -> Path:
     for j, (name, run) in enumerate(runs.items()):
         acc = run["accept_per_position"]
         xs = [i + 1 + (j - (n - 1) / 2) * width for i in range(len(acc))]
-        ax.bar(xs, acc, width, label=_label(name, run))
+        ax.bar(xs, acc, width, label=run_label(name, run))
     ax.set_xlabel("draft position (depth)")
     ax.set_ylabel("conditional acceptance rate")
     ax.set_ylim(0, 1)
@@ -57,7 +58,7 @@ def plot_tau(runs: dict[str, dict], path: Path, tau_sim: float | None = None) ->
            [runs[n]["tau_ci95"][1] - t for n, t in zip(names, taus)]]
     ax.bar(range(len(names)), taus, yerr=err, capsize=5, color=[f"C{i}" for i in range(len(names))])
     ax.set_xticks(range(len(names)))
-    ax.set_xticklabels([_label(n, runs[n]).replace(" (", "\n(") for n in names], fontsize=7)
+    ax.set_xticklabels([run_label(n, runs[n]).replace(" (", "\n(") for n in names], fontsize=7)
     ax.axhline(1.0, color="grey", lw=1, ls=":")
     if tau_sim is not None:
         ax.axhline(tau_sim, color="k", lw=1, ls="--", label=f"simulated tau (training) {tau_sim:.2f}")
@@ -73,7 +74,7 @@ def plot_tau(runs: dict[str, dict], path: Path, tau_sim: float | None = None) ->
         vals = [pc[c]["tau"] for c in cats if c in pc]
         lo = [pc[c]["tau"] - pc[c]["tau_ci95"][0] for c in cats if c in pc]
         hi = [pc[c]["tau_ci95"][1] - pc[c]["tau"] for c in cats if c in pc]
-        ax2.bar(xs, vals, width, yerr=[lo, hi], capsize=3, label=_label(n, runs[n]), color=f"C{names.index(n)}")
+        ax2.bar(xs, vals, width, yerr=[lo, hi], capsize=3, label=run_label(n, runs[n]), color=f"C{names.index(n)}")
     ax2.set_xticks(range(len(cats)))
     ax2.set_xticklabels(cats, rotation=30, ha="right", fontsize=8)
     ax2.axhline(1.0, color="grey", lw=1, ls=":")
@@ -91,7 +92,7 @@ def plot_tok_s(bars: dict[str, float], path: Path, title: str = "Decoding speed,
     ax.set_yticklabels(labels, fontsize=8)
     ax.invert_yaxis()
     for i, v in enumerate(vals):
-        ax.text(v, i, f" {v:.1f} ({v / vals[0]:.2f}x)", va="center", fontsize=8)
+        ax.text(v, i, f" {v:.3g} ({v / vals[0]:.2f}x)", va="center", fontsize=8)
     ax.set_xlim(0, max(vals) * 1.3)
     ax.set_xlabel("output tokens / s")
     ax.set_title(title)
