@@ -50,7 +50,7 @@ def plot_acceptance_per_position(runs: dict[str, dict], path: Path) -> Path:
 
 def plot_tau(runs: dict[str, dict], path: Path, tau_sim: float | None = None) -> Path:
     """Left: tau with its 95% bootstrap interval per run (and the simulated tau from training). Right: tau per
-    prompt category with intervals, for every run that has more than one category."""
+    prompt category with intervals, for every run."""
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [1, 1.6]})
     names = list(runs)
     taus = [runs[n]["tau"] for n in names]
@@ -62,11 +62,12 @@ def plot_tau(runs: dict[str, dict], path: Path, tau_sim: float | None = None) ->
     ax.axhline(1.0, color="grey", lw=1, ls=":")
     if tau_sim is not None:
         ax.axhline(tau_sim, color="k", lw=1, ls="--", label=f"simulated tau (training) {tau_sim:.2f}")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower right")
+    ax.set_ylim(0, max([tau_sim or 0] + [runs[n]["tau_ci95"][1] for n in names]) * 1.12)
     ax.set_ylabel("acceptance length tau (tokens / verify step)")
     ax.set_title("tau with 95% bootstrap CI")
     cats = sorted({c for r in runs.values() for c in r.get("per_category", {})})
-    shown = [n for n in names if len(runs[n].get("per_category", {})) > 1] or names[:1]
+    shown = [n for n in names if runs[n].get("per_category")]
     width = 0.8 / max(len(shown), 1)
     for j, n in enumerate(shown):
         pc = runs[n].get("per_category", {})
