@@ -126,9 +126,22 @@ class TrainConfig(BaseModel):
 
 
 class EvalConfig(BaseModel):
-    num_draft_steps: int = Field(5, ge=1, description="S: draft tokens proposed per verify step (chain)")
+    num_draft_steps: int = Field(5, ge=1, description="S: draft steps per verify step (chain length, tree depth)")
     max_new_tokens: int = Field(128, ge=1, description="tokens generated per held-out prompt")
     tie_gap: float = Field(1e-3, description="a spec/target mismatch counts as a near-tie below this top-2 gap")
+    tree_topk: int = Field(4, ge=1, description="k of the tree run (SGLang --speculative-eagle-topk); 1: no tree run")
+    tree_num_draft_tokens: int = Field(8, ge=2, description="T verify tokens of the tree run, root included "
+                                                            "(SGLang --speculative-num-draft-tokens)")
+    tree_prompts: int | None = Field(None, ge=1, description="held-out prompts for the tree run (None: all)")
+    untrained_prompts: int | None = Field(None, ge=1, description="held-out prompts for the untrained-draft "
+                                                                  "reference (None: all)")
+
+    @model_validator(mode="after")
+    def _tree_sglang_accepts(self):
+        if self.tree_topk > 1:
+            from .draft_tree import check_tree_params
+            check_tree_params(self.num_draft_steps, self.tree_topk, self.tree_num_draft_tokens)
+        return self
 
 
 class PipelineConfig(BaseModel):
@@ -159,7 +172,10 @@ def preset(name: str, run_dir: str | Path | None = None) -> PipelineConfig:
             # no eval split: 5% of 120 samples is too few to pick an epoch by (it picked epoch 3 of 7 once); the
             # held-out prompts measure the last epoch instead
             train=TrainConfig(epochs=6, lr=1e-3, batch_tokens=4096, ttt_length=3, eval_frac=0.0),
-            eval=EvalConfig(num_draft_steps=3, max_new_tokens=128),
+            # tree run on all 16 held-out prompts (~+100 s), paid for by measuring the untrained draft (tau ~1.0
+            # by construction) on 4 prompts instead of 16 (~-110 s)
+            eval=EvalConfig(num_draft_steps=3, max_new_tokens=128, tree_topk=4, tree_num_draft_tokens=8,
+                            untrained_prompts=4),
         )
     elif name == "debug_tiny":
         cfg = PipelineConfig(
@@ -171,7 +187,7 @@ def preset(name: str, run_dir: str | Path | None = None) -> PipelineConfig:
             draft=DraftConfig(draft_vocab_size=1024),
             # enough epochs to memorise the 6 training answers: deployment tests replay them (tau well above 1)
             train=TrainConfig(epochs=30, lr=2e-3, ttt_length=3, eval_frac=0.0),
-            eval=EvalConfig(num_draft_steps=3, max_new_tokens=16),
+            eval=EvalConfig(num_draft_steps=3, max_new_tokens=16, tree_topk=2, tree_num_draft_tokens=6),
         )
     else:
         raise ValueError(f"unknown preset {name!r}; choose 'demo' or 'debug_tiny'")

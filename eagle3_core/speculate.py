@@ -1,20 +1,25 @@
-"""Greedy decoding with the target alone and with an EAGLE-3 draft (chain drafting, greedy verify).
+"""Greedy decoding with the target alone and with an EAGLE-3 draft (chain or tree drafting, greedy verify).
 
-Legend: n prompt tokens, S draft steps per verify, V target vocab, H hidden.
-Accept rule (greedy, lossless; EAGLE paper section 3, gpt-fast `speculative_decode`): the target scores
-[last token, d_1..d_S] in one forward; d_i is accepted while it equals the target's argmax at the position before it;
-the target's argmax after the last accepted draft token is the bonus token. Each verify step yields a+1 tokens.
+Legend: n prompt tokens, S draft steps per verify, k top-k, T verify tokens (root + T-1 drafts), P committed
+positions, V target vocab, H hidden.
+Accept rule (greedy, lossless; EAGLE paper section 3, gpt-fast `speculative_decode`, SGLang `verify_tree_greedy`):
+the target scores the root (last committed token) and every draft token in one forward, each node attending to
+the committed prefix and its own ancestors (a 4D tree mask, RoPE position P + depth); from the root, a child is
+accepted while its token equals the target's argmax at its parent; the target's argmax at the last accepted node
+is the bonus token. Each verify step yields a+1 tokens. A chain is the tree with k = 1 (T = S + 1).
 The draft's positions follow the TTT convention (ttt.py): the pair (target feature f_p, token x_{p+1}) sits at
-RoPE position p, and chain step i from there at p + i.
+RoPE position p, and a draft node at depth d after it at p + d.
 """
 from __future__ import annotations
 
 import inspect
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
+from .draft_tree import DraftTree, build_tree, greedy_accept, tree_attention_mask
 from .target import capture
 
 
@@ -28,11 +33,16 @@ class TargetRunner:
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
 
     @torch.no_grad()
-    def forward(self, ids: list[int], cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed `ids` after what `cache` holds. Returns (logits fp32 [len(ids), V], aux [len(ids), 3H_t])."""
+    def forward(self, ids: list[int], cache, position_ids: list[int] | None = None,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed `ids` after what `cache` holds (causally, unless a bool mask [1, 1, len(ids), P + len(ids)] and
+        position ids are given: tree verify). Returns (logits fp32 [len(ids), V], aux [len(ids), 3H_t])."""
+        dev = self.model.device
+        extra = {} if position_ids is None else {"position_ids": torch.tensor([position_ids], device=dev),
+                                                 "attention_mask": attention_mask.to(dev)}
         with capture(self.model, self.aux_layer_ids) as store:
-            out = self.model(input_ids=torch.tensor([ids], device=self.model.device), use_cache=True,
-                             **{self.cache_arg: cache})
+            out = self.model(input_ids=torch.tensor([ids], device=dev), use_cache=True,
+                             **{self.cache_arg: cache}, **extra)
         self.forward_calls += 1
         return out.logits[0].float(), torch.cat(store["aux"], dim=-1)[0]
 
@@ -60,52 +70,95 @@ def greedy_generate(target: TargetRunner, prompt: list[int], max_new: int, eos_i
             "seconds": time.perf_counter() - t0}
 
 
+@dataclass
+class SpecState:
+    """Committed state between verify steps: target KV cache and draft KV cache both hold n_ctx positions; h [1, 1, H]
+    and logits [N] are the draft's output at the last committed token (the root of the next tree)."""
+    cache: DynamicCache
+    dcache: dict
+    h: torch.Tensor
+    logits: torch.Tensor
+    n_ctx: int
+    tokens: list[int]
+
+
+@torch.no_grad()
+def prefill(target: TargetRunner, draft, prompt: list[int]) -> SpecState:
+    """Target prefill (first token greedy) and draft prefill on pairs (f_p, x_{p+1}), p = 0..n-1."""
+    cache, dcache = DynamicCache(), {}
+    logits, aux = target.forward(prompt, cache)                          # [n, V], [n, 3H_t]
+    tokens = [int(logits[-1].argmax())]
+    n = len(prompt)
+    seq = prompt + tokens
+    out, dlogits = draft.decode(torch.tensor([seq[1:]]), draft.fuse(aux[None].to(draft.fc.weight.dtype)),
+                                torch.arange(n)[None], dcache)
+    return SpecState(cache, dcache, out[:, -1:], dlogits[0, -1], n, tokens)
+
+
+def propose(draft, state: SpecState, num_steps: int, topk: int = 1, num_draft_tokens: int | None = None) -> DraftTree:
+    """The draft tree for the next verify step (draft_tree.build_tree; a chain when topk is 1)."""
+    T = num_draft_tokens if num_draft_tokens is not None else num_steps + 1
+    return build_tree(draft, state.tokens[-1], state.h, state.logits, state.dcache, state.n_ctx, num_steps, topk, T)
+
+
+@torch.no_grad()
+def verify(target: TargetRunner, state: SpecState, tree: DraftTree) -> tuple[list[int], int, torch.Tensor]:
+    """One target forward over the tree. Returns (accepted nodes, bonus token, aux [T, 3H_t]). The target cache then
+    holds the T tree positions too: `commit` keeps the accepted ones, `rollback` drops them all."""
+    P = state.n_ctx
+    logits, aux = target.forward(tree.tokens, state.cache, [P + d for d in tree.depth],
+                                 tree_attention_mask(tree, P))        # [T, V], [T, 3H_t]
+    path, bonus = greedy_accept(tree, logits.argmax(-1).tolist())
+    return path, bonus, aux
+
+
+def rollback(state: SpecState) -> None:
+    """Drop what `verify` appended to the target cache (to verify another tree from the same state)."""
+    extra = state.cache.get_seq_length() - state.n_ctx
+    if extra > 0:
+        state.cache.crop(-extra)                                         # transformers 5: negative = drop count
+
+
+@torch.no_grad()
+def commit(draft, state: SpecState, tree: DraftTree, path: list[int], bonus: int, aux: torch.Tensor) -> list[int]:
+    """Keep the root and accepted nodes in the target cache, extend the draft with their target features.
+    Returns the new tokens (accepted draft tokens + bonus); state.tokens is not extended (the caller truncates)."""
+    P, keep = state.n_ctx, [0] + path
+    if keep == list(range(len(keep))):                                   # a prefix of the tree (always for a chain)
+        state.cache.crop(-(state.cache.get_seq_length() - P - len(keep)))
+    else:                                                                # gather the accepted branch after the prefix
+        idx = torch.tensor(keep, device=aux.device) + P
+        for layer in state.cache.layers:
+            layer.keys = torch.cat([layer.keys[..., :P, :], layer.keys.index_select(-2, idx)], -2)
+            layer.values = torch.cat([layer.values[..., :P, :], layer.values.index_select(-2, idx)], -2)
+    new = [tree.tokens[j] for j in path] + [bonus]
+    out, dlogits = draft.decode(torch.tensor([new]), draft.fuse(aux[None, keep].to(draft.fc.weight.dtype)),
+                                torch.arange(P, P + len(keep))[None], state.dcache)
+    state.h, state.logits, state.n_ctx = out[:, -1:], dlogits[0, -1], P + len(keep)
+    return new
+
+
 @torch.no_grad()
 def speculative_generate(target: TargetRunner, draft, prompt: list[int], max_new: int, eos_ids: set[int],
-                         num_steps: int) -> dict:
-    """Chain speculative decoding with `num_steps` draft tokens per verify step.
+                         num_steps: int, topk: int = 1, num_draft_tokens: int | None = None) -> dict:
+    """Speculative decoding: chain (topk 1, S draft tokens per verify step) or tree (SGLang's top-k tree of
+    `num_draft_tokens` verify tokens, root included). Raises ValueError on tree parameters SGLang rejects.
 
     Returns tokens, accepted (draft tokens accepted per verify step), verify_steps, tokens_from_verify (tokens
     the verify steps produced, after EOS / max_new truncation), forward_calls (prefill + verify steps), seconds.
     """
     t0, calls0 = time.perf_counter(), target.forward_calls
-    cache, dcache = DynamicCache(), {}
-    logits, aux = target.forward(prompt, cache)                          # prefill: [n, V], [n, 3H_t]
-    tokens = [int(logits[-1].argmax())]
-    n = len(prompt)
-    # draft prefill: pairs (f_p, x_{p+1}) at positions p = 0..n-1
-    seq = prompt + tokens
-    out, dlogits = draft.decode(torch.tensor([seq[1:]]), draft.fuse(aux[None].to(draft.fc.weight.dtype)),
-                                torch.arange(n)[None], dcache)
-    h, dl = out[:, -1:], dlogits[0, -1]
-    n_ctx = n                                                            # committed draft positions
+    state = prefill(target, draft, prompt)
     accepted, produced = [], 0
-    while not _stop(tokens, eos_ids, max_new):
-        proposals = []
-        for i in range(num_steps):                                       # draft chain at positions n_ctx + i
-            proposals.append(int(draft.draft_to_target(dl.argmax())))
-            if i + 1 < num_steps:
-                h, dlog = draft.decode(torch.tensor([[proposals[-1]]]), h, torch.tensor([[n_ctx + i]]), dcache)
-                dl = dlog[0, -1]
-        vlogits, vaux = target.forward([tokens[-1]] + proposals, cache)  # verify: [S+1, V]
-        preds = vlogits.argmax(-1).tolist()
-        a = 0
-        while a < num_steps and proposals[a] == preds[a]:
-            a += 1
-        new = proposals[:a] + [preds[a]]
-        accepted.append(a)
-        extra = cache.get_seq_length() - (n_ctx + 1 + a)                 # keep last token + accepted drafts
-        if extra > 0:
-            cache.crop(-extra)                                           # transformers 5: negative = drop count
-        dcache["k"], dcache["v"] = dcache["k"][:, :, :n_ctx], dcache["v"][:, :, :n_ctx]
-        out, dlogits = draft.decode(torch.tensor([new]), draft.fuse(vaux[None, :a + 1].to(draft.fc.weight.dtype)),
-                                    torch.arange(n_ctx, n_ctx + a + 1)[None], dcache)
-        h, dl = out[:, -1:], dlogits[0, -1]
-        n_ctx += a + 1
-        for tok in new:
-            if _stop(tokens, eos_ids, max_new):
+    while not _stop(state.tokens, eos_ids, max_new):
+        tree = propose(draft, state, num_steps, topk, num_draft_tokens)
+        path, bonus, aux = verify(target, state, tree)
+        accepted.append(len(path))
+        for tok in commit(draft, state, tree, path, bonus, aux):
+            if _stop(state.tokens, eos_ids, max_new):
                 break
-            tokens.append(tok)
+            state.tokens.append(tok)
             produced += 1
-    return {"tokens": tokens, "accepted": accepted, "verify_steps": len(accepted), "tokens_from_verify": produced,
-            "forward_calls": target.forward_calls - calls0, "seconds": time.perf_counter() - t0}
+    return {"tokens": state.tokens, "accepted": accepted, "verify_steps": len(accepted),
+            "tokens_from_verify": produced, "forward_calls": target.forward_calls - calls0,
+            "seconds": time.perf_counter() - t0}

@@ -319,17 +319,29 @@ def _logits_probe(a, b) -> bool:
     return torch.equal(la, lb)
 
 
+def _category(row: dict) -> str:
+    """Prompt category for tau per category: meta['category'] (Spec-Bench rows) or the row's source."""
+    meta = json.loads(row.get("meta") or "{}")
+    return str(meta.get("category") or row.get("source") or "all")
+
+
 def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
-    """Offline tau of the trained draft and of an untrained draft on the held-out prompts (eval/report.json)."""
-    from .evaluate import measure
+    """Pre-flight check of the exported draft against the target, then offline tau on the held-out prompts: the
+    trained draft as a chain and as an SGLang-style tree, an untrained draft as a chain; simulated vs measured tau
+    (eval/report.json). Raises PreflightError listing every mismatch between the draft and the target."""
+    from transformers import AutoConfig
+
+    from .evaluate import SpecRun, measure, tau_consistency
+    from .preflight import preflight
     from .speculate import TargetRunner
-    from .target import load_target, load_tokenizer
+    from .target import load_target, load_tokenizer, local_model_dir
     out = cfg.run_dir / "eval"
     up = _upstream(cfg.run_dir, "draft")
     key = _key(up["inputs_key"], cfg.eval, _upstream(cfg.run_dir, "prompts")["inputs_key"])
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
+    preflight(Path(up["export_dir"]), AutoConfig.from_pretrained(local_model_dir(cfg.target)))
     tok = load_tokenizer(cfg.target)
     model = load_target(cfg.target)
     rows = prompts_mod.read_rows(cfg.run_dir / "prompts" / "eval.parquet")
@@ -338,14 +350,27 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
     untrained, _ = _fresh_draft(cfg)
     ids = trained.shape.aux_layer_ids
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    report = measure(TargetRunner(model, ids), {"trained": trained, "untrained": untrained}, prompts,
-                     cfg.eval.max_new_tokens, eos, cfg.eval.num_draft_steps, cfg.eval.tie_gap)
-    report.update({"eval_ids": [r["id"] for r in rows], "num_draft_steps": cfg.eval.num_draft_steps,
-                   "max_new_tokens": cfg.eval.max_new_tokens, "aux_layer_ids": ids})
+    e, S = cfg.eval, cfg.eval.num_draft_steps
+
+    def subset(n: int | None) -> list[int] | None:                         # the first n held-out prompts
+        return None if n is None else list(range(min(n, len(prompts))))
+
+    runs = {"trained": SpecRun(trained, S)}
+    if e.tree_topk > 1:
+        runs["trained_tree"] = SpecRun(trained, S, e.tree_topk, e.tree_num_draft_tokens, subset(e.tree_prompts))
+    runs["untrained"] = SpecRun(untrained, S, prompt_idx=subset(e.untrained_prompts))
+    report = measure(TargetRunner(model, ids), runs, prompts, [_category(r) for r in rows], e.max_new_tokens, eos,
+                     e.tie_gap)
+    report.update({"eval_ids": [r["id"] for r in rows], "num_draft_steps": S, "max_new_tokens": e.max_new_tokens,
+                   "aux_layer_ids": ids, "preflight": "passed",
+                   "consistency": tau_consistency(report["trained"]["tau"], up, S)})
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
-    log(f"eval: tau trained {report['trained']['tau']:.2f}, untrained {report['untrained']['tau']:.2f}, "
-        f"lossless {report['trained']['lossless']}")
+    tree = report.get("trained_tree")
+    log(f"eval: tau trained {report['trained']['tau']:.2f} (chain)"
+        + (f", {tree['tau']:.2f} (tree k={e.tree_topk}, T={e.tree_num_draft_tokens})" if tree else "")
+        + f", untrained {report['untrained']['tau']:.2f}; lossless {report['trained']['lossless']}; "
+        + report["consistency"]["note"])
     return write_manifest(out / "manifest.json", {"inputs_key": key, "report": str(out / "report.json"),
                                                   "summary": report, "seconds": time.monotonic() - t0})
 

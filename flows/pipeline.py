@@ -29,10 +29,13 @@ def eagle3_pipeline(config: PipelineConfig | None = None) -> dict:
     s.evaluate_flow(cfg)
     s.deploy_llama_cpp_flow(cfg)
     summary = report.collect(cfg.run_dir)
+    summary["plots"] = report.write_plots(summary, cfg.run_dir)
     md = report.markdown(summary)
     (cfg.run_dir / "report.md").write_text(md)
     (cfg.run_dir / "report.json").write_text(json.dumps(summary, indent=2))
     create_markdown_artifact(md, key="eagle3-report", description="EAGLE-3 draft report")
+    create_markdown_artifact(report.plots_markdown_inline(summary["plots"], cfg.run_dir), key="eagle3-plots",
+                             description="acceptance per position, tau with CI and per category, tokens/s")
     create_table_artifact([{"stage": k, "seconds": v} for k, v in summary["stage_seconds"].items()],
                           key="eagle3-stage-times")
     get_run_logger().info("report written to %s", cfg.run_dir / "report.md")

@@ -19,15 +19,20 @@ def test_pipeline_runs_end_to_end(e2e_run):
     assert gen["samples"] == 6 and gen["sampling"]["greedy"] and "llama.cpp" in gen["server"]
     assert summary["aux_layer_ids"] == [1, 14, 26]
     ev = summary["eval"]
-    for name in ("trained", "untrained"):
+    for name in ("trained", "trained_tree", "untrained"):
         d = ev[name]
         assert d["target_forward_calls"] == 2 + d["verify_steps"]
         assert 1.0 <= d["tau"] <= 1 + cfg.eval.num_draft_steps
         assert d["lossless"]["mismatch"] == 0
+    assert ev["trained_tree"]["params"] == {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}
+    assert ev["preflight"] == "passed" and ev["consistency"]["steps_compared"] == 3
+    for rel in summary["plots"].values():
+        assert (run / rel).read_bytes()[:4] == b"\x89PNG"
     draft = load_draft(summary["draft_dir"])
     assert draft.shape.draft_vocab_size == 1024
     md = (run / "report.md").read_text()
     assert "Acceptance length" in md and summary["draft_dir"] in md and "Deployed on llama.cpp" in md
+    assert "![tau](plots/tau.png)" in md
     lc = summary["llama_cpp"]
     assert lc["tokens"] > 0 and lc["baseline_tokens_per_s"] > 0 and lc["tokens_per_s"] > 0
 
@@ -45,7 +50,7 @@ def test_flow_runs_and_report_artifact_are_in_prefect(e2e_run):
     ours = [r for r in runs if str((r.parameters.get("config") or {}).get("run_dir")) == str(cfg.run_dir)]
     assert len(ours) == 8, [r.name for r in ours]
     assert all(r.state.is_completed() for r in ours), [(r.name, r.state.name) for r in ours]
-    assert "eagle3-report" in {a.key for a in arts}
+    assert {"eagle3-report", "eagle3-plots"} <= {a.key for a in arts}
 
 
 def test_missing_prompt_file_fails_the_run_naming_it(prefect_server, tmp_path):

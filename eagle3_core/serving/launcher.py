@@ -101,6 +101,14 @@ def llama_server(model: Path, log_path: Path, host: str = "127.0.0.1", port: int
     url = f"http://{host}:{port}"
     args = [str(binary), "-m", str(model), "--host", host, "--port", str(port), "-np", str(parallel),
             "-c", str(parallel * ctx_per_slot), "--jinja", "-t", str(os.cpu_count() or 2), *(extra_args or [])]
+    with server_process(args, url, log_path, startup_timeout_s):
+        yield url
+
+
+@contextmanager
+def server_process(args: list[str], url: str, log_path: Path, startup_timeout_s: float):
+    """Run the server command `args` (which must serve `url`) for the duration of the block, logging to
+    `log_path`; waits for `url`/health first. Raises ServerError naming the URL and log on failure."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         log.write(f"$ {' '.join(args)}\n".encode())
@@ -110,6 +118,6 @@ def llama_server(model: Path, log_path: Path, host: str = "127.0.0.1", port: int
                                 preexec_fn=_die_with_parent)
     try:
         wait_healthy(url, proc, startup_timeout_s, log_path)
-        yield url
+        yield proc
     finally:
         stop(proc)

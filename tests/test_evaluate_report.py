@@ -1,0 +1,81 @@
+"""Offline evaluation on the embedded target (chain, tree and a subset run; tau per category; matched baselines),
+simulated-vs-measured tau, and the report's Markdown and PNG plots."""
+import pytest
+from test_speculate import PROMPT, RankedDraft, ScriptedDraft
+
+from eagle3_core.data import prompt_ids
+from eagle3_core.evaluate import SpecRun, measure, tau_consistency
+from eagle3_core.report import markdown, plots_markdown_inline, write_plots
+from eagle3_core.speculate import TargetRunner, greedy_generate
+
+N_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def measured(target_model, tokenizer):
+    """Prompt 0 ('code') is the one the scripted draft knows; prompt 1 ('chat') is not: its drafts are wrong."""
+    runner = TargetRunner(target_model, [1, 14, 26])
+    prompts = [prompt_ids(tokenizer, PROMPT), prompt_ids(tokenizer, [{"role": "user", "content": "Say hi."}])]
+    ref = greedy_generate(runner, prompts[0], N_NEW, set())
+    draft = RankedDraft(prompts[0] + ref["tokens"], 49152)
+    runs = {"trained": SpecRun(draft, 3), "trained_tree": SpecRun(draft, 3, 2, 6),
+            "untrained": SpecRun(ScriptedDraft([], 49152, wrong=True), 3, prompt_idx=[1])}
+    return measure(runner, runs, prompts, ["code", "chat"], N_NEW, set(), 1e-3)
+
+
+def test_measure_reports_runs_categories_and_matched_baselines(measured):
+    rep = measured
+    assert rep["baseline"]["prompts"] == 2 and rep["baseline"]["tokens"] == 2 * N_NEW
+    for name in ("trained", "trained_tree", "untrained"):
+        d = rep[name]
+        assert d["lossless"]["mismatch"] == 0
+        assert d["target_forward_calls"] == d["prompts"] + d["verify_steps"]
+        assert d["tau"] == pytest.approx(d["tokens_from_verify"] / d["verify_steps"])
+        assert d["speedup"] == pytest.approx(d["tokens_per_s"] / d["baseline_tokens_per_s"])
+        assert d["tau_ci95"][0] <= d["tau"] <= d["tau_ci95"][1]
+    tr, tree, un = rep["trained"], rep["trained_tree"], rep["untrained"]
+    assert tr["params"] == {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}
+    assert tree["params"] == {"num_steps": 3, "topk": 2, "num_draft_tokens": 6}
+    # per category: the scripted prompt accepts drafts, the other accepts (almost) none
+    assert set(tr["per_category"]) == {"chat", "code"} and tr["per_category"]["code"]["prompts"] == 1
+    assert tr["per_category"]["code"]["tau"] > tr["per_category"]["chat"]["tau"]
+    assert tree["per_category"]["code"]["tau"] > tr["per_category"]["code"]["tau"]   # rank-2 tokens accepted
+    assert un["prompts"] == 1 and un["tau"] == 1.0 and un["accept_per_position"][0] == 0.0
+    assert list(un["per_category"]) == ["chat"]
+    assert len(tr["accept_per_position"]) == 3 and all(0 <= a <= 1 for a in tree["accept_per_position"])
+
+
+def _manifest(acc_train, acc_eval=None):
+    return {"best": {"epoch": 1, "tau_sim": 9.9}, "history": [
+        {"epoch": 0, "train": {"acc": [0.0, 0.0]}, "eval": None},
+        {"epoch": 1, "train": {"acc": acc_train}, "eval": {"acc": acc_eval} if acc_eval else None}]}
+
+
+def test_simulated_vs_measured_tau_and_the_flag():
+    c = tau_consistency(1.9, _manifest([0.6, 0.5, 0.5]), 3)            # 1 + .6 + .3 + .15 = 2.05
+    assert c["tau_sim_at_steps"] == pytest.approx(2.05) and c["steps_compared"] == 3 and c["metrics_from"] == "train"
+    assert not c["flagged"] and c["relative_gap"] == pytest.approx(1.9 / 2.05 - 1)
+    c = tau_consistency(1.05, _manifest([0.9, 0.5, 0.5], [0.6, 0.5]), 5)  # eval metrics, 2 steps: 1 + .6 + .3
+    assert c["tau_sim_at_steps"] == pytest.approx(1.9) and c["steps_compared"] == 2 and c["metrics_from"] == "eval"
+    assert c["flagged"] and "aux layer ids, d2t, chat template" in c["note"]
+    with pytest.raises(ValueError, match="best epoch 7"):
+        tau_consistency(1.0, {"best": {"epoch": 7}, "history": []}, 3)
+
+
+def test_report_markdown_and_plots(measured, tmp_path):
+    ev = {**measured, "num_draft_steps": 3, "max_new_tokens": N_NEW, "preflight": "passed",
+          "consistency": tau_consistency(measured["trained"]["tau"], _manifest([0.6, 0.5, 0.5]), 3)}
+    r = {"run_dir": str(tmp_path), "draft_dir": "d", "train_prompts": 6, "eval_prompts": 2, "samples": 6,
+         "tokens": 100, "loss_tokens": 50, "server": "llama.cpp", "feature_bytes_per_token": 4608.0,
+         "aux_layer_ids": [1, 14, 26], "draft_vocab_size": 1024, "vocab_coverage": 1.0,
+         "best_epoch": {"epoch": 1, "tau_sim": 2.0}, "stage_seconds": {"eval": 1.0}, "eval": ev, "llama_cpp": None}
+    r["plots"] = write_plots(r, tmp_path)
+    assert set(r["plots"]) == {"acceptance_per_position", "tau", "tokens_per_s"}
+    for rel in r["plots"].values():
+        png = (tmp_path / rel).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    md = markdown(r)
+    assert "| trained_tree | tree k=2, T=6 | 2 |" in md and "| untrained | chain S=3 | 1 |" in md
+    assert "| code |" in md and "| chat |" in md and "vs simulated 2.05 over 3 draft steps" in md
+    assert "![tau](plots/tau.png)" in md
+    assert plots_markdown_inline(r["plots"], tmp_path).count("data:image/png;base64,") == 3
