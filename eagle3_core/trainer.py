@@ -107,6 +107,24 @@ def evaluate_ttt(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tens
     return summarize({k: v.cpu() for k, v in total.items()})
 
 
+def prepare_training(draft, target_lm_head: torch.Tensor, cfg: TrainConfig, device: torch.device):
+    """Move the draft to `device`, pick its TTT attention (cfg.attention; 'auto': merged_flex on CUDA, eager on
+    CPU), compile it if cfg.compile, seed torch with cfg.seed, and build the AdamW optimizer (betas 0.9/0.95, no
+    weight decay, fused on CUDA). Returns (head_draft [N, H_t]: the target lm_head rows of the draft vocab, opt)."""
+    draft.to(device)
+    draft.set_attention(cfg.attention if cfg.attention != "auto" else
+                        ("merged_flex" if device.type == "cuda" else "eager"))
+    if cfg.compile:
+        compile_for_training(draft)
+    torch.manual_seed(cfg.seed)
+    vocab_ids = draft.draft_to_target(torch.arange(draft.shape.draft_vocab_size, device=device))
+    head_draft = target_lm_head.to(device)[vocab_ids]                      # [N, H_t]
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0,
+                            fused=device.type == "cuda")
+    return head_draft, opt
+
+
 def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict], target_lm_head: torch.Tensor,
           cfg: TrainConfig, out_dir: Path, log=print, stop_after_epochs: int | None = None) -> dict:
     """Train `draft` in place (moved to cfg.device); resume from the newest checkpoint in out_dir/checkpoints.
@@ -123,17 +141,8 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
 
     out_dir = Path(out_dir)
     device = resolve_device(cfg)
-    draft.to(device)
-    draft.set_attention(cfg.attention if cfg.attention != "auto" else
-                        ("merged_flex" if device.type == "cuda" else "eager"))
-    if cfg.compile:
-        compile_for_training(draft)
-    torch.manual_seed(cfg.seed)
-    vocab_ids = draft.draft_to_target(torch.arange(draft.shape.draft_vocab_size, device=device))
-    head_draft = target_lm_head.to(device)[vocab_ids]                      # [N, H_t]
+    head_draft, opt = prepare_training(draft, target_lm_head, cfg, device)
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0,
-                            fused=device.type == "cuda")
     batches_per_epoch = len(_epoch_batches(train_samples, cfg, 0))
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.grad_accum)
     total_steps = steps_per_epoch * cfg.epochs

@@ -43,8 +43,8 @@ from ..trainer import (
     _data_fingerprint,
     _epoch_batches,
     _to,
-    compile_for_training,
     lr_lambda,
+    prepare_training,
 )
 from ..ttt import collate, summarize, ttt_loss
 
@@ -121,16 +121,8 @@ def train_ddp(draft: Eagle3Draft, train_samples: list, eval_samples: list, targe
     rank, world = dist.get_rank(), dist.get_world_size()
     out_dir, device = Path(out_dir), torch.device(cfg.device if cfg.device != "auto" else "cpu")
     one_process = cfg.model_copy(update={"grad_accum": cfg.grad_accum * world})   # what this run equals
-    draft.to(device)
-    draft.set_attention(cfg.attention if cfg.attention != "auto" else
-                        ("merged_flex" if device.type == "cuda" else "eager"))
-    if cfg.compile:
-        compile_for_training(draft)
-    torch.manual_seed(cfg.seed)
-    vocab_ids = draft.draft_to_target(torch.arange(draft.shape.draft_vocab_size, device=device))
-    head_draft = target_lm_head.to(device)[vocab_ids]                      # [N, H_t]
+    head_draft, opt = prepare_training(draft, target_lm_head, cfg, device)
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.type == "cuda")
     group_size = cfg.grad_accum * world
     batches_per_epoch = len(_epoch_batches(train_samples, cfg, 0))
     total_steps = math.ceil(batches_per_epoch / group_size) * cfg.epochs
