@@ -156,6 +156,14 @@ def write_shards(extractor, jobs: list[tuple[Path, list[dict]]], store_format: s
     return n_tokens
 
 
+def shard_entry(path: Path, sha: str, nbytes: int, part: list[dict], content_key: str) -> dict:
+    """The manifest entry of one finished shard: file name, sha256, bytes, samples, tokens, sample ids and the
+    content key that says which samples, tokens, layers, format and target it holds."""
+    return {"file": path.name, "sha256": sha, "bytes": nbytes, "samples": len(part),
+            "tokens": sum(len(r["input_ids"]) for r in part), "ids": [r["id"] for r in part],
+            "content_key": content_key}
+
+
 def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list[int] | None, shard_samples: int,
                      batch_tokens: int, store_format: str = "bf16", log=print, target: dict | None = None,
                      writer_threads: int = 2, device: str | None = None) -> dict:
@@ -213,9 +221,7 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     by_file = {file: key for file, _, key in todo}
 
     def record(path: Path, sha: str, nbytes: int, part: list[dict]) -> None:
-        entry = {"file": path.name, "sha256": sha, "bytes": nbytes, "samples": len(part),
-                 "tokens": sum(len(r["input_ids"]) for r in part), "ids": [r["id"] for r in part],
-                 "content_key": by_file[path.name]}
+        entry = shard_entry(path, sha, nbytes, part, by_file[path.name])
         with lock:
             done[path.name] = entry
             publish()

@@ -272,14 +272,19 @@ def _fresh_draft(cfg: PipelineConfig):
     return build_draft(_draft_shape(cfg), emb, vocab["d2t"], vocab["t2d"], cfg.draft.seed), lm
 
 
+def train_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the training stage: features, vocab map, train and draft settings (any number of GPUs)."""
+    return _key(_upstream(cfg.run_dir, "features")["inputs_key"], _upstream(cfg.run_dir, "vocab")["inputs_key"],
+                cfg.train, cfg.draft)
+
+
 def run_train(cfg: PipelineConfig, log=print) -> dict:
     """Train the draft with TTT (draft/), then export the best epoch as an SGLang-loadable directory
     (draft/export), validated by reloading it strictly and comparing logits exactly."""
     from .features import load_samples
     from .trainer import train
     out = cfg.run_dir / "draft"
-    key = _key(_upstream(cfg.run_dir, "features")["inputs_key"], _upstream(cfg.run_dir, "vocab")["inputs_key"],
-               cfg.train, cfg.draft)
+    key = train_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()

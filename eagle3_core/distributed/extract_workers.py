@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..config import PipelineConfig
 from ..extract import HFExtractor
-from ..features import STORE_VERSION, _write_head, bad_shards, write_shards
+from ..features import STORE_VERSION, _write_head, bad_shards, shard_entry, write_shards
 from ..manifest import read_manifest, sha256_json, write_manifest
 from .launch import die_with_parent, run_torchrun
 
@@ -77,9 +77,7 @@ def extract_owned(extractor, rows: list[dict], out_dir: Path, shard_samples: int
                                           "shards": sorted(done.values(), key=lambda e: e["file"]), **(extra or {})})
 
     def record(path: Path, sha: str, nbytes: int, part: list[dict]) -> None:
-        entry = {"file": path.name, "sha256": sha, "bytes": nbytes, "samples": len(part),
-                 "tokens": sum(len(r["input_ids"]) for r in part), "ids": [r["id"] for r in part],
-                 "content_key": by_file[path.name]}
+        entry = shard_entry(path, sha, nbytes, part, by_file[path.name])
         with lock:
             done[path.name] = entry
             publish()

@@ -57,11 +57,10 @@ def verify_my_shards(store_dir: Path, rank: int, world: int) -> None:
 def run_train_ddp(cfg: PipelineConfig, log=print) -> dict:
     """stages.run_train on every rank of an initialised process group; returns the stage manifest."""
     from ..manifest import cached_manifest
-    from ..stages import _fresh_draft, _key, _logits_probe, _upstream
+    from ..stages import _fresh_draft, _logits_probe, train_key
     rank, world = dist.get_rank(), dist.get_world_size()
     out = cfg.run_dir / "draft"
-    key = _key(_upstream(cfg.run_dir, "features")["inputs_key"], _upstream(cfg.run_dir, "vocab")["inputs_key"],
-               cfg.train, cfg.draft)
+    key = train_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
