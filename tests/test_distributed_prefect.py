@@ -42,14 +42,14 @@ def test_cancelled_flow_run_leaves_no_torchrun_process(prefect_server):
                     return client.read_deployment_by_name("ddp-hold/ddp-hold-test")
                 except Exception:                                    # noqa: BLE001 - not registered yet
                     return None
-            _wait("the served deployment", deployment, 120)
+            _wait("the served deployment", deployment, 300)
             run = run_deployment("ddp-hold/ddp-hold-test", timeout=0)
 
             def ready_lines():
                 logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
                 lines = [log.message for log in logs if log.message.endswith("ready")]
                 return lines if len(lines) == 2 else None
-            lines = _wait("both workers' 'ready' lines in the run log", ready_lines, 240)
+            lines = _wait("both workers' 'ready' lines in the run log", ready_lines, 600)
             worker_pids = sorted(int(x.split()[3]) for x in lines)
             tree = psutil.Process(runner.pid).children(recursive=True)
             torchrun = [p for p in tree if "torch.distributed.run" in " ".join(p.cmdline())]
