@@ -125,6 +125,18 @@ def prepare_training(draft, target_lm_head: torch.Tensor, cfg: TrainConfig, devi
     return head_draft, opt
 
 
+def restore_training_state(state: dict, draft, opt, sched, device: torch.device) -> tuple:
+    """Load a training checkpoint (checkpoint.save_training_state's dict) into the draft, optimizer, scheduler and
+    RNGs. Returns (epoch, batch, step, metric sums on `device` or None, tokens, best, history) to continue from."""
+    draft.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    set_rng_states(state["rng"])
+    sums = {k: v.to(device) for k, v in state["sums"].items()} if state["sums"] else None
+    return (state["epoch"], state["batch"], state["step"], sums, state["tokens"], state["best"],
+            json.loads(state["history"]))
+
+
 def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict], target_lm_head: torch.Tensor,
           cfg: TrainConfig, out_dir: Path, log=print, stop_after_epochs: int | None = None) -> dict:
     """Train `draft` in place (moved to cfg.device); resume from the newest checkpoint in out_dir/checkpoints.
@@ -156,13 +168,7 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
         if state["data"] != fingerprint:
             raise ValueError(f"checkpoint {path} was written for other training data or batching; delete "
                              f"{path.parent} to train from scratch, or restore the original data and settings")
-        draft.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        set_rng_states(state["rng"])
-        epoch0, batch0, step = state["epoch"], state["batch"], state["step"]
-        sums = {k: v.to(device) for k, v in state["sums"].items()} if state["sums"] else None
-        n_tokens, best, history = state["tokens"], state["best"], json.loads(state["history"])
+        epoch0, batch0, step, sums, n_tokens, best, history = restore_training_state(state, draft, opt, sched, device)
         log(f"train: resumed from {path.name} (epoch {epoch0}, batch {batch0}, step {step})")
     else:
         epoch0, batch0, step, sums, n_tokens = 0, 0, 0, None, 0

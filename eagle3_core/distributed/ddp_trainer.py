@@ -33,7 +33,6 @@ from ..checkpoint import (
     rng_states,
     save_draft,
     save_training_state,
-    set_rng_states,
 )
 from ..config import TrainConfig
 from ..draft_model import Eagle3Draft
@@ -45,6 +44,7 @@ from ..trainer import (
     _to,
     lr_lambda,
     prepare_training,
+    restore_training_state,
 )
 from ..ttt import collate, summarize, ttt_loss
 
@@ -136,13 +136,7 @@ def train_ddp(draft: Eagle3Draft, train_samples: list, eval_samples: list, targe
             raise ValueError(f"checkpoint {path} was written for other training data or another global batch "
                              f"(world size x grad_accum = {group_size} batches per step); delete {path.parent} "
                              f"to train from scratch, or restore the original data and settings")
-        draft.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        set_rng_states(state["rng"])
-        epoch0, batch0, step = state["epoch"], state["batch"], state["step"]
-        sums = {k: v.to(device) for k, v in state["sums"].items()} if state["sums"] else None
-        n_tokens, best, history = state["tokens"], state["best"], json.loads(state["history"])
+        epoch0, batch0, step, sums, n_tokens, best, history = restore_training_state(state, draft, opt, sched, device)
         if rank == 0:
             log(f"train: resumed from {path.name} (epoch {epoch0}, batch {batch0}, step {step}) on {world} ranks")
     else:
