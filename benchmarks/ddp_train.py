@@ -39,7 +39,7 @@ def train_worker(args) -> None:
 
     from eagle3_core.config import TrainConfig
     from eagle3_core.distributed.ddp_trainer import train_ddp
-    from eagle3_core.distributed.train_ddp import init_distributed
+    from eagle3_core.distributed.train_ddp import init_distributed, shutdown_distributed
     rank, world, device = init_distributed()
     s = TRAIN_TINY if args.tiny else TRAIN_FULL
     T, n_batches = s["T"], args.global_batches * args.steps
@@ -73,7 +73,7 @@ def train_worker(args) -> None:
     if rank == 0:
         Path(args.result).write_text(json.dumps({"tok_s": tok_s, "tok_s_per_gpu": tok_s / world,
                                                  "losses": losses, "world": world}))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def extract_worker(args) -> None:
@@ -83,6 +83,7 @@ def extract_worker(args) -> None:
 
     from eagle3_core.distributed.extract_workers import extract_owned
     from eagle3_core.distributed.launch import die_with_parent
+    from eagle3_core.distributed.train_ddp import shutdown_distributed
     from eagle3_core.extract import HFExtractor
     from eagle3_core.features import STORE_VERSION
     die_with_parent()
@@ -125,7 +126,7 @@ def extract_worker(args) -> None:
     dist.barrier()
     if rank == 0:
         shutil.rmtree(out, ignore_errors=True)
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def main() -> None:

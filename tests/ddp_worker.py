@@ -21,7 +21,7 @@ from conftest import tiny_draft
 from train_worker import CFG, samples
 
 from eagle3_core.distributed.ddp_trainer import train_ddp
-from eagle3_core.distributed.train_ddp import init_distributed
+from eagle3_core.distributed.train_ddp import init_distributed, shutdown_distributed
 
 LM_HEAD_SEED = 5
 
@@ -40,7 +40,7 @@ def main():
     if rank == 0:
         (out_dir / "result.json").write_text(json.dumps({"steps": res["steps"], "step_losses": res["step_losses"],
                                                          "history": res["history"]}))
-    torch.distributed.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

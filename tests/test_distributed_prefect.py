@@ -24,7 +24,7 @@ def _wait(what, fn, timeout):
 
 
 @pytest.mark.slow
-def test_cancelled_flow_run_leaves_no_torchrun_process(prefect_server):
+def test_cancelled_flow_run_leaves_no_torchrun_process(prefect_server, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.deployments import run_deployment
@@ -33,8 +33,16 @@ def test_cancelled_flow_run_leaves_no_torchrun_process(prefect_server):
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_RUNNER_POLL_FREQUENCY": "1",
            "OMP_NUM_THREADS": "1"}
-    runner = subprocess.Popen([sys.executable, str(SERVE)], env=env, start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    runner_log = tmp_path / "runner.log"
+    with open(runner_log, "w") as out:
+        runner = subprocess.Popen([sys.executable, str(SERVE)], env=env, start_new_session=True,
+                                  stdout=out, stderr=subprocess.STDOUT)
+
+    def diagnosis(client, run_id) -> str:
+        state = client.read_flow_run(run_id).state
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+        return (f"flow run state: {state!r}\nrun log:\n" + "\n".join(log.message for log in logs[-30:]) +
+                "\nrunner output (last 4000 chars):\n" + runner_log.read_text()[-4000:])
     try:
         with get_client(sync_client=True) as client:
             def deployment():
@@ -48,8 +56,13 @@ def test_cancelled_flow_run_leaves_no_torchrun_process(prefect_server):
             def ready_lines():
                 logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
                 lines = [log.message for log in logs if log.message.endswith("ready")]
+                if len(lines) < 2 and (s := client.read_flow_run(run.id).state) and s.is_final():
+                    raise AssertionError("the flow run ended before both workers were ready")
                 return lines if len(lines) == 2 else None
-            lines = _wait("both workers' 'ready' lines in the run log", ready_lines, 600)
+            try:
+                lines = _wait("both workers' 'ready' lines in the run log", ready_lines, 600)
+            except AssertionError as e:
+                raise AssertionError(f"{e}\n{diagnosis(client, run.id)}") from None
             worker_pids = sorted(int(x.split()[3]) for x in lines)
             tree = psutil.Process(runner.pid).children(recursive=True)
             torchrun = [p for p in tree if "torch.distributed.run" in " ".join(p.cmdline())]

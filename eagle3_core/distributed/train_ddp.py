@@ -9,6 +9,7 @@ With W ranks the optimisation equals one process with train.grad_accum x W (ddp_
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 from pathlib import Path
@@ -39,6 +40,16 @@ def init_distributed() -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group cleanly on every rank: collect garbage first (a DDP model's reducer sits in reference
+    cycles and holds the group; freed at interpreter exit, after the group is gone, its gloo threads abort the
+    process with 'terminate called without an active exception'), wait for every rank, then destroy the group.
+    Only on success: a rank that failed must not wait in a barrier the others may never reach."""
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def verify_my_shards(store_dir: Path, rank: int, world: int) -> None:
@@ -101,8 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg.train.device = str(device)
     try:
         run_train_ddp(cfg, log=lambda s: print(s, flush=True) if rank == 0 else None)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()          # no barrier: the other ranks may never reach it; torchrun stops them
+        raise
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
