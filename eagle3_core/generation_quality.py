@@ -84,6 +84,6 @@ def check_quality(report: dict, where: str) -> None:
         lines.append(f"  {k}: {report['counts'][k]} of {total} {base} ({report['fractions'][k]:.1%}, limit "
                      f"{report['limits'][k]:.1%}, generation.max_{k}_frac); e.g. {report['examples'][k][:3]}; "
                      f"fix: {FIXES[k]}")
-    lines.append("the answers are kept: after a fix or a changed limit, a rerun only repeats this check and the "
-                 "prompts that need it")
+    lines.append("the answers are kept: with other limits a rerun only repeats this check (other sampling "
+                 "settings regenerate them); failed prompts are sent again on every rerun")
     raise QualityGateError("\n".join(lines))

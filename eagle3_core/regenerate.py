@@ -216,27 +216,34 @@ class ShardWriter:
 
 
 class Progress:
-    """done/total, output tok/s, failures and retries of one regeneration call; `snapshot()` is JSON-able."""
+    """done/total, output tok/s (since the start and over the last interval), failures and retries of one
+    regeneration call; `snapshot()` is JSON-able."""
 
     def __init__(self, total: int):
         self.total, self.t0 = total, time.monotonic()
         self.resumed = self.answered = self.failed = self.retries = self.tokens = 0
+        self._last = (self.t0, 0)                                       # (time, tokens) at the last snapshot
 
     def snapshot(self, pool: ServerPool | None = None) -> dict:
-        elapsed = time.monotonic() - self.t0
+        now = time.monotonic()
+        elapsed, (t_last, tok_last) = now - self.t0, self._last
+        self._last = (now, self.tokens)
         done = self.resumed + self.answered + self.failed
-        rate = self.answered / elapsed if elapsed > 0 else 0.0
+        rate = (self.answered + self.failed) / elapsed if elapsed > 0 else 0.0
         return {"done": done, "total": self.total, "fraction": done / max(self.total, 1), "answered": self.answered,
                 "resumed": self.resumed, "failed": self.failed, "retries": self.retries,
                 "output_tokens": self.tokens, "tokens_per_s": self.tokens / elapsed if elapsed > 0 else 0.0,
+                "recent_tokens_per_s": (self.tokens - tok_last) / (now - t_last) if now > t_last else 0.0,
                 "elapsed_s": elapsed, "eta_s": (self.total - done) / rate if rate > 0 else None,
                 "servers": pool.stats() if pool else {}}
 
     @staticmethod
     def line(s: dict) -> str:
-        eta = f", ETA {s['eta_s'] / 60:.1f} min" if s["eta_s"] is not None else ""
-        return (f"generation: {s['done']}/{s['total']} prompts ({s['fraction']:.1%}), {s['tokens_per_s']:.0f} "
-                f"output tok/s, {s['failed']} failed, {s['retries']} retries{eta}")
+        eta = ""
+        if s["eta_s"] is not None:
+            eta = f", ETA {s['eta_s'] / 3600:.1f} h" if s["eta_s"] >= 7200 else f", ETA {s['eta_s'] / 60:.1f} min"
+        return (f"generation: {s['done']}/{s['total']} prompts ({s['fraction']:.1%}), {s['recent_tokens_per_s']:.0f} "
+                f"output tok/s (mean {s['tokens_per_s']:.0f}), {s['failed']} failed, {s['retries']} retries{eta}")
 
 
 async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str, gen: GenerationConfig,
@@ -251,6 +258,8 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
     Raises ServerError when no server answers for `server.down_timeout_s` (answers so far are flushed first).
     """
     from .data import prompt_ids
+    if not shards:
+        return []
     if gen.api in TOKEN_ID_APIS and tokenizer is None:
         raise ValueError(f"generation.api {gen.api!r} sends token ids: pass the target's tokenizer")
     n_rows = pq.ParquetFile(prompts_path).metadata.num_rows
@@ -293,7 +302,8 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
         t0 = time.monotonic()
         where = f"{prompts_path} row {index} (id {row['id']})"
         try:
-            sent, kept = split_final_answer(json.loads(row["messages"]), row.get("mode"), where)
+            messages = row["messages"] if isinstance(row["messages"], list) else json.loads(row["messages"])
+            sent, kept = split_final_answer(messages, row.get("mode"), where)
             ids = []
             if gen.api in TOKEN_ID_APIS:              # one thread: HF tokenizers are not safe to share
                 ids = await asyncio.get_running_loop().run_in_executor(tokenize_thread, prompt_ids, tokenizer, sent)
@@ -371,6 +381,7 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
             for w in writers.values():                    # stopped early: keep what was answered
                 w.flush()
             tokenize_thread.shutdown(wait=False, cancel_futures=True)
+        assert not writers, f"shards {sorted(writers)} were not finalized"
         report(pool)
     if (out / "partial").exists() and not any((out / "partial").iterdir()):
         (out / "partial").rmdir()

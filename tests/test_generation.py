@@ -148,9 +148,9 @@ def test_server_killed_mid_run_and_restarted_every_prompt_answered_once(tmp_path
     start(0)
     start(1)
     cfg = make_run(tmp_path / "run", 16, urls, progress_interval_s=0.05, max_new_tokens=24)
-    snaps, result = [], []
+    snaps, result, lines = [], [], []
     worker = threading.Thread(target=lambda: result.append(stages.run_generation(
-        cfg, log=lambda *_: None, on_progress=snaps.append)))
+        cfg, log=lines.append, on_progress=snaps.append)))
     try:
         worker.start()
         deadline = time.monotonic() + 300
@@ -172,7 +172,8 @@ def test_server_killed_mid_run_and_restarted_every_prompt_answered_once(tmp_path
     rows = assert_each_prompt_answered_once(cfg)
     assert {r["server"] for r in rows} == set(urls)
     assert snaps[-1]["servers"][urls[0]]["answered"] > answered_before      # back in use after the restart
-    assert snaps[-1]["done"] == snaps[-1]["total"] == 16
+    assert snaps[-1]["done"] == snaps[-1]["total"] == 16 and snaps[-1]["output_tokens"] == m["completion_tokens"]
+    assert lines[-1].startswith("generation: 16/16 prompts (100.0%), ") and " retries" in lines[-1]
 
 
 def test_fault_proxy_503_stalls_and_drops_every_prompt_completes(server, tmp_path):

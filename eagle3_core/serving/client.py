@@ -40,7 +40,7 @@ MAX_BACKOFF_S = 60.0
 
 class RetryableError(Exception):
     """A failed attempt worth retrying. `kind`: timeout | connection | http_429 | http_5xx | bad_body | abort (for
-    counting); `server_down`: the server did not answer at all (skip it until its /health does)."""
+    counting); `server_down`: the server did not answer or said it is unavailable (skip it until /health answers)."""
 
     def __init__(self, kind: str, reason: str, server_down: bool = False):
         super().__init__(reason)
@@ -128,7 +128,9 @@ async def post_once(client: httpx.AsyncClient, url: str, path: str, body: dict) 
         raise RetryableError("connection", f"connection error ({type(e).__name__}: {e})", server_down=True) from e
     if resp.status_code == 429 or resp.status_code >= 500:
         kind = "http_429" if resp.status_code == 429 else "http_5xx"
-        raise RetryableError(kind, f"HTTP {resp.status_code}: {resp.text[:200]}")
+        # 502-504: the server (or the gateway's upstream) is unavailable, e.g. SGLang loading: wait for /health
+        raise RetryableError(kind, f"HTTP {resp.status_code}: {resp.text[:200]}",
+                             server_down=resp.status_code in (502, 503, 504))
     if resp.status_code >= 400:
         raise RequestRejected(f"{url}{path} rejected the request with HTTP {resp.status_code}: {resp.text[:500]}")
     try:
