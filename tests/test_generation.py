@@ -18,12 +18,28 @@ from conftest import ROOT, SHARED_DATA
 from fault_proxy import FaultProxy
 
 from eagle3_core import stages
-from eagle3_core.config import GenerationConfig, PipelineConfig, PromptConfig, ServerConfig
+from eagle3_core.config import (
+    GenerationConfig,
+    PipelineConfig,
+    PromptConfig,
+    ServerConfig,
+)
 from eagle3_core.data import prompt_ids
 from eagle3_core.generation_quality import QualityGateError, is_degenerate
 from eagle3_core.regenerate import split_final_answer
-from eagle3_core.serving.client import RequestRejected, parse_response, request_body, request_with_retries
-from eagle3_core.serving.launcher import free_port, llama_server, llama_server_argv, stop, wait_healthy
+from eagle3_core.serving.client import (
+    RequestRejected,
+    parse_response,
+    request_body,
+    request_with_retries,
+)
+from eagle3_core.serving.launcher import (
+    free_port,
+    llama_server,
+    llama_server_argv,
+    stop,
+    wait_healthy,
+)
 from eagle3_core.serving.pool import ServerPool
 from eagle3_core.target import embedded_gguf_path
 
@@ -253,7 +269,8 @@ def test_conversation_is_sent_up_to_its_final_assistant_turn():
 
 
 def test_degenerate_answers_are_runaway_repetitions():
-    answer = json.loads(open(GSM8K).readline())["answer"]
+    with open(GSM8K) as f:
+        answer = json.loads(f.readline())["answer"]
     assert not is_degenerate(answer) and not is_degenerate(answer * 2)
     assert is_degenerate(answer + " 72 + 72 =" * 40) and is_degenerate("\n" * 100)
     assert is_degenerate("So the answer is 72. " * 30)          # a 21-character block, 30 times
