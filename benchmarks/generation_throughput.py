@@ -51,9 +51,12 @@ def questions(n: int) -> list[str]:
     return out
 
 
-def write_prompts(path: Path, n: int, pool: list[str]) -> None:
-    write_rows(path, [{"id": f"synthetic/{i}", "source": "synthetic", "meta": "{}",
-                       "messages": [{"role": "user", "content": pool[i % len(pool)]}]} for i in range(n)])
+def write_prompts(path: Path, n: int, pool: list[str], unique: bool = False) -> None:
+    """n prompt rows cycling through `pool`; `unique`: each text made distinct (no dictionary-encoding shortcut:
+    the file grows with n like a real prompt file)."""
+    write_rows(path, [{"id": f"synthetic/{i}", "source": "synthetic", "meta": "{}", "messages": [
+        {"role": "user", "content": pool[i % len(pool)] + (f" (Variant {i}.)" if unique else "")}]}
+        for i in range(n)])
 
 
 async def raw_loop(url: str, api: str, bodies: list[dict], concurrency: int) -> tuple[int, float]:
@@ -164,7 +167,7 @@ def memory(url: str | None, sizes: list[int], stop_after: int, work: Path) -> li
     with server as u:
         for n in sizes:
             prompts = work / f"synthetic_{n}.parquet"
-            write_prompts(prompts, n, pool)
+            write_prompts(prompts, n, pool, unique=True)
             t0 = time.monotonic()
             res = subprocess.run([sys.executable, __file__, "--rss-child", str(prompts), u, str(stop_after),
                                   tempfile.mkdtemp(dir=work)], capture_output=True, text=True, check=True)
@@ -184,6 +187,9 @@ def main() -> None:
     p.add_argument("--tokenizer", default=None, help="HF tokenizer (name or folder) for token-id APIs (default: "
                    "the embedded target's)")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--levels", type=int, nargs="*", default=None, help="concurrency levels (default 1 4 16)")
+    p.add_argument("--sizes", type=int, nargs="*", default=None, help="queued prompts for the memory part "
+                   "(default 10000 100000; none: skip it)")
     p.add_argument("--rss-child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rss_child:
@@ -199,15 +205,19 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else load_tokenizer(TargetConfig())
     levels, sizes, stop_after = ([1, 2], [1000, 5000], 50) if args.tiny else ([1, 4, 16], [10_000, 100_000], 500)
     new_tokens, min_prompts = (4, 4) if args.tiny else (args.max_new_tokens, 16)
+    levels = levels if args.levels is None else args.levels
+    sizes = sizes if args.sizes is None else args.sizes
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         print(f"throughput (output tokens/s, {new_tokens} new tokens per prompt, "
               f"greedy, api {args.api}):", flush=True)
         rows = throughput(args.url, args.api, levels, new_tokens, work, tokenizer, min_prompts)
-        print(f"memory (peak RSS of the client process, {stop_after} answers in):", flush=True)
-        mem = memory(args.url, sizes, stop_after, work)
+        mem = []
+        if sizes:
+            print(f"memory (peak RSS of the client process, {stop_after} answers in):", flush=True)
+            mem = memory(args.url, sizes, stop_after, work)
     print(json.dumps({"throughput": rows, "memory": mem,
-                      "rss_ratio": mem[1]["peak"] / mem[0]["peak"]}, indent=1))
+                      "rss_ratio": mem[-1]["peak"] / mem[0]["peak"] if mem else None}, indent=1))
 
 
 if __name__ == "__main__":

@@ -353,9 +353,10 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
         if on_progress is not None:
             on_progress(snap)
 
-    async def tick(tasks: list[asyncio.Task], pool: ServerPool) -> None:
+    async def tick(pool: ServerPool) -> None:
+        """Runs until cancelled: flushes answers waiting longer than flush_s, reports progress."""
         last = time.monotonic()
-        while not all(t.done() for t in tasks):
+        while True:
             await asyncio.sleep(min(0.2, gen.progress_interval_s))
             for w in list(writers.values()):
                 w.flush(older_than_s=gen.flush_s)
@@ -371,13 +372,17 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
             httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         tasks = [asyncio.create_task(produce())]
         tasks += [asyncio.create_task(work(client, pool)) for _ in range(gen.concurrency)]
-        ticker = asyncio.create_task(tick(tasks, pool))
+        ticker = asyncio.create_task(tick(pool))
+        all_work = asyncio.gather(*tasks)
         try:
-            await asyncio.gather(*tasks, ticker)
+            await asyncio.wait([all_work, ticker], return_when=asyncio.FIRST_COMPLETED)
+            if ticker.done():                     # it only ends by raising (e.g. in on_progress)
+                ticker.result()
+            await all_work
         finally:
-            for t in [*tasks, ticker]:
+            for t in [*tasks, ticker, all_work]:
                 t.cancel()
-            await asyncio.gather(*tasks, ticker, return_exceptions=True)
+            await asyncio.gather(*tasks, ticker, all_work, return_exceptions=True)
             for w in writers.values():                    # stopped early: keep what was answered
                 w.flush()
             tokenize_thread.shutdown(wait=False, cancel_futures=True)
