@@ -64,22 +64,52 @@ class PromptConfig(BaseModel):
 
 
 class ServerConfig(BaseModel):
-    kind: Literal["llama.cpp", "external"] = Field(
-        "llama.cpp", description="'llama.cpp': the flow starts llama-server; 'external': use `url` (SGLang, vLLM)")
-    url: str | None = Field(None, description="base URL of an external OpenAI-compatible server")
-    host: str = Field("127.0.0.1", description="bind address of a server the flow starts")
-    port: int = Field(0, ge=0, description="port of a server the flow starts; 0 picks a free one")
+    kind: Literal["llama.cpp", "sglang", "external"] = Field(
+        "llama.cpp", description="'llama.cpp': the stage starts llama-server on the target's GGUF; 'sglang': the "
+        "stage starts `python -m sglang.launch_server` on the target; 'external': use running servers (`urls`)")
+    url: str | None = Field(None, description="base URL of one running server (kind 'external')")
+    urls: list[str] = Field([], description="base URLs of several running servers (kind 'external'); requests "
+                                            "go to the reachable one with the fewest in flight")
+    host: str = Field("127.0.0.1", description="bind address of a server the stage starts")
+    port: int = Field(0, ge=0, description="port of a server the stage starts; 0 picks a free one")
     parallel: int = Field(4, ge=1, description="llama-server parallel slots (-np)")
     ctx_per_slot: int = Field(2048, ge=256, description="context tokens per slot")
-    startup_timeout_s: float = Field(120.0, description="seconds to wait for /health")
+    extra_args: list[str] = Field([], description="more command-line arguments for a server the stage starts "
+                                                  "(e.g. ['--tp', '8'] for SGLang)")
+    startup_timeout_s: float = Field(120.0, description="seconds to wait for /health (SGLang loading a large "
+                                                        "model needs far more, e.g. 1800)")
+    probe_interval_s: float = Field(5.0, gt=0, description="seconds between /health probes of a server that "
+                                                           "stopped answering")
+    down_timeout_s: float = Field(1800.0, gt=0, description="fail the stage (finished work kept) when no server "
+                                                            "has answered for this long")
+
+    def base_urls(self) -> list[str]:
+        """The external servers' base URLs, without trailing slashes (`url` first, then `urls`)."""
+        return [u.rstrip("/") for u in ([self.url] if self.url else []) + self.urls]
 
 
 class GenerationConfig(BaseModel):
+    api: Literal["openai", "sglang", "llama.cpp"] = Field(
+        "openai", description="'openai': /v1/chat/completions, the server applies the chat template (SGLang, vLLM, "
+        "llama.cpp); 'sglang': SGLang's /generate with token ids; 'llama.cpp': llama-server's /completion with token "
+        "ids. Token-id APIs render the prompt with the target's chat template here and keep the exact output ids")
     max_new_tokens: int = Field(256, ge=1, description="always sent: servers default to 128 or unlimited")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy (the default for regeneration)")
-    concurrency: int = Field(4, ge=1, description="requests in flight")
-    max_retries: int = Field(3, ge=0, description="retries per request on connection errors, timeouts, 429, 5xx")
-    request_timeout_s: float = Field(300.0, gt=0)
+    concurrency: int = Field(4, ge=1, description="requests in flight over all servers")
+    max_retries: int = Field(6, ge=0, description="retries per request on connection errors, timeouts, 429, 5xx")
+    retry_backoff_s: float = Field(1.0, gt=0, description="first retry wait; doubles each retry (max 60 s), "
+                                                          "plus up to this much random jitter")
+    request_timeout_s: float = Field(300.0, gt=0, description="seconds one request may take; must exceed the "
+                                                              "slowest full answer (max_new_tokens / per-stream tok/s)")
+    shard_size: int = Field(1024, ge=1, description="prompts per output shard (one Parquet file, one task)")
+    flush_rows: int = Field(64, ge=1, description="answers buffered before they are written to disk")
+    flush_s: float = Field(30.0, gt=0, description="seconds an answer may wait in the buffer")
+    progress_interval_s: float = Field(30.0, gt=0, description="seconds between progress log lines")
+    max_failed_frac: float = Field(0.01, ge=0, le=1, description="quality gate: prompts without an answer")
+    max_empty_frac: float = Field(0.02, ge=0, le=1, description="quality gate: empty answers")
+    max_truncated_frac: float = Field(0.2, ge=0, le=1, description="quality gate: answers cut at max_new_tokens")
+    max_degenerate_frac: float = Field(0.05, ge=0, le=1, description="quality gate: answers ending in a "
+                                                                     "runaway repetition")
 
 
 class FeatureConfig(BaseModel):
@@ -164,7 +194,8 @@ def preset(name: str, run_dir: str | Path | None = None) -> PipelineConfig:
             prompts=PromptConfig(num_train=120, num_eval=16),
             # 8 slots: ~178 tok/s on 2 cores vs ~158 with 4 (measured)
             server=ServerConfig(parallel=8, ctx_per_slot=1024),
-            generation=GenerationConfig(max_new_tokens=256, concurrency=8),
+            # 32-prompt shards; ~half of the 256-token answers are cut at the limit (measured: 58 of 120)
+            generation=GenerationConfig(max_new_tokens=256, concurrency=8, shard_size=32, max_truncated_frac=0.7),
             features=FeatureConfig(max_length=1024),
             # HumanEval answers use ~1.2K distinct tokens: a 2K draft vocab covers them and keeps lm_head cheap
             draft=DraftConfig(draft_vocab_size=2048),
@@ -182,7 +213,8 @@ def preset(name: str, run_dir: str | Path | None = None) -> PipelineConfig:
             run_dir=Path("runs/debug_tiny"),
             prompts=PromptConfig(num_train=6, num_eval=2),
             server=ServerConfig(parallel=2),
-            generation=GenerationConfig(max_new_tokens=64, concurrency=2),
+            # 64 tokens cut nearly every answer short: the gate would stop this smoke run
+            generation=GenerationConfig(max_new_tokens=64, concurrency=2, shard_size=32, max_truncated_frac=1.0),
             features=FeatureConfig(max_length=512, shard_samples=4),
             draft=DraftConfig(draft_vocab_size=1024),
             # enough epochs to memorise the 6 training answers: deployment tests replay them (tau well above 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -67,94 +68,170 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
         "rejects": str(out / "rejects.jsonl"), "seconds": time.monotonic() - t0})
 
 
-def run_generation(cfg: PipelineConfig, log=print, shard_size: int = 32) -> dict:
-    """Regenerate responses for the train prompts with the target behind an OpenAI-compatible server: the final
-    assistant turn, given the turns before it. Rows in mode 'keep' are not sent (finish_reason 'kept').
-
-    kind 'llama.cpp': starts llama-server on the target's GGUF for this stage only (stopped on success, failure
-    or cancel). Resumable: finished shards (generations/shard_*.parquet) are kept and skipped on rerun.
-    """
-    from .serving.client import check_reachable, generate_all
-    from .serving.launcher import llama_server
-    from .target import gguf_path
-
-    out = cfg.run_dir / "generations"
-    up = _upstream(cfg.run_dir, "prompts")
-    key = _key(cfg.generation, up["inputs_key"], _target_key(cfg), cfg.server.kind, cfg.server.url)
-    if (m := cached_manifest(out / "manifest.json", key)):
-        return m
-    t0 = time.monotonic()
-    rows = prompts_mod.read_rows(cfg.run_dir / "prompts" / "train.parquet")
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / "inputs_key").exists() and (out / "inputs_key").read_text() != key:
-        for stale in out.glob("shard_*.parquet"):                      # shards of other inputs: regenerate
-            stale.unlink()
-    (out / "inputs_key").write_text(key)
-    shards = [(i, rows[i:i + shard_size]) for i in range(0, len(rows), shard_size)]
-
-    def shard_path(i: int) -> Path:                                        # i: index of the shard's first row
-        return out / f"shard_{i // shard_size:05d}.parquet"
-
-    def kept(r: dict) -> dict:                                             # responses kept as they are
-        return {**r, "response": "", "reasoning": "", "finish_reason": "kept", "completion_tokens": 0, "model": "",
-                "timings": "{}", "logprobs": "[]", "latency_s": 0.0}
-
-    for i, part in shards:
-        if not shard_path(i).exists() and all(r.get("mode") == "keep" for r in part):
-            prompts_mod.write_rows(shard_path(i), [kept(r) for r in part])
-    todo = [(i, part) for i, part in shards if not shard_path(i).exists()]
+def _generation_key(cfg: PipelineConfig) -> str:
+    """What the answers depend on (not concurrency, retries or server addresses, so a rerun with other servers
+    resumes)."""
     g = cfg.generation
+    return _key({"api": g.api, "max_new_tokens": g.max_new_tokens, "temperature": g.temperature,
+                 "shard_size": g.shard_size, "server_kind": cfg.server.kind},
+                _upstream(cfg.run_dir, "prompts")["inputs_key"], _target_key(cfg))
 
-    def generate(url: str) -> None:
-        """All pending prompts in one pass (no idle slots between shards); a shard is written once complete."""
-        asyncio.run(check_reachable(url))
-        shard_of = {r["id"]: i for i, part in todo for r in part}
-        done = {i: {r["id"]: kept(r) for r in part if r.get("mode") == "keep"} for i, part in todo}
-        parts = dict(todo)
-        t1, n_tok = time.monotonic(), [0, 0]
 
-        def on_done(row: dict) -> None:
-            i = shard_of[row["id"]]
-            done[i][row["id"]] = row
-            n_tok[0] += row["completion_tokens"]
-            n_tok[1] += 1
-            if len(done[i]) == len(parts[i]):
-                prompts_mod.write_rows(shard_path(i), [done[i][r["id"]] for r in parts[i]])
-                log(f"generation: {n_tok[1]}/{sum(len(p) for p in parts.values())} prompts this run, "
-                    f"{n_tok[0] / (time.monotonic() - t1):.0f} tok/s")
+def _gate_limits(g) -> dict:
+    return {"failed": g.max_failed_frac, "empty": g.max_empty_frac, "truncated": g.max_truncated_frac,
+            "degenerate": g.max_degenerate_frac}
 
-        send = [r for _, part in todo for r in part if r.get("mode") != "keep"]
-        asyncio.run(generate_all(url, send, g.max_new_tokens, g.temperature, g.concurrency, g.max_retries,
-                                 g.request_timeout_s, on_done=on_done))
 
-    server = cfg.server
-    if todo and server.kind == "llama.cpp":
+def _server_desc(cfg: PipelineConfig) -> str:
+    from .target import gguf_path
+    if cfg.server.kind == "llama.cpp":
+        return f"llama.cpp llama-server ({gguf_path(cfg.target).name})"
+    if cfg.server.kind == "sglang":
+        return f"SGLang ({cfg.target.model})"
+    return ", ".join(cfg.server.base_urls())
+
+
+@contextmanager
+def generation_servers(cfg: PipelineConfig):
+    """Base URLs to generate with. Kinds 'llama.cpp' and 'sglang' start the server here, on `server.host` (default
+    127.0.0.1), logging to generations/server.log, and stop it when the block ends, on failure, Ctrl-C, SIGTERM
+    (a cancelled flow run) and, through PDEATHSIG, when this process is killed. Kind 'external' yields
+    `server.url` / `server.urls`. Raises ValueError for a config that cannot work, ServerError if a server does
+    not start."""
+    from .serving.launcher import llama_server, sglang_server
+    from .target import gguf_path
+    s, log_path = cfg.server, cfg.run_dir / "generations" / "server.log"
+    if s.kind == "llama.cpp":
         gguf = gguf_path(cfg.target)
         if gguf is None:
-            raise ValueError("server.kind 'llama.cpp' needs a GGUF target; use server.kind 'external' with "
-                             "server.url for an SGLang server")
-        with llama_server(gguf, out / "server.log", server.host, server.port, server.parallel,
-                          server.ctx_per_slot, server.startup_timeout_s) as url:
-            generate(url)
-        server_desc = f"llama.cpp llama-server ({gguf.name})"
-    elif todo:
-        if not server.url:
-            raise ValueError("server.kind 'external' needs server.url (e.g. http://127.0.0.1:30000)")
-        generate(server.url.rstrip("/"))
-        server_desc = server.url
+            raise ValueError("server.kind 'llama.cpp' needs a GGUF target; use server.kind 'sglang' (or 'external' "
+                             "with server.url) for a Hugging Face target")
+        with llama_server(gguf, log_path, s.host, s.port, s.parallel, s.ctx_per_slot, s.startup_timeout_s,
+                          s.extra_args) as url:
+            yield [url]
+    elif s.kind == "sglang":
+        with sglang_server(cfg.target.model, log_path, s.host, s.port, cfg.target.revision,
+                           cfg.target.trust_remote_code, s.startup_timeout_s, s.extra_args) as url:
+            yield [url]
     else:
-        server_desc = "(all shards were already done)"
-    done_rows = [r for i, _ in shards for r in prompts_mod.read_rows(shard_path(i))]
-    finish = {}
-    for r in done_rows:
-        finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
+        if not s.base_urls():
+            raise ValueError("server.kind 'external' needs server.url or server.urls (e.g. http://127.0.0.1:30000)")
+        yield s.base_urls()
+
+
+def generation_shards(cfg: PipelineConfig) -> list[int]:
+    """Indices of this run's generation shards (`generation.shard_size` train prompts each), finished or not:
+    `run_generation_shard` returns a finished shard's record at once. Deletes shards past the last one (left by a
+    larger prompt set). Raises FileNotFoundError if the prompts stage has not run."""
+    from .regenerate import num_shards, remove_shards_from
+    _upstream(cfg.run_dir, "prompts")
+    n = num_shards(cfg.run_dir / "prompts" / "train.parquet", cfg.generation.shard_size)
+    out = cfg.run_dir / "generations"
+    out.mkdir(parents=True, exist_ok=True)
+    remove_shards_from(out, n)
+    return list(range(n))
+
+
+def _regenerate(cfg: PipelineConfig, shards: list[int], urls: list[str], key: str, log, on_progress) -> list[dict]:
+    from .regenerate import regenerate
+    from .serving.client import TOKEN_ID_APIS
+    from .target import load_tokenizer
+    tok = load_tokenizer(cfg.target) if cfg.generation.api in TOKEN_ID_APIS else None
+    return asyncio.run(regenerate(cfg.run_dir / "prompts" / "train.parquet", cfg.run_dir / "generations", shards,
+                                  key, cfg.generation, cfg.server, urls, tok, log, on_progress))
+
+
+def run_generation_shard(cfg: PipelineConfig, shard: int, log=print, urls: list[str] | None = None,
+                         on_progress=None) -> dict:
+    """Regenerate the answers of one shard (generations/shard_{shard:05d}.parquet); returns its record (counts,
+    failures with reasons, retries, finish reasons, quality counts: small and JSON-able).
+
+    Idempotent: a finished shard (record for the same inputs, matching sha256, no failures) is returned untouched;
+    otherwise only its unanswered prompts are sent. `urls`: running servers (e.g. from `generation_servers`, to
+    keep one server across shards); None starts the configured server for this shard alone. `on_progress`: see
+    `regenerate.regenerate`. Raises ValueError for a shard index out of range, ServerError when no server answers.
+    """
+    from .regenerate import finished_record, num_shards
+    out, key = cfg.run_dir / "generations", _generation_key(cfg)
+    if (rec := finished_record(out, shard, key)):
+        log(f"generation: shard {shard} already finished ({rec['answered']} answers)")
+        return rec
+    n = num_shards(cfg.run_dir / "prompts" / "train.parquet", cfg.generation.shard_size)
+    if not 0 <= shard < n:
+        raise ValueError(f"generation shard {shard} out of range: this run has shards 0..{n - 1}")
+    if urls is None:
+        with generation_servers(cfg) as started:
+            return _regenerate(cfg, [shard], started, key, log, on_progress)[0]
+    return _regenerate(cfg, [shard], urls, key, log, on_progress)[0]
+
+
+def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds: float | None = None) -> dict:
+    """Check every shard against its record on disk, run the quality gate and write generations/manifest.json
+    (and quality.json). `shard_manifests`: the records `run_generation_shard` returned (each must match the
+    record on disk); `seconds`: the stage's wall time (default: the sum of the shards' times).
+
+    Raises RuntimeError naming a shard that has not finished, ValueError for a record that does not match the
+    disk, QualityGateError (with counts, examples and the fix) when too many answers failed, are empty, truncated
+    or degenerate."""
+    from .generation_quality import check_quality, quality_report
+    from .regenerate import num_shards, shard_name
+    from .serving.client import TOKEN_ID_APIS
+    out, key, g = cfg.run_dir / "generations", _generation_key(cfg), cfg.generation
+    stage_key = _key(key, _gate_limits(g))
+    if (m := cached_manifest(out / "manifest.json", stage_key)):
+        return m
+    records = []
+    for k in range(num_shards(cfg.run_dir / "prompts" / "train.parquet", g.shard_size)):
+        path = out / f"shard_{k:05d}.json"
+        rec = json.loads(path.read_text()) if path.exists() else {}
+        if rec.get("inputs_key") != key or sha256_file(out / shard_name(k)) != rec.get("sha256"):
+            raise RuntimeError(f"generation shard {k} has not finished for these inputs ({path}): run "
+                               f"run_generation_shard(cfg, {k}) (or the generation stage) again")
+        records.append(rec)
+    for m in shard_manifests:
+        if m["sha256"] != records[m["shard"]]["sha256"]:
+            raise ValueError(f"the record given for generation shard {m['shard']} is not the one on disk: pass "
+                             f"the records of this run's run_generation_shard calls")
+    report = quality_report(records, _gate_limits(g))
+    write_manifest(out / "quality.json", report)
+    check_quality(report, str(out))
+    finish, kinds = {}, {}
+    for r in records:
+        for d, acc in ((r["finish_reasons"], finish), (r["retry_kinds"], kinds)):
+            for k, v in d.items():
+                acc[k] = acc.get(k, 0) + v
     return write_manifest(out / "manifest.json", {
-        "inputs_key": key, "samples": len(done_rows), "completion_tokens": sum(r["completion_tokens"]
-                                                                              for r in done_rows),
-        "finish_reasons": finish, "sampling": {"temperature": g.temperature, "max_new_tokens": g.max_new_tokens,
-                                               "greedy": g.temperature == 0.0},
-        "server": server_desc, "shards": [shard_path(i).name for i, _ in shards],
-        "seconds": time.monotonic() - t0})
+        "inputs_key": stage_key, "shards_key": key, "samples": report["answered"], "prompts": report["prompts"],
+        "completion_tokens": sum(r["completion_tokens"] for r in records), "finish_reasons": finish,
+        "failed": report["counts"]["failed"], "failures": [f for r in records for f in r["failures"]][:100],
+        "retries": sum(r["retries"] for r in records), "retry_kinds": kinds, "quality": report,
+        "sampling": {"temperature": g.temperature, "max_new_tokens": g.max_new_tokens,
+                     "greedy": g.temperature == 0.0},
+        "api": g.api, "token_ids": "from the server (prompt_ids, output_ids)" if g.api in TOKEN_ID_APIS else None,
+        "server": _server_desc(cfg), "shards": [r["file"] for r in records],
+        "seconds": seconds if seconds is not None else sum(r["seconds"] for r in records)})
+
+
+def run_generation(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
+    """Regenerate answers for the train prompts: all shards in one pass (no idle server slots between shards),
+    then the quality gate (`finish_generation`). Starts and stops the server for kinds 'llama.cpp' / 'sglang'.
+
+    Resumable at any point: finished shards are kept untouched, answered prompts are not sent again. Returns the
+    stage manifest; raises like `finish_generation` and ServerError when no server answers.
+    """
+    from .regenerate import finished_record
+    out = cfg.run_dir / "generations"
+    key = _generation_key(cfg)
+    if (m := cached_manifest(out / "manifest.json", _key(key, _gate_limits(cfg.generation)))):
+        return m
+    t0 = time.monotonic()
+    shards = generation_shards(cfg)
+    todo = [k for k in shards if finished_record(out, k, key) is None]
+    log(f"generation: {len(shards) - len(todo)} of {len(shards)} shards already finished")
+    if todo:
+        with generation_servers(cfg) as urls:
+            _regenerate(cfg, todo, urls, key, log, on_progress)
+    return finish_generation(cfg, [], seconds=time.monotonic() - t0)
 
 
 def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
@@ -385,7 +462,12 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
     against the same server without a draft on the held-out prompts, greedy, one stream (deploy_llama_cpp/).
     Skipped (manifest says why) when the target is not a GGUF file llama.cpp can serve."""
     from .serving.launcher import llama_server
-    from .serving.llama_cpp import LLAMA_CPP_TIE_GAP, convert_draft, run_requests, summarize
+    from .serving.llama_cpp import (
+        LLAMA_CPP_TIE_GAP,
+        convert_draft,
+        run_requests,
+        summarize,
+    )
     from .target import gguf_path, local_model_dir
     out = cfg.run_dir / "deploy_llama_cpp"
     up = _upstream(cfg.run_dir, "draft")

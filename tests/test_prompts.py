@@ -8,7 +8,7 @@ import pytest
 from conftest import SHARED_DATA
 
 from eagle3_core.config import PipelineConfig, PromptConfig
-from eagle3_core.prompt_data import DataMix, SourceSpec, mix_preset
+from eagle3_core.prompt_data import DataMix, SourceSpec
 from eagle3_core.prompts import RejectError, build_prompts, load_source
 
 FIX = Path(__file__).parent / "fixtures" / "prompt_formats"

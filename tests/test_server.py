@@ -58,3 +58,51 @@ def test_server_dies_with_a_killed_flow_process(tmp_path):
             return
         time.sleep(0.2)
     raise AssertionError(f"llama-server at {url} still answers after its parent was killed")
+
+
+def test_sglang_command_is_built_as_an_argv_list():
+    """SGLang cannot run here: the launch command is checked as data (flags of SGLang 0.5.14 srt/server_args.py)."""
+    import sys
+
+    from eagle3_core.serving.launcher import sglang_server_argv
+    argv = sglang_server_argv("moonshotai/Kimi-K2.5", "127.0.0.1", 30000, revision="abc123", trust_remote_code=True,
+                              extra_args=["--tp", "8", "--mem-fraction-static", "0.85"])
+    assert argv == [sys.executable, "-m", "sglang.launch_server", "--model-path", "moonshotai/Kimi-K2.5", "--host",
+                    "127.0.0.1", "--port", "30000", "--revision", "abc123", "--trust-remote-code", "--tp", "8",
+                    "--mem-fraction-static", "0.85"]
+    assert "--trust-remote-code" not in sglang_server_argv("m", "127.0.0.1", 1)
+
+
+def test_cancel_sigterm_to_the_process_group_stops_the_server(tmp_path):
+    """What Prefect's runner does on cancel: SIGTERM to the flow run's process group. The server (own process
+    group, so it gets no signal itself) is stopped by the launcher's handler, which then calls the handler that
+    was installed before it (Prefect installs one that raises; here one that exits with code 3)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "hold.py"
+    script.write_text(
+        "import signal, sys, time\nfrom pathlib import Path\n"
+        "from eagle3_core.serving.launcher import llama_server\nfrom eagle3_core.target import embedded_gguf_path\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n"
+        "with llama_server(embedded_gguf_path(), Path(sys.argv[1]), parallel=1) as url:\n"
+        "    print(url, flush=True)\n    time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "s.log")], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    url = proc.stdout.readline().strip()
+    server_pid = int(open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()[0])
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=30) == 3                                 # the earlier handler ran too
+    def alive(pid: int) -> bool:                  # a zombie (state Z) waiting for its reaper counts as dead
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive(server_pid):
+        assert time.monotonic() < deadline, f"llama-server {server_pid} ({url}) outlived the cancelled run"
+        time.sleep(0.1)

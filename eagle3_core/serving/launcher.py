@@ -88,36 +88,105 @@ def _die_with_parent() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
+_running: list[subprocess.Popen] = []   # servers started by `launch` and not yet stopped
+_previous_handler: list = [signal.SIG_DFL]
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    """SIGTERM (Prefect's cancel, a scheduler's stop) while servers run: stop them, then do what the handler that
+    was installed before would have done (Prefect's raises its TerminationSignal; the default ends the process)."""
+    for proc in _running:
+        stop(proc, grace_s=5.0)
+    previous = _previous_handler[0]
+    signal.signal(signal.SIGTERM, previous)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_DFL:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm_handler() -> None:
+    """Main thread only (Python installs handlers nowhere else; PDEATHSIG still covers other threads)."""
+    import threading
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is not _stop_on_sigterm:
+        _previous_handler[0] = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+
+
+def _restore_sigterm_handler() -> None:
+    if not _running and signal.getsignal(signal.SIGTERM) is _stop_on_sigterm:
+        signal.signal(signal.SIGTERM, _previous_handler[0])
+
+
+@contextmanager
+def launch(argv: list[str], url: str, log_path: Path, startup_timeout_s: float):
+    """Run the server command `argv` for the duration of the block, waiting until `url`/health answers 200;
+    yields `url`.
+
+    The server runs in its own process group (so stopping it stops everything it spawned), logs to `log_path`, and
+    is stopped on success, exception, Ctrl-C and SIGTERM (handler above); if this process dies without running any
+    of that (SIGKILL), the kernel sends the server SIGTERM (PR_SET_PDEATHSIG). Raises ServerError naming the URL
+    and log if it exits or is not healthy in time.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(argv)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+    _running.append(proc)
+    _install_sigterm_handler()
+    try:
+        wait_healthy(url, proc, startup_timeout_s, log_path)
+        yield url
+    finally:
+        stop(proc)
+        _running.remove(proc)
+        _restore_sigterm_handler()
+
+
+def llama_server_argv(model: Path, host: str, port: int, parallel: int = 4, ctx_per_slot: int = 2048,
+                      extra_args: list[str] | None = None) -> list[str]:
+    """llama-server command: `-np parallel` slots sharing `-c parallel*ctx_per_slot` context; `--jinja` applies the
+    GGUF's own chat template (the one the HF target's tokenizer carries)."""
+    return [str(llama_server_binary()), "-m", str(model), "--host", host, "--port", str(port), "-np", str(parallel),
+            "-c", str(parallel * ctx_per_slot), "--jinja", "-t", str(os.cpu_count() or 2), *(extra_args or [])]
+
+
 @contextmanager
 def llama_server(model: Path, log_path: Path, host: str = "127.0.0.1", port: int = 0, parallel: int = 4,
                  ctx_per_slot: int = 2048, startup_timeout_s: float = 120.0, extra_args: list[str] | None = None):
     """Run llama.cpp's llama-server on `model` (GGUF) for the duration of the block; yields its base URL.
-
-    `-np parallel` slots share `-c parallel*ctx_per_slot` context; `--jinja` applies the GGUF's own chat template
-    (the one the tokenizer of the HF target carries). Raises ServerError naming the binary/URL on failure.
-    """
-    binary = llama_server_binary()
+    Raises ServerError naming the binary/URL on failure."""
     port = port or free_port(host)
-    url = f"http://{host}:{port}"
-    args = [str(binary), "-m", str(model), "--host", host, "--port", str(port), "-np", str(parallel),
-            "-c", str(parallel * ctx_per_slot), "--jinja", "-t", str(os.cpu_count() or 2), *(extra_args or [])]
-    with server_process(args, url, log_path, startup_timeout_s):
+    argv = llama_server_argv(model, host, port, parallel, ctx_per_slot, extra_args)
+    with launch(argv, f"http://{host}:{port}", log_path, startup_timeout_s) as url:
         yield url
 
 
+def sglang_server_argv(model: str, host: str, port: int, revision: str | None = None,
+                       trust_remote_code: bool = False, extra_args: list[str] | None = None,
+                       python: str | None = None) -> list[str]:
+    """`python -m sglang.launch_server` command for `model` (HF name or directory) on host:port, with the same
+    Python as this process unless `python` is given. Flags from SGLang 0.5.14 `srt/server_args.py`; parallelism,
+    memory and speculative flags go in `extra_args` (e.g. ['--tp', '8'])."""
+    argv = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host,
+            "--port", str(port)]
+    if revision:
+        argv += ["--revision", revision]
+    if trust_remote_code:
+        argv.append("--trust-remote-code")
+    return argv + list(extra_args or [])
+
+
 @contextmanager
-def server_process(args: list[str], url: str, log_path: Path, startup_timeout_s: float):
-    """Run the server command `args` (which must serve `url`) for the duration of the block, logging to
-    `log_path`; waits for `url`/health first. Raises ServerError naming the URL and log on failure."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        log.write(f"$ {' '.join(args)}\n".encode())
-        log.flush()
-        # own process group: stop() kills the server and anything it spawned
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_die_with_parent)
-    try:
-        wait_healthy(url, proc, startup_timeout_s, log_path)
-        yield proc
-    finally:
-        stop(proc)
+def sglang_server(model: str, log_path: Path, host: str = "127.0.0.1", port: int = 0, revision: str | None = None,
+                  trust_remote_code: bool = False, startup_timeout_s: float = 1800.0,
+                  extra_args: list[str] | None = None):
+    """Run an SGLang server on `model` for the duration of the block; yields its base URL. SGLang's /health answers
+    503 until the model is loaded. Its scheduler and detokenizer processes die with it (SGLang sets their
+    PDEATHSIG) and share its process group. Raises ServerError naming the URL and log on failure."""
+    port = port or free_port(host)
+    argv = sglang_server_argv(model, host, port, revision, trust_remote_code, extra_args)
+    with launch(argv, f"http://{host}:{port}", log_path, startup_timeout_s) as url:
+        yield url

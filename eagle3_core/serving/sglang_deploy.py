@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     from ..data import prompt_ids
     from ..preflight import preflight
-    from .launcher import free_port, server_process
+    from .launcher import free_port, launch
     preflight(Path(a.draft), AutoConfig.from_pretrained(a.target))
     tok = AutoTokenizer.from_pretrained(a.target)
     rows = benchmark_prompts(None if a.no_spec_bench else Path(a.spec_bench), not a.no_human_eval, a.per_category)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     out.mkdir(parents=True, exist_ok=True)
     results, warnings = {}, []
     for name, cmd in cmds.items():
-        with server_process(cmd, url, out / f"{name}.log", a.startup_timeout):
+        with launch(cmd, url, out / f"{name}.log", a.startup_timeout):
             results[name] = asyncio.run(benchmark_server(url, prompts, levels, a.max_new_tokens))
         warnings += [f"{name}: {w}" for w in check_server_info(results[name]["server_info"],
                                                                  spec if name == "eagle3" else None,

@@ -1,0 +1,277 @@
+"""Regeneration against the real llama-server (embedded model, loopback, as many slots as requests in flight) on
+GSM8K prompts: the token-id path, faults (server SIGKILLed and restarted, a fault-injecting proxy, the client
+SIGKILLed and rerun), the shard contract and the quality gate. Answers are 8 tokens long to keep this fast."""
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pyarrow.parquet as pq
+import pytest
+from conftest import ROOT, SHARED_DATA
+from fault_proxy import FaultProxy
+
+from eagle3_core import stages
+from eagle3_core.config import (
+    GenerationConfig,
+    PipelineConfig,
+    PromptConfig,
+    ServerConfig,
+)
+from eagle3_core.data import prompt_ids
+from eagle3_core.generation_quality import QualityGateError, is_degenerate
+from eagle3_core.regenerate import split_final_answer
+from eagle3_core.serving.client import (
+    RequestRejected,
+    parse_response,
+    request_body,
+    request_with_retries,
+)
+from eagle3_core.serving.launcher import (
+    free_port,
+    llama_server,
+    llama_server_argv,
+    stop,
+    wait_healthy,
+)
+from eagle3_core.serving.pool import ServerPool
+from eagle3_core.target import embedded_gguf_path
+
+GSM8K = str(SHARED_DATA / "gsm8k" / "train.jsonl")
+SLOTS = 2
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One real llama-server with SLOTS slots, shared by the tests that do not kill it. One thread: on 2 shared
+    cores, two spinning threads made it ~10x slower here."""
+    with llama_server(embedded_gguf_path(), tmp_path_factory.mktemp("srv") / "server.log", parallel=SLOTS,
+                      ctx_per_slot=1024, extra_args=["-t", "1"]) as url:
+        yield url
+
+
+def make_run(run_dir: Path, n: int, urls: list[str], **gen) -> PipelineConfig:
+    """A run directory holding `n` GSM8K train prompts, generating on `urls`."""
+    cfg = PipelineConfig(run_dir=run_dir, prompts=PromptConfig(sources=[GSM8K], num_train=n, num_eval=1),
+                         server=ServerConfig(kind="external", urls=urls, probe_interval_s=0.5),
+                         generation=GenerationConfig(**{"max_new_tokens": 8, "concurrency": SLOTS, "shard_size": 4,
+                                                        "flush_rows": 1, "retry_backoff_s": 0.2,
+                                                        "max_truncated_frac": 1.0, **gen}))
+    stages.run_prompts(cfg, log=lambda *_: None)
+    return cfg
+
+
+def all_rows(cfg: PipelineConfig) -> list[dict]:
+    return [r for f in sorted((cfg.run_dir / "generations").glob("shard_*.parquet"))
+            for r in pq.read_table(f).to_pylist()]
+
+
+def train_ids(cfg: PipelineConfig) -> list[str]:
+    return json.loads((cfg.run_dir / "prompts" / "manifest.json").read_text())["train_ids"]
+
+
+def assert_each_prompt_answered_once(cfg: PipelineConfig) -> list[dict]:
+    rows = all_rows(cfg)
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == len(train_ids(cfg)), (len(ids), len(set(ids)))
+    assert set(ids) == set(train_ids(cfg))
+    assert all(r["response"] and r["finish_reason"] in ("stop", "length") for r in rows)
+    return rows
+
+
+def test_token_ids_from_llama_cpp_completion_match_the_chat_api_and_the_gate(server, tmp_path, tokenizer):
+    """api 'llama.cpp' (token ids in and out, like SGLang's /generate) gives the same greedy answer as
+    /v1/chat/completions; the ids are the target's chat template and decode to the answer text. All answers are
+    cut at 8 tokens: the quality gate stops the stage, keeps the shards, and passes once the limit allows it."""
+    ids_cfg = make_run(tmp_path / "ids", 4, [server], api="llama.cpp", concurrency=1, max_truncated_frac=0.2)
+    chat_cfg = make_run(tmp_path / "chat", 4, [server], api="openai", concurrency=1)
+    records = {}
+    for cfg in (ids_cfg, chat_cfg):
+        records[cfg.generation.api] = [stages.run_generation_shard(cfg, k, urls=[server])
+                                       for k in stages.generation_shards(cfg)]
+    ids_rows, chat_rows = all_rows(ids_cfg), all_rows(chat_cfg)
+    assert [r["id"] for r in ids_rows] == [r["id"] for r in chat_rows] == train_ids(ids_cfg)
+    for a, b in zip(ids_rows, chat_rows):
+        sent = json.loads(a["messages"])
+        assert sent == json.loads(b["messages"]) and sent[-1]["role"] == "user"
+        assert a["prompt_ids"] == prompt_ids(tokenizer, sent) and a["prompt_tokens"] == len(a["prompt_ids"])
+        assert len(a["output_ids"]) == a["completion_tokens"] == 8 and a["finish_reason"] == "length"
+        assert tokenizer.decode(a["output_ids"]) == a["response"] == b["response"]
+        assert b["output_ids"] == [] and b["completion_tokens"] == 8
+    with pytest.raises(QualityGateError, match=r"truncated: 4 of 4 answers \(100\.0%, limit 20\.0%, "
+                                               r"generation\.max_truncated_frac\).*max_new_tokens"):
+        stages.finish_generation(ids_cfg, records["llama.cpp"])
+    shard = ids_cfg.run_dir / "generations" / "shard_00000.parquet"
+    before = shard.stat().st_mtime_ns
+    ids_cfg.generation.max_truncated_frac = 1.0
+    m = stages.run_generation(ids_cfg)                       # shards finished: only the gate runs again
+    assert m["samples"] == 4 and m["failed"] == 0 and m["quality"]["counts"]["truncated"] == 4
+    assert m["token_ids"] and shard.stat().st_mtime_ns == before
+
+
+def test_a_rejected_request_is_not_retried_and_keeps_the_server_message(server):
+    async def go():
+        async with ServerPool([server]) as pool, httpx.AsyncClient(timeout=60) as client:
+            body = request_body("llama.cpp", None, [10**6], 4, 0.0)        # not a token id of this model
+            await request_with_retries(pool, client, "llama.cpp", body, max_retries=5, backoff_s=0.1)
+    with pytest.raises(RequestRejected, match=r"HTTP 400.*invalid tokens"):
+        asyncio.run(go())
+
+
+def test_sglang_generate_request_and_response_fields():
+    """Fields of SGLang 0.5.14's /generate (managers/io_struct.py GenerateReqInput; managers/tokenizer_manager.py
+    meta_info; managers/schedule_batch.py FINISH_LENGTH / FINISH_ABORT to_json), read from the wheel, not run."""
+    body = request_body("sglang", None, [1, 2, 3], 2048, 0.0)
+    assert body == {"input_ids": [1, 2, 3], "stream": False,
+                    "sampling_params": {"max_new_tokens": 2048, "temperature": 0.0}}
+    answer = {"text": " Paris.", "output_ids": [3681, 13, 2],
+              "meta_info": {"id": "a1", "finish_reason": {"type": "length", "length": 3}, "prompt_tokens": 3,
+                            "weight_version": "default", "reasoning_tokens": 0, "completion_tokens": 3,
+                            "cached_tokens": 0, "e2e_latency": 0.05, "spec_verify_ct": 2}}
+    out = parse_response("sglang", answer, "http://h:30000")
+    assert (out["output_ids"], out["finish_reason"], out["completion_tokens"], out["prompt_tokens"]) == \
+        ([3681, 13, 2], "length", 3, 3)
+    assert out["response"] == " Paris." and json.loads(out["timings"])["spec_verify_ct"] == 2
+    abort = {**answer, "meta_info": {**answer["meta_info"], "finish_reason": {
+        "type": "abort", "message": "retracted", "status_code": None, "err_type": None}}}
+    from eagle3_core.serving.client import RetryableError
+    with pytest.raises(RetryableError, match="retracted"):
+        parse_response("sglang", abort, "http://h:30000")
+    with pytest.raises(RequestRejected, match=r"h:30000/generate.*generation\.api"):
+        parse_response("sglang", {"choices": []}, "http://h:30000")
+
+
+def test_server_killed_mid_run_and_restarted_every_prompt_answered_once(tmp_path):
+    """Two servers share the load; one is SIGKILLed with a request in flight and restarted on its port. The run
+    completes, every prompt answered exactly once, the lost request retried, the restarted server used again."""
+    ports = [free_port(), free_port()]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    procs: dict[int, subprocess.Popen] = {}
+
+    def start(i: int) -> None:
+        argv = llama_server_argv(embedded_gguf_path(), "127.0.0.1", ports[i], parallel=1, ctx_per_slot=1024,
+                                 extra_args=["-t", "1"])
+        with open(tmp_path / f"server{i}.log", "ab") as log:
+            procs[i] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_healthy(urls[i], procs[i], 120)
+
+    start(0)
+    start(1)
+    cfg = make_run(tmp_path / "run", 16, urls, progress_interval_s=0.05, max_new_tokens=24)
+    snaps, result, lines = [], [], []
+    worker = threading.Thread(target=lambda: result.append(stages.run_generation(
+        cfg, log=lines.append, on_progress=snaps.append)))
+    try:
+        worker.start()
+        deadline = time.monotonic() + 300
+        while not (snaps and snaps[-1]["answered"] >= 3 and snaps[-1]["servers"][urls[0]]["in_flight"] > 0):
+            assert time.monotonic() < deadline and worker.is_alive(), "run ended before the kill"
+            time.sleep(0.05)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        procs[0].wait()
+        answered_before = snaps[-1]["servers"][urls[0]]["answered"]
+        time.sleep(1.0)
+        start(0)
+        worker.join(600)
+    finally:
+        for p in procs.values():
+            stop(p)
+    assert result, "the run did not finish"
+    m = result[0]
+    assert m["samples"] == 16 and m["failed"] == 0 and m["retry_kinds"].get("connection", 0) >= 1
+    rows = assert_each_prompt_answered_once(cfg)
+    assert {r["server"] for r in rows} == set(urls)
+    assert snaps[-1]["servers"][urls[0]]["answered"] > answered_before      # back in use after the restart
+    assert snaps[-1]["done"] == snaps[-1]["total"] == 16 and snaps[-1]["output_tokens"] == m["completion_tokens"]
+    assert lines[-1].startswith("generation: 16/16 prompts (100.0%), ") and " retries" in lines[-1]
+
+
+def test_fault_proxy_503_stalls_and_drops_every_prompt_completes(server, tmp_path):
+    """20% of generation requests fail at a proxy in front of the real server (503, a stall past the request
+    timeout, a dropped connection, a body cut in half); every prompt completes and each injected fault is one
+    retry in the manifest, of its kind."""
+    t0 = time.monotonic()                                   # warm-up: how slow is one answer on this machine now
+    httpx.post(f"{server}/completion", json={"prompt": "Hi", "n_predict": 8}, timeout=300).raise_for_status()
+    timeout = max(10.0, 4 * (time.monotonic() - t0))
+    with FaultProxy(server, every=5) as proxy:
+        cfg = make_run(tmp_path, 16, [proxy.url], request_timeout_s=timeout, max_retries=4)
+        m = stages.run_generation(cfg, log=lambda *_: None)
+    assert proxy.posts >= 20 and sum(proxy.injected.values()) == proxy.posts // 5 + (proxy.posts % 5 > 0)
+    assert set(proxy.injected) == {"503", "stall", "drop", "drop_mid"}
+    assert m["failed"] == 0 and m["retries"] == sum(proxy.injected.values())
+    assert m["retry_kinds"] == {"http_5xx": proxy.injected["503"], "timeout": proxy.injected["stall"],
+                                "connection": proxy.injected["drop"] + proxy.injected["drop_mid"]}
+    assert_each_prompt_answered_once(cfg)
+
+
+def test_client_killed_mid_run_then_rerun_no_duplicates_no_losses(server, tmp_path):
+    """The generating process is SIGKILLed with one shard finished and another partly flushed; rerunning through
+    the shard contract leaves the finished shard's files untouched, keeps the flushed answers and answers every
+    prompt exactly once."""
+    cfg = make_run(tmp_path, 12, [server])
+    (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
+    code = ("import sys; from pathlib import Path; from eagle3_core import stages; "
+            "from eagle3_core.config import PipelineConfig; "
+            "stages.run_generation(PipelineConfig.model_validate_json(Path(sys.argv[1]).read_text()))")
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cfg.json")], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
+    out = cfg.run_dir / "generations"
+    deadline = time.monotonic() + 300
+    while not ((out / "shard_00000.json").exists() and list(out.glob("partial/shard_00001/part_*.parquet"))):
+        assert time.monotonic() < deadline and child.poll() is None, "child ended before the kill"
+        time.sleep(0.02)
+    child.kill()
+    child.wait()
+    finished = {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in out.glob("shard_00000.*")}
+    flushed = {r["id"] for p in out.glob("partial/shard_00001/part_*.parquet") for r in pq.read_table(p).to_pylist()}
+    assert not (out / "manifest.json").exists() and flushed
+
+    shards = stages.generation_shards(cfg)
+    assert shards == [0, 1, 2]
+    records = [stages.run_generation_shard(cfg, k, urls=[server], log=lambda *_: None) for k in shards]
+    assert {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in out.glob("shard_00000.*")} == finished
+    assert records[1]["resumed"] >= len(flushed) and records[1]["resumed"] + records[1]["generated"] == 4
+    assert not (out / "partial").exists()
+    m = stages.finish_generation(cfg, records)
+    assert m["samples"] == 12 and m["shards"] == ["shard_00000.parquet", "shard_00001.parquet", "shard_00002.parquet"]
+    rows = assert_each_prompt_answered_once(cfg)
+    assert [r["id"] for r in rows] == train_ids(cfg)                    # prompt order, shard by shard
+    assert stages.run_generation_shard(cfg, 1, urls=["http://127.0.0.1:9"]) == json.loads(
+        (out / "shard_00001.json").read_text())                          # finished: returned, nothing sent
+    with pytest.raises(ValueError, match="shard 5 out of range"):
+        stages.run_generation_shard(cfg, 5, urls=[server])
+    with pytest.raises(ValueError, match="not the one on disk"):
+        stages.finish_generation(cfg.model_copy(update={"generation": cfg.generation.model_copy(
+            update={"max_failed_frac": 0.5})}), [{**records[0], "sha256": "0" * 64}])
+
+
+def test_conversation_is_sent_up_to_its_final_assistant_turn():
+    """Multi-turn ShareGPT rows (the real sample file): the target regenerates the final assistant turn; rows in
+    mode 'keep' pass through with it; a row with nothing to answer is an error naming it."""
+    conv = next(c for c in json.loads((SHARED_DATA / "sharegpt" / "dummy_conversation.json").read_text())
+                if len(c["conversations"]) >= 4 and c["conversations"][-1]["from"] == "gpt")
+    roles = {"human": "user", "gpt": "assistant"}
+    msgs = [{"role": roles[m["from"]], "content": m["value"]} for m in conv["conversations"]]
+    sent, kept = split_final_answer(msgs, None, "row 3")
+    assert sent == msgs[:-1] and kept is None and sent[-1]["role"] == "user"
+    assert split_final_answer(msgs, "keep", "row 3") == (msgs[:-1], msgs[-1])
+    assert split_final_answer(msgs[:-1], None, "row 3") == (msgs[:-1], None)
+    with pytest.raises(ValueError, match="row 3: mode 'keep' but the conversation does not end"):
+        split_final_answer(msgs[:-1], "keep", "row 3")
+    with pytest.raises(ValueError, match=r"row 3: nothing to answer .*'system'"):
+        split_final_answer([{"role": "system", "content": "x"}], None, "row 3")
+
+
+def test_degenerate_answers_are_runaway_repetitions():
+    with open(GSM8K) as f:
+        answer = json.loads(f.readline())["answer"]
+    assert not is_degenerate(answer) and not is_degenerate(answer * 2)
+    assert is_degenerate(answer + " 72 + 72 =" * 40) and is_degenerate("\n" * 100)
+    assert is_degenerate("So the answer is 72. " * 30)          # a 21-character block, 30 times
+    assert not is_degenerate("ha " * 10)                         # too short to tell
