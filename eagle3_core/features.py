@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -57,13 +59,77 @@ def extract_batch(model, aux_layer_ids: list[int], seqs: list[list[int]], device
              "target_top1": top1[b, :len(s)].to(torch.int32).cpu()} for b, s in enumerate(seqs)]
 
 
-def _shard_done(out_dir: Path, name: str, content_key: str) -> bool:
+def shard_done(out_dir: Path, name: str, content_key: str) -> bool:
     """True if the shard exists, was written for the same samples and settings, and its bytes are intact."""
     path, side = out_dir / f"{name}.safetensors", out_dir / f"{name}.json"
     if not (path.exists() and side.exists()):
         return False
     meta = json.loads(side.read_text())
     return meta.get("content_key") == content_key and meta["sha256"] == sha256_file(path)
+
+
+def write_head(model, out_dir: Path) -> str:
+    """Write the target's embedding (and lm_head, if untied) to out_dir/head.safetensors; returns the target id,
+    a cheap fingerprint of the weights (config + a checksum of some embedding rows). Safe to call from several
+    threads or processes: each writes its own temporary file, then renames it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    head = out_dir / "head.safetensors"                                     # rewritten: it must match this target
+    emb = model.get_input_embeddings().weight.detach().float().cpu()
+    lm = model.get_output_embeddings().weight.detach().float().cpu()
+    tensors = {"embed_tokens": emb.contiguous()}
+    if lm.data_ptr() != emb.data_ptr() and not torch.equal(lm, emb):
+        tensors["lm_head"] = lm.contiguous()
+    tmp = out_dir / f".head.safetensors.tmp.{os.getpid()}.{threading.get_ident()}"
+    save_file(tensors, str(tmp))
+    tmp.replace(head)
+    return sha256_json([model.config.to_dict(), hashlib.sha256(emb[:64].numpy().tobytes()).hexdigest()])
+
+
+def extract_shard(model, part: list[dict], out_dir: Path, name: str, aux_layer_ids: list[int], batch_tokens: int,
+                  content_key: str, store_dtype: str = "bf16", device: str = "cpu") -> dict:
+    """Extract and store one shard `name` of tokenized rows `part`, unless it is already complete for
+    `content_key` (what makes it valid: samples, tokens, layers, dtype, target). Returns its manifest entry
+    {file, sha256, samples, tokens, bytes, ids, extracted}."""
+    if not shard_done(out_dir, name, content_key):
+        dtype = STORE_DTYPES[store_dtype]
+        feats: dict[int, dict] = {}
+        for batch in batches_by_tokens([len(r["input_ids"]) for r in part], batch_tokens):
+            outs = extract_batch(model, aux_layer_ids, [part[i]["input_ids"] for i in batch], device)
+            feats.update(zip(batch, outs))
+        lengths = [len(r["input_ids"]) for r in part]
+        tensors = {
+            "aux": torch.cat([feats[i]["aux"] for i in range(len(part))]).to(dtype).contiguous(),
+            "final": torch.cat([feats[i]["final"] for i in range(len(part))]).to(dtype).contiguous(),
+            "target_top1": torch.cat([feats[i]["target_top1"] for i in range(len(part))]),
+            "input_ids": torch.tensor([t for r in part for t in r["input_ids"]], dtype=torch.int32),
+            "loss_mask": torch.tensor([m for r in part for m in r["loss_mask"]], dtype=torch.int8),
+            "offsets": torch.tensor([0] + lengths, dtype=torch.long).cumsum(0),
+        }
+        path = out_dir / f"{name}.safetensors"
+        tmp = out_dir / f".{name}.safetensors.tmp"
+        save_file(tensors, str(tmp), metadata={"ids": json.dumps([r["id"] for r in part])})
+        tmp.replace(path)
+        write_atomic(out_dir / f"{name}.json",
+                     json.dumps({"sha256": sha256_file(path), "content_key": content_key}).encode())
+        extracted = True
+    else:
+        extracted = False
+    side = json.loads((out_dir / f"{name}.json").read_text())
+    return {"file": f"{name}.safetensors", "sha256": side["sha256"], "samples": len(part),
+            "tokens": sum(len(r["input_ids"]) for r in part),
+            "bytes": (out_dir / f"{name}.safetensors").stat().st_size, "ids": [r["id"] for r in part],
+            "extracted": extracted}
+
+
+def store_manifest(shards: list[dict], aux_layer_ids: list[int], store_dtype: str, seconds: float) -> dict:
+    """The store's manifest from its shard entries (extract_shard's return values, in order)."""
+    total_tokens = sum(s["tokens"] for s in shards)
+    total_bytes = sum(s["bytes"] for s in shards)
+    return {"aux_layer_ids": aux_layer_ids, "dtype": store_dtype,
+            "shards": [{k: v for k, v in s.items() if k != "extracted"} for s in shards],
+            "samples": sum(s["samples"] for s in shards), "tokens": total_tokens, "bytes": total_bytes,
+            "bytes_per_token": total_bytes / max(total_tokens, 1),
+            "shards_extracted": sum(s["extracted"] for s in shards), "seconds": seconds}
 
 
 def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list[int], shard_samples: int,
@@ -75,58 +141,17 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     """
     if store_dtype not in STORE_DTYPES:
         raise ValueError(f"unknown feature dtype {store_dtype!r}; choose one of {sorted(STORE_DTYPES)}")
-    dtype = STORE_DTYPES[store_dtype]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    head = out_dir / "head.safetensors"                                     # rewritten: it must match this target
-    emb = model.get_input_embeddings().weight.detach().float().cpu()
-    lm = model.get_output_embeddings().weight.detach().float().cpu()
-    tensors = {"embed_tokens": emb.contiguous()}
-    if lm.data_ptr() != emb.data_ptr() and not torch.equal(lm, emb):
-        tensors["lm_head"] = lm.contiguous()
-    save_file(tensors, str(head) + ".tmp")
-    Path(str(head) + ".tmp").replace(head)
-    # identifies the target weights cheaply: its config and a checksum of some embedding rows
-    target_id = sha256_json([model.config.to_dict(), hashlib.sha256(emb[:64].numpy().tobytes()).hexdigest()])
-    shards, t0, todo = [], time.monotonic(), 0
+    target_id = write_head(model, out_dir)
+    shards, t0 = [], time.monotonic()
     for start in range(0, len(rows), shard_samples):
-        name = f"shard_{start // shard_samples:05d}"
         part = rows[start:start + shard_samples]
         # a shard is reused only for the same samples, tokens, layers, dtype and target
         content_key = sha256_json([[r["id"], r["input_ids"]] for r in part] + [aux_layer_ids, store_dtype, target_id])
-        if not _shard_done(out_dir, name, content_key):
-            todo += 1
-            feats: dict[int, dict] = {}
-            for batch in batches_by_tokens([len(r["input_ids"]) for r in part], batch_tokens):
-                outs = extract_batch(model, aux_layer_ids, [part[i]["input_ids"] for i in batch], device)
-                feats.update(zip(batch, outs))
-            lengths = [len(r["input_ids"]) for r in part]
-            tensors = {
-                "aux": torch.cat([feats[i]["aux"] for i in range(len(part))]).to(dtype).contiguous(),
-                "final": torch.cat([feats[i]["final"] for i in range(len(part))]).to(dtype).contiguous(),
-                "target_top1": torch.cat([feats[i]["target_top1"] for i in range(len(part))]),
-                "input_ids": torch.tensor([t for r in part for t in r["input_ids"]], dtype=torch.int32),
-                "loss_mask": torch.tensor([m for r in part for m in r["loss_mask"]], dtype=torch.int8),
-                "offsets": torch.tensor([0] + lengths, dtype=torch.long).cumsum(0),
-            }
-            path = out_dir / f"{name}.safetensors"
-            tmp = out_dir / f".{name}.safetensors.tmp"
-            save_file(tensors, str(tmp), metadata={"ids": json.dumps([r["id"] for r in part])})
-            tmp.replace(path)
-            write_atomic(out_dir / f"{name}.json",
-                         json.dumps({"sha256": sha256_file(path), "content_key": content_key}).encode())
-        side = json.loads((out_dir / f"{name}.json").read_text())
-        n_tok = sum(len(r["input_ids"]) for r in part)
-        shards.append({"file": f"{name}.safetensors", "sha256": side["sha256"], "samples": len(part),
-                       "tokens": n_tok, "bytes": (out_dir / f"{name}.safetensors").stat().st_size,
-                       "ids": [r["id"] for r in part]})
-    if todo == 0:
+        shards.append(extract_shard(model, part, out_dir, f"shard_{start // shard_samples:05d}", aux_layer_ids,
+                                    batch_tokens, content_key, store_dtype, device))
+    manifest = store_manifest(shards, aux_layer_ids, store_dtype, time.monotonic() - t0)
+    if manifest["shards_extracted"] == 0:
         log(f"features: all {len(shards)} shards in {out_dir} are complete; nothing to extract")
-    total_tokens = sum(s["tokens"] for s in shards)
-    total_bytes = sum(s["bytes"] for s in shards)
-    manifest = {"aux_layer_ids": aux_layer_ids, "dtype": store_dtype, "shards": shards, "samples": len(rows),
-                "tokens": total_tokens, "bytes": total_bytes,
-                "bytes_per_token": total_bytes / max(total_tokens, 1), "shards_extracted": todo,
-                "seconds": time.monotonic() - t0}
     return write_manifest(out_dir / "manifest.json", manifest)
 
 

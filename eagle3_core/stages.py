@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,9 +23,10 @@ from . import prompts as prompts_mod
 from .checkpoint import load_draft, save_draft
 from .config import PipelineConfig, default_aux_layer_ids
 from .data import assistant_content, prompt_ids, tokenize_conversation
-from .manifest import cached_manifest, sha256_file, sha256_json, write_manifest
+from .manifest import cached_manifest, read_manifest, sha256_file, sha256_json, write_manifest
 
-CODE_VERSION = "1"  # bump when a stage's output format or semantics change
+CODE_VERSION = "2"  # bump when a stage's output format or semantics change (2: shard sidecars)
+FEATURE_DTYPE = "bf16"  # dtype of stored aux/final hidden states
 
 
 def _key(*parts) -> str:
@@ -40,14 +44,30 @@ def _upstream(run_dir: Path, stage: str) -> dict:
 def _target_key(cfg: PipelineConfig) -> dict:
     from .target import gguf_path
     gguf = gguf_path(cfg.target)
-    return {"target": cfg.target.model_dump(), "gguf_sha256": sha256_file(gguf) if gguf else None}
+    return {"target": cfg.target.model_dump(), "gguf_sha256": _sha256_unchanged_file(gguf) if gguf else None}
+
+
+@lru_cache(maxsize=16)
+def _sha256_cached(path: Path, size: int, mtime_ns: int) -> str:
+    return sha256_file(path)
+
+
+def _sha256_unchanged_file(path: Path) -> str:
+    """sha256 of a large file that rarely changes (the target), hashed again only when its size or mtime does."""
+    st = path.stat()
+    return _sha256_cached(path, st.st_size, st.st_mtime_ns)
+
+
+def prompts_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the prompts stage: the prompt settings and the content of local source files."""
+    files = [s for s in cfg.prompts.sources if s != prompts_mod.HUMAN_EVAL]
+    return _key(cfg.prompts, [sha256_file(Path(f)) if Path(f).exists() else f for f in files])
 
 
 def run_prompts(cfg: PipelineConfig, log=print) -> dict:
     """Load, dedupe and split the prompt sources into prompts/{train,eval}.parquet."""
     out = cfg.run_dir / "prompts"
-    files = [s for s in cfg.prompts.sources if s != prompts_mod.HUMAN_EVAL]
-    key = _key(cfg.prompts, [sha256_file(Path(f)) if Path(f).exists() else f for f in files])
+    key = prompts_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
@@ -61,85 +81,164 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
         "eval_ids": [r["id"] for r in evals], "sources": cfg.prompts.sources, "seconds": time.monotonic() - t0})
 
 
-def run_generation(cfg: PipelineConfig, log=print, shard_size: int = 32) -> dict:
-    """Regenerate responses for the train prompts with the target behind an OpenAI-compatible server.
+STAGE_DIRS = {"prompts": "prompts", "generation": "generations", "tokenize": "tokenized", "features": "features",
+              "vocab": "vocab", "train": "draft", "evaluate": "eval", "deploy-llama-cpp": "deploy_llama_cpp"}
 
-    kind 'llama.cpp': starts llama-server on the target's GGUF for this stage only (stopped on success, failure
-    or cancel). Resumable: finished shards (generations/shard_*.parquet) are kept and skipped on rerun.
-    """
-    from .serving.client import check_reachable, generate_all
+
+def inputs_key(cfg: PipelineConfig, stage: str) -> str:
+    """The inputs key stage `stage` (a key of STAGE_DIRS) writes into its manifest: a stage whose manifest holds
+    it is done. Needs the upstream stages' manifests; raises FileNotFoundError naming a missing one."""
+    fns = {"prompts": prompts_key, "generation": generation_key, "tokenize": tokenize_key,
+           "features": features_key, "vocab": vocab_key, "train": train_key, "evaluate": evaluate_key,
+           "deploy-llama-cpp": deploy_llama_cpp_key}
+    return fns[stage](cfg)
+
+
+def stage_done(cfg: PipelineConfig, stage: str) -> bool:
+    """True if stage `stage` has a manifest for its current inputs under cfg.run_dir."""
+    return cached_manifest(cfg.run_dir / STAGE_DIRS[stage] / "manifest.json", inputs_key(cfg, stage)) is not None
+
+
+def invalidate_stage(cfg: PipelineConfig, stage: str) -> None:
+    """Forget that stage `stage` is done under cfg.run_dir (its manifest and its shards' sidecars), so that its
+    next run recomputes everything. Data files stay until they are overwritten."""
+    out = cfg.run_dir / STAGE_DIRS[stage]
+    for path in [out / "manifest.json", out / "head.json", *out.glob("shard_*.json")]:
+        path.unlink(missing_ok=True)
+
+
+def generation_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the generation stage: sampling settings, the prompts, the target and the server."""
+    up = _upstream(cfg.run_dir, "prompts")
+    return _key(cfg.generation, up["inputs_key"], _target_key(cfg), cfg.server.kind, cfg.server.url)
+
+
+def generation_shards(cfg: PipelineConfig) -> list[int]:
+    """Shard ids of the generation stage: shard i holds train prompts [i*S, (i+1)*S), S = generation.shard_size."""
+    n = len(_upstream(cfg.run_dir, "prompts")["train_ids"])
+    return list(range(-(-n // cfg.generation.shard_size)))
+
+
+def _generation_shard_path(cfg: PipelineConfig, shard: int) -> Path:
+    return cfg.run_dir / "generations" / f"shard_{shard:05d}.parquet"
+
+
+def generation_shard_done(cfg: PipelineConfig, shard: int) -> dict | None:
+    """The shard's manifest if its parquet file is complete for the current inputs (key and sha256 match)."""
+    path = _generation_shard_path(cfg, shard)
+    side = read_manifest(path.with_suffix(".json"))
+    if side is None or side.get("inputs_key") != generation_key(cfg) or not path.exists():
+        return None
+    return side if sha256_file(path) == side["sha256"] else None
+
+
+def _server_desc(cfg: PipelineConfig) -> str:
+    from .target import gguf_path
+    if cfg.server.kind == "llama.cpp":
+        gguf = gguf_path(cfg.target)
+        return f"llama.cpp llama-server ({gguf.name if gguf else '?'})"
+    return str(cfg.server.url)
+
+
+@contextmanager
+def generation_server(cfg: PipelineConfig):
+    """Yields the base URL of the server that answers the generation requests. kind 'llama.cpp': starts
+    llama-server on the target's GGUF for the duration of the block (stopped on success, failure or cancel);
+    kind 'external': server.url. Raises ValueError for a config that names no usable server."""
     from .serving.launcher import llama_server
     from .target import gguf_path
-
-    out = cfg.run_dir / "generations"
-    up = _upstream(cfg.run_dir, "prompts")
-    key = _key(cfg.generation, up["inputs_key"], _target_key(cfg), cfg.server.kind, cfg.server.url)
-    if (m := cached_manifest(out / "manifest.json", key)):
-        return m
-    t0 = time.monotonic()
-    rows = prompts_mod.read_rows(cfg.run_dir / "prompts" / "train.parquet")
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / "inputs_key").exists() and (out / "inputs_key").read_text() != key:
-        for stale in out.glob("shard_*.parquet"):                      # shards of other inputs: regenerate
-            stale.unlink()
-    (out / "inputs_key").write_text(key)
-    shards = [(i, rows[i:i + shard_size]) for i in range(0, len(rows), shard_size)]
-
-    def shard_path(i: int) -> Path:                                        # i: index of the shard's first row
-        return out / f"shard_{i // shard_size:05d}.parquet"
-
-    todo = [(i, part) for i, part in shards if not shard_path(i).exists()]
-    g = cfg.generation
-
-    def generate(url: str) -> None:
-        """All pending prompts in one pass (no idle slots between shards); a shard is written once complete."""
-        asyncio.run(check_reachable(url))
-        shard_of = {r["id"]: i for i, part in todo for r in part}
-        done: dict[int, dict] = {i: {} for i, _ in todo}
-        parts = dict(todo)
-        t1, n_tok = time.monotonic(), [0, 0]
-
-        def on_done(row: dict) -> None:
-            i = shard_of[row["id"]]
-            done[i][row["id"]] = row
-            n_tok[0] += row["completion_tokens"]
-            n_tok[1] += 1
-            if len(done[i]) == len(parts[i]):
-                prompts_mod.write_rows(shard_path(i), [done[i][r["id"]] for r in parts[i]])
-                log(f"generation: {n_tok[1]}/{sum(len(p) for p in parts.values())} prompts this run, "
-                    f"{n_tok[0] / (time.monotonic() - t1):.0f} tok/s")
-
-        asyncio.run(generate_all(url, [r for _, part in todo for r in part], g.max_new_tokens, g.temperature,
-                                 g.concurrency, g.max_retries, g.request_timeout_s, on_done=on_done))
-
     server = cfg.server
-    if todo and server.kind == "llama.cpp":
+    if server.kind == "llama.cpp":
         gguf = gguf_path(cfg.target)
         if gguf is None:
             raise ValueError("server.kind 'llama.cpp' needs a GGUF target; use server.kind 'external' with "
                              "server.url for an SGLang server")
-        with llama_server(gguf, out / "server.log", server.host, server.port, server.parallel,
-                          server.ctx_per_slot, server.startup_timeout_s) as url:
-            generate(url)
-        server_desc = f"llama.cpp llama-server ({gguf.name})"
-    elif todo:
+        with llama_server(gguf, cfg.run_dir / "generations" / "server.log", server.host, server.port,
+                          server.parallel, server.ctx_per_slot, server.startup_timeout_s) as url:
+            yield url
+    else:
         if not server.url:
             raise ValueError("server.kind 'external' needs server.url (e.g. http://127.0.0.1:30000)")
-        generate(server.url.rstrip("/"))
-        server_desc = server.url
-    else:
-        server_desc = "(all shards were already done)"
-    done_rows = [r for i, _ in shards for r in prompts_mod.read_rows(shard_path(i))]
-    finish = {}
-    for r in done_rows:
+        yield server.url.rstrip("/")
+
+
+def run_generation_shard(cfg: PipelineConfig, shard: int, log=print, url: str | None = None) -> dict:
+    """Regenerate the responses of one shard of train prompts (generations/shard_{shard:05d}.parquet, with a
+    sidecar .json holding its sha256 and inputs key). Idempotent: a complete shard is not regenerated.
+
+    url: base URL of a running server (the flow starts one around all shards); None starts one (llama.cpp) or
+    uses server.url (external) for this shard alone. Returns the shard manifest {shard, file, sha256, inputs_key,
+    samples, completion_tokens, finish_reasons, seconds}. Raises ValueError for a shard id out of range,
+    ServerError naming the URL when the server cannot be reached or a request exhausts its retries.
+    """
+    from .serving.client import check_reachable, generate_all
+    if (m := generation_shard_done(cfg, shard)):
+        return m
+    if url is None:
+        with generation_server(cfg) as started:
+            return run_generation_shard(cfg, shard, log, started)
+    key, S, g = generation_key(cfg), cfg.generation.shard_size, cfg.generation
+    rows = prompts_mod.read_rows(cfg.run_dir / "prompts" / "train.parquet")[shard * S:(shard + 1) * S]
+    if not rows:
+        raise ValueError(f"generation shard {shard} is out of range: {cfg.run_dir}/prompts/train.parquet has "
+                         f"{len(generation_shards(cfg))} shards of {S} prompts")
+    t0 = time.monotonic()
+    asyncio.run(check_reachable(url))
+    done = asyncio.run(generate_all(url, rows, g.max_new_tokens, g.temperature, g.concurrency, g.max_retries,
+                                    g.request_timeout_s))
+    path = _generation_shard_path(cfg, shard)
+    prompts_mod.write_rows(path, done)
+    finish: dict[str, int] = {}
+    for r in done:
         finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
-    return write_manifest(out / "manifest.json", {
-        "inputs_key": key, "samples": len(done_rows), "completion_tokens": sum(r["completion_tokens"]
-                                                                              for r in done_rows),
-        "finish_reasons": finish, "sampling": {"temperature": g.temperature, "max_new_tokens": g.max_new_tokens,
-                                               "greedy": g.temperature == 0.0},
-        "server": server_desc, "shards": [shard_path(i).name for i, _ in shards],
-        "seconds": time.monotonic() - t0})
+    n_tok, seconds = sum(r["completion_tokens"] for r in done), time.monotonic() - t0
+    log(f"generation: shard {shard}: {len(done)} prompts, {n_tok} tokens, {n_tok / seconds:.0f} tok/s")
+    return write_manifest(path.with_suffix(".json"), {
+        "shard": shard, "file": path.name, "sha256": sha256_file(path), "inputs_key": key, "samples": len(done),
+        "completion_tokens": n_tok, "finish_reasons": finish, "seconds": seconds})
+
+
+def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict]) -> dict:
+    """The generation stage's manifest from its shards' manifests (one per id of generation_shards, any order).
+    Raises ValueError naming the shards that are missing or were written for other inputs."""
+    key, want = generation_key(cfg), generation_shards(cfg)
+    by_id = {m["shard"]: m for m in shard_manifests if m.get("inputs_key") == key}
+    if (missing := [i for i in want if i not in by_id]):
+        raise ValueError(f"generation shards {missing} of {cfg.run_dir}/generations are missing or stale: "
+                         f"run them (run_generation_shard) before finish_generation")
+    shards = [by_id[i] for i in want]
+    finish: dict[str, int] = {}
+    for m in shards:
+        for reason, n in m["finish_reasons"].items():
+            finish[reason] = finish.get(reason, 0) + n
+    g = cfg.generation
+    return write_manifest(cfg.run_dir / "generations" / "manifest.json", {
+        "inputs_key": key, "samples": sum(m["samples"] for m in shards),
+        "completion_tokens": sum(m["completion_tokens"] for m in shards), "finish_reasons": finish,
+        "sampling": {"temperature": g.temperature, "max_new_tokens": g.max_new_tokens,
+                     "greedy": g.temperature == 0.0},
+        "server": _server_desc(cfg), "shards": [m["file"] for m in shards],
+        "seconds": sum(m["seconds"] for m in shards)})
+
+
+def run_generation(cfg: PipelineConfig, log=print) -> dict:
+    """Regenerate responses for the train prompts with the target behind an OpenAI-compatible server: plan the
+    shards, run the unfinished ones against one server (two at a time, so that no slot idles at a shard's tail),
+    write the stage manifest. Resumable: complete shards are kept and skipped on rerun."""
+    if (m := cached_manifest(cfg.run_dir / "generations" / "manifest.json", generation_key(cfg))):
+        return m
+    shards = generation_shards(cfg)
+    done = {i: m for i in shards if (m := generation_shard_done(cfg, i))}
+    todo = [i for i in shards if i not in done]
+    if todo:
+        with generation_server(cfg) as url, ThreadPoolExecutor(2) as pool:
+            done.update(zip(todo, pool.map(lambda i: run_generation_shard(cfg, i, log, url), todo)))
+    return finish_generation(cfg, list(done.values()))
+
+
+def tokenize_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the tokenize stage: the generations, the max length and the target (its chat template)."""
+    return _key(_upstream(cfg.run_dir, "generations")["inputs_key"], cfg.features.max_length, _target_key(cfg))
 
 
 def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
@@ -147,7 +246,7 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
     from .target import load_tokenizer
     out = cfg.run_dir / "tokenized"
     up = _upstream(cfg.run_dir, "generations")
-    key = _key(up["inputs_key"], cfg.features.max_length, _target_key(cfg))
+    key = tokenize_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
@@ -173,24 +272,110 @@ def _aux_ids(cfg: PipelineConfig, num_layers: int) -> list[int]:
     return cfg.features.aux_layer_ids or default_aux_layer_ids(num_layers)
 
 
-def run_features(cfg: PipelineConfig, log=print) -> dict:
-    """Aux hidden states of the target at the aux layer ids, sharded safetensors (features/)."""
-    from .features import extract_features
+def features_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the features stage: the tokenized data, the feature settings and the target."""
+    return _key(_upstream(cfg.run_dir, "tokenized")["inputs_key"], cfg.features, _target_key(cfg))
+
+
+def feature_shards(cfg: PipelineConfig) -> list[int]:
+    """Shard ids of the features stage: shard i holds tokenized samples [i*S, (i+1)*S), S = features.shard_samples."""
+    n = _upstream(cfg.run_dir, "tokenized")["samples"]
+    return list(range(-(-n // cfg.features.shard_samples)))
+
+
+def _num_layers(cfg: PipelineConfig) -> int:
+    from transformers import AutoConfig
+
+    from .target import local_model_dir
+    return AutoConfig.from_pretrained(local_model_dir(cfg.target)).num_hidden_layers
+
+
+@lru_cache(maxsize=1)
+def _loaded_target(target_json: str, device: str):
+    """The target, loaded once per process for all feature shards of a run (cleared by finish_features)."""
+    from .config import TargetConfig
     from .target import load_target
-    out = cfg.run_dir / "features"
-    up = _upstream(cfg.run_dir, "tokenized")
-    key = _key(up["inputs_key"], cfg.features, _target_key(cfg))
-    if (m := cached_manifest(out / "manifest.json", key)):
-        return m
+    return load_target(TargetConfig.model_validate_json(target_json), device)
+
+
+def _feature_shard_plan(cfg: PipelineConfig, shard: int) -> tuple[list[dict], str, str]:
+    """(tokenized rows, file stem, content key) of feature shard `shard`. Raises ValueError if out of range."""
+    S = cfg.features.shard_samples
+    rows = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()[shard * S:(shard + 1) * S]
+    if not rows:
+        raise ValueError(f"feature shard {shard} is out of range: {cfg.run_dir}/tokenized has "
+                         f"{len(feature_shards(cfg))} shards of {S} samples")
+    return rows, f"shard_{shard:05d}", _feature_content_key(cfg, shard, [r["id"] for r in rows])
+
+
+def _feature_content_key(cfg: PipelineConfig, shard: int, sample_ids: list[str]) -> str:
+    # a shard is valid only for the same stage inputs (data, settings, target) and the same samples
+    return sha256_json([features_key(cfg), shard, sample_ids])
+
+
+def feature_shard_done(cfg: PipelineConfig, shard: int) -> bool:
+    """True if feature shard `shard` is complete on disk for the current inputs (content key and sha256 match)."""
+    from .features import shard_done
+    S = cfg.features.shard_samples
+    ids = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet", columns=["id"]).column("id").to_pylist()
+    content_key = _feature_content_key(cfg, shard, ids[shard * S:(shard + 1) * S])
+    return shard_done(cfg.run_dir / "features", f"shard_{shard:05d}", content_key)
+
+
+def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
+    """Aux hidden states of one shard of tokenized samples (features/shard_{shard:05d}.safetensors + sidecar
+    .json with its sha256). Idempotent: a shard complete for the same inputs and samples is not recomputed, and
+    the target is loaded (once per process) only when one is not. Returns the shard's manifest entry {shard, file,
+    sha256, samples, tokens, bytes, ids, extracted, inputs_key}. Raises ValueError for a shard id out of range."""
+    from .features import extract_shard, shard_done, write_head
+    out, key = cfg.run_dir / "features", features_key(cfg)
+    rows, name, content_key = _feature_shard_plan(cfg, shard)
+    ids = _aux_ids(cfg, _num_layers(cfg))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_target(cfg.target, device)
-    ids = _aux_ids(cfg, model.config.num_hidden_layers)
-    rows = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
-    manifest = extract_features(model, rows, out, ids, cfg.features.shard_samples, cfg.features.batch_tokens,
-                                device=device, log=log)
+    head_ok = (out / "head.safetensors").exists() and read_manifest(out / "head.json") == {"inputs_key": key}
+    model = None
+    if not head_ok or not shard_done(out, name, content_key):
+        model = _loaded_target(cfg.target.model_dump_json(), device)
+    if not head_ok:
+        write_head(model, out)
+        write_manifest(out / "head.json", {"inputs_key": key})
+    t0 = time.monotonic()
+    entry = extract_shard(model, rows, out, name, ids, cfg.features.batch_tokens, content_key, FEATURE_DTYPE,
+                          device)
+    seconds = time.monotonic() - t0
+    if entry["extracted"]:
+        log(f"features: shard {shard}: {entry['samples']} samples, {entry['tokens']} tokens in {seconds:.1f} s")
+    return {**entry, "shard": shard, "inputs_key": key, "seconds": seconds}
+
+
+def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print) -> dict:
+    """The features stage's manifest from its shards' entries (one per id of feature_shards, any order); frees
+    the target loaded for the shards. Raises ValueError naming the shards that are missing or stale."""
+    from .features import store_manifest
+    _loaded_target.cache_clear()
+    key, want = features_key(cfg), feature_shards(cfg)
+    by_id = {m["shard"]: m for m in shard_manifests if m.get("inputs_key") == key}
+    if (missing := [i for i in want if i not in by_id]):
+        raise ValueError(f"feature shards {missing} of {cfg.run_dir}/features are missing or stale: run them "
+                         f"(run_features_shard) before finish_features")
+    shards = [{k: v for k, v in by_id[i].items() if k not in ("shard", "inputs_key", "seconds")} for i in want]
+    ids = _aux_ids(cfg, _num_layers(cfg))
+    manifest = store_manifest(shards, ids, FEATURE_DTYPE, sum(by_id[i]["seconds"] for i in want))
     log(f"features: {manifest['samples']} samples, {manifest['tokens']} tokens, aux layers {ids}, "
         f"{manifest['bytes_per_token']:.0f} bytes/token")
-    return write_manifest(out / "manifest.json", {**manifest, "inputs_key": key})
+    return write_manifest(cfg.run_dir / "features" / "manifest.json", {**manifest, "inputs_key": key})
+
+
+def run_features(cfg: PipelineConfig, log=print) -> dict:
+    """Aux hidden states of the target at the aux layer ids, sharded safetensors (features/): plan, shards, finish."""
+    if (m := cached_manifest(cfg.run_dir / "features" / "manifest.json", features_key(cfg))):
+        return m
+    return finish_features(cfg, [run_features_shard(cfg, i, log) for i in feature_shards(cfg)], log)
+
+
+def vocab_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the vocab stage: the tokenized data and the draft vocab size."""
+    return _key(_upstream(cfg.run_dir, "tokenized")["inputs_key"], cfg.draft.draft_vocab_size)
 
 
 def run_vocab(cfg: PipelineConfig, log=print) -> dict:
@@ -200,8 +385,7 @@ def run_vocab(cfg: PipelineConfig, log=print) -> dict:
     from .target import local_model_dir
     from .vocab_map import build_vocab_map, count_tokens
     out = cfg.run_dir / "vocab"
-    up = _upstream(cfg.run_dir, "tokenized")
-    key = _key(up["inputs_key"], cfg.draft.draft_vocab_size)
+    key = vocab_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
@@ -238,14 +422,19 @@ def _fresh_draft(cfg: PipelineConfig):
     return build_draft(_draft_shape(cfg), emb, vocab["d2t"], vocab["t2d"], cfg.draft.seed), lm
 
 
+def train_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the train stage: features, vocab map, training and draft settings."""
+    return _key(_upstream(cfg.run_dir, "features")["inputs_key"], _upstream(cfg.run_dir, "vocab")["inputs_key"],
+                cfg.train, cfg.draft)
+
+
 def run_train(cfg: PipelineConfig, log=print) -> dict:
     """Train the draft with TTT (draft/), then export the best epoch as an SGLang-loadable directory
     (draft/export), validated by reloading it strictly and comparing logits exactly."""
     from .features import load_samples
     from .trainer import train
     out = cfg.run_dir / "draft"
-    key = _key(_upstream(cfg.run_dir, "features")["inputs_key"], _upstream(cfg.run_dir, "vocab")["inputs_key"],
-               cfg.train, cfg.draft)
+    key = train_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
@@ -285,6 +474,12 @@ def _logits_probe(a, b) -> bool:
     return torch.equal(la, lb)
 
 
+def evaluate_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the evaluate stage: the trained draft, the eval settings and the held-out prompts."""
+    return _key(_upstream(cfg.run_dir, "draft")["inputs_key"], cfg.eval,
+                _upstream(cfg.run_dir, "prompts")["inputs_key"])
+
+
 def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
     """Offline tau of the trained draft and of an untrained draft on the held-out prompts (eval/report.json)."""
     from .evaluate import measure
@@ -292,7 +487,7 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
     from .target import load_target, load_tokenizer
     out = cfg.run_dir / "eval"
     up = _upstream(cfg.run_dir, "draft")
-    key = _key(up["inputs_key"], cfg.eval, _upstream(cfg.run_dir, "prompts")["inputs_key"])
+    key = evaluate_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
@@ -316,6 +511,12 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
                                                   "summary": report, "seconds": time.monotonic() - t0})
 
 
+def deploy_llama_cpp_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the llama.cpp deployment stage: the trained draft, eval settings, host, held-out prompts."""
+    return _key(_upstream(cfg.run_dir, "draft")["inputs_key"], cfg.eval, cfg.server.host,
+                _upstream(cfg.run_dir, "prompts")["inputs_key"])
+
+
 def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
     """Deploy the exported draft on llama.cpp (GGUF conversion, `--spec-type draft-eagle3`) and benchmark it
     against the same server without a draft on the held-out prompts, greedy, one stream (deploy_llama_cpp/).
@@ -325,7 +526,7 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
     from .target import gguf_path, local_model_dir
     out = cfg.run_dir / "deploy_llama_cpp"
     up = _upstream(cfg.run_dir, "draft")
-    key = _key(up["inputs_key"], cfg.eval, cfg.server.host, _upstream(cfg.run_dir, "prompts")["inputs_key"])
+    key = deploy_llama_cpp_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
