@@ -44,7 +44,8 @@ def acceptance_plot(summary: dict, history: list[dict], path: Path) -> Path:
     for name in ("trained", "untrained"):
         acc = ev[name]["accept_per_position"]
         a.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} (tau {ev[name]['tau']:.2f})")
-    a.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1), title="Acceptance per position")
+    a.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1), title="Acceptance per position",
+          xticks=range(1, len(ev["trained"]["accept_per_position"]) + 1))
     a.legend()
     b.plot([h["epoch"] for h in history], [h["train"]["tau_sim"] for h in history], marker=".")
     b.set(xlabel="epoch", ylabel="simulated tau (train)", title="Training")

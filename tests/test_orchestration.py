@@ -127,7 +127,7 @@ def test_only_transient_errors_are_retried(prefect_server):
         return flaky(kind, return_state=True)
 
     assert f("transient").result() == 3                       # two retries absorbed the dropped connections
-    assert f("fatal").is_failed() and calls["fatal"] == 1      # no retry
+    assert f("fatal", return_state=True).is_failed() and calls["fatal"] == 1      # no retry
     assert is_transient(RuntimeError("wrapped")) is False
     err = httpx.HTTPStatusError("x", request=req, response=httpx.Response(503, request=req))
     assert is_transient(err) and not is_transient(httpx.HTTPStatusError(
