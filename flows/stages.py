@@ -52,7 +52,8 @@ def run_shards(task, cfg: PipelineConfig, stage: str, shard_ids: list[int], done
     states = []
     if parallel:
         futures = [task.with_options(refresh_cache=not done(cfg, i)).submit(cfg, i, *args) for i in shard_ids]
-        for _ in as_completed(futures):
+        for fut in as_completed(futures):
+            fut.wait()                     # keeps the final state on the future (the API's copy may lag)
             progress.step()
         states = [f.state for f in futures]
     else:

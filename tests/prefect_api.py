@@ -47,7 +47,13 @@ def task_runs(flow_run_id: UUID) -> list:
         async with get_client() as client:
             return await client.read_task_runs(task_run_filter=TaskRunFilter(
                 flow_run_id=TaskRunFilterFlowRunId(any_=[r.id for r in tree])))
-    return sorted((t for t in _run(go()) if t.id not in placeholders), key=lambda t: t.created)
+    # task run states reach the API as events, shortly after the flow call returns: wait until all are final
+    deadline = time.monotonic() + 30
+    while True:
+        runs = sorted((t for t in _run(go()) if t.id not in placeholders), key=lambda t: t.created)
+        if all(t.state.is_final() for t in runs) or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.5)
 
 
 def states_by_name(runs: list) -> dict[str, str]:

@@ -128,3 +128,26 @@ def test_failed_shard_reruns_alone_when_the_flow_run_is_retried(deployments, e2e
     assert len(a["shards"]) == 3 and a["shards"] == b["shards"]
     assert a["inputs_key"] == b["inputs_key"]
     assert os.environ.get(FAULT_ENV) is None
+
+
+def test_work_pool_deployments_register_with_their_pools(deployments, tmp_path):
+    """`make deploy-pools`: the same deployments on process work pools, CPU stages apart from GPU stages (runs
+    last in this module: it re-registers the served deployments under the same names)."""
+    from deployments.limits import CPU_POOL, GPU_POOL, ensure_work_pools
+    from deployments.serve import deploy_to_pools
+    asyncio.run(ensure_work_pools())
+    asyncio.run(ensure_work_pools())                                  # idempotent
+    assert len(deploy_to_pools(tmp_path, timezone="UTC")) == 9
+    pools = {name: asyncio.run(_read_deployment(name)).work_pool_name
+             for name in ("eagle3-pipeline/demo", "prompts/prompts", "generation/generation", "vocab/vocab",
+                          "features/features", "train/train", "evaluate/evaluate")}
+    assert pools == {"eagle3-pipeline/demo": GPU_POOL, "prompts/prompts": CPU_POOL,
+                     "generation/generation": CPU_POOL, "vocab/vocab": CPU_POOL, "features/features": GPU_POOL,
+                     "train/train": GPU_POOL, "evaluate/evaluate": GPU_POOL}
+    demo = asyncio.run(_read_deployment("eagle3-pipeline/demo"))
+    assert demo.entrypoint == "flows/pipeline.py:eagle3_pipeline" and demo.schedules[0].active is False
+
+    async def pool_types():
+        async with get_client() as client:
+            return {p.name: p.type for p in await client.read_work_pools()}
+    assert {CPU_POOL: "process", GPU_POOL: "process"}.items() <= asyncio.run(pool_types()).items()
