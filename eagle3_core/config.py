@@ -80,6 +80,7 @@ class GenerationConfig(BaseModel):
     concurrency: int = Field(4, ge=1, description="requests in flight")
     max_retries: int = Field(3, ge=0, description="retries per request on connection errors, timeouts, 429, 5xx")
     request_timeout_s: float = Field(300.0, gt=0)
+    shard_size: int = Field(32, ge=1, description="prompts per generation shard (a failed shard reruns alone)")
 
 
 class FeatureConfig(BaseModel):
@@ -182,7 +183,7 @@ def preset(name: str, run_dir: str | Path | None = None) -> PipelineConfig:
             run_dir=Path("runs/debug_tiny"),
             prompts=PromptConfig(num_train=6, num_eval=2),
             server=ServerConfig(parallel=2),
-            generation=GenerationConfig(max_new_tokens=64, concurrency=2),
+            generation=GenerationConfig(max_new_tokens=64, concurrency=2, shard_size=4),
             features=FeatureConfig(max_length=512, shard_samples=4),
             draft=DraftConfig(draft_vocab_size=1024),
             # enough epochs to memorise the 6 training answers: deployment tests replay them (tau well above 1)

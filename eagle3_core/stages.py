@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,7 +23,7 @@ from . import prompts as prompts_mod
 from .checkpoint import clear_training_state, load_draft, save_draft
 from .config import PipelineConfig, default_aux_layer_ids
 from .data import assistant_content, prompt_ids, tokenize_chat
-from .manifest import cached_manifest, sha256_file, sha256_json, write_manifest
+from .manifest import cached_manifest, read_manifest, sha256_file, sha256_json, write_manifest
 
 CODE_VERSION = "2"  # bump when a stage's output format or semantics change
 
@@ -40,14 +43,31 @@ def _upstream(run_dir: Path, stage: str) -> dict:
 def _target_key(cfg: PipelineConfig) -> dict:
     from .target import gguf_path
     gguf = gguf_path(cfg.target)
-    return {"target": cfg.target.model_dump(), "gguf_sha256": sha256_file(gguf) if gguf else None}
+    return {"target": cfg.target.model_dump(), "gguf_sha256": _sha256_unchanged_file(gguf) if gguf else None}
+
+
+@lru_cache(maxsize=16)
+def _sha256_cached(path: Path, size: int, mtime_ns: int) -> str:
+    return sha256_file(path)
+
+
+def _sha256_unchanged_file(path: Path) -> str:
+    """sha256 of a large file that rarely changes (the target), hashed again only when its size or mtime does."""
+    st = path.stat()
+    return _sha256_cached(path, st.st_size, st.st_mtime_ns)
+
+
+def prompts_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the prompts stage: the prompt settings and what makes each source's rows what they are
+    (prompts.source_fingerprints: local files' sha256, Hugging Face data sets' name/split/revision)."""
+    return _key(cfg.prompts, prompts_mod.source_fingerprints(cfg.prompts))
 
 
 def run_prompts(cfg: PipelineConfig, log=print) -> dict:
     """Read, normalize, reject, dedupe, sample and split the prompt sources into prompts/{train,eval}.parquet;
     bad rows go to prompts/rejects.jsonl with source, row and reason."""
     out = cfg.run_dir / "prompts"
-    key = _key(cfg.prompts, prompts_mod.source_fingerprints(cfg.prompts))
+    key = prompts_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
@@ -67,94 +87,188 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
         "rejects": str(out / "rejects.jsonl"), "seconds": time.monotonic() - t0})
 
 
-def run_generation(cfg: PipelineConfig, log=print, shard_size: int = 32) -> dict:
-    """Regenerate responses for the train prompts with the target behind an OpenAI-compatible server: the final
-    assistant turn, given the turns before it. Rows in mode 'keep' are not sent (finish_reason 'kept').
+STAGE_DIRS = {"prompts": "prompts", "generation": "generations", "tokenize": "tokenized", "features": "features",
+              "vocab": "vocab", "train": "draft", "evaluate": "eval", "deploy-llama-cpp": "deploy_llama_cpp"}
 
-    kind 'llama.cpp': starts llama-server on the target's GGUF for this stage only (stopped on success, failure
-    or cancel). Resumable: finished shards (generations/shard_*.parquet) are kept and skipped on rerun.
-    """
-    from .serving.client import check_reachable, generate_all
+
+def inputs_key(cfg: PipelineConfig, stage: str) -> str:
+    """The inputs key stage `stage` (a key of STAGE_DIRS) writes into its manifest: a stage whose manifest holds
+    it is done. Needs the upstream stages' manifests; raises FileNotFoundError naming a missing one."""
+    fns = {"prompts": prompts_key, "generation": generation_key, "tokenize": tokenize_key,
+           "features": features_key, "vocab": vocab_key, "train": train_key, "evaluate": evaluate_key,
+           "deploy-llama-cpp": deploy_llama_cpp_key}
+    return fns[stage](cfg)
+
+
+def stage_done(cfg: PipelineConfig, stage: str) -> bool:
+    """True if stage `stage` has a manifest for its current inputs under cfg.run_dir."""
+    return cached_manifest(cfg.run_dir / STAGE_DIRS[stage] / "manifest.json", inputs_key(cfg, stage)) is not None
+
+
+def invalidate_stage(cfg: PipelineConfig, stage: str) -> None:
+    """Forget that stage `stage` is done under cfg.run_dir (its manifest and its shards' sidecars), so that its
+    next run recomputes everything. Data files stay until they are overwritten."""
+    out = cfg.run_dir / STAGE_DIRS[stage]
+    for path in [out / "manifest.json", out / "head.json", *out.glob("shard_*.json")]:
+        path.unlink(missing_ok=True)
+
+
+def generation_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the generation stage: sampling settings, the prompts, the target and the server."""
+    up = _upstream(cfg.run_dir, "prompts")
+    return _key(cfg.generation, up["inputs_key"], _target_key(cfg), cfg.server.kind, cfg.server.url)
+
+
+def generation_shards(cfg: PipelineConfig) -> list[int]:
+    """Shard ids of the generation stage: shard i holds train prompts [i*S, (i+1)*S), S = generation.shard_size."""
+    n = len(_upstream(cfg.run_dir, "prompts")["train_ids"])
+    return list(range(-(-n // cfg.generation.shard_size)))
+
+
+def _generation_shard_path(cfg: PipelineConfig, shard: int) -> Path:
+    return cfg.run_dir / "generations" / f"shard_{shard:05d}.parquet"
+
+
+def generation_shard_done(cfg: PipelineConfig, shard: int) -> dict | None:
+    """The shard's manifest if its parquet file is complete for the current inputs (key and sha256 match)."""
+    path = _generation_shard_path(cfg, shard)
+    side = read_manifest(path.with_suffix(".json"))
+    if side is None or side.get("inputs_key") != generation_key(cfg) or not path.exists():
+        return None
+    return side if sha256_file(path) == side["sha256"] else None
+
+
+def _server_desc(cfg: PipelineConfig) -> str:
+    from .target import gguf_path
+    if cfg.server.kind == "llama.cpp":
+        gguf = gguf_path(cfg.target)
+        return f"llama.cpp llama-server ({gguf.name if gguf else '?'})"
+    return str(cfg.server.url)
+
+
+@contextmanager
+def generation_server(cfg: PipelineConfig):
+    """Yields the base URL of the server that answers the generation requests. kind 'llama.cpp': starts
+    llama-server on the target's GGUF for the duration of the block (stopped on success, failure or cancel);
+    kind 'external': server.url. Raises ValueError for a config that names no usable server."""
     from .serving.launcher import llama_server
     from .target import gguf_path
-
-    out = cfg.run_dir / "generations"
-    up = _upstream(cfg.run_dir, "prompts")
-    key = _key(cfg.generation, up["inputs_key"], _target_key(cfg), cfg.server.kind, cfg.server.url)
-    if (m := cached_manifest(out / "manifest.json", key)):
-        return m
-    t0 = time.monotonic()
-    rows = prompts_mod.read_rows(cfg.run_dir / "prompts" / "train.parquet")
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / "inputs_key").exists() and (out / "inputs_key").read_text() != key:
-        for stale in out.glob("shard_*.parquet"):                      # shards of other inputs: regenerate
-            stale.unlink()
-    (out / "inputs_key").write_text(key)
-    shards = [(i, rows[i:i + shard_size]) for i in range(0, len(rows), shard_size)]
-
-    def shard_path(i: int) -> Path:                                        # i: index of the shard's first row
-        return out / f"shard_{i // shard_size:05d}.parquet"
-
-    def kept(r: dict) -> dict:                                             # responses kept as they are
-        return {**r, "response": "", "reasoning": "", "finish_reason": "kept", "completion_tokens": 0, "model": "",
-                "timings": "{}", "logprobs": "[]", "latency_s": 0.0}
-
-    for i, part in shards:
-        if not shard_path(i).exists() and all(r.get("mode") == "keep" for r in part):
-            prompts_mod.write_rows(shard_path(i), [kept(r) for r in part])
-    todo = [(i, part) for i, part in shards if not shard_path(i).exists()]
-    g = cfg.generation
-
-    def generate(url: str) -> None:
-        """All pending prompts in one pass (no idle slots between shards); a shard is written once complete."""
-        asyncio.run(check_reachable(url))
-        shard_of = {r["id"]: i for i, part in todo for r in part}
-        done = {i: {r["id"]: kept(r) for r in part if r.get("mode") == "keep"} for i, part in todo}
-        parts = dict(todo)
-        t1, n_tok = time.monotonic(), [0, 0]
-
-        def on_done(row: dict) -> None:
-            i = shard_of[row["id"]]
-            done[i][row["id"]] = row
-            n_tok[0] += row["completion_tokens"]
-            n_tok[1] += 1
-            if len(done[i]) == len(parts[i]):
-                prompts_mod.write_rows(shard_path(i), [done[i][r["id"]] for r in parts[i]])
-                log(f"generation: {n_tok[1]}/{sum(len(p) for p in parts.values())} prompts this run, "
-                    f"{n_tok[0] / (time.monotonic() - t1):.0f} tok/s")
-
-        send = [r for _, part in todo for r in part if r.get("mode") != "keep"]
-        asyncio.run(generate_all(url, send, g.max_new_tokens, g.temperature, g.concurrency, g.max_retries,
-                                 g.request_timeout_s, on_done=on_done))
-
     server = cfg.server
-    if todo and server.kind == "llama.cpp":
+    if server.kind == "llama.cpp":
         gguf = gguf_path(cfg.target)
         if gguf is None:
             raise ValueError("server.kind 'llama.cpp' needs a GGUF target; use server.kind 'external' with "
                              "server.url for an SGLang server")
-        with llama_server(gguf, out / "server.log", server.host, server.port, server.parallel,
-                          server.ctx_per_slot, server.startup_timeout_s) as url:
-            generate(url)
-        server_desc = f"llama.cpp llama-server ({gguf.name})"
-    elif todo:
+        with llama_server(gguf, cfg.run_dir / "generations" / "server.log", server.host, server.port,
+                          server.parallel, server.ctx_per_slot, server.startup_timeout_s) as url:
+            yield url
+    else:
         if not server.url:
             raise ValueError("server.kind 'external' needs server.url (e.g. http://127.0.0.1:30000)")
-        generate(server.url.rstrip("/"))
-        server_desc = server.url
-    else:
-        server_desc = "(all shards were already done)"
-    done_rows = [r for i, _ in shards for r in prompts_mod.read_rows(shard_path(i))]
-    finish = {}
-    for r in done_rows:
+        yield server.url.rstrip("/")
+
+
+def _generation_shard_rows(cfg: PipelineConfig, shard: int) -> list[dict]:
+    S = cfg.generation.shard_size
+    rows = prompts_mod.read_rows(cfg.run_dir / "prompts" / "train.parquet")[shard * S:(shard + 1) * S]
+    if not rows:
+        raise ValueError(f"generation shard {shard} is out of range: {cfg.run_dir}/prompts/train.parquet has "
+                         f"{len(generation_shards(cfg))} shards of {S} prompts")
+    return rows
+
+
+def generation_shard_needs_server(cfg: PipelineConfig, shard: int) -> bool:
+    """True if shard `shard` holds prompt rows to regenerate; rows in mode 'keep' are never sent."""
+    return any(r.get("mode") != "keep" for r in _generation_shard_rows(cfg, shard))
+
+
+def _kept(r: dict) -> dict:
+    """A row whose conversation is trained as it is: not sent, finish_reason 'kept'."""
+    return {**r, "response": "", "reasoning": "", "finish_reason": "kept", "completion_tokens": 0, "model": "",
+            "timings": "{}", "logprobs": "[]", "latency_s": 0.0}
+
+
+def run_generation_shard(cfg: PipelineConfig, shard: int, log=print, url: str | None = None) -> dict:
+    """Regenerate the responses of one shard of train prompts (generations/shard_{shard:05d}.parquet, with a
+    sidecar .json holding its sha256 and inputs key): the final assistant turn, given the turns before it. Rows
+    in mode 'keep' are not sent (finish_reason 'kept'). Idempotent: a complete shard is not regenerated.
+
+    url: base URL of a running server (the flow starts one around all shards); None starts one (llama.cpp) or
+    uses server.url (external) for this shard alone (no server when every row is kept). Returns the shard manifest {shard, file, sha256, inputs_key,
+    samples, completion_tokens, finish_reasons, seconds}. Raises ValueError for a shard id out of range,
+    ServerError naming the URL when the server cannot be reached or a request exhausts its retries.
+    """
+    from .serving.client import check_reachable, generate_all
+    if (m := generation_shard_done(cfg, shard)):
+        return m
+    rows = _generation_shard_rows(cfg, shard)
+    send = [r for r in rows if r.get("mode") != "keep"]
+    if url is None and send:
+        with generation_server(cfg) as started:
+            return run_generation_shard(cfg, shard, log, started)
+    key, g, t0 = generation_key(cfg), cfg.generation, time.monotonic()
+    answers = {}
+    if send:
+        asyncio.run(check_reachable(url))
+        answers = {r["id"]: r for r in asyncio.run(generate_all(url, send, g.max_new_tokens, g.temperature,
+                                                                g.concurrency, g.max_retries, g.request_timeout_s))}
+    done = [answers[r["id"]] if r.get("mode") != "keep" else _kept(r) for r in rows]
+    path = _generation_shard_path(cfg, shard)
+    prompts_mod.write_rows(path, done)
+    finish: dict[str, int] = {}
+    for r in done:
         finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
-    return write_manifest(out / "manifest.json", {
-        "inputs_key": key, "samples": len(done_rows), "completion_tokens": sum(r["completion_tokens"]
-                                                                              for r in done_rows),
-        "finish_reasons": finish, "sampling": {"temperature": g.temperature, "max_new_tokens": g.max_new_tokens,
-                                               "greedy": g.temperature == 0.0},
-        "server": server_desc, "shards": [shard_path(i).name for i, _ in shards],
-        "seconds": time.monotonic() - t0})
+    n_tok, seconds = sum(r["completion_tokens"] for r in done), time.monotonic() - t0
+    log(f"generation: shard {shard}: {len(done)} prompts, {n_tok} tokens, {n_tok / seconds:.0f} tok/s")
+    return write_manifest(path.with_suffix(".json"), {
+        "shard": shard, "file": path.name, "sha256": sha256_file(path), "inputs_key": key, "samples": len(done),
+        "completion_tokens": n_tok, "finish_reasons": finish, "seconds": seconds})
+
+
+def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict]) -> dict:
+    """The generation stage's manifest from its shards' manifests (one per id of generation_shards, any order).
+    Raises ValueError naming the shards that are missing or were written for other inputs."""
+    key, want = generation_key(cfg), generation_shards(cfg)
+    by_id = {m["shard"]: m for m in shard_manifests if m.get("inputs_key") == key}
+    if (missing := [i for i in want if i not in by_id]):
+        raise ValueError(f"generation shards {missing} of {cfg.run_dir}/generations are missing or stale: "
+                         f"run them (run_generation_shard) before finish_generation")
+    shards = [by_id[i] for i in want]
+    finish: dict[str, int] = {}
+    for m in shards:
+        for reason, n in m["finish_reasons"].items():
+            finish[reason] = finish.get(reason, 0) + n
+    g = cfg.generation
+    return write_manifest(cfg.run_dir / "generations" / "manifest.json", {
+        "inputs_key": key, "samples": sum(m["samples"] for m in shards),
+        "completion_tokens": sum(m["completion_tokens"] for m in shards), "finish_reasons": finish,
+        "sampling": {"temperature": g.temperature, "max_new_tokens": g.max_new_tokens,
+                     "greedy": g.temperature == 0.0},
+        "server": _server_desc(cfg), "shards": [m["file"] for m in shards],
+        "seconds": sum(m["seconds"] for m in shards)})
+
+
+def run_generation(cfg: PipelineConfig, log=print) -> dict:
+    """Regenerate responses for the train prompts with the target behind an OpenAI-compatible server: plan the
+    shards, run the unfinished ones against one server (two at a time, so that no slot idles at a shard's tail),
+    write the stage manifest. Resumable: complete shards are kept and skipped on rerun."""
+    if (m := cached_manifest(cfg.run_dir / "generations" / "manifest.json", generation_key(cfg))):
+        return m
+    shards = generation_shards(cfg)
+    done = {i: m for i in shards if (m := generation_shard_done(cfg, i))}
+    todo = [i for i in shards if i not in done]
+    done.update((i, run_generation_shard(cfg, i, log)) for i in todo if not generation_shard_needs_server(cfg, i))
+    if (todo := [i for i in todo if i not in done]):
+        with generation_server(cfg) as url, ThreadPoolExecutor(2) as pool:
+            done.update(zip(todo, pool.map(lambda i: run_generation_shard(cfg, i, log, url), todo)))
+    return finish_generation(cfg, list(done.values()))
+
+
+def tokenize_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the tokenize stage: the generations, the max length and overlong policy, and the target (its
+    chat template)."""
+    return _key(_upstream(cfg.run_dir, "generations")["inputs_key"], cfg.features.max_length, cfg.prompts.overlong,
+                _target_key(cfg))
 
 
 def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
@@ -164,7 +278,7 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
     from .target import load_tokenizer
     out = cfg.run_dir / "tokenized"
     up = _upstream(cfg.run_dir, "generations")
-    key = _key(up["inputs_key"], cfg.features.max_length, cfg.prompts.overlong, _target_key(cfg))
+    key = tokenize_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
@@ -205,12 +319,12 @@ def _aux_ids(cfg: PipelineConfig, num_layers: int) -> list[int]:
 
 
 def run_features(cfg: PipelineConfig, log=print) -> dict:
-    """Aux hidden states of the target at the aux layer ids, sharded safetensors (features/)."""
+    """Aux hidden states of the target at the aux layer ids, sharded safetensors (features/), all shards in one
+    call (the Prefect flow runs them one task per shard instead: run_features_shard, finish_features)."""
     from .features import bad_shards, extract_features
     from .target import load_target
     out = cfg.run_dir / "features"
-    up = _upstream(cfg.run_dir, "tokenized")
-    key = _key(up["inputs_key"], cfg.features, _target_key(cfg))
+    key = features_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         if not (bad := bad_shards(out, m["shards"])):            # data on disk is the source of truth
             return m
@@ -218,13 +332,132 @@ def run_features(cfg: PipelineConfig, log=print) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_target(cfg.target, device)
     ids = _aux_ids(cfg, model.config.num_hidden_layers)
-    rows = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
     f = cfg.features
-    manifest = extract_features(model, rows, out, ids, f.shard_samples, f.batch_tokens, store_format=f.format,
-                                log=log, target=cfg.target.model_dump(), writer_threads=f.writer_threads)
+    manifest = extract_features(model, _tokenized_rows(cfg), out, ids, f.shard_samples, f.batch_tokens,
+                                store_format=f.format, log=log, target=cfg.target.model_dump(),
+                                writer_threads=f.writer_threads)
+    _mark_store(cfg, manifest)
     log(f"features: {manifest['samples']} samples, {manifest['tokens']} tokens, aux layers {ids}, "
         f"format {f.format}, {manifest['bytes_per_token']:.0f} bytes/token")
     return write_manifest(out / "manifest.json", {**manifest, "inputs_key": key})
+
+
+def features_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the features stage: the tokenized data, the feature settings (incl. format and
+    writer_threads) and the target."""
+    return _key(_upstream(cfg.run_dir, "tokenized")["inputs_key"], cfg.features, _target_key(cfg))
+
+
+def feature_shards(cfg: PipelineConfig) -> list[int]:
+    """Shard ids of the features stage: shard i holds tokenized samples [i*S, (i+1)*S), S = features.shard_samples
+    (the plan of features.extract_features)."""
+    n = _upstream(cfg.run_dir, "tokenized")["samples"]
+    return list(range(-(-n // cfg.features.shard_samples)))
+
+
+def _tokenized_rows(cfg: PipelineConfig) -> list[dict]:
+    return pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
+
+
+@lru_cache(maxsize=1)
+def _loaded_target(target_json: str, device: str):
+    """The target, loaded once per process for all feature shards of a run (cleared by finish_features)."""
+    from .config import TargetConfig
+    from .target import load_target
+    return load_target(TargetConfig.model_validate_json(target_json), device)
+
+
+def _mark_store(cfg: PipelineConfig, store: dict) -> None:
+    """features/head.json: the stage inputs key and the target id (features._write_head) the store in features/
+    was last written for, so that feature_shard_done can check a shard without loading the target."""
+    write_manifest(cfg.run_dir / "features" / "head.json",
+                   {"inputs_key": features_key(cfg), "target_id": store["target_id"]})
+
+
+def _feature_shard_entry(cfg: PipelineConfig, shard: int, rows: list[dict] | None = None) -> dict | None:
+    """The store manifest's entry of feature shard `shard` if it is complete on disk for the current inputs:
+    listed with the content key of its samples, layers, format and target, and its bytes match its sha256."""
+    from .features import bad_shards, content_key
+    out = cfg.run_dir / "features"
+    head, store = read_manifest(out / "head.json"), read_manifest(out / "manifest.json")
+    if (head is None or store is None or head.get("inputs_key") != features_key(cfg)
+            or head.get("target_id") != store.get("target_id")):
+        return None
+    name = f"shard_{shard:05d}.safetensors"
+    entry = next((e for e in store.get("shards", []) if e["file"] == name), None)
+    if entry is None:
+        return None
+    S = cfg.features.shard_samples
+    part = (rows if rows is not None else _tokenized_rows(cfg))[shard * S:(shard + 1) * S]
+    if entry.get("content_key") != content_key(part, store["aux_layer_ids"], store["format"], store["target_id"]):
+        return None
+    return None if bad_shards(out, [entry]) else entry
+
+
+def feature_shard_done(cfg: PipelineConfig, shard: int) -> bool:
+    """True if feature shard `shard` is complete on disk for the current inputs (content key and sha256 match)."""
+    return _feature_shard_entry(cfg, shard) is not None
+
+
+def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
+    """Aux hidden states of one shard of tokenized samples (features/shard_{shard:05d}.safetensors, listed in
+    features/manifest.json with its sha256 and content key) via features.extract_features(only_shards={shard}).
+    Idempotent: a shard complete for the same inputs and samples is not recomputed, and the target is loaded (once
+    per process) only when one is not. Shards must run one after another (each rewrites the store manifest).
+    Returns the shard's manifest entry {shard, file, sha256, bytes, samples, tokens, ids, content_key, extracted,
+    inputs_key, seconds}. Raises ValueError for a shard id out of range."""
+    from .features import extract_features
+    want = feature_shards(cfg)
+    if shard not in want:
+        raise ValueError(f"feature shard {shard} is out of range: {cfg.run_dir}/tokenized has {len(want)} shards "
+                         f"of {cfg.features.shard_samples} samples")
+    out, key, t0 = cfg.run_dir / "features", features_key(cfg), time.monotonic()
+    rows = _tokenized_rows(cfg)
+    entry = _feature_shard_entry(cfg, shard, rows)
+    extracted = entry is None
+    if extracted:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = _loaded_target(cfg.target.model_dump_json(), device)
+        f = cfg.features
+        store = extract_features(model, rows, out, _aux_ids(cfg, model.config.num_hidden_layers), f.shard_samples,
+                                 f.batch_tokens, store_format=f.format, log=log, target=cfg.target.model_dump(),
+                                 writer_threads=f.writer_threads, only_shards={shard})
+        _mark_store(cfg, store)
+        entry = next(e for e in store["shards"] if e["file"] == f"shard_{shard:05d}.safetensors")
+        log(f"features: shard {shard}: {entry['samples']} samples, {entry['tokens']} tokens in "
+            f"{time.monotonic() - t0:.1f} s")
+    return {**entry, "shard": shard, "inputs_key": key, "extracted": extracted, "seconds": time.monotonic() - t0}
+
+
+def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print) -> dict:
+    """The features stage's manifest (the store manifest plus inputs_key, as run_features writes it) once every
+    shard of feature_shards has a manifest for the current inputs (any order) and is intact on disk; frees the
+    target loaded for the shards. Raises ValueError naming the shards that are missing, stale or corrupt (rerun
+    them with run_features_shard)."""
+    _loaded_target.cache_clear()
+    key, want, out = features_key(cfg), feature_shards(cfg), cfg.run_dir / "features"
+    by_id = {m["shard"]: m for m in shard_manifests if m.get("inputs_key") == key}
+    rows = _tokenized_rows(cfg)
+    # data on disk is the source of truth: each shard must be listed and intact for the current inputs
+    if (missing := [i for i in want if i not in by_id or _feature_shard_entry(cfg, i, rows) is None]):
+        raise ValueError(f"feature shards {missing} of {out} are missing, stale or corrupt: run them "
+                         f"(run_features_shard) before finish_features")
+    store = read_manifest(out / "manifest.json")
+    if not store.get("complete"):
+        raise ValueError(f"{out}/manifest.json does not list every shard: run the missing ones (run_features_shard)")
+    ran = [by_id[i] for i in want if by_id[i].get("extracted")]
+    seconds = sum(by_id[i]["seconds"] for i in want)
+    ran_s = sum(m["seconds"] for m in ran)
+    manifest = {**store, "shards_extracted": len(ran), "seconds": seconds,
+                "tokens_per_s": sum(m["tokens"] for m in ran) / ran_s if ran and ran_s > 0 else None}
+    log(f"features: {manifest['samples']} samples, {manifest['tokens']} tokens, aux layers "
+        f"{manifest['aux_layer_ids']}, format {manifest['format']}, {manifest['bytes_per_token']:.0f} bytes/token")
+    return write_manifest(out / "manifest.json", {**manifest, "inputs_key": key})
+
+
+def vocab_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the vocab stage: the tokenized data and the draft vocab size."""
+    return _key(_upstream(cfg.run_dir, "tokenized")["inputs_key"], cfg.draft.draft_vocab_size)
 
 
 def run_vocab(cfg: PipelineConfig, log=print) -> dict:
@@ -234,8 +467,7 @@ def run_vocab(cfg: PipelineConfig, log=print) -> dict:
     from .target import local_model_dir
     from .vocab_map import build_vocab_map, count_tokens
     out = cfg.run_dir / "vocab"
-    up = _upstream(cfg.run_dir, "tokenized")
-    key = _key(up["inputs_key"], cfg.draft.draft_vocab_size)
+    key = vocab_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
@@ -324,6 +556,12 @@ def _logits_probe(a, b) -> bool:
     return torch.equal(la, lb)
 
 
+def evaluate_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the evaluate stage: the trained draft, the eval settings and the held-out prompts."""
+    return _key(_upstream(cfg.run_dir, "draft")["inputs_key"], cfg.eval,
+                _upstream(cfg.run_dir, "prompts")["inputs_key"])
+
+
 def _category(row: dict) -> str:
     """Prompt category for tau per category: meta['category'] (Spec-Bench rows) or the row's source."""
     meta = json.loads(row.get("meta") or "{}")
@@ -342,7 +580,7 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
     from .target import load_target, load_tokenizer, local_model_dir
     out = cfg.run_dir / "eval"
     up = _upstream(cfg.run_dir, "draft")
-    key = _key(up["inputs_key"], cfg.eval, _upstream(cfg.run_dir, "prompts")["inputs_key"])
+    key = evaluate_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
@@ -380,6 +618,12 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
                                                   "summary": report, "seconds": time.monotonic() - t0})
 
 
+def deploy_llama_cpp_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the llama.cpp deployment stage: the trained draft, eval settings, host, held-out prompts."""
+    return _key(_upstream(cfg.run_dir, "draft")["inputs_key"], cfg.eval, cfg.server.host,
+                _upstream(cfg.run_dir, "prompts")["inputs_key"])
+
+
 def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
     """Deploy the exported draft on llama.cpp (GGUF conversion, `--spec-type draft-eagle3`) and benchmark it
     against the same server without a draft on the held-out prompts, greedy, one stream (deploy_llama_cpp/).
@@ -389,7 +633,7 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
     from .target import gguf_path, local_model_dir
     out = cfg.run_dir / "deploy_llama_cpp"
     up = _upstream(cfg.run_dir, "draft")
-    key = _key(up["inputs_key"], cfg.eval, cfg.server.host, _upstream(cfg.run_dir, "prompts")["inputs_key"])
+    key = deploy_llama_cpp_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
