@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test server deploy clean
+.PHONY: setup demo test test-ui server deploy deploy-pools clean
 
 setup: $(VENV)/.installed
 	PYTHON=$(PY) bash scripts/build_llama_server.sh
@@ -25,13 +25,23 @@ demo: setup
 	$(PY) -m flows.pipeline --preset demo --run-dir runs/demo
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not ui" tests
 
-server: setup
+# the Prefect UI in a real browser: Debian's chromium (apt-get install chromium; .ci/run does it), Playwright
+test-ui: setup
+	$(PY) -m pytest -q -m ui tests/test_ui.py
+
+# Prefect's server and UI on http://127.0.0.1:4200 (state in $PREFECT_HOME, default ~/.prefect)
+server: $(VENV)/.installed
 	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
 
+# in a second shell: register the deployments with that server and serve them from this process
 deploy: setup
 	PREFECT_API_URL=http://127.0.0.1:4200/api $(PY) -m deployments.serve
+
+# or register them with the eagle3-cpu / eagle3-gpu work pools; then start workers (README: "Work pools")
+deploy-pools: setup
+	PREFECT_API_URL=http://127.0.0.1:4200/api $(PY) -m deployments.serve --pools
 
 clean:
 	rm -rf runs

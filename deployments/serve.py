@@ -1,28 +1,93 @@
-"""Serve the pipeline's deployments to a running Prefect server (`make server` in one shell, `make deploy` in
-another): the end-to-end flow with a nightly schedule (off until you switch it on in the UI) and one deployment
-per stage, all with the demo preset as parameter defaults. `serve` runs flow runs in this process; GPU work pools
-and concurrency limits come with the orchestration issue.
+"""Register the pipeline's deployments with a running Prefect server (`make server` in one shell) and serve them
+(`make deploy` in another), or hand them to work pools (`make deploy-pools`, then start workers).
+
+Deployments: `eagle3-pipeline/demo` (nightly at 02:00, created switched off: switch it on in the UI),
+`eagle3-pipeline/debug-tiny` (the smallest preset, minutes on a laptop), and one per stage
+(`prompts/prompts`, `generation/generation`, ...) with the demo preset as parameter defaults. Run directories
+default to runs/<preset> (EAGLE3_RUN_ROOT or --run-root to change).
+
+Work pools (--pools): `eagle3-cpu` for prompts, generation and vocab; `eagle3-gpu` for features, train, evaluate,
+llama.cpp deployment and the end-to-end flow. Start one worker per pool and host:
+    prefect worker start --pool eagle3-cpu
+    CUDA_VISIBLE_DEVICES=0 prefect worker start --pool eagle3-gpu --limit 1     # one per GPU
 """
 from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
 
 from prefect import serve
 from prefect.schedules import Cron
 
+from deployments.limits import CPU_POOL, GPU_POOL, ensure_all
 from eagle3_core.config import preset
 from flows import stages
 from flows.pipeline import eagle3_pipeline
 
-# nightly runs are opt-in: the schedule is created inactive; switch it on in the UI
-NIGHTLY = Cron("0 2 * * *", timezone="UTC", active=False)
+ROOT = Path(__file__).resolve().parents[1]
+NIGHTLY_CRON = "0 2 * * *"
+STAGE_FLOWS = {stages.prompts_flow: CPU_POOL, stages.generation_flow: CPU_POOL, stages.features_flow: GPU_POOL,
+               stages.vocab_flow: CPU_POOL, stages.train_flow: GPU_POOL, stages.evaluate_flow: GPU_POOL,
+               stages.deploy_llama_cpp_flow: GPU_POOL}
+
+
+def nightly(timezone: str) -> Cron:
+    # nightly runs are opt-in: the schedule is created inactive; switch it on in the UI (deployment page)
+    return Cron(NIGHTLY_CRON, timezone=timezone, active=False)
+
+
+def deployment_specs(run_root: Path, timezone: str) -> list[dict]:
+    """(flow, name, parameter defaults, schedule, work pool) of every deployment."""
+    def params(name: str) -> dict:
+        return {"config": preset(name, run_root / name).model_dump(mode="json"), "refresh": False}
+
+    specs = [{"flow": eagle3_pipeline, "name": "demo", "parameters": params("demo"),
+              "schedule": nightly(timezone), "pool": GPU_POOL,
+              "description": "End to end on the embedded default (about 15 min on 2 CPU cores)."},
+             {"flow": eagle3_pipeline, "name": "debug-tiny", "parameters": params("debug_tiny"),
+              "schedule": None, "pool": GPU_POOL, "description": "End to end on 6 prompts: a smoke run."}]
+    for fl, pool in STAGE_FLOWS.items():
+        specs.append({"flow": fl, "name": fl.name, "parameters": params("demo"), "schedule": None, "pool": pool,
+                      "description": fl.description})
+    return specs
+
+
+def runner_deployments(run_root: Path, timezone: str = "UTC") -> list:
+    """The deployments as RunnerDeployments for `serve` (flow runs execute in the serving process's host)."""
+    return [sp["flow"].to_deployment(name=sp["name"], parameters=sp["parameters"], description=sp["description"],
+                                     schedule=sp["schedule"], tags=["eagle3"])
+            for sp in deployment_specs(run_root, timezone)]
+
+
+def deploy_to_pools(run_root: Path, timezone: str = "UTC") -> list:
+    """Register every deployment with its work pool (code pulled from this checkout); returns their ids."""
+    ids = []
+    for sp in deployment_specs(run_root, timezone):
+        entry = f"{Path(sp['flow'].fn.__code__.co_filename).relative_to(ROOT)}:{sp['flow'].fn.__name__}"
+        fl = sp["flow"].from_source(source=str(ROOT), entrypoint=entry)
+        ids.append(fl.deploy(name=sp["name"], work_pool_name=sp["pool"], parameters=sp["parameters"],
+                             description=sp["description"], schedule=sp["schedule"], tags=["eagle3"],
+                             build=False, push=False, print_next_steps=False))
+    return ids
 
 
 def main() -> None:
-    params = {"config": preset("demo").model_dump(mode="json")}
-    deployments = [eagle3_pipeline.to_deployment(name="eagle3-pipeline", parameters=params, schedule=NIGHTLY)]
-    for fl in (stages.prompts_flow, stages.generation_flow, stages.features_flow, stages.vocab_flow,
-               stages.train_flow, stages.evaluate_flow, stages.deploy_llama_cpp_flow):
-        deployments.append(fl.to_deployment(name=fl.name, parameters=params))
-    serve(*deployments)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run-root", default=os.environ.get("EAGLE3_RUN_ROOT", "runs"),
+                   help="run directories default to RUN_ROOT/<preset>")
+    p.add_argument("--timezone", default=os.environ.get("EAGLE3_TIMEZONE", "UTC"),
+                   help="IANA timezone of the nightly schedule, e.g. Europe/Berlin")
+    p.add_argument("--pools", action="store_true", help="register with work pools instead of serving here")
+    args = p.parse_args()
+    run_root = Path(args.run_root).resolve()
+    ensure_all()
+    if args.pools:
+        deploy_to_pools(run_root, args.timezone)
+        print(f"registered; start workers: prefect worker start --pool {CPU_POOL}  and, per GPU, "
+              f"prefect worker start --pool {GPU_POOL} --limit 1")
+    else:
+        serve(*runner_deployments(run_root, args.timezone))
 
 
 if __name__ == "__main__":

@@ -213,8 +213,8 @@ def preset(name: str, run_dir: str | Path | None = None) -> PipelineConfig:
             run_dir=Path("runs/debug_tiny"),
             prompts=PromptConfig(num_train=6, num_eval=2),
             server=ServerConfig(parallel=2),
-            # 64 tokens cut nearly every answer short: the gate would stop this smoke run
-            generation=GenerationConfig(max_new_tokens=64, concurrency=2, shard_size=32, max_truncated_frac=1.0),
+            # 64 tokens cut nearly every answer short: the gate would stop this smoke run; 2 shards (6 prompts)
+            generation=GenerationConfig(max_new_tokens=64, concurrency=2, shard_size=4, max_truncated_frac=1.0),
             features=FeatureConfig(max_length=512, shard_samples=4),
             draft=DraftConfig(draft_vocab_size=1024),
             # enough epochs to memorise the 6 training answers: deployment tests replay them (tau well above 1)

@@ -164,9 +164,17 @@ def shard_entry(path: Path, sha: str, nbytes: int, part: list[dict], content_key
             "content_key": content_key}
 
 
+def content_key(part: list[dict], aux_layer_ids: list[int], store_format: str, target_id: str) -> str:
+    """The key a shard of tokenized rows `part` is stored under: a shard is reused only for the same samples,
+    tokens, layers, format and target (target_id: see _write_head)."""
+    return sha256_json([STORE_VERSION, [[r["id"], list(r["input_ids"])] for r in part], aux_layer_ids,
+                        store_format, target_id])
+
+
 def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list[int] | None, shard_samples: int,
                      batch_tokens: int, store_format: str = "bf16", log=print, target: dict | None = None,
-                     writer_threads: int = 2, device: str | None = None) -> dict:
+                     writer_threads: int = 2, device: str | None = None,
+                     only_shards: set[int] | None = None) -> dict:
     """Extract and store features for tokenized `rows` ({id, input_ids, loss_mask}); resumable per shard.
 
     model: an HF causal LM (wrapped in HFExtractor) or an Extractor. aux_layer_ids None: the config's defaults.
@@ -174,7 +182,12 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     as a dict) so that training can load the target. Shards listed in an earlier manifest for the same content
     whose bytes still match their sha256 are kept; any other shard (missing, corrupt, other inputs) is extracted
     again. Returns the manifest (also out_dir/manifest.json); when nothing was left to do it says so via `log`.
-    Raises ValueError on an unknown format or an online store without `target`. `device` is unused (the model's).
+    only_shards: extract just these plan indices (shard i holds rows [i*shard_samples, (i+1)*shard_samples)); other
+    shards' files are left alone and their earlier manifest entries kept (unverified) while their content key still
+    matches, and an incomplete store is no error (the caller finishes the others; the manifest says `complete`).
+    Raises ValueError on an unknown format, an online store without `target` or an index in only_shards out of
+    range; RuntimeError if a full extraction (only_shards None) leaves shards missing. `device` is unused (the
+    model's).
     """
     ff.check_format(store_format)
     if store_format == "online" and target is None:
@@ -191,19 +204,27 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     plan = []
     for start in range(0, len(rows), shard_samples):
         part = rows[start:start + shard_samples]
-        # a shard is reused only for the same samples, tokens, layers, format and target
-        key = sha256_json([STORE_VERSION, [[r["id"], list(r["input_ids"])] for r in part], ids, store_format,
-                           target_id])
-        plan.append((f"shard_{start // shard_samples:05d}.safetensors", part, key))
+        plan.append((f"shard_{start // shard_samples:05d}.safetensors", part,
+                     content_key(part, ids, store_format, target_id)))
+    if only_shards is not None and (outside := sorted(set(only_shards) - set(range(len(plan))))):
+        raise ValueError(f"features: shard indices {outside} are out of range: {len(rows)} rows make {len(plan)} "
+                         f"shards of {shard_samples} samples")
+    selected = {plan[i][0] for i in (range(len(plan)) if only_shards is None else only_shards)}
     prev = {s["file"]: s for s in previous.get("shards", [])}
     candidates = [prev[f] for f, _, key in plan if f in prev and prev[f].get("content_key") == key]
-    bad = set(bad_shards(out_dir, candidates))
+    # shards outside only_shards keep their entries unverified: their own extraction (or a full run) checks them
+    bad = set(bad_shards(out_dir, [e for e in candidates if e["file"] in selected]))
     done = {e["file"]: e for e in candidates if e["file"] not in bad}
     if bad:
         log(f"features: {len(bad)} shard(s) failed their checksum or are missing, extracting again: {sorted(bad)}")
-    names = {f for f, _, _ in plan}
+
+    def ours(name: str) -> bool:                  # a file this call may replace: a selected shard or a leftover tmp
+        if name.startswith("."):
+            return only_shards is None or name[1:].split(".tmp")[0] in selected
+        return name in selected
+
     for stale in list(out_dir.glob("shard_*.safetensors")) + list(out_dir.glob(".shard_*.tmp*")):
-        if stale.name not in done and (stale.name in names or stale.name.startswith(".")):
+        if stale.name not in done and ours(stale.name):
             stale.unlink(missing_ok=True)
 
     lock, t0 = threading.Lock(), time.monotonic()
@@ -215,9 +236,9 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
             **header, "shards": shards, "complete": len(shards) == len(plan), "tokens": n_tok, "bytes": n_bytes,
             "bytes_per_token": n_bytes / max(n_tok, 1), **(extra or {})})
 
-    todo = [(f, part, key) for f, part, key in plan if f not in done]
+    todo = [(f, part, key) for f, part, key in plan if f in selected and f not in done]
     if not todo:
-        log(f"features: all {len(plan)} shards in {out_dir} are complete; nothing to extract")
+        log(f"features: all {len(selected)} shards asked for in {out_dir} are complete; nothing to extract")
     by_file = {file: key for file, _, key in todo}
 
     def record(path: Path, sha: str, nbytes: int, part: list[dict]) -> None:
@@ -231,7 +252,7 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     seconds = time.monotonic() - t0
     manifest = publish({"shards_extracted": len(todo), "seconds": seconds,
                         "tokens_per_s": extracted_tokens / seconds if todo else None})
-    if not manifest["complete"]:
+    if only_shards is None and not manifest["complete"]:
         raise RuntimeError(f"features: {out_dir} is missing shards after extraction; rerun to finish it")
     return manifest
 

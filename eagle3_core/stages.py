@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,7 +23,7 @@ from . import prompts as prompts_mod
 from .checkpoint import clear_training_state, load_draft, save_draft
 from .config import PipelineConfig, default_aux_layer_ids
 from .data import assistant_content, prompt_ids, tokenize_chat
-from .manifest import cached_manifest, sha256_file, sha256_json, write_manifest
+from .manifest import cached_manifest, read_manifest, sha256_file, sha256_json, write_manifest
 
 CODE_VERSION = "2"  # bump when a stage's output format or semantics change
 
@@ -41,14 +43,31 @@ def _upstream(run_dir: Path, stage: str) -> dict:
 def _target_key(cfg: PipelineConfig) -> dict:
     from .target import gguf_path
     gguf = gguf_path(cfg.target)
-    return {"target": cfg.target.model_dump(), "gguf_sha256": sha256_file(gguf) if gguf else None}
+    return {"target": cfg.target.model_dump(), "gguf_sha256": _sha256_unchanged_file(gguf) if gguf else None}
+
+
+@lru_cache(maxsize=16)
+def _sha256_cached(path: Path, size: int, mtime_ns: int) -> str:
+    return sha256_file(path)
+
+
+def _sha256_unchanged_file(path: Path) -> str:
+    """sha256 of a large file that rarely changes (the target), hashed again only when its size or mtime does."""
+    st = path.stat()
+    return _sha256_cached(path, st.st_size, st.st_mtime_ns)
+
+
+def prompts_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the prompts stage: the prompt settings and what makes each source's rows what they are
+    (prompts.source_fingerprints: local files' sha256, Hugging Face data sets' name/split/revision)."""
+    return _key(cfg.prompts, prompts_mod.source_fingerprints(cfg.prompts))
 
 
 def run_prompts(cfg: PipelineConfig, log=print) -> dict:
     """Read, normalize, reject, dedupe, sample and split the prompt sources into prompts/{train,eval}.parquet;
     bad rows go to prompts/rejects.jsonl with source, row and reason."""
     out = cfg.run_dir / "prompts"
-    key = _key(cfg.prompts, prompts_mod.source_fingerprints(cfg.prompts))
+    key = prompts_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
@@ -68,9 +87,35 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
         "rejects": str(out / "rejects.jsonl"), "seconds": time.monotonic() - t0})
 
 
-def _generation_key(cfg: PipelineConfig) -> str:
-    """What the answers depend on (not concurrency, retries or server addresses, so a rerun with other servers
-    resumes)."""
+STAGE_DIRS = {"prompts": "prompts", "generation": "generations", "tokenize": "tokenized", "features": "features",
+              "vocab": "vocab", "train": "draft", "evaluate": "eval", "deploy-llama-cpp": "deploy_llama_cpp"}
+
+
+def inputs_key(cfg: PipelineConfig, stage: str) -> str:
+    """The inputs key stage `stage` (a key of STAGE_DIRS) writes into its manifest: a stage whose manifest holds
+    it is done. Needs the upstream stages' manifests; raises FileNotFoundError naming a missing one."""
+    fns = {"prompts": prompts_key, "generation": generation_stage_key, "tokenize": tokenize_key,
+           "features": features_key, "vocab": vocab_key, "train": train_key, "evaluate": evaluate_key,
+           "deploy-llama-cpp": deploy_llama_cpp_key}
+    return fns[stage](cfg)
+
+
+def stage_done(cfg: PipelineConfig, stage: str) -> bool:
+    """True if stage `stage` has a manifest for its current inputs under cfg.run_dir."""
+    return cached_manifest(cfg.run_dir / STAGE_DIRS[stage] / "manifest.json", inputs_key(cfg, stage)) is not None
+
+
+def invalidate_stage(cfg: PipelineConfig, stage: str) -> None:
+    """Forget that stage `stage` is done under cfg.run_dir (its manifest and its shards' sidecars), so that its
+    next run recomputes everything. Data files stay until they are overwritten."""
+    out = cfg.run_dir / STAGE_DIRS[stage]
+    for path in [out / "manifest.json", out / "head.json", *out.glob("shard_*.json")]:
+        path.unlink(missing_ok=True)
+
+
+def generation_key(cfg: PipelineConfig) -> str:
+    """Key of the generation shards: what the answers depend on (sampling, the prompts, the target, the server kind;
+    not concurrency, retries or server addresses, so a rerun with other servers resumes)."""
     g = cfg.generation
     return _key({"api": g.api, "max_new_tokens": g.max_new_tokens, "temperature": g.temperature,
                  "shard_size": g.shard_size, "server_kind": cfg.server.kind},
@@ -80,6 +125,24 @@ def _generation_key(cfg: PipelineConfig) -> str:
 def _gate_limits(g) -> dict:
     return {"failed": g.max_failed_frac, "empty": g.max_empty_frac, "truncated": g.max_truncated_frac,
             "degenerate": g.max_degenerate_frac}
+
+
+def generation_stage_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the generation stage's manifest: the shards' key and the quality gate's limits."""
+    return _key(generation_key(cfg), _gate_limits(cfg.generation))
+
+
+def generation_shard_done(cfg: PipelineConfig, shard: int) -> dict | None:
+    """Shard `shard`'s record if it is finished for the current inputs (record and file agree, no failed prompt)."""
+    from .regenerate import finished_record
+    return finished_record(cfg.run_dir / "generations", shard, generation_key(cfg))
+
+
+def generation_shard_needs_server(cfg: PipelineConfig, shard: int) -> bool:
+    """True if shard `shard` holds prompt rows to regenerate (rows in mode 'keep' are never sent)."""
+    S = cfg.generation.shard_size
+    rows = pq.read_table(cfg.run_dir / "prompts" / "train.parquet", columns=["mode"]).column("mode").to_pylist()
+    return any(m != "keep" for m in rows[shard * S:(shard + 1) * S])
 
 
 def _server_desc(cfg: PipelineConfig) -> str:
@@ -152,7 +215,7 @@ def run_generation_shard(cfg: PipelineConfig, shard: int, log=print, urls: list[
     `regenerate.regenerate`. Raises ValueError for a shard index out of range, ServerError when no server answers.
     """
     from .regenerate import finished_record, num_shards
-    out, key = cfg.run_dir / "generations", _generation_key(cfg)
+    out, key = cfg.run_dir / "generations", generation_key(cfg)
     if (rec := finished_record(out, shard, key)):
         log(f"generation: shard {shard} already finished ({rec['answered']} answers)")
         return rec
@@ -176,8 +239,8 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
     from .generation_quality import check_quality, quality_report
     from .regenerate import num_shards, shard_name
     from .serving.client import TOKEN_ID_APIS
-    out, key, g = cfg.run_dir / "generations", _generation_key(cfg), cfg.generation
-    stage_key = _key(key, _gate_limits(g))
+    out, key, g = cfg.run_dir / "generations", generation_key(cfg), cfg.generation
+    stage_key = generation_stage_key(cfg)
     if (m := cached_manifest(out / "manifest.json", stage_key)):
         return m
     records = []
@@ -221,8 +284,8 @@ def run_generation(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     """
     from .regenerate import finished_record
     out = cfg.run_dir / "generations"
-    key = _generation_key(cfg)
-    if (m := cached_manifest(out / "manifest.json", _key(key, _gate_limits(cfg.generation)))):
+    key = generation_key(cfg)
+    if (m := cached_manifest(out / "manifest.json", generation_stage_key(cfg))):
         return m
     t0 = time.monotonic()
     shards = generation_shards(cfg)
@@ -234,6 +297,13 @@ def run_generation(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     return finish_generation(cfg, [], seconds=time.monotonic() - t0)
 
 
+def tokenize_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the tokenize stage: the generations, the max length and overlong policy, and the target (its
+    chat template)."""
+    return _key(_upstream(cfg.run_dir, "generations")["inputs_key"], cfg.features.max_length, cfg.prompts.overlong,
+                _target_key(cfg))
+
+
 def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
     """Tokenize each conversation with the target's chat template; loss mask over assistant tokens: the
     regenerated final turn of prompt rows, every assistant turn of rows kept as they are (data.tokenize_chat).
@@ -241,7 +311,7 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
     from .target import load_tokenizer
     out = cfg.run_dir / "tokenized"
     up = _upstream(cfg.run_dir, "generations")
-    key = _key(up["inputs_key"], cfg.features.max_length, cfg.prompts.overlong, _target_key(cfg))
+    key = tokenize_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
@@ -282,12 +352,12 @@ def _aux_ids(cfg: PipelineConfig, num_layers: int) -> list[int]:
 
 
 def run_features(cfg: PipelineConfig, log=print) -> dict:
-    """Aux hidden states of the target at the aux layer ids, sharded safetensors (features/)."""
+    """Aux hidden states of the target at the aux layer ids, sharded safetensors (features/), all shards in one
+    call (the Prefect flow runs them one task per shard instead: run_features_shard, finish_features)."""
     from .features import bad_shards, extract_features
     from .target import load_target
     out = cfg.run_dir / "features"
-    up = _upstream(cfg.run_dir, "tokenized")
-    key = _key(up["inputs_key"], cfg.features, _target_key(cfg))
+    key = features_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         if not (bad := bad_shards(out, m["shards"])):            # data on disk is the source of truth
             return m
@@ -295,13 +365,132 @@ def run_features(cfg: PipelineConfig, log=print) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_target(cfg.target, device)
     ids = _aux_ids(cfg, model.config.num_hidden_layers)
-    rows = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
     f = cfg.features
-    manifest = extract_features(model, rows, out, ids, f.shard_samples, f.batch_tokens, store_format=f.format,
-                                log=log, target=cfg.target.model_dump(), writer_threads=f.writer_threads)
+    manifest = extract_features(model, _tokenized_rows(cfg), out, ids, f.shard_samples, f.batch_tokens,
+                                store_format=f.format, log=log, target=cfg.target.model_dump(),
+                                writer_threads=f.writer_threads)
+    _mark_store(cfg, manifest)
     log(f"features: {manifest['samples']} samples, {manifest['tokens']} tokens, aux layers {ids}, "
         f"format {f.format}, {manifest['bytes_per_token']:.0f} bytes/token")
     return write_manifest(out / "manifest.json", {**manifest, "inputs_key": key})
+
+
+def features_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the features stage: the tokenized data, the feature settings (incl. format and
+    writer_threads) and the target."""
+    return _key(_upstream(cfg.run_dir, "tokenized")["inputs_key"], cfg.features, _target_key(cfg))
+
+
+def feature_shards(cfg: PipelineConfig) -> list[int]:
+    """Shard ids of the features stage: shard i holds tokenized samples [i*S, (i+1)*S), S = features.shard_samples
+    (the plan of features.extract_features)."""
+    n = _upstream(cfg.run_dir, "tokenized")["samples"]
+    return list(range(-(-n // cfg.features.shard_samples)))
+
+
+def _tokenized_rows(cfg: PipelineConfig) -> list[dict]:
+    return pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
+
+
+@lru_cache(maxsize=1)
+def _loaded_target(target_json: str, device: str):
+    """The target, loaded once per process for all feature shards of a run (cleared by finish_features)."""
+    from .config import TargetConfig
+    from .target import load_target
+    return load_target(TargetConfig.model_validate_json(target_json), device)
+
+
+def _mark_store(cfg: PipelineConfig, store: dict) -> None:
+    """features/head.json: the stage inputs key and the target id (features._write_head) the store in features/
+    was last written for, so that feature_shard_done can check a shard without loading the target."""
+    write_manifest(cfg.run_dir / "features" / "head.json",
+                   {"inputs_key": features_key(cfg), "target_id": store["target_id"]})
+
+
+def _feature_shard_entry(cfg: PipelineConfig, shard: int, rows: list[dict] | None = None) -> dict | None:
+    """The store manifest's entry of feature shard `shard` if it is complete on disk for the current inputs:
+    listed with the content key of its samples, layers, format and target, and its bytes match its sha256."""
+    from .features import bad_shards, content_key
+    out = cfg.run_dir / "features"
+    head, store = read_manifest(out / "head.json"), read_manifest(out / "manifest.json")
+    if (head is None or store is None or head.get("inputs_key") != features_key(cfg)
+            or head.get("target_id") != store.get("target_id")):
+        return None
+    name = f"shard_{shard:05d}.safetensors"
+    entry = next((e for e in store.get("shards", []) if e["file"] == name), None)
+    if entry is None:
+        return None
+    S = cfg.features.shard_samples
+    part = (rows if rows is not None else _tokenized_rows(cfg))[shard * S:(shard + 1) * S]
+    if entry.get("content_key") != content_key(part, store["aux_layer_ids"], store["format"], store["target_id"]):
+        return None
+    return None if bad_shards(out, [entry]) else entry
+
+
+def feature_shard_done(cfg: PipelineConfig, shard: int) -> bool:
+    """True if feature shard `shard` is complete on disk for the current inputs (content key and sha256 match)."""
+    return _feature_shard_entry(cfg, shard) is not None
+
+
+def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
+    """Aux hidden states of one shard of tokenized samples (features/shard_{shard:05d}.safetensors, listed in
+    features/manifest.json with its sha256 and content key) via features.extract_features(only_shards={shard}).
+    Idempotent: a shard complete for the same inputs and samples is not recomputed, and the target is loaded (once
+    per process) only when one is not. Shards must run one after another (each rewrites the store manifest).
+    Returns the shard's manifest entry {shard, file, sha256, bytes, samples, tokens, ids, content_key, extracted,
+    inputs_key, seconds}. Raises ValueError for a shard id out of range."""
+    from .features import extract_features
+    want = feature_shards(cfg)
+    if shard not in want:
+        raise ValueError(f"feature shard {shard} is out of range: {cfg.run_dir}/tokenized has {len(want)} shards "
+                         f"of {cfg.features.shard_samples} samples")
+    out, key, t0 = cfg.run_dir / "features", features_key(cfg), time.monotonic()
+    rows = _tokenized_rows(cfg)
+    entry = _feature_shard_entry(cfg, shard, rows)
+    extracted = entry is None
+    if extracted:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = _loaded_target(cfg.target.model_dump_json(), device)
+        f = cfg.features
+        store = extract_features(model, rows, out, _aux_ids(cfg, model.config.num_hidden_layers), f.shard_samples,
+                                 f.batch_tokens, store_format=f.format, log=log, target=cfg.target.model_dump(),
+                                 writer_threads=f.writer_threads, only_shards={shard})
+        _mark_store(cfg, store)
+        entry = next(e for e in store["shards"] if e["file"] == f"shard_{shard:05d}.safetensors")
+        log(f"features: shard {shard}: {entry['samples']} samples, {entry['tokens']} tokens in "
+            f"{time.monotonic() - t0:.1f} s")
+    return {**entry, "shard": shard, "inputs_key": key, "extracted": extracted, "seconds": time.monotonic() - t0}
+
+
+def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print) -> dict:
+    """The features stage's manifest (the store manifest plus inputs_key, as run_features writes it) once every
+    shard of feature_shards has a manifest for the current inputs (any order) and is intact on disk; frees the
+    target loaded for the shards. Raises ValueError naming the shards that are missing, stale or corrupt (rerun
+    them with run_features_shard)."""
+    _loaded_target.cache_clear()
+    key, want, out = features_key(cfg), feature_shards(cfg), cfg.run_dir / "features"
+    by_id = {m["shard"]: m for m in shard_manifests if m.get("inputs_key") == key}
+    rows = _tokenized_rows(cfg)
+    # data on disk is the source of truth: each shard must be listed and intact for the current inputs
+    if (missing := [i for i in want if i not in by_id or _feature_shard_entry(cfg, i, rows) is None]):
+        raise ValueError(f"feature shards {missing} of {out} are missing, stale or corrupt: run them "
+                         f"(run_features_shard) before finish_features")
+    store = read_manifest(out / "manifest.json")
+    if not store.get("complete"):
+        raise ValueError(f"{out}/manifest.json does not list every shard: run the missing ones (run_features_shard)")
+    ran = [by_id[i] for i in want if by_id[i].get("extracted")]
+    seconds = sum(by_id[i]["seconds"] for i in want)
+    ran_s = sum(m["seconds"] for m in ran)
+    manifest = {**store, "shards_extracted": len(ran), "seconds": seconds,
+                "tokens_per_s": sum(m["tokens"] for m in ran) / ran_s if ran and ran_s > 0 else None}
+    log(f"features: {manifest['samples']} samples, {manifest['tokens']} tokens, aux layers "
+        f"{manifest['aux_layer_ids']}, format {manifest['format']}, {manifest['bytes_per_token']:.0f} bytes/token")
+    return write_manifest(out / "manifest.json", {**manifest, "inputs_key": key})
+
+
+def vocab_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the vocab stage: the tokenized data and the draft vocab size."""
+    return _key(_upstream(cfg.run_dir, "tokenized")["inputs_key"], cfg.draft.draft_vocab_size)
 
 
 def run_vocab(cfg: PipelineConfig, log=print) -> dict:
@@ -311,8 +500,7 @@ def run_vocab(cfg: PipelineConfig, log=print) -> dict:
     from .target import local_model_dir
     from .vocab_map import build_vocab_map, count_tokens
     out = cfg.run_dir / "vocab"
-    up = _upstream(cfg.run_dir, "tokenized")
-    key = _key(up["inputs_key"], cfg.draft.draft_vocab_size)
+    key = vocab_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
@@ -401,6 +589,12 @@ def _logits_probe(a, b) -> bool:
     return torch.equal(la, lb)
 
 
+def evaluate_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the evaluate stage: the trained draft, the eval settings and the held-out prompts."""
+    return _key(_upstream(cfg.run_dir, "draft")["inputs_key"], cfg.eval,
+                _upstream(cfg.run_dir, "prompts")["inputs_key"])
+
+
 def _category(row: dict) -> str:
     """Prompt category for tau per category: meta['category'] (Spec-Bench rows) or the row's source."""
     meta = json.loads(row.get("meta") or "{}")
@@ -419,7 +613,7 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
     from .target import load_target, load_tokenizer, local_model_dir
     out = cfg.run_dir / "eval"
     up = _upstream(cfg.run_dir, "draft")
-    key = _key(up["inputs_key"], cfg.eval, _upstream(cfg.run_dir, "prompts")["inputs_key"])
+    key = evaluate_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
@@ -457,6 +651,12 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
                                                   "summary": report, "seconds": time.monotonic() - t0})
 
 
+def deploy_llama_cpp_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the llama.cpp deployment stage: the trained draft, eval settings, host, held-out prompts."""
+    return _key(_upstream(cfg.run_dir, "draft")["inputs_key"], cfg.eval, cfg.server.host,
+                _upstream(cfg.run_dir, "prompts")["inputs_key"])
+
+
 def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
     """Deploy the exported draft on llama.cpp (GGUF conversion, `--spec-type draft-eagle3`) and benchmark it
     against the same server without a draft on the held-out prompts, greedy, one stream (deploy_llama_cpp/).
@@ -471,7 +671,7 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
     from .target import gguf_path, local_model_dir
     out = cfg.run_dir / "deploy_llama_cpp"
     up = _upstream(cfg.run_dir, "draft")
-    key = _key(up["inputs_key"], cfg.eval, cfg.server.host, _upstream(cfg.run_dir, "prompts")["inputs_key"])
+    key = deploy_llama_cpp_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()

@@ -1,55 +1,129 @@
-"""One flow per pipeline stage, so a user can run (or schedule) any stage alone from the UI."""
+"""One flow per pipeline stage, so that a user can run (or schedule) any stage alone from the UI. Parameters: the
+run config (a pydantic model: a form in the UI) and `refresh`.
+
+Generation and features run as shard tasks: a failed shard fails the flow run after its siblings finish, and a
+retry of the flow run re-runs only what failed (finished shards come back Cached). A task may use Prefect's cache
+only while its output on disk is intact for its inputs; otherwise it runs with refresh_cache (DESIGN.md: data on
+disk is the source of truth).
+"""
 from __future__ import annotations
 
-from prefect import flow
+from contextlib import nullcontext
 
+from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
+from prefect.futures import as_completed
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from eagle3_core import stages
 from eagle3_core.config import PipelineConfig, preset
 from tasks import stages as t
+from tasks.artifacts import ShardProgress, shard_table
+
+DEMO = preset("demo")
 
 
-def _cfg(config: PipelineConfig | None) -> PipelineConfig:
-    return config or preset("demo")
+def first_attempt() -> bool:
+    """False when the current flow run is being retried (run_count > 1)."""
+    ctx = FlowRunContext.get()
+    return ctx is None or ctx.flow_run is None or ctx.flow_run.run_count <= 1
+
+
+def forget(cfg: PipelineConfig, refresh: bool, *stage_names: str) -> None:
+    """refresh=True: the stages recompute their outputs. Only on a flow run's first attempt: a retry keeps what
+    the failed attempt finished."""
+    if refresh and first_attempt():
+        for name in stage_names:
+            stages.invalidate_stage(cfg, name)
+
+
+def run_stage(task, cfg: PipelineConfig, stage: str, *args):
+    """Run a stage task; Prefect's cache may answer only if the stage's manifest on disk matches its inputs."""
+    return task.with_options(refresh_cache=not stages.stage_done(cfg, stage))(cfg, *args)
+
+
+def run_shards(task, cfg: PipelineConfig, stage: str, shard_ids: list[int], done, *args,
+               parallel: bool = False) -> list[dict]:
+    """Run one task per shard, let every shard finish, then fail if any failed (naming them). `done(cfg, i)`
+    tells whether shard i is intact on disk (else the task ignores Prefect's cache). parallel=False runs them one
+    after another in the flow's thread, where a task timeout can interrupt a hung shard; parallel=True submits
+    them to the flow's task runner."""
+    progress = ShardProgress(stage, len(shard_ids))
+    states = []
+    if parallel:
+        futures = [task.with_options(refresh_cache=not done(cfg, i)).submit(cfg, i, *args) for i in shard_ids]
+        for fut in as_completed(futures):
+            fut.wait()                     # keeps the final state on the future (the API's copy may lag)
+            progress.step()
+        states = [f.state for f in futures]
+    else:
+        for i in shard_ids:
+            states.append(task.with_options(refresh_cache=not done(cfg, i))(cfg, i, *args, return_state=True))
+            progress.step()
+    failed = [i for i, st in zip(shard_ids, states) if not st.is_completed()]
+    if failed:
+        get_run_logger().error("%s: shards %s of %s failed; fix the cause and retry this flow run: only they will "
+                               "run again", stage, failed, len(shard_ids))
+    results = [st.result() for st in states]                  # raises the first failure
+    shard_table(stage, results)
+    return results
 
 
 @flow(name="prompts")
-def prompts_flow(config: PipelineConfig | None = None) -> dict:
+def prompts_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Load, dedupe and split prompts into train and held-out sets."""
-    return t.prompts_task(_cfg(config))
+    forget(config, refresh, "prompts")
+    return run_stage(t.prompts_task, config, "prompts")
 
 
-@flow(name="generation")
-def generation_flow(config: PipelineConfig | None = None) -> dict:
-    """Regenerate responses with the target on an inference server (started and stopped here for llama.cpp)."""
-    return t.generation_task(_cfg(config))
+@flow(name="generation", task_runner=ThreadPoolTaskRunner(max_workers=2))
+def generation_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
+    """Regenerate responses with the target, one task per shard, against one inference server (started here for
+    llama.cpp, stopped after; two shards in flight so that no server slot idles at a shard's tail)."""
+    forget(config, refresh, "generation")
+    shard_ids = stages.generation_shards(config)
+    pending = [i for i in shard_ids if not stages.generation_shard_done(config, i)
+               and stages.generation_shard_needs_server(config, i)]
+    with (stages.generation_servers(config) if pending else nullcontext(None)) as urls:
+        shards = run_shards(t.generation_shard_task, config, "generation", shard_ids,
+                            stages.generation_shard_done, urls, parallel=True)
+    return run_stage(t.finish_generation_task, config, "generation", shards)
 
 
 @flow(name="features")
-def features_flow(config: PipelineConfig | None = None) -> dict:
-    """Tokenize with loss masks, then extract the target's aux hidden states."""
-    cfg = _cfg(config)
-    t.tokenize_task(cfg)
-    return t.features_task(cfg)
+def features_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
+    """Tokenize with loss masks, then extract the target's aux hidden states, one task per shard, one after
+    another (the target stays loaded between them; more GPUs = more workers of the GPU pool)."""
+    forget(config, refresh, "tokenize", "features")
+    run_stage(t.tokenize_task, config, "tokenize")
+    shards = run_shards(t.features_shard_task, config, "features", stages.feature_shards(config),
+                        stages.feature_shard_done)
+    return run_stage(t.finish_features_task, config, "features", shards)
 
 
 @flow(name="vocab")
-def vocab_flow(config: PipelineConfig | None = None) -> dict:
+def vocab_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Build the draft vocab map (d2t, t2d)."""
-    return t.vocab_task(_cfg(config))
+    forget(config, refresh, "vocab")
+    return run_stage(t.vocab_task, config, "vocab")
 
 
 @flow(name="train")
-def train_flow(config: PipelineConfig | None = None) -> dict:
+def train_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Train the EAGLE-3 draft with training-time test and export it for SGLang."""
-    return t.train_task(_cfg(config))
+    forget(config, refresh, "train")
+    return run_stage(t.train_task, config, "train")
 
 
 @flow(name="evaluate")
-def evaluate_flow(config: PipelineConfig | None = None) -> dict:
+def evaluate_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Measure tau of the trained and an untrained draft on held-out prompts."""
-    return t.evaluate_task(_cfg(config))
+    forget(config, refresh, "evaluate")
+    return run_stage(t.evaluate_task, config, "evaluate")
 
 
 @flow(name="deploy-llama-cpp")
-def deploy_llama_cpp_flow(config: PipelineConfig | None = None) -> dict:
+def deploy_llama_cpp_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Serve the draft on llama.cpp's EAGLE-3 mode and benchmark it against the same server without a draft."""
-    return t.deploy_llama_cpp_task(_cfg(config))
+    forget(config, refresh, "deploy-llama-cpp")
+    return run_stage(t.deploy_llama_cpp_task, config, "deploy-llama-cpp")

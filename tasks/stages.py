@@ -1,41 +1,104 @@
-"""One Prefect task per pipeline stage. Each calls one eagle3_core stage function with the run config and returns
-its manifest (paths, counts, hashes): no tensors, models or clients pass through Prefect.
+"""Prefect tasks: each calls one eagle3_core stage (or shard) function with the run config and returns its small
+manifest (paths, counts, hashes); no tensors, models or clients pass through Prefect.
 
-Caching: each stage's manifest on disk, keyed by its inputs, decides whether work is redone (DESIGN.md: data on
-disk is the source of truth), so Prefect's own cache is off here. `transformers` and `httpx` logs are forwarded to
-the run log at WARNING.
+Every task: persisted JSON result (the manifest), a cache key from its inputs and source (tasks/cache.py), retries
+with exponential backoff and jitter for transient errors only (tasks/retry.py), a timeout, the run logger with
+transformers' and httpx's warnings forwarded (tasks/logs.py). GPU work carries the `gpu` tag, whose concurrency
+limit (deployments/limits.py) keeps it to one task per GPU.
 """
 from __future__ import annotations
 
-import logging
-
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import task
 
 from eagle3_core import stages
 from eagle3_core.config import PipelineConfig
+from tasks.artifacts import RequestProgress
+from tasks.cache import stage_cache
+from tasks.faults import maybe_fail
+from tasks.logs import run_log
+from tasks.retry import RETRY_OPTIONS, retry_if_transient
+
+HOUR = 3600
 
 
-def _log():
-    logger = get_run_logger()
-    for name in ("transformers", "httpx"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    return logger.info
+def stage_task(name: str, stage: str, timeout_h: float | None, tags: tuple[str, ...] = (),
+               run_name: str | None = None):
+    """The @task options every pipeline task shares; `stage` picks the cache key (tasks/cache.py)."""
+    return task(name=name, task_run_name=run_name or name, cache_policy=stage_cache(stage), tags=list(tags),
+                timeout_seconds=timeout_h and timeout_h * HOUR, persist_result=True, result_serializer="json",
+                retry_condition_fn=retry_if_transient, **RETRY_OPTIONS)
 
 
-def _stage_task(name: str, fn, tags: tuple[str, ...] = ()):
-    @task(name=name, cache_policy=NO_CACHE, tags=list(tags), log_prints=True)
-    def run(config: PipelineConfig) -> dict:
-        return fn(config, log=_log())
-    run.__doc__ = fn.__doc__
-    return run
+@stage_task("prompts", "prompts", 2)
+def prompts_task(config: PipelineConfig) -> dict:
+    """Load, dedupe and split prompts (eagle3_core.stages.run_prompts)."""
+    with run_log() as log:
+        return stages.run_prompts(config, log=log.info)
 
 
-prompts_task = _stage_task("prompts", stages.run_prompts)
-generation_task = _stage_task("generation", stages.run_generation, ("server",))
-tokenize_task = _stage_task("tokenize", stages.run_tokenize)
-features_task = _stage_task("features", stages.run_features, ("gpu",))
-vocab_task = _stage_task("vocab", stages.run_vocab)
-train_task = _stage_task("train", stages.run_train, ("gpu",))
-evaluate_task = _stage_task("evaluate", stages.run_evaluate, ("gpu",))
-deploy_llama_cpp_task = _stage_task("deploy-llama-cpp", stages.run_deploy_llama_cpp, ("server",))
+# no task timeout: shards run in worker threads, where Prefect cannot interrupt them; every request is bounded by
+# generation.request_timeout_s and generation.max_retries instead
+@stage_task("generation-shard", "generation", None, ("server",), "generation-shard-{shard}")
+def generation_shard_task(config: PipelineConfig, shard: int, urls: list[str] | None = None) -> dict:
+    """Regenerate one shard of train prompts on the servers at `urls` (run_generation_shard); a progress artifact
+    `generation-shard-<k>-progress` moves every generation.progress_interval_s."""
+    with run_log() as log:
+        maybe_fail("generation", shard)
+        progress = RequestProgress(f"generation-shard-{shard}")
+        return stages.run_generation_shard(config, shard, log=log.info, urls=urls, on_progress=progress.update)
+
+
+@stage_task("finish-generation", "generation", 1)
+def finish_generation_task(config: PipelineConfig, shard_manifests: list[dict]) -> dict:
+    """Write the generation stage's manifest from its shards' manifests (finish_generation)."""
+    return stages.finish_generation(config, shard_manifests)
+
+
+@stage_task("tokenize", "tokenize", 12)
+def tokenize_task(config: PipelineConfig) -> dict:
+    """Chat template + assistant-only loss masks (run_tokenize)."""
+    with run_log() as log:
+        return stages.run_tokenize(config, log=log.info)
+
+
+@stage_task("features-shard", "features", 12, ("gpu",), "features-shard-{shard}")
+def features_shard_task(config: PipelineConfig, shard: int) -> dict:
+    """The target's aux hidden states for one shard of samples (run_features_shard)."""
+    with run_log() as log:
+        maybe_fail("features", shard)
+        return stages.run_features_shard(config, shard, log=log.info)
+
+
+@stage_task("finish-features", "features", 1)
+def finish_features_task(config: PipelineConfig, shard_manifests: list[dict]) -> dict:
+    """Write the features stage's manifest from its shards' entries (finish_features)."""
+    with run_log() as log:
+        return stages.finish_features(config, shard_manifests, log=log.info)
+
+
+@stage_task("vocab", "vocab", 6)
+def vocab_task(config: PipelineConfig) -> dict:
+    """Draft vocab map d2t/t2d (run_vocab)."""
+    with run_log() as log:
+        return stages.run_vocab(config, log=log.info)
+
+
+@stage_task("train", "train", 96, ("gpu",))
+def train_task(config: PipelineConfig) -> dict:
+    """Train the draft with TTT and export it (run_train); a retried run resumes from the training state."""
+    with run_log() as log:
+        return stages.run_train(config, log=log.info)
+
+
+@stage_task("evaluate", "evaluate", 12, ("gpu",))
+def evaluate_task(config: PipelineConfig) -> dict:
+    """Offline tau of the trained and an untrained draft (run_evaluate)."""
+    with run_log() as log:
+        return stages.run_evaluate(config, log=log.info)
+
+
+@stage_task("deploy-llama-cpp", "deploy-llama-cpp", 12, ("server",))
+def deploy_llama_cpp_task(config: PipelineConfig) -> dict:
+    """Serve the draft on llama.cpp's EAGLE-3 server and benchmark it (run_deploy_llama_cpp)."""
+    with run_log() as log:
+        return stages.run_deploy_llama_cpp(config, log=log.info)

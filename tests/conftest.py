@@ -10,6 +10,8 @@ import torch
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# task retry backoff base (tasks/retry.py), read when the tasks are defined: short in tests
+os.environ.setdefault("EAGLE3_RETRY_DELAY_S", "0.2")
 
 ROOT = Path(__file__).resolve().parents[1]
 # real data sets beside the checkout (CI lays shared/ next to the clone); EAGLE3_SHARED_DATA overrides

@@ -47,9 +47,9 @@ def test_llama31_shape_and_rope_match_transformers():
 
 
 def test_deployments_build_with_an_inactive_nightly_schedule():
-    from deployments.serve import NIGHTLY
+    from deployments.serve import nightly
     from flows.pipeline import eagle3_pipeline
     d = eagle3_pipeline.to_deployment(name="eagle3-pipeline", parameters={"config": preset("demo").model_dump(
-        mode="json")}, schedule=NIGHTLY)
+        mode="json")}, schedule=nightly("UTC"))
     (sched,) = d.schedules
     assert sched.schedule.cron == "0 2 * * *" and sched.schedule.timezone == "UTC" and sched.active is False

@@ -92,6 +92,33 @@ def test_rerun_resumes_and_corrupt_or_missing_shards_are_extracted_again(target_
     assert fourth["shards_extracted"] == 1 and len(load_samples(tmp_path)) == 8
 
 
+def test_only_shards_extracts_just_those_and_matches_a_full_run(target_model, tokenizer, tmp_path):
+    """only_shards (the per-shard Prefect tasks' entry point): each call extracts just its plan indices, keeps the
+    other shards' finished files and entries, raises nothing while the store is incomplete, and shard by shard
+    ends with the same manifest entries (bytes, sha256, content keys) as one full extraction."""
+    rows = _rows(tokenizer, 6)
+    full = extract_features(target_model, rows, tmp_path / "full", [1, 14, 26], shard_samples=2, batch_tokens=512)
+    out = tmp_path / "by_shard"
+    first = extract_features(target_model, rows, out, [1, 14, 26], shard_samples=2, batch_tokens=512,
+                             only_shards={2})
+    assert [s["file"] for s in first["shards"]] == ["shard_00002.safetensors"] and not first["complete"]
+    assert first["shards_extracted"] == 1 and not (out / "shard_00000.safetensors").exists()
+    mtime = (out / "shard_00002.safetensors").stat().st_mtime_ns
+    second = extract_features(target_model, rows, out, [1, 14, 26], shard_samples=2, batch_tokens=512,
+                              only_shards={0})
+    assert [s["file"] for s in second["shards"]] == ["shard_00000.safetensors", "shard_00002.safetensors"]
+    assert (out / "shard_00002.safetensors").stat().st_mtime_ns == mtime                # left alone
+    last = extract_features(target_model, rows, out, [1, 14, 26], shard_samples=2, batch_tokens=512,
+                            only_shards={1})
+    assert last["complete"] and last["shards"] == full["shards"]
+    again = extract_features(target_model, rows, out, [1, 14, 26], shard_samples=2, batch_tokens=512,
+                             only_shards={1})
+    assert again["shards_extracted"] == 0
+    with pytest.raises(ValueError, match=r"shard indices \[3\] are out of range"):
+        extract_features(target_model, rows, out, [1, 14, 26], shard_samples=2, batch_tokens=512, only_shards={3})
+    assert [s["id"] for s in load_samples(out)] == [r["id"] for r in rows]
+
+
 def test_shards_of_other_samples_or_layers_are_not_reused(target_model, tokenizer, tmp_path):
     rows = _rows(tokenizer, 4)
     extract_features(target_model, rows, tmp_path, [1, 14, 26], shard_samples=4, batch_tokens=512)

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from ..config import PipelineConfig
 from ..extract import HFExtractor
-from ..features import STORE_VERSION, _write_head, bad_shards, shard_entry, write_shards
-from ..manifest import read_manifest, sha256_json, write_manifest
+from ..features import STORE_VERSION, _write_head, bad_shards, content_key, shard_entry, write_shards
+from ..manifest import read_manifest, write_manifest
 from .launch import die_with_parent, run_torchrun
 
 PARTS = "parts"
@@ -38,9 +38,8 @@ def shard_plan(rows: list[dict], shard_samples: int, aux_layer_ids: list[int], s
     plan = []
     for start in range(0, len(rows), shard_samples):
         part = rows[start:start + shard_samples]
-        key = sha256_json([STORE_VERSION, [[r["id"], list(r["input_ids"])] for r in part], aux_layer_ids,
-                           store_format, target_id])
-        plan.append((f"shard_{start // shard_samples:05d}.safetensors", part, key))
+        plan.append((f"shard_{start // shard_samples:05d}.safetensors", part,
+                     content_key(part, aux_layer_ids, store_format, target_id)))
     return plan
 
 

@@ -1,0 +1,164 @@
+"""Prefect orchestration on the session's end-to-end run (debug_tiny, real llama.cpp server, real Prefect server):
+cache keys (an equal rerun recomputes nothing; a changed parameter recomputes exactly the stages downstream of it),
+retries only for transient errors, logs and artifacts readable through the API, refresh."""
+import base64
+import json
+import logging
+import shutil
+
+import pytest
+from prefect import flow, task
+
+from eagle3_core import stages
+from prefect_api import artifacts_of, logs_of, states_by_name, task_runs
+from tasks.faults import InjectedFault
+from tasks.logs import run_log
+from tasks.retry import RETRY_OPTIONS, is_transient, retry_if_transient
+
+STAGE_TASKS = {"prompts", "generation-shard-0", "generation-shard-1", "finish-generation", "tokenize",
+               "features-shard-0", "features-shard-1", "finish-features", "vocab", "train", "evaluate",
+               "deploy-llama-cpp"}
+
+
+def _manifests(run_dir):
+    return {d: (run_dir / d / "manifest.json").read_text() for d in stages.STAGE_DIRS.values()}
+
+
+def test_equal_rerun_recomputes_nothing_and_a_changed_parameter_exactly_the_stages_downstream(e2e_run):
+    from flows.pipeline import eagle3_pipeline
+    cfg, summary = e2e_run
+    before = _manifests(cfg.run_dir)
+    state = eagle3_pipeline(cfg, return_state=True)          # a new flow run id, equal parameters
+    assert state.is_completed()
+    got = states_by_name(task_runs(state.state_details.flow_run_id))
+    assert set(got) == STAGE_TASKS | {"report"}
+    # the report task computes nothing (it re-reads the manifests) and is never cached: every flow run gets its
+    # own report artifacts
+    assert {n: s for n, s in got.items() if n != "report"} == {n: "Cached" for n in STAGE_TASKS}
+    assert _manifests(cfg.run_dir) == before                  # nothing on disk was rewritten
+
+    changed = cfg.model_copy(deep=True)
+    changed.eval.max_new_tokens = 8                          # read by evaluate and deploy-llama-cpp only
+    state = eagle3_pipeline(changed, return_state=True)
+    assert state.is_completed()
+    got = states_by_name(task_runs(state.state_details.flow_run_id))
+    recomputed = {n for n, s in got.items() if s != "Cached"} - {"report"}
+    assert recomputed == {"evaluate", "deploy-llama-cpp"}, got
+    after = _manifests(cfg.run_dir)
+    assert {d for d in after if after[d] != before[d]} == {"eval", "deploy_llama_cpp"}
+    assert json.loads(after["eval"])["summary"]["max_new_tokens"] == 8
+    # what the rest of the session reads: put the original evaluation back (recomputed, then cached again)
+    assert eagle3_pipeline(cfg, return_state=True).is_completed()
+
+
+def test_task_logs_and_artifacts_read_back_through_the_api(e2e_run):
+    from flows.pipeline import eagle3_pipeline
+    cfg, _ = e2e_run
+    state = eagle3_pipeline(cfg, return_state=True)
+    runs = {t.name: t for t in task_runs(state.state_details.flow_run_id)}
+    # the report task's log line and its four artifacts
+    report = runs["report"]
+    assert any(f"report written to {cfg.run_dir / 'report.md'}" in m
+               for m in logs_of(report.id, "report written to"))
+    arts = {a.key: a for a in artifacts_of(report.id)}
+    assert {"eagle3-report", "eagle3-acceptance", "eagle3-stage-times", "eagle3-acceptance-plot"} <= set(arts)
+    assert arts["eagle3-report"].data == (cfg.run_dir / "report.md").read_text()
+    table = json.loads(arts["eagle3-acceptance"].data)
+    tau = json.loads((cfg.run_dir / "eval" / "manifest.json").read_text())["summary"]["trained"]["tau"]
+    assert table[0]["draft"] == "trained" and table[0]["tau"] == round(tau, 3)
+    png = base64.b64decode(arts["eagle3-acceptance-plot"].data.split(",", 1)[1])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png == (cfg.run_dir / "report_acceptance.png").read_bytes()
+
+
+def test_shard_progress_and_shard_tables_are_artifacts(e2e_run):
+    """The session's first (computing) run published a progress bar and a table for its feature shards."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    cfg, _ = e2e_run
+
+    async def query():
+        async with get_client() as client:
+            return await client.read_artifacts()
+    arts = asyncio.run(query())
+    progress = [a for a in arts if a.key == "features-progress"]
+    assert progress and all(a.type == "progress" for a in progress)
+    assert any(a.data == 100.0 for a in progress)
+    shards = [json.loads(a.data) for a in arts if a.key == "features-shards"]
+    assert any(sum(r["samples"] for r in t) == 6 for t in shards)
+
+
+def test_transformers_and_httpx_warnings_reach_the_run_log(prefect_server):
+    @task
+    def noisy() -> str:
+        with run_log():
+            # the libraries' own loggers, as their code logs to them
+            logging.getLogger("transformers.modeling_utils").warning("transformers warning for the run log")
+            logging.getLogger("httpx").info("HTTP Request: POST http://x 200 OK")   # INFO: stays out
+            logging.getLogger("httpx").warning("httpx warning for the run log")
+        return "ok"
+
+    @flow
+    def f():
+        return noisy(return_state=True)
+
+    state = f()
+    msgs = logs_of(state.state_details.task_run_id, "httpx warning")
+    assert "transformers warning for the run log" in msgs and "httpx warning for the run log" in msgs
+    assert not any("HTTP Request" in m for m in msgs)
+
+
+def test_only_transient_errors_are_retried(prefect_server):
+    import httpx
+    calls = {"transient": 0, "fatal": 0}
+    req = httpx.Request("GET", "http://127.0.0.1:9")
+
+    @task(retry_condition_fn=retry_if_transient, **RETRY_OPTIONS)
+    def flaky(kind: str) -> int:
+        calls[kind] += 1
+        if kind == "transient" and calls[kind] < 3:
+            raise httpx.ConnectError("connection refused", request=req)
+        if kind == "fatal":
+            raise InjectedFault("not transient")
+        return calls[kind]
+
+    @flow
+    def f(kind: str):
+        return flaky(kind, return_state=True)
+
+    assert f("transient").result() == 3                       # two retries absorbed the dropped connections
+    assert f("fatal", return_state=True).is_failed() and calls["fatal"] == 1      # no retry
+    assert is_transient(RuntimeError("wrapped")) is False
+    err = httpx.HTTPStatusError("x", request=req, response=httpx.Response(503, request=req))
+    assert is_transient(err) and not is_transient(httpx.HTTPStatusError(
+        "x", request=req, response=httpx.Response(400, request=req)))
+    try:
+        try:
+            raise httpx.ReadTimeout("slow", request=req)
+        except httpx.ReadTimeout as e:
+            raise RuntimeError("request failed after 3 retries") from e
+    except RuntimeError as wrapped:
+        assert is_transient(wrapped)                          # the cause decides
+
+
+def test_refresh_recomputes_the_stage(e2e_run, tmp_path):
+    from flows.stages import prompts_flow
+    cfg, _ = e2e_run
+    copy = cfg.model_copy(deep=True)
+    copy.run_dir = tmp_path / "run"
+    shutil.copytree(cfg.run_dir / "prompts", copy.run_dir / "prompts")
+    first = prompts_flow(copy, return_state=True)
+    assert states_by_name(task_runs(first.state_details.flow_run_id)) == {"prompts": "Completed"}
+    assert states_by_name(task_runs(prompts_flow(copy, return_state=True).state_details.flow_run_id)) == {
+        "prompts": "Cached"}
+    old = json.loads((copy.run_dir / "prompts" / "manifest.json").read_text())
+    state = prompts_flow(copy, refresh=True, return_state=True)
+    assert states_by_name(task_runs(state.state_details.flow_run_id)) == {"prompts": "Completed"}
+    new = json.loads((copy.run_dir / "prompts" / "manifest.json").read_text())
+    assert new["seconds"] != old["seconds"] and new["train_ids"] == old["train_ids"]
+
+
+@pytest.mark.parametrize("stage", sorted(stages.STAGE_DIRS))
+def test_every_stage_has_an_inputs_key_once_the_run_is_done(e2e_run, stage):
+    cfg, _ = e2e_run
+    assert stages.stage_done(cfg, stage)
