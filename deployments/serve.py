@@ -3,7 +3,8 @@
 
 Deployments: `eagle3-pipeline/demo` (nightly at 02:00, created switched off: switch it on in the UI),
 `eagle3-pipeline/debug-tiny` (the smallest preset, minutes on a laptop), and one per stage
-(`prompts/prompts`, `generation/generation`, ...) with the demo preset as parameter defaults. Run directories
+(`prompts/prompts`, `generation/generation`, ...) with the demo preset as parameter defaults, and
+`scaling-study/scaling-study` (tau against training-set size). Run directories
 default to runs/<preset> (EAGLE3_RUN_ROOT or --run-root to change).
 
 Work pools (--pools): `eagle3-cpu` for prompts, generation and vocab; `eagle3-gpu` for features, train, evaluate,
@@ -24,6 +25,7 @@ from deployments.limits import CPU_POOL, GPU_POOL, ensure_all
 from eagle3_core.config import preset
 from flows import stages
 from flows.pipeline import eagle3_pipeline
+from flows.scaling_study import DEFAULT_FRACTIONS, scaling_study_flow
 
 ROOT = Path(__file__).resolve().parents[1]
 NIGHTLY_CRON = "0 2 * * *"
@@ -50,6 +52,10 @@ def deployment_specs(run_root: Path, timezone: str) -> list[dict]:
     for fl, pool in STAGE_FLOWS.items():
         specs.append({"flow": fl, "name": fl.name, "parameters": params("demo"), "schedule": None, "pool": pool,
                       "description": fl.description})
+    specs.append({"flow": scaling_study_flow, "name": "scaling-study", "pool": GPU_POOL, "schedule": None,
+                  "parameters": {"config": preset("demo", run_root / "demo").model_dump(mode="json"),
+                                 "fractions": DEFAULT_FRACTIONS},
+                  "description": scaling_study_flow.description})
     return specs
 
 

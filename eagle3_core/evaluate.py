@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 
 from .speculate import TargetRunner, greedy_generate, speculative_generate
+from .speedup import model_from_measurement
 
 # a measured tau this far (relative) from the simulated tau of training is flagged
 TAU_GAP_FLAG = 0.2
@@ -69,14 +70,18 @@ def measure(target: TargetRunner, runs: dict[str, SpecRun], prompts: list[list[i
     Returns {'baseline': {tokens, seconds, tokens_per_s, target_forward_calls, prompts}, name: {params, tau,
     tau_ci95, per_category {cat: {tau, tau_ci95, prompts}}, accept_per_position, tokens_from_verify,
     verify_steps, target_forward_calls, tokens, seconds, tokens_per_s, baseline_tokens_per_s (same prompts),
-    speedup, prompts, lossless {equal, near_tie, mismatch}}}. tokens/s are tokens / wall seconds.
+    speedup, prompts, lossless {equal, near_tie, mismatch}, timing {prefill_s, draft_s, verify_s, other_s},
+    speedup_model (speedup.model_from_measurement)}}; the baseline also has decode_s, decode_steps. tokens/s are
+    tokens / wall seconds.
     Raises AssertionError if the counted target forward calls differ from prefills + verify steps.
     """
     assert len(categories) == len(prompts), f"{len(categories)} categories for {len(prompts)} prompts"
     base = [greedy_generate(target, p, max_new, eos_ids) for p in prompts]
     b_tok, b_sec = sum(len(r["tokens"]) for r in base), sum(r["seconds"] for r in base)
     report = {"baseline": {"tokens": b_tok, "seconds": b_sec, "tokens_per_s": b_tok / b_sec, "prompts": len(base),
-                           "target_forward_calls": sum(r["forward_calls"] for r in base)}}
+                           "target_forward_calls": sum(r["forward_calls"] for r in base),
+                           "decode_s": sum(r["decode_s"] for r in base),
+                           "decode_steps": sum(r["decode_steps"] for r in base)}}
     for name, run in runs.items():
         idx = run.prompt_idx if run.prompt_idx is not None else list(range(len(prompts)))
         outs = [speculative_generate(target, run.draft, prompts[i], max_new, eos_ids, run.num_steps, run.topk,
@@ -102,7 +107,10 @@ def measure(target: TargetRunner, runs: dict[str, SpecRun], prompts: list[list[i
             "verify_steps": steps, "target_forward_calls": calls, "tokens": tok, "seconds": secs,
             "tokens_per_s": tok / secs, "baseline_tokens_per_s": base_tps, "speedup": (tok / secs) / base_tps,
             "lossless": {v: verdicts.count(v) for v in ("equal", "near_tie", "mismatch")},
+            "timing": {k: sum(r["timing"][k] for r in outs) for k in outs[0]["timing"]} if outs else {},
         }
+        if outs:
+            report[name]["speedup_model"] = model_from_measurement(report[name], report["baseline"])
     return report
 
 

@@ -114,6 +114,20 @@ def markdown(r: dict) -> str:
     cons = ev.get("consistency")
     if cons:
         lines += ["", ("**Warning**: " if cons["flagged"] else "Simulated vs measured: ") + cons["note"] + "."]
+    models = {n: d["speedup_model"] for n, d in runs.items() if d.get("speedup_model")}
+    if models:
+        lines += ["", "## Speed-up model (eagle3_core/speedup.py, step times measured here, one stream)", "",
+                  ("| draft | target step (ms) | draft per cycle (ms) | verify (ms) | other (ms) | tau | tau expected "
+                   "from acceptance | break-even tau | predicted tok/s | measured tok/s | predicted speed-up | "
+                   "measured speed-up |"), "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name, m in models.items():
+            lines.append(f"| {name} | {1e3 * m['t_target_s']:.1f} | {1e3 * m['t_draft_s']:.1f} | "
+                         f"{1e3 * m['t_verify_s']:.1f} | {1e3 * m['t_other_s']:.1f} | {m['tau']:.2f} | "
+                         f"{m['tau_expected']:.2f} | {m['break_even_tau']:.2f} | {m['spec_tokens_per_s']:.1f} | "
+                         f"{m['measured_tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['measured_speedup']:.2f}x |")
+        lines += ["", "Predicted tok/s = tau / (draft + verify + other per cycle); break-even tau = that cycle time "
+                  "/ target step time. On a GPU server the verify forward of a batch costs more than a decode step, "
+                  "so measure the break-even at the concurrency you serve."]
     for name, rel in (r.get("plots") or {}).items():
         lines += ["", f"![{name}]({rel})"]
     lc = r.get("llama_cpp")

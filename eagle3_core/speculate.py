@@ -54,10 +54,12 @@ def _stop(tokens: list[int], eos_ids: set[int], max_new: int) -> bool:
 @torch.no_grad()
 def greedy_generate(target: TargetRunner, prompt: list[int], max_new: int, eos_ids: set[int]) -> dict:
     """Target-only greedy decoding, one token per forward. Returns tokens, the top-2 logit gap at each step
-    (for near-tie checks), forward calls and seconds."""
+    (for near-tie checks), forward calls, seconds, and decode_s / decode_steps (seconds and forwards after the
+    prefill: the target's decode step time)."""
     t0, calls0 = time.perf_counter(), target.forward_calls
     cache = DynamicCache()
     logits, _ = target.forward(prompt, cache)
+    t_prefill = time.perf_counter()
     tokens, gaps = [], []
     while True:
         top2 = logits[-1].topk(2)
@@ -66,8 +68,9 @@ def greedy_generate(target: TargetRunner, prompt: list[int], max_new: int, eos_i
         if _stop(tokens, eos_ids, max_new):
             break
         logits, _ = target.forward([tokens[-1]], cache)
-    return {"tokens": tokens, "gaps": gaps, "forward_calls": target.forward_calls - calls0,
-            "seconds": time.perf_counter() - t0}
+    t1 = time.perf_counter()
+    return {"tokens": tokens, "gaps": gaps, "forward_calls": target.forward_calls - calls0, "seconds": t1 - t0,
+            "decode_s": t1 - t_prefill, "decode_steps": len(tokens) - 1}
 
 
 @dataclass
@@ -145,20 +148,31 @@ def speculative_generate(target: TargetRunner, draft, prompt: list[int], max_new
     `num_draft_tokens` verify tokens, root included). Raises ValueError on tree parameters SGLang rejects.
 
     Returns tokens, accepted (draft tokens accepted per verify step), verify_steps, tokens_from_verify (tokens
-    the verify steps produced, after EOS / max_new truncation), forward_calls (prefill + verify steps), seconds.
+    the verify steps produced, after EOS / max_new truncation), forward_calls (prefill + verify steps), seconds,
+    timing {prefill_s, draft_s (proposals and the draft's catch-up on accepted tokens), verify_s (target verify
+    forwards), other_s (the rest after the prefill: acceptance, bookkeeping)}.
     """
-    t0, calls0 = time.perf_counter(), target.forward_calls
+    clock = time.perf_counter
+    t0, calls0 = clock(), target.forward_calls
     state = prefill(target, draft, prompt)
-    accepted, produced = [], 0
+    t_prefill = clock()
+    accepted, produced, draft_s, verify_s = [], 0, 0.0, 0.0
     while not _stop(state.tokens, eos_ids, max_new):
+        ta = clock()
         tree = propose(draft, state, num_steps, topk, num_draft_tokens)
+        tb = clock()
         path, bonus, aux = verify(target, state, tree)
+        tc = clock()
+        new = commit(draft, state, tree, path, bonus, aux)
+        draft_s, verify_s = draft_s + (tb - ta) + (clock() - tc), verify_s + (tc - tb)
         accepted.append(len(path))
-        for tok in commit(draft, state, tree, path, bonus, aux):
+        for tok in new:
             if _stop(state.tokens, eos_ids, max_new):
                 break
             state.tokens.append(tok)
             produced += 1
+    t1 = clock()
     return {"tokens": state.tokens, "accepted": accepted, "verify_steps": len(accepted),
-            "tokens_from_verify": produced, "forward_calls": target.forward_calls - calls0,
-            "seconds": time.perf_counter() - t0}
+            "tokens_from_verify": produced, "forward_calls": target.forward_calls - calls0, "seconds": t1 - t0,
+            "timing": {"prefill_s": t_prefill - t0, "draft_s": draft_s, "verify_s": verify_s,
+                       "other_s": (t1 - t_prefill) - draft_s - verify_s}}

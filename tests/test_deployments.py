@@ -141,7 +141,7 @@ def test_work_pool_deployments_register_with_their_pools(deployments, tmp_path):
     from deployments.serve import deploy_to_pools
     asyncio.run(ensure_work_pools())
     asyncio.run(ensure_work_pools())                                  # idempotent
-    assert len(deploy_to_pools(tmp_path, timezone="UTC")) == 9
+    assert len(deploy_to_pools(tmp_path, timezone="UTC")) == 10
     pools = {name: asyncio.run(_read_deployment(name)).work_pool_name
              for name in ("eagle3-pipeline/demo", "prompts/prompts", "generation/generation", "vocab/vocab",
                           "features/features", "train/train", "evaluate/evaluate")}
