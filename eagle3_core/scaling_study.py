@@ -72,13 +72,12 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     returned as it is. Returns the size's manifest {samples, tokens, tau, tau_ci95, accept_per_position, acc_k
     (TTT eval accuracies of the best epoch), tau_sim, best_epoch, export_dir, seconds}. Raises ValueError if `n`
     exceeds the training samples."""
-    from .checkpoint import clear_training_state, load_draft, save_draft
+    from .checkpoint import load_draft, save_draft
     from .data import prompt_ids
     from .evaluate import SpecRun, measure
-    from .features import load_samples
     from .prompts import read_rows
     from .speculate import TargetRunner
-    from .stages import _category, _fresh_draft
+    from .stages import _category, _fresh_draft, claim_training_dir, train_split
     from .target import load_target, load_tokenizer
     from .trainer import train
 
@@ -87,17 +86,12 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
-    samples = load_samples(cfg.run_dir / "features")
-    n_eval = int(len(samples) * cfg.train.eval_frac)
-    train_all, eval_s = samples[n_eval:], samples[:n_eval]
+    train_all, eval_s = train_split(cfg)
     if n > len(train_all):
         raise ValueError(f"scaling size {n} > {len(train_all)} training samples in {cfg.run_dir / 'features'}")
     train_s = [train_all[i] for i in nested_subset(len(train_all), n, seed)]
     draft, lm_head = _fresh_draft(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / "inputs_key").exists() and (out / "inputs_key").read_text() != key:
-        clear_training_state(out)
-    (out / "inputs_key").write_text(key)
+    claim_training_dir(out, key)
     summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log)
     export = save_draft(load_draft(out / "best"), out / "export")
 

@@ -24,7 +24,7 @@ from .config import PipelineConfig, default_aux_layer_ids
 from .data import assistant_content, prompt_ids, tokenize_chat
 from .manifest import cached_manifest, read_manifest, sha256_file, sha256_json, write_manifest
 
-CODE_VERSION = "2"  # bump when a stage's output format or semantics change
+CODE_VERSION = "3"  # bump when a stage's output format or semantics change
 
 
 def _key(*parts) -> str:
@@ -73,6 +73,9 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     train, evals, stats = prompts_mod.build_prompts(cfg.prompts, rejects_path=out / "rejects.jsonl")
     prompts_mod.write_rows(out / "train.parquet", train)
+    # held-out rows are prompts: a kept conversation's final assistant turn is what the target must produce
+    evals = [{**r, "messages": r["messages"][:-1]} if r["messages"] and r["messages"][-1].get("role") == "assistant"
+             else r for r in evals]
     prompts_mod.write_rows(out / "eval.parquet", evals)
     kept = sum(r["mode"] == "keep" for r in train)
     log(f"prompts: {len(train)} train ({kept} with responses kept), {len(evals)} held-out, {stats['rejected']} "
@@ -536,6 +539,23 @@ def _fresh_draft(cfg: PipelineConfig):
     return build_draft(_draft_shape(cfg), emb, vocab["d2t"], vocab["t2d"], cfg.draft.seed), lm
 
 
+def train_split(cfg: PipelineConfig) -> tuple[list, list]:
+    """(train, held-out) samples of cfg.run_dir/features: the first int(n * train.eval_frac) are held out."""
+    from .features import load_samples
+    samples = load_samples(cfg.run_dir / "features")
+    n_eval = int(len(samples) * cfg.train.eval_frac)
+    return samples[n_eval:], samples[:n_eval]
+
+
+def claim_training_dir(out: Path, key: str) -> None:
+    """Make `out` the training directory of inputs `key`: training state written for other inputs is deleted
+    (never resumed from); state of the same inputs stays, so training resumes."""
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "inputs_key").exists() and (out / "inputs_key").read_text() != key:
+        clear_training_state(out)
+    (out / "inputs_key").write_text(key)
+
+
 def train_key(cfg: PipelineConfig) -> str:
     """Inputs key of the training stage: features, vocab map, train and draft settings (any number of GPUs)."""
     return _key(_upstream(cfg.run_dir, "features")["inputs_key"], _upstream(cfg.run_dir, "vocab")["inputs_key"],
@@ -545,21 +565,15 @@ def train_key(cfg: PipelineConfig) -> str:
 def run_train(cfg: PipelineConfig, log=print) -> dict:
     """Train the draft with TTT (draft/), then export the best epoch as an SGLang-loadable directory
     (draft/export), validated by reloading it strictly and comparing logits exactly."""
-    from .features import load_samples
     from .trainer import train
     out = cfg.run_dir / "draft"
     key = train_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
-    samples = load_samples(cfg.run_dir / "features")
-    n_eval = int(len(samples) * cfg.train.eval_frac)
-    train_s, eval_s = samples[n_eval:], samples[:n_eval]
+    train_s, eval_s = train_split(cfg)
     draft, lm_head = _fresh_draft(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / "inputs_key").exists() and (out / "inputs_key").read_text() != key:
-        clear_training_state(out)                             # state of other inputs: never resume from it
-    (out / "inputs_key").write_text(key)
+    claim_training_dir(out, key)
     summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log)
     best = load_draft(out / "best")
     export = save_draft(best, out / "export")

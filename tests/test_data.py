@@ -272,6 +272,9 @@ def test_stages_regenerate_prompt_rows_and_train_kept_rows_as_they_are(tmp_path,
                          generation=GenerationConfig(max_new_tokens=16, concurrency=2))
     pm = stages.run_prompts(cfg, log=lambda *_: None)
     assert pm["stats"]["per_source"]["kept"]["selected"] == 4 and (cfg.run_dir / "prompts/rejects.jsonl").exists()
+    # held-out rows are prompts only, kept ones too: the evaluator must not see the answer it measures
+    held_out = prompts_mod.read_rows(cfg.run_dir / "prompts" / "eval.parquet")
+    assert len(held_out) == 2 and all(r["messages"][-1]["role"] == "user" for r in held_out)
     gm = stages.run_generation(cfg, log=lambda *_: None)
     rows = {r["id"]: r for s in gm["shards"] for r in prompts_mod.read_rows(cfg.run_dir / "generations" / s)}
     kept = [r for r in rows.values() if r["mode"] == "keep"]

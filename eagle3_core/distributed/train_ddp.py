@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import clear_training_state, load_draft, save_draft
+from ..checkpoint import load_draft, save_draft
 from ..config import PipelineConfig
 from ..features import bad_shards, load_samples
 from ..manifest import read_manifest, write_manifest
@@ -68,7 +68,7 @@ def verify_my_shards(store_dir: Path, rank: int, world: int) -> None:
 def run_train_ddp(cfg: PipelineConfig, log=print) -> dict:
     """stages.run_train on every rank of an initialised process group; returns the stage manifest."""
     from ..manifest import cached_manifest
-    from ..stages import _fresh_draft, _logits_probe, train_key
+    from ..stages import _fresh_draft, _logits_probe, claim_training_dir, train_key
     rank, world = dist.get_rank(), dist.get_world_size()
     out = cfg.run_dir / "draft"
     key = train_key(cfg)
@@ -81,10 +81,7 @@ def run_train_ddp(cfg: PipelineConfig, log=print) -> dict:
     train_s, eval_s = samples[n_eval:], samples[:n_eval]
     draft, lm_head = _fresh_draft(cfg)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        if (out / "inputs_key").exists() and (out / "inputs_key").read_text() != key:
-            clear_training_state(out)                     # state of other inputs: never resume from it
-        (out / "inputs_key").write_text(key)
+        claim_training_dir(out, key)                       # state of other inputs: never resume from it
     dist.barrier()
     summary = train_ddp(draft, train_s, eval_s, lm_head, cfg.train, out, log=log)
     manifest = None
