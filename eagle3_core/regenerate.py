@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 import httpx
@@ -44,6 +45,7 @@ from .serving.client import (
     request_body,
     request_with_retries,
 )
+from .serving.launcher import ServerError
 from .serving.pool import ServerPool
 
 KEY_META = b"eagle3_inputs_key"
@@ -325,6 +327,8 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
             w.retry(error)
             progress.retries += 1
 
+        if pool is None:
+            raise ServerError(f"{where} needs an answer but no server URL was given")
         body = request_body(gen.api, sent, ids, gen.max_new_tokens, gen.temperature)
         try:
             data, url, attempts = await request_with_retries(pool, client, gen.api, body, gen.max_retries,
@@ -371,7 +375,9 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
     timeout = httpx.Timeout(gen.request_timeout_s, connect=min(10.0, gen.request_timeout_s))
     limits = httpx.Limits(max_connections=gen.concurrency, max_keepalive_connections=gen.concurrency)
     tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-    async with ServerPool(urls, server.probe_interval_s, server.down_timeout_s) as pool, \
+    # no URLs: every row of these shards is kept as it is (the caller checked), no server is needed
+    pools = ServerPool(urls, server.probe_interval_s, server.down_timeout_s) if urls else nullcontext(None)
+    async with pools as pool, \
             httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         tasks = [asyncio.create_task(produce())]
         tasks += [asyncio.create_task(work(client, pool)) for _ in range(gen.concurrency)]

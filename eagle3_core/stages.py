@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import lru_cache
 from pathlib import Path
 
@@ -224,6 +224,8 @@ def run_generation_shard(cfg: PipelineConfig, shard: int, log=print, urls: list[
     n = num_shards(cfg.run_dir / "prompts" / "train.parquet", cfg.generation.shard_size)
     if not 0 <= shard < n:
         raise ValueError(f"generation shard {shard} out of range: this run has shards 0..{n - 1}")
+    if urls is None and not generation_shard_needs_server(cfg, shard):
+        urls = []                                                     # every row kept as it is: no server
     if urls is None:
         with generation_servers(cfg) as started:
             return _regenerate(cfg, [shard], started, key, log, on_progress)[0]
@@ -294,7 +296,9 @@ def run_generation(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     todo = [k for k in shards if finished_record(out, k, key) is None]
     log(f"generation: {len(shards) - len(todo)} of {len(shards)} shards already finished")
     if todo:
-        with generation_servers(cfg) as urls:
+        # no server when every pending row is kept as it is
+        needed = any(generation_shard_needs_server(cfg, k) for k in todo)
+        with generation_servers(cfg) if needed else nullcontext([]) as urls:
             _regenerate(cfg, todo, urls, key, log, on_progress)
     return finish_generation(cfg, [], seconds=time.monotonic() - t0)
 

@@ -291,3 +291,24 @@ def test_stages_regenerate_prompt_rows_and_train_kept_rows_as_they_are(tmp_path,
         else:
             want = [r["response"] + ("" if r["finish_reason"] == "length" else "<|im_end|>")]
         assert masked_spans(tokenizer, t) == want, t["id"]
+
+
+def test_kept_rows_only_need_no_server(tmp_path):
+    """A mix whose rows are all kept as they are regenerates nothing: the generation stage runs without a server
+    (kind 'external' with no URL would raise if one were asked for) and passes every conversation on whole."""
+    from conftest import SHARED_DATA
+
+    from eagle3_core import prompts as prompts_mod
+    from eagle3_core import stages
+    from eagle3_core.config import PipelineConfig, PromptConfig, ServerConfig
+    from eagle3_core.prompt_data import DataMix, SourceSpec
+    share = str(SHARED_DATA / "sharegpt/dummy_conversation.json")
+    mix = DataMix(name="t", sources=[SourceSpec(name="kept", path=share, mode="keep", count=6)])
+    cfg = PipelineConfig(run_dir=tmp_path / "run", prompts=PromptConfig(mix=mix, num_train=4, num_eval=2),
+                         server=ServerConfig(kind="external"))
+    stages.run_prompts(cfg, log=lambda *_: None)
+    train = {r["id"]: r for r in prompts_mod.read_rows(cfg.run_dir / "prompts" / "train.parquet")}
+    gm = stages.run_generation(cfg, log=lambda *_: None)
+    assert gm["finish_reasons"] == {"kept": 4}
+    rows = [r for s in gm["shards"] for r in prompts_mod.read_rows(cfg.run_dir / "generations" / s)]
+    assert {r["id"]: r["messages"] for r in rows} == {i: r["messages"] for i, r in train.items()}
