@@ -1,0 +1,184 @@
+"""Our EAGLE-3 trainer against SpecForge 0.2.0's on identical data, budget and schedule, measured by one evaluator.
+
+Both drafts start from the same initial weights (our fresh draft, loaded into SpecForge's LlamaForCausalLMEagle3),
+see the same samples (the scaling study's nested subset of `--samples` training samples of the run's feature store)
+in the same token-budget batches and order, for the same epochs, with AdamW (betas 0.9/0.95, no weight decay), the
+same warmup + cosine learning-rate schedule, gradient clipping and TTT length (step weights 0.8**k). Ours is the
+scaling study's draft of that size (eagle3_core/scaling_study.py: trained, or reused from its manifest); SpecForge's
+is trained here with its OnlineEagle3Model (its own shift, masks, teacher and loss; sdpa attention) and exported by
+loading its weights into our draft class (same parameter names). Both are measured with our offline evaluator
+(chain drafting, greedy, the run's held-out prompts and eval settings): tau with 95% bootstrap intervals.
+
+Deviations, said plainly: SpecForge computes its loss with a Triton kernel; on a machine without Triton (CPU) its
+loss module is replaced by a stand-in computing the same soft cross-entropy in PyTorch (the formula of SpecForge's
+own reference `_compute_loss`). SpecForge's BF16Optimizer is replaced by
+torch's AdamW in fp32 so that both runs share the optimizer; the last epoch of SpecForge's run is measured (ours:
+the best epoch by held-out simulated tau, as our trainer exports).
+
+    python benchmarks/specforge_side_by_side.py --config configs/scaling_gsm8k.json --samples 1024
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3_core.config import PipelineConfig  # noqa: E402
+
+
+def _soft_ce_reference(logits, target_p, position_mask):
+    """What SpecForge's Triton loss computes (its docstring'd PyTorch reference in specforge/core/loss.py): the soft
+    cross-entropy -sum_v p_v log softmax(logits)_v at masked positions, averaged over batch x positions."""
+    logp = torch.log_softmax(logits.float(), dim=2)
+    return -(position_mask * target_p * logp).sum(2).mean()
+
+
+def import_specforge():
+    """SpecForge's EAGLE-3 modules. Without Triton (CPU) its loss module cannot be imported: a stand-in module
+    with the same loss in PyTorch takes its place (nothing else of SpecForge's changes). Returns
+    (OnlineEagle3Model, LlamaForCausalLMEagle3, used_reference_loss)."""
+    reference = False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        stand_in = types.ModuleType("specforge.core.loss")
+
+        class LogSoftmaxLoss:
+            apply = staticmethod(_soft_ce_reference)
+        stand_in.LogSoftmaxLoss = LogSoftmaxLoss
+        stand_in._compute_loss = _soft_ce_reference
+        sys.modules.setdefault("specforge.core.loss", stand_in)
+        reference = True
+    import specforge.algorithms.eagle3.model as m
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    return m.OnlineEagle3Model, LlamaForCausalLMEagle3, reference
+
+
+def train_specforge(cfg: PipelineConfig, n: int, seed: int, device: torch.device, log=print):
+    """SpecForge's TTT training on the study's subset of `n` samples; returns (our Eagle3Draft with its weights,
+    seconds, step losses)."""
+    from transformers.models.llama.configuration_llama import LlamaConfig
+
+    from eagle3_core.scaling_study import nested_subset
+    from eagle3_core.stages import _fresh_draft, train_split
+    from eagle3_core.trainer import _epoch_batches, lr_lambda
+    from eagle3_core.ttt import collate
+    OnlineEagle3Model, LlamaForCausalLMEagle3, _ = import_specforge()
+    t = cfg.train
+    if t.grad_accum != 1:
+        raise ValueError("this comparison assumes train.grad_accum 1")
+    train_all, _ = train_split(cfg)
+    train_s = [train_all[i] for i in nested_subset(len(train_all), n, seed)]
+    ours, lm_head = _fresh_draft(cfg)
+    sh = ours.shape
+    lcfg = LlamaConfig(hidden_size=sh.hidden_size, num_attention_heads=sh.num_attention_heads,
+                       num_key_value_heads=sh.num_key_value_heads, head_dim=sh.head_dim,
+                       intermediate_size=sh.intermediate_size, vocab_size=sh.vocab_size, num_hidden_layers=1,
+                       max_position_embeddings=sh.max_position_embeddings, rms_norm_eps=sh.rms_norm_eps,
+                       hidden_act="silu", rope_theta=sh.rope_theta, tie_word_embeddings=False, pretraining_tp=1)
+    lcfg.draft_vocab_size = sh.draft_vocab_size
+    lcfg.target_hidden_size = sh.target_hidden_size
+    model = LlamaForCausalLMEagle3(lcfg, attention_backend="sdpa")
+    missing, unexpected = model.load_state_dict(ours.state_dict(), strict=False)
+    assert not unexpected and all("rotary" in k or "inv_freq" in k for k in missing), (missing, unexpected)
+    model.embed_tokens.weight.requires_grad_(False)                        # the target's, frozen (as ours)
+    model.to(device)
+    wrapper = OnlineEagle3Model(draft_model=model, length=t.ttt_length, attention_backend="sdpa")
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch.manual_seed(t.seed)
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    batches0 = _epoch_batches(train_s, t, 0)
+    total = math.ceil(len(batches0) / t.grad_accum) * t.epochs
+    warmup = max(1, int(t.warmup_frac * total))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, total, warmup))
+    head = lm_head.to(device)
+    losses, t0 = [], time.monotonic()
+    for epoch in range(t.epochs):
+        for ids in _epoch_batches(train_s, t, epoch):
+            b = collate([train_s[i] for i in ids])
+            plosses, *_ = wrapper(input_ids=b["input_ids"].to(device), attention_mask=b["valid"].long().to(device),
+                                  target=None, loss_mask=b["loss_mask"][..., None].long().to(device),
+                                  hidden_states=b["aux"].float().to(device),
+                                  target_hidden_for_compact=b["final"].float().to(device), target_head_weight=head)
+            loss = sum(t.step_weight ** i * pl for i, pl in enumerate(plosses))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        log(f"specforge: epoch {epoch} mean loss {sum(losses[-len(batches0):]) / len(batches0):.3f} "
+            f"({time.monotonic() - t0:.0f} s)")
+    seconds = time.monotonic() - t0
+    missing, unexpected = ours.load_state_dict(model.state_dict(), strict=False)
+    assert not missing and all("rotary" in k or "inv_freq" in k for k in unexpected), (missing, unexpected)
+    return ours.cpu(), seconds, losses
+
+
+def measure_draft(cfg: PipelineConfig, draft) -> dict:
+    """Our offline evaluator on the run's held-out prompts (chain, cfg.eval settings)."""
+    from eagle3_core.data import prompt_ids
+    from eagle3_core.evaluate import SpecRun, measure
+    from eagle3_core.prompts import read_rows
+    from eagle3_core.speculate import TargetRunner
+    from eagle3_core.stages import _category
+    from eagle3_core.target import load_target, load_tokenizer
+    tok = load_tokenizer(cfg.target)
+    rows = read_rows(cfg.run_dir / "prompts" / "eval.parquet")
+    prompts = [prompt_ids(tok, r["messages"]) for r in rows]
+    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    rep = measure(TargetRunner(load_target(cfg.target), draft.shape.aux_layer_ids),
+                  {"d": SpecRun(draft.eval(), cfg.eval.num_draft_steps)}, prompts, [_category(r) for r in rows],
+                  cfg.eval.max_new_tokens, eos, cfg.eval.tie_gap)
+    return rep["d"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, type=Path, help="PipelineConfig JSON whose features and vocab exist")
+    ap.add_argument("--samples", type=int, default=1024, help="training samples (the study's nested subset)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path, default=None, help="result JSON (default: RUN_DIR/scaling/side_by_side.json)")
+    a = ap.parse_args()
+    from eagle3_core.checkpoint import load_draft
+    from eagle3_core.scaling_study import train_and_measure
+    cfg = PipelineConfig.model_validate_json(a.config.read_text())
+    ours = train_and_measure(cfg, a.samples, a.seed)                      # trained, or reused from its manifest
+    ours_seconds = ours["seconds"]
+    draft, sf_seconds, losses = train_specforge(cfg, a.samples, a.seed, torch.device(a.device))
+    sf = measure_draft(cfg, draft)
+    ours_again = measure_draft(cfg, load_draft(Path(ours["export_dir"])))  # same evaluator call as SpecForge's
+    _, _, reference = import_specforge()
+    res = {"samples": a.samples, "tokens": ours["tokens"], "epochs": cfg.train.epochs, "lr": cfg.train.lr,
+           "ttt_length": cfg.train.ttt_length, "batch_tokens": cfg.train.batch_tokens,
+           "eval_prompts": ours["eval_prompts"], "num_draft_steps": cfg.eval.num_draft_steps,
+           "ours": {"tau": ours_again["tau"], "tau_ci95": ours_again["tau_ci95"],
+                    "accept_per_position": ours_again["accept_per_position"], "study_tau": ours["tau"],
+                    "seconds_train_and_eval": ours_seconds},
+           "specforge": {"tau": sf["tau"], "tau_ci95": sf["tau_ci95"], "accept_per_position": sf["accept_per_position"],
+                         "train_seconds": sf_seconds, "final_loss": losses[-1],
+                         "loss": "PyTorch stand-in for its Triton loss" if reference else "Triton"},
+           "device": a.device}
+    out = a.out or cfg.run_dir / "scaling" / "side_by_side.json"
+    out.write_text(json.dumps(res, indent=2))
+    o, s = res["ours"], res["specforge"]
+    print(f"| trainer | tau | 95% CI | acceptance per position |\n|---|---|---|---|\n"
+          f"| ours | {o['tau']:.3f} | {o['tau_ci95'][0]:.2f}-{o['tau_ci95'][1]:.2f} | "
+          f"{', '.join(f'{x:.2f}' for x in o['accept_per_position'])} |\n"
+          f"| SpecForge 0.2.0 | {s['tau']:.3f} | {s['tau_ci95'][0]:.2f}-{s['tau_ci95'][1]:.2f} | "
+          f"{', '.join(f'{x:.2f}' for x in s['accept_per_position'])} |\n"
+          f"({a.samples} samples, {res['tokens']} supervised tokens, {res['epochs']} epochs, TTT {res['ttt_length']}, "
+          f"{res['eval_prompts']} held-out prompts; written to {out})")
+
+
+if __name__ == "__main__":
+    main()
