@@ -78,8 +78,9 @@ def prompts_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
 
 @flow(name="generation", task_runner=ThreadPoolTaskRunner(max_workers=2))
 def generation_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
-    """Regenerate responses with the target, one task per shard, against one inference server (started here for
-    llama.cpp, stopped after; two shards in flight so that no server slot idles at a shard's tail)."""
+    """Regenerate responses with the target, one task per shard, against the inference servers (started here for
+    server.kind 'llama.cpp' / 'sglang', stopped after). Two shards are in flight, each with generation.concurrency
+    requests, so that no server slot idles at a shard's tail; shards whose rows are all kept start no server."""
     forget(config, refresh, "generation")
     shard_ids = stages.generation_shards(config)
     pending = [i for i in shard_ids if not stages.generation_shard_done(config, i)
