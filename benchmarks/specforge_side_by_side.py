@@ -149,20 +149,17 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=None, help="result JSON (default: RUN_DIR/scaling/side_by_side.json)")
     a = ap.parse_args()
-    from eagle3_core.checkpoint import load_draft
     from eagle3_core.scaling_study import train_and_measure
     cfg = PipelineConfig.model_validate_json(a.config.read_text())
     ours = train_and_measure(cfg, a.samples, a.seed)                      # trained, or reused from its manifest
     ours_seconds = ours["seconds"]
     draft, sf_seconds, losses = train_specforge(cfg, a.samples, a.seed, torch.device(a.device))
-    sf = measure_draft(cfg, draft)
-    ours_again = measure_draft(cfg, load_draft(Path(ours["export_dir"])))  # same evaluator call as SpecForge's
+    sf = measure_draft(cfg, draft)                  # the evaluator call of train_and_measure, on SpecForge's draft
     _, _, reference = import_specforge()
     res = {"samples": a.samples, "tokens": ours["tokens"], "epochs": cfg.train.epochs, "lr": cfg.train.lr,
            "ttt_length": cfg.train.ttt_length, "batch_tokens": cfg.train.batch_tokens,
            "eval_prompts": ours["eval_prompts"], "num_draft_steps": cfg.eval.num_draft_steps,
-           "ours": {"tau": ours_again["tau"], "tau_ci95": ours_again["tau_ci95"],
-                    "accept_per_position": ours_again["accept_per_position"], "study_tau": ours["tau"],
+           "ours": {"tau": ours["tau"], "tau_ci95": ours["tau_ci95"], "accept_per_position": ours["accept_per_position"],
                     "seconds_train_and_eval": ours_seconds},
            "specforge": {"tau": sf["tau"], "tau_ci95": sf["tau_ci95"], "accept_per_position": sf["accept_per_position"],
                          "train_seconds": sf_seconds, "final_loss": losses[-1],
