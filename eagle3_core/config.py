@@ -215,8 +215,10 @@ def preset(name: str, run_dir: str | Path | None = None) -> PipelineConfig:
             run_dir=Path("runs/debug_tiny"),
             prompts=PromptConfig(num_train=6, num_eval=2),
             server=ServerConfig(parallel=2),
-            # 64 tokens cut nearly every answer short: the gate would stop this smoke run; 2 shards (6 prompts)
-            generation=GenerationConfig(max_new_tokens=64, concurrency=2, shard_size=4, max_truncated_frac=1.0),
+            # 64 tokens cut nearly every answer short and one looping answer is 17% of 6: the gate would stop this
+            # smoke run (tests/test_generation.py tests the gate); 2 shards (6 prompts)
+            generation=GenerationConfig(max_new_tokens=64, concurrency=2, shard_size=4, max_truncated_frac=1.0,
+                                        max_degenerate_frac=1.0),
             features=FeatureConfig(max_length=512, shard_samples=4),
             draft=DraftConfig(draft_vocab_size=1024),
             # enough epochs to memorise the 6 training answers: deployment tests replay them (tau well above 1)
