@@ -123,24 +123,6 @@ def train_specforge(cfg: PipelineConfig, n: int, seed: int, device: torch.device
     return ours.cpu(), seconds, losses
 
 
-def measure_draft(cfg: PipelineConfig, draft) -> dict:
-    """Our offline evaluator on the run's held-out prompts (chain, cfg.eval settings)."""
-    from eagle3_core.data import prompt_ids
-    from eagle3_core.evaluate import SpecRun, measure
-    from eagle3_core.prompts import read_rows
-    from eagle3_core.speculate import TargetRunner
-    from eagle3_core.stages import _category
-    from eagle3_core.target import load_target, load_tokenizer
-    tok = load_tokenizer(cfg.target)
-    rows = read_rows(cfg.run_dir / "prompts" / "eval.parquet")
-    prompts = [prompt_ids(tok, r["messages"]) for r in rows]
-    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    rep = measure(TargetRunner(load_target(cfg.target), draft.shape.aux_layer_ids),
-                  {"d": SpecRun(draft.eval(), cfg.eval.num_draft_steps)}, prompts, [_category(r) for r in rows],
-                  cfg.eval.max_new_tokens, eos, cfg.eval.tie_gap)
-    return rep["d"]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, type=Path, help="PipelineConfig JSON whose features and vocab exist")
@@ -149,12 +131,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=None, help="result JSON (default: RUN_DIR/scaling/side_by_side.json)")
     a = ap.parse_args()
-    from eagle3_core.scaling_study import train_and_measure
+    from eagle3_core.scaling_study import measure_offline, train_and_measure
     cfg = PipelineConfig.model_validate_json(a.config.read_text())
     ours = train_and_measure(cfg, a.samples, a.seed)                      # trained, or reused from its manifest
     ours_seconds = ours["seconds"]
     draft, sf_seconds, losses = train_specforge(cfg, a.samples, a.seed, torch.device(a.device))
-    sf = measure_draft(cfg, draft)                  # the evaluator call of train_and_measure, on SpecForge's draft
+    sf = measure_offline(cfg, draft)                # the evaluator call of train_and_measure, on SpecForge's draft
     _, _, reference = import_specforge()
     res = {"samples": a.samples, "tokens": ours["tokens"], "epochs": cfg.train.epochs, "lr": cfg.train.lr,
            "ttt_length": cfg.train.ttt_length, "batch_tokens": cfg.train.batch_tokens,

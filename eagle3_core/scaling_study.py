@@ -65,6 +65,33 @@ def size_key(cfg: PipelineConfig, n: int, seed: int) -> str:
     return _key(train_key(cfg), n, seed, cfg.eval, _upstream(cfg.run_dir, "prompts")["inputs_key"])
 
 
+def measure_offline(cfg: PipelineConfig, draft) -> dict:
+    """tau of `draft` by the offline evaluator on cfg.run_dir's held-out prompts: chain drafting with
+    cfg.eval.num_draft_steps, greedy, cfg.eval.max_new_tokens per prompt. Returns evaluate.measure's entry for the
+    draft (tau, tau_ci95, accept_per_position, lossless, prompts, ...)."""
+    from .data import prompt_ids
+    from .evaluate import SpecRun, measure
+    from .prompts import read_rows
+    from .speculate import TargetRunner
+    from .stages import _category
+    from .target import load_target, load_tokenizer
+    tok = load_tokenizer(cfg.target)
+    rows = read_rows(cfg.run_dir / "prompts" / "eval.parquet")
+    prompts = [prompt_ids(tok, r["messages"]) for r in rows]
+    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    report = measure(TargetRunner(load_target(cfg.target), draft.shape.aux_layer_ids),
+                     {"draft": SpecRun(draft.eval(), cfg.eval.num_draft_steps)}, prompts,
+                     [_category(r) for r in rows], cfg.eval.max_new_tokens, eos, cfg.eval.tie_gap)
+    return report["draft"]
+
+
+def study_sizes(cfg: PipelineConfig, fractions: list[float]) -> list[int]:
+    """subset_sizes of the train split of cfg.run_dir/features (sample count only; no shard is read)."""
+    from .features import load_samples
+    n = len(load_samples(cfg.run_dir / "features", verify=False))
+    return subset_sizes(n - int(n * cfg.train.eval_frac), fractions)
+
+
 def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> dict:
     """Train a draft with cfg's recipe (cfg.train, cfg.draft) on `n` training samples (nested_subset of the train
     split of cfg.run_dir/features), export it, and measure its tau with the offline evaluator on the held-out
@@ -73,12 +100,7 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     (TTT eval accuracies of the best epoch), tau_sim, best_epoch, export_dir, seconds}. Raises ValueError if `n`
     exceeds the training samples."""
     from .checkpoint import load_draft, save_draft
-    from .data import prompt_ids
-    from .evaluate import SpecRun, measure
-    from .prompts import read_rows
-    from .speculate import TargetRunner
-    from .stages import _category, _fresh_draft, claim_training_dir, train_split
-    from .target import load_target, load_tokenizer
+    from .stages import _fresh_draft, claim_training_dir, train_split
     from .trainer import train
 
     out = cfg.run_dir / "scaling" / f"n_{n}"
@@ -95,16 +117,7 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log)
     export = save_draft(load_draft(out / "best"), out / "export")
 
-    tok = load_tokenizer(cfg.target)
-    rows = read_rows(cfg.run_dir / "prompts" / "eval.parquet")
-    prompts = [prompt_ids(tok, r["messages"]) for r in rows]
-    trained = load_draft(export)
-    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    S = cfg.eval.num_draft_steps
-    report = measure(TargetRunner(load_target(cfg.target), trained.shape.aux_layer_ids),
-                     {"trained": SpecRun(trained, S)}, prompts, [_category(r) for r in rows],
-                     cfg.eval.max_new_tokens, eos, cfg.eval.tie_gap)
-    r = report["trained"]
+    r = measure_offline(cfg, load_draft(export))
     best = next(h for h in summary["history"] if h["epoch"] == summary["best"]["epoch"])
     metrics = best["eval"] or best["train"]
     tokens = sum(int(s["loss_mask"].sum()) for s in train_s)
@@ -114,7 +127,7 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
         "inputs_key": key, "samples": n, "tokens": tokens, "tau": r["tau"], "tau_ci95": r["tau_ci95"],
         "accept_per_position": r["accept_per_position"], "acc_k": metrics["acc"],
         "tau_sim": summary["best"]["tau_sim"], "best_epoch": summary["best"]["epoch"], "export_dir": str(export),
-        "eval_prompts": len(prompts), "lossless": r["lossless"], "seconds": time.monotonic() - t0})
+        "eval_prompts": r["prompts"], "lossless": r["lossless"], "seconds": time.monotonic() - t0})
 
 
 def plot_study(sizes: list[dict], trend: dict, extrapolations: list[dict], path: Path) -> Path:
@@ -186,8 +199,5 @@ def run_scaling_study(cfg: PipelineConfig, fractions: list[float], extrapolate_t
                       seed: int = 0, log=print) -> dict:
     """Every size of the study in this process (the Prefect flow runs one task per size instead), then
     finish_study. Needs the features and vocab stages of cfg.run_dir."""
-    from .features import load_samples
-    n_train = len(load_samples(cfg.run_dir / "features", verify=False))
-    n_train -= int(n_train * cfg.train.eval_frac)
-    sizes = [train_and_measure(cfg, n, seed, log) for n in subset_sizes(n_train, fractions)]
+    sizes = [train_and_measure(cfg, n, seed, log) for n in study_sizes(cfg, fractions)]
     return finish_study(cfg, sizes, extrapolate_to)

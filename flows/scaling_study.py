@@ -16,7 +16,6 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3_core import scaling_study as study
 from eagle3_core.config import PipelineConfig, preset
-from eagle3_core.features import load_samples
 from flows import stages as s
 from tasks.logs import run_log
 from tasks.retry import RETRY_OPTIONS, retry_if_transient
@@ -57,10 +56,8 @@ def scaling_study_flow(config: PipelineConfig = s.DEMO, fractions: list[float] =
     s.generation_flow(config)
     s.features_flow(config)
     s.vocab_flow(config)
-    n_train = len(load_samples(config.run_dir / "features", verify=False))
-    n_train -= int(n_train * config.train.eval_frac)
     # one size after another (each uses the whole GPU); a failed size does not stop the others
-    states = [size_task(config, n, seed, return_state=True) for n in study.subset_sizes(n_train, fractions)]
+    states = [size_task(config, n, seed, return_state=True) for n in study.study_sizes(config, fractions)]
     sizes = [st.result() for st in states]                       # raises the first failed size
     return finish_task(config, sizes, extrapolate_to or [])
 
