@@ -7,7 +7,8 @@ same warmup + cosine learning-rate schedule, gradient clipping and TTT length (s
 scaling study's draft of that size (eagle3_core/scaling_study.py: trained, or reused from its manifest); SpecForge's
 is trained here with its OnlineEagle3Model (its own shift, masks, teacher and loss; sdpa attention) and exported by
 loading its weights into our draft class (same parameter names). Both are measured with our offline evaluator
-(chain drafting, greedy, the run's held-out prompts and eval settings): tau with 95% bootstrap intervals.
+(chain drafting, greedy, the run's held-out prompts and eval settings): tau with 95% bootstrap intervals, and the
+difference with a paired bootstrap interval (the same prompts resampled for both drafts).
 
 Deviations, said plainly: SpecForge computes its loss with a Triton kernel; on a machine without Triton (CPU) its
 loss module is replaced by a stand-in computing the same soft cross-entropy in PyTorch (the formula of SpecForge's
@@ -138,6 +139,8 @@ def main() -> None:
     draft, sf_seconds, losses = train_specforge(cfg, a.samples, a.seed, torch.device(a.device))
     sf = measure_offline(cfg, draft)                # the evaluator call of train_and_measure, on SpecForge's draft
     _, _, reference = import_specforge()
+    from eagle3_core.evaluate import paired_bootstrap_diff_ci
+    diff = (ours["tau"] - sf["tau"], paired_bootstrap_diff_ci(ours["per_prompt"], sf["per_prompt"]))
     res = {"samples": a.samples, "tokens": ours["tokens"], "epochs": cfg.train.epochs, "lr": cfg.train.lr,
            "ttt_length": cfg.train.ttt_length, "batch_tokens": cfg.train.batch_tokens,
            "eval_prompts": ours["eval_prompts"], "num_draft_steps": cfg.eval.num_draft_steps,
@@ -146,6 +149,7 @@ def main() -> None:
            "specforge": {"tau": sf["tau"], "tau_ci95": sf["tau_ci95"], "accept_per_position": sf["accept_per_position"],
                          "train_seconds": sf_seconds, "final_loss": losses[-1],
                          "loss": "PyTorch stand-in for its Triton loss" if reference else "Triton"},
+           "ours_minus_specforge": {"tau": diff[0], "ci95_paired": diff[1]},
            "device": a.device}
     out = a.out or cfg.run_dir / "scaling" / "side_by_side.json"
     out.write_text(json.dumps(res, indent=2))
@@ -155,6 +159,8 @@ def main() -> None:
           f"{', '.join(f'{x:.2f}' for x in o['accept_per_position'])} |\n"
           f"| SpecForge 0.2.0 | {s['tau']:.3f} | {s['tau_ci95'][0]:.2f}-{s['tau_ci95'][1]:.2f} | "
           f"{', '.join(f'{x:.2f}' for x in s['accept_per_position'])} |\n"
+          f"ours - SpecForge: {diff[0]:+.3f} tau (95% CI {diff[1][0]:+.3f} to {diff[1][1]:+.3f}, paired bootstrap over "
+          f"the same prompts)\n"
           f"({a.samples} samples, {res['tokens']} supervised tokens, {res['epochs']} epochs, TTT {res['ttt_length']}, "
           f"{res['eval_prompts']} held-out prompts; written to {out})")
 

@@ -64,9 +64,11 @@ class PromptConfig(BaseModel):
 
 
 class ServerConfig(BaseModel):
-    kind: Literal["llama.cpp", "sglang", "external"] = Field(
+    kind: Literal["llama.cpp", "sglang", "external", "transformers"] = Field(
         "llama.cpp", description="'llama.cpp': the stage starts llama-server on the target's GGUF; 'sglang': the "
-        "stage starts `python -m sglang.launch_server` on the target; 'external': use running servers (`urls`)")
+        "stage starts `python -m sglang.launch_server` on the target; 'external': use running servers (`urls`); "
+        "'transformers': no server, the stage runs the target in its own process with batched `generate` "
+        "(generation.concurrency rows a batch; small targets on one GPU)")
     url: str | None = Field(None, description="base URL of one running server (kind 'external')")
     urls: list[str] = Field([], description="base URLs of several running servers (kind 'external'); requests "
                                             "go to the reachable one with the fewest in flight")

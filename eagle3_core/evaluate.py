@@ -31,6 +31,23 @@ def bootstrap_ci(per_prompt_tokens: list[int], per_prompt_steps: list[int], n: i
     return vals[int(0.025 * n)], vals[int(0.975 * n) - 1]
 
 
+def paired_bootstrap_diff_ci(a: list[tuple[int, int]], b: list[tuple[int, int]], n: int = 1000, seed: int = 0):
+    """95% percentile bootstrap interval of tau_a - tau_b for two drafts measured on the same prompts: a and b hold
+    (tokens_from_verify, verify_steps) per prompt, in the same prompt order; each resample draws prompts once and
+    uses them for both drafts (paired), so prompt difficulty cancels. Raises ValueError if the lists differ in
+    length or are empty."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired comparison needs the same prompts: {len(a)} vs {len(b)} per-prompt results")
+    rng, k, vals = random.Random(seed), len(a), []
+    for _ in range(n):
+        idx = [rng.randrange(k) for _ in range(k)]
+        ta = sum(a[i][0] for i in idx) / max(sum(a[i][1] for i in idx), 1)
+        tb = sum(b[i][0] for i in idx) / max(sum(b[i][1] for i in idx), 1)
+        vals.append(ta - tb)
+    vals.sort()
+    return vals[int(0.025 * n)], vals[int(0.975 * n) - 1]
+
+
 def compare_outputs(spec: list[int], ref: list[int], ref_gaps: list[float], tie_gap: float) -> str:
     """'equal', 'near_tie' (first difference where the reference's top-2 gap < tie_gap) or 'mismatch'."""
     if spec == ref:
@@ -68,7 +85,8 @@ def measure(target: TargetRunner, runs: dict[str, SpecRun], prompts: list[list[i
 
     prompts: tokenized prompts; categories: one label per prompt (for tau per category).
     Returns {'baseline': {tokens, seconds, tokens_per_s, target_forward_calls, prompts}, name: {params, tau,
-    tau_ci95, per_category {cat: {tau, tau_ci95, prompts}}, accept_per_position, tokens_from_verify,
+    tau_ci95, per_category {cat: {tau, tau_ci95, prompts}}, accept_per_position, tokens_from_verify, per_prompt
+    ([tokens_from_verify, verify_steps] per prompt, for paired comparisons),
     verify_steps, target_forward_calls, tokens, seconds, tokens_per_s, baseline_tokens_per_s (same prompts),
     speedup, prompts, lossless {equal, near_tie, mismatch}, timing {prefill_s, draft_s, verify_s, other_s},
     speedup_model (speedup.model_from_measurement)}}; the baseline also has decode_s, decode_steps. tokens/s are
@@ -104,6 +122,7 @@ def measure(target: TargetRunner, runs: dict[str, SpecRun], prompts: list[list[i
             "params": run.params(), **_tau_summary(outs),
             "per_category": {c: _tau_summary(rs) for c, rs in sorted(by_cat.items())},
             "accept_per_position": per_pos, "tokens_from_verify": sum(r["tokens_from_verify"] for r in outs),
+            "per_prompt": [[r["tokens_from_verify"], r["verify_steps"]] for r in outs],
             "verify_steps": steps, "target_forward_calls": calls, "tokens": tok, "seconds": secs,
             "tokens_per_s": tok / secs, "baseline_tokens_per_s": base_tps, "speedup": (tok / secs) / base_tps,
             "lossless": {v: verdicts.count(v) for v in ("equal", "near_tie", "mismatch")},

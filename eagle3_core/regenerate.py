@@ -250,9 +250,13 @@ class Progress:
 
 
 async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str, gen: GenerationConfig,
-                     server: ServerConfig, urls: list[str], tokenizer=None, log=print, on_progress=None) -> list[dict]:
+                     server: ServerConfig, urls: list[str], tokenizer=None, log=print, on_progress=None,
+                     engine=None) -> list[dict]:
     """Answer every prompt of `shards` (indices into the prompt file, shard_size rows each) on the servers `urls`
     with `gen.concurrency` requests in flight; returns the shards' records, in order.
+
+    engine: an in-process generator instead of servers (`serving.hf_generate.BatchedGenerator`, server.kind
+    'transformers'): prompts go to it as token ids (the tokenizer is then needed), `urls` is ignored.
 
     tokenizer: the target's (HF) tokenizer, needed for the token-id APIs ('sglang', 'llama.cpp'): prompts are
     rendered with its chat template (`data.prompt_ids`). on_progress(snapshot: dict) is called every
@@ -263,8 +267,10 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
     from .data import prompt_ids
     if not shards:
         return []
-    if gen.api in TOKEN_ID_APIS and tokenizer is None:
-        raise ValueError(f"generation.api {gen.api!r} sends token ids: pass the target's tokenizer")
+    token_ids = gen.api in TOKEN_ID_APIS or engine is not None
+    if token_ids and tokenizer is None:
+        raise ValueError(f"generation.api {gen.api!r} / an in-process engine takes token ids: pass the target's "
+                         "tokenizer")
     n_rows = pq.ParquetFile(prompts_path).metadata.num_rows
     size = gen.shard_size
     ranges = {k: (k * size, min((k + 1) * size, n_rows)) for k in sorted(shards)}
@@ -308,7 +314,7 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
             messages = row["messages"] if isinstance(row["messages"], list) else json.loads(row["messages"])
             sent, kept = split_final_answer(messages, row.get("mode"), where)
             ids = []
-            if gen.api in TOKEN_ID_APIS:              # one thread: HF tokenizers are not safe to share
+            if token_ids:                               # one thread: HF tokenizers are not safe to share
                 ids = await asyncio.get_running_loop().run_in_executor(tokenize_thread, prompt_ids, tokenizer, sent)
         except ValueError as e:                        # bad row (also data.MaskError): recorded, never retried
             w.fail(row["id"], f"bad prompt row: {e}")
@@ -327,22 +333,26 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
             w.retry(error)
             progress.retries += 1
 
-        if pool is None:
-            raise ServerError(f"{where} needs an answer but no server URL was given")
-        body = request_body(gen.api, sent, ids, gen.max_new_tokens, gen.temperature)
-        try:
-            data, url, attempts = await request_with_retries(pool, client, gen.api, body, gen.max_retries,
-                                                             gen.retry_backoff_s, on_retry)
-        except RequestRejected as e:
-            w.fail(row["id"], str(e))
-            progress.failed += 1
-            return
-        except RetryableError as e:
-            w.fail(row["id"], f"gave up after {gen.max_retries + 1} attempts: {e.reason}")
-            progress.failed += 1
-            return
-        data.pop("logprobs", None)
-        w.add({**base, **data, "server": url, "api": gen.api, "attempts": attempts,
+        if engine is not None:
+            data, url, attempts, api = await engine.complete(ids), engine.name, 1, engine.name
+        else:
+            if pool is None:
+                raise ServerError(f"{where} needs an answer but no server URL was given")
+            body = request_body(gen.api, sent, ids, gen.max_new_tokens, gen.temperature)
+            try:
+                data, url, attempts = await request_with_retries(pool, client, gen.api, body, gen.max_retries,
+                                                                 gen.retry_backoff_s, on_retry)
+            except RequestRejected as e:
+                w.fail(row["id"], str(e))
+                progress.failed += 1
+                return
+            except RetryableError as e:
+                w.fail(row["id"], f"gave up after {gen.max_retries + 1} attempts: {e.reason}")
+                progress.failed += 1
+                return
+            data.pop("logprobs", None)
+            api = gen.api
+        w.add({**base, **data, "server": url, "api": api, "attempts": attempts,
                "latency_s": time.monotonic() - t0})
         progress.answered += 1
         progress.tokens += data["completion_tokens"]

@@ -97,7 +97,8 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     split of cfg.run_dir/features), export it, and measure its tau with the offline evaluator on the held-out
     prompts (chain drafting, cfg.eval.num_draft_steps, greedy). Cached: a size whose manifest holds the same key is
     returned as it is. Returns the size's manifest {samples, tokens, tau, tau_ci95, accept_per_position, acc_k
-    (TTT eval accuracies of the best epoch), tau_sim, best_epoch, export_dir, seconds}. Raises ValueError if `n`
+    (TTT eval accuracies of the best epoch), tau_sim, best_epoch, export_dir, per_prompt (evaluate.measure's, for
+    paired comparisons), seconds}. Raises ValueError if `n`
     exceeds the training samples."""
     from .checkpoint import load_draft, save_draft
     from .stages import _fresh_draft, claim_training_dir, train_split
@@ -105,7 +106,7 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
 
     out = cfg.run_dir / "scaling" / f"n_{n}"
     key = size_key(cfg, n, seed)
-    if (m := cached_manifest(out / "manifest.json", key)):
+    if (m := cached_manifest(out / "manifest.json", key)) and "per_prompt" in m:     # older manifests: measure again
         return m
     t0 = time.monotonic()
     train_all, eval_s = train_split(cfg)
@@ -127,7 +128,8 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
         "inputs_key": key, "samples": n, "tokens": tokens, "tau": r["tau"], "tau_ci95": r["tau_ci95"],
         "accept_per_position": r["accept_per_position"], "acc_k": metrics["acc"],
         "tau_sim": summary["best"]["tau_sim"], "best_epoch": summary["best"]["epoch"], "export_dir": str(export),
-        "eval_prompts": r["prompts"], "lossless": r["lossless"], "seconds": time.monotonic() - t0})
+        "eval_prompts": r["prompts"], "per_prompt": r["per_prompt"], "lossless": r["lossless"],
+        "seconds": time.monotonic() - t0})
 
 
 def plot_study(sizes: list[dict], trend: dict, extrapolations: list[dict], path: Path) -> Path:

@@ -153,6 +153,8 @@ def _server_desc(cfg: PipelineConfig) -> str:
         return f"llama.cpp llama-server ({gguf_path(cfg.target).name})"
     if cfg.server.kind == "sglang":
         return f"SGLang ({cfg.target.model})"
+    if cfg.server.kind == "transformers":
+        return f"transformers in-process ({cfg.target.model})"
     return ", ".join(cfg.server.base_urls())
 
 
@@ -161,7 +163,7 @@ def generation_servers(cfg: PipelineConfig):
     """Base URLs to generate with. Kinds 'llama.cpp' and 'sglang' start the server here, on `server.host` (default
     127.0.0.1), logging to generations/server.log, and stop it when the block ends, on failure, Ctrl-C, SIGTERM
     (a cancelled flow run) and, through PDEATHSIG, when this process is killed. Kind 'external' yields
-    `server.url` / `server.urls`. Raises ValueError for a config that cannot work, ServerError if a server does
+    `server.url` / `server.urls`; kind 'transformers' yields no URL (the stage generates in process). Raises ValueError for a config that cannot work, ServerError if a server does
     not start."""
     from .serving.launcher import llama_server, sglang_server
     from .target import gguf_path
@@ -178,6 +180,8 @@ def generation_servers(cfg: PipelineConfig):
         with sglang_server(cfg.target.model, log_path, s.host, s.port, cfg.target.revision,
                            cfg.target.trust_remote_code, s.startup_timeout_s, s.extra_args) as url:
             yield [url]
+    elif s.kind == "transformers":
+        yield []
     else:
         if not s.base_urls():
             raise ValueError("server.kind 'external' needs server.url or server.urls (e.g. http://127.0.0.1:30000)")
@@ -201,9 +205,27 @@ def _regenerate(cfg: PipelineConfig, shards: list[int], urls: list[str], key: st
     from .regenerate import regenerate
     from .serving.client import TOKEN_ID_APIS
     from .target import load_tokenizer
-    tok = load_tokenizer(cfg.target) if cfg.generation.api in TOKEN_ID_APIS else None
-    return asyncio.run(regenerate(cfg.run_dir / "prompts" / "train.parquet", cfg.run_dir / "generations", shards,
-                                  key, cfg.generation, cfg.server, urls, tok, log, on_progress))
+    in_process = cfg.server.kind == "transformers"
+    tok = load_tokenizer(cfg.target) if cfg.generation.api in TOKEN_ID_APIS or in_process else None
+    engine = _generation_engine(cfg, tok, log) if in_process else None
+    try:
+        return asyncio.run(regenerate(cfg.run_dir / "prompts" / "train.parquet", cfg.run_dir / "generations",
+                                      shards, key, cfg.generation, cfg.server, urls, tok, log, on_progress, engine))
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def _generation_engine(cfg: PipelineConfig, tok, log):
+    """server.kind 'transformers': the target in this process (fp32; CUDA when available), batches of
+    generation.concurrency rows."""
+    from .serving.hf_generate import BatchedGenerator
+    from .target import load_target
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = cfg.generation
+    log(f"generation: target in this process on {device} (transformers, batches of {g.concurrency})")
+    return BatchedGenerator(load_target(cfg.target, device, torch.float32), tok, g.concurrency, g.max_new_tokens,
+                            g.temperature)
 
 
 def run_generation_shard(cfg: PipelineConfig, shard: int, log=print, urls: list[str] | None = None,

@@ -4,7 +4,13 @@ import pytest
 from test_speculate import PROMPT, RankedDraft, ScriptedDraft
 
 from eagle3_core.data import prompt_ids
-from eagle3_core.evaluate import SpecRun, measure, tau_consistency
+from eagle3_core.evaluate import (
+    SpecRun,
+    bootstrap_ci,
+    measure,
+    paired_bootstrap_diff_ci,
+    tau_consistency,
+)
 from eagle3_core.report import markdown, plots_markdown_inline, write_plots
 from eagle3_core.speculate import TargetRunner, greedy_generate
 
@@ -79,3 +85,21 @@ def test_report_markdown_and_plots(measured, tmp_path):
     assert "| code |" in md and "| chat |" in md and "vs simulated 2.05 over 3 draft steps" in md
     assert "![tau](plots/tau.png)" in md
     assert plots_markdown_inline(r["plots"], tmp_path).count("data:image/png;base64,") == 3
+
+
+def test_paired_bootstrap_difference_of_tau():
+    """Same prompts, paired resampling: equal drafts give exactly 0; a draft better by 0.5 tau on every prompt gives
+    exactly 0.5 however prompts are drawn; with prompts of very different difficulty the paired interval is far
+    narrower than the two drafts' own intervals; different prompt counts are refused."""
+    steps = [10, 40, 7, 25, 60, 12, 33, 18]
+    a = [(2 * s, s) for s in steps]
+    assert paired_bootstrap_diff_ci(a, a) == (0.0, 0.0)
+    b = [(s + s / 2, s) for s in steps]                                    # tau 1.5 on every prompt
+    assert paired_bootstrap_diff_ci(a, b) == pytest.approx((0.5, 0.5))
+    hard = [(s + (s if i % 2 else s // 5), s) for i, s in enumerate(steps)]   # tau 2 or 1.2 by prompt
+    worse = [(t - 1, s) for t, s in hard]
+    lo, hi = paired_bootstrap_diff_ci(hard, worse)
+    ci_a, ci_b = bootstrap_ci(*zip(*hard)), bootstrap_ci(*zip(*worse))
+    assert 0 < lo <= hi and hi - lo < 0.5 * min(ci_a[1] - ci_a[0], ci_b[1] - ci_b[0])
+    with pytest.raises(ValueError, match="same prompts: 8 vs 7"):
+        paired_bootstrap_diff_ci(a, a[:7])

@@ -1,0 +1,100 @@
+"""The scaling study and the SpecForge side by side in one command on a GPU host, without Prefect (how issue 10's
+numbers were made; the `scaling-study` flow runs the same functions as tasks).
+
+  python benchmarks/scaling_study_gpu.py --config configs/scaling_gsm8k.json --side-by-side 1024
+
+The data stages run in this process (prompts, regeneration, tokenization, features on the GPU, vocab map; each
+cached by its manifest). Then every size of the study is its own process (scaling_study.train_and_measure: training
+on the GPU, the offline evaluator on its own share of the CPU threads), so the sizes overlap; the side by side of a
+size (benchmarks/specforge_side_by_side.py) starts once that size is done. Last, the trend, table and plot
+(scaling_study.finish_study). Logs: RUN_DIR/scaling/logs/. Exits 1 naming the first job that failed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eagle3_core import scaling_study as study  # noqa: E402
+from eagle3_core import stages  # noqa: E402
+from eagle3_core.config import PipelineConfig  # noqa: E402
+
+
+def data_stages(cfg: PipelineConfig) -> None:
+    for name, stage in [("prompts", stages.run_prompts), ("generation", stages.run_generation),
+                        ("tokenize", stages.run_tokenize), ("features", stages.run_features),
+                        ("vocab", stages.run_vocab)]:
+        t0 = time.monotonic()
+        stage(cfg)
+        print(f"== {name}: {time.monotonic() - t0:.0f} s", flush=True)
+
+
+def run_jobs(cfg: PipelineConfig, config: Path, sizes: list[int], side_by_side: list[int], seed: int) -> None:
+    logs = cfg.run_dir / "scaling" / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // (len(sizes) + len(side_by_side)))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+
+    def start(name: str, argv: list[str]) -> subprocess.Popen:
+        with open(logs / f"{name}.log", "wb") as f:
+            return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+    jobs = {f"n_{n}": start(f"n_{n}", [__file__, "--config", str(config), "--size", str(n), "--seed", str(seed)])
+            for n in sizes}
+    waiting, t0 = set(side_by_side), time.monotonic()
+    while jobs:
+        time.sleep(2)
+        for name, p in list(jobs.items()):
+            if p.poll() is None:
+                continue
+            del jobs[name]
+            print(f"== {name}: exit {p.returncode} after {time.monotonic() - t0:.0f} s", flush=True)
+            if p.returncode:
+                print((logs / f"{name}.log").read_text()[-4000:])
+                for q in jobs.values():
+                    q.terminate()
+                sys.exit(1)
+            if name.startswith("n_") and (n := int(name[2:])) in waiting:
+                waiting.discard(n)
+                out = cfg.run_dir / "scaling" / f"side_by_side_{n}.json"
+                jobs[f"specforge_{n}"] = start(f"specforge_{n}", [
+                    str(ROOT / "benchmarks" / "specforge_side_by_side.py"), "--config", str(config), "--samples",
+                    str(n), "--seed", str(seed), "--out", str(out)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, type=Path, help="PipelineConfig JSON")
+    ap.add_argument("--fractions", default="0.125,0.25,0.5,1", help="sizes as fractions of the training samples")
+    ap.add_argument("--side-by-side", default="", help="sizes (sample counts, among the study's) to train with "
+                                                      "SpecForge too; 'max' = the largest")
+    ap.add_argument("--extrapolate-to", default="", help="sample counts to predict tau at")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--size", type=int, help=argparse.SUPPRESS)         # worker: one size of the study
+    a = ap.parse_args()
+    cfg = PipelineConfig.model_validate_json(a.config.read_text())
+    if a.size is not None:
+        study.train_and_measure(cfg, a.size, a.seed)
+        return
+    data_stages(cfg)
+    sizes = study.study_sizes(cfg, [float(x) for x in a.fractions.split(",")])
+    sbs = [sizes[-1] if x == "max" else int(x) for x in a.side_by_side.split(",") if x]
+    if missing := set(sbs) - set(sizes):
+        raise SystemExit(f"--side-by-side {sorted(missing)} not among the study's sizes {sizes}")
+    print(f"== study sizes {sizes}; side by side at {sbs}", flush=True)
+    run_jobs(cfg, a.config, sizes, sbs, a.seed)
+    manifests = [study.train_and_measure(cfg, n, a.seed) for n in sizes]   # all cached by now
+    res = study.finish_study(cfg, manifests, [int(x) for x in a.extrapolate_to.split(",") if x])
+    print(res["markdown"])
+    for n in sbs:
+        print((cfg.run_dir / "scaling" / "logs" / f"specforge_{n}.log").read_text()[-1500:])
+
+
+if __name__ == "__main__":
+    main()

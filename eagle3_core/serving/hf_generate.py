@@ -1,0 +1,116 @@
+"""In-process batched generation with transformers: regeneration for small targets without a server.
+
+`server.kind: "transformers"`: the generation stage loads the target in its own process (fp32, CUDA when available)
+and answers prompts in batches of up to `generation.concurrency` rows with `model.generate` (left padding, greedy
+or sampled). Meant for targets that fit one GPU (the embedded default and the scaling study's thousands of prompts
+on the GPU machine); a served model (SGLang, llama.cpp) stays the path for large targets. Answers carry the same
+fields as the HTTP clients' (`client.parse_response`), so shards, resume and the quality gate are unchanged.
+
+Batching changes nothing but numerics: a row's greedy answer equals its unbatched greedy decoding except where two
+logits are within float rounding of each other (checked in tests/test_generation.py on the embedded target).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+LINGER_S = 0.05       # wait this long for more requests before running a batch that is not full
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """End-of-sequence ids: the model's generation config (int or list) and the tokenizer's eos token."""
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+class BatchedGenerator:
+    """Collects `complete()` calls of concurrent asyncio tasks into batches and runs them through `model.generate` in
+    one worker thread (the event loop keeps flushing and reporting meanwhile).
+
+    model: a HF causal LM in eval mode; tokenizer: its tokenizer (decoding, pad id); max_batch: rows per batch;
+    max_new_tokens, temperature: as GenerationConfig (temperature 0 = greedy)."""
+
+    def __init__(self, model, tokenizer, max_batch: int, max_new_tokens: int, temperature: float = 0.0,
+                 name: str = "transformers"):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+        self.max_new_tokens, self.temperature, self.name = max_new_tokens, temperature, name
+        self.eos = eos_token_ids(model, tokenizer)
+        if not self.eos:
+            raise ValueError("the target has no eos_token_id (generation config or tokenizer): answers could not stop")
+        pad = tokenizer.pad_token_id
+        self.pad = int(pad if pad is not None else min(self.eos))
+        self.batches = 0
+        self._pending: list[tuple[list[int], asyncio.Future]] = []
+        self._runner: asyncio.Task | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="hf-generate")
+
+    async def complete(self, prompt_ids: list[int]) -> dict:
+        """Answer one prompt (token ids, chat template applied). Returns {response, reasoning '', finish_reason
+        'stop' | 'length', prompt_tokens, completion_tokens (EOS included), output_ids (EOS excluded), model,
+        timings (JSON: batch rows and seconds)}. Raises what `model.generate` raised (e.g. CUDA out of memory)."""
+        if not prompt_ids:
+            raise ValueError("empty prompt: nothing to condition the answer on")
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((list(prompt_ids), fut))
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.create_task(self._run())
+        return await fut
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._pending:
+            if len(self._pending) < self.max_batch:
+                await asyncio.sleep(LINGER_S)
+            batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
+            try:
+                answers = await loop.run_in_executor(self._thread, self.generate_batch, [p for p, _ in batch])
+            except Exception as e:  # noqa: BLE001 -- every request of the batch fails with the cause
+                for _, f in batch:
+                    if not f.done():
+                        f.set_exception(e)
+                continue
+            for (_, f), a in zip(batch, answers, strict=True):
+                if not f.done():
+                    f.set_result(a)
+
+    @torch.no_grad()
+    def generate_batch(self, prompts: list[list[int]]) -> list[dict]:
+        """One `generate` call over `prompts` (left-padded to the longest). Returns one answer dict per prompt."""
+        t0 = time.perf_counter()
+        dev = self.model.device
+        L = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), L), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), L), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, L - len(p):] = torch.tensor(p)
+            mask[i, L - len(p):] = 1
+        sampling = ({"do_sample": True, "temperature": self.temperature} if self.temperature > 0 else
+                    {"do_sample": False, "temperature": None, "top_p": None, "top_k": None})
+        out = self.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                                  max_new_tokens=self.max_new_tokens, pad_token_id=self.pad,
+                                  eos_token_id=sorted(self.eos), **sampling)[:, L:].tolist()
+        seconds = time.perf_counter() - t0
+        self.batches += 1
+        answers = []
+        for p, gen in zip(prompts, out, strict=True):
+            stop = next((j for j, t in enumerate(gen) if t in self.eos), None)
+            toks = gen if stop is None else gen[:stop]
+            answers.append({
+                "response": self.tokenizer.decode(toks, skip_special_tokens=True), "reasoning": "",
+                "finish_reason": "length" if stop is None else "stop", "prompt_tokens": len(p),
+                "completion_tokens": len(toks) + (stop is not None), "output_ids": toks,
+                "model": str(getattr(self.model.config, "_name_or_path", "") or ""),
+                "timings": json.dumps({"batch_rows": len(prompts), "batch_s": seconds})})
+        return answers
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
