@@ -63,22 +63,10 @@ def import_specforge():
     return m.OnlineEagle3Model, LlamaForCausalLMEagle3, reference
 
 
-def train_specforge(cfg: PipelineConfig, n: int, seed: int, device: torch.device, log=print):
-    """SpecForge's TTT training on the study's subset of `n` samples; returns (our Eagle3Draft with its weights,
-    seconds, step losses)."""
+def specforge_draft(ours):
+    """SpecForge's LlamaForCausalLMEagle3 (sdpa) with our draft's shape and weights (same parameter names)."""
     from transformers.models.llama.configuration_llama import LlamaConfig
-
-    from eagle3_core.scaling_study import nested_subset
-    from eagle3_core.stages import _fresh_draft, train_split
-    from eagle3_core.trainer import _epoch_batches, lr_lambda
-    from eagle3_core.ttt import collate
-    OnlineEagle3Model, LlamaForCausalLMEagle3, _ = import_specforge()
-    t = cfg.train
-    if t.grad_accum != 1:
-        raise ValueError("this comparison assumes train.grad_accum 1")
-    train_all, _ = train_split(cfg)
-    train_s = [train_all[i] for i in nested_subset(len(train_all), n, seed)]
-    ours, lm_head = _fresh_draft(cfg)
+    _, LlamaForCausalLMEagle3, _ = import_specforge()
     sh = ours.shape
     lcfg = LlamaConfig(hidden_size=sh.hidden_size, num_attention_heads=sh.num_attention_heads,
                        num_key_value_heads=sh.num_key_value_heads, head_dim=sh.head_dim,
@@ -90,6 +78,61 @@ def train_specforge(cfg: PipelineConfig, n: int, seed: int, device: torch.device
     model = LlamaForCausalLMEagle3(lcfg, attention_backend="sdpa")
     missing, unexpected = model.load_state_dict(ours.state_dict(), strict=False)
     assert not unexpected and all("rotary" in k or "inv_freq" in k for k in missing), (missing, unexpected)
+    return model
+
+
+def specforge_inputs(b: dict, device: torch.device | str = "cpu") -> dict:
+    """OnlineEagle3Model's keyword arguments for a batch of ours (ttt.collate), made as SpecForge's own trainer
+    makes them: TargetHead.preprocess (specforge/modeling/target/target_head.py, called by
+    training/strategies/base.py) shifts input_ids and the teacher (here the target's final hidden states, its
+    compact-teacher path) left by one, so that position t holds (aux f_t, token x_{t+1}) and the teacher's logits
+    z_{t+1}, which predict x_{t+2}; the loss mask is not shifted (SpecForge's convention). Without this shift
+    SpecForge trains (f_t, x_t) -> z_t, a draft that the EAGLE-3 verify loop feeds (f_t, x_{t+1})."""
+    from specforge.utils import padding
+    kw = {"input_ids": padding(b["input_ids"], left=False), "attention_mask": b["valid"].long(),
+          "loss_mask": b["loss_mask"][..., None].long(), "hidden_states": b["aux"].float(),
+          "target_hidden_for_compact": padding(b["final"].float(), left=False)}
+    return {"target": None, **{k: v.to(device) for k, v in kw.items()}}
+
+
+@torch.no_grad()
+def check_step0_alignment(model, ours, b: dict, kw: dict, atol: float = 1e-4) -> float:
+    """Step-0 logits of SpecForge's model on its inputs `kw` equal our draft's on the pairs (f_t, x_{t+1}) that
+    the verify loop feeds (speculate.prefill), for the batch's first sample (same weights, fp32, CPU). Returns the
+    largest difference; raises AssertionError naming it when the inputs or weights are misaligned."""
+    from specforge.modeling.draft.llama3_eagle import prepare_decoder_attention_mask
+
+    from eagle3_core.ttt import shift_left
+    T = int(b["valid"][0].sum())
+    hs = model.project_hidden_states(kw["hidden_states"][:1, :T].cpu())
+    mask = prepare_decoder_attention_mask(torch.ones(1, T, dtype=torch.bool), (1, T), hs, 0)
+    theirs = model.compute_logits(model.backbone(model.embed_input_ids(kw["input_ids"][:1, :T].cpu()), hs, None,
+                                                 mask, torch.arange(T)[None]))
+    mine = ours.decode(shift_left(b["input_ids"][:1, :T], 1), ours.fuse(b["aux"][:1, :T].float()),
+                       torch.arange(T)[None], {})[1]
+    diff = float((theirs[:, :T - 1] - mine[:, :T - 1]).abs().max())         # the last position has no x_{t+1}
+    assert diff < atol, f"SpecForge's step-0 logits differ from ours by {diff:.3g}: inputs or weights misaligned"
+    return diff
+
+
+def train_specforge(cfg: PipelineConfig, n: int, seed: int, device: torch.device, log=print):
+    """SpecForge's TTT training on the study's subset of `n` samples; returns (our Eagle3Draft with its weights,
+    seconds, step losses)."""
+    from eagle3_core.scaling_study import nested_subset
+    from eagle3_core.stages import _fresh_draft, train_split
+    from eagle3_core.trainer import _epoch_batches, lr_lambda
+    from eagle3_core.ttt import collate
+    OnlineEagle3Model, _, _ = import_specforge()
+    t = cfg.train
+    if t.grad_accum != 1:
+        raise ValueError("this comparison assumes train.grad_accum 1")
+    train_all, _ = train_split(cfg)
+    train_s = [train_all[i] for i in nested_subset(len(train_all), n, seed)]
+    ours, lm_head = _fresh_draft(cfg)
+    model = specforge_draft(ours)
+    first = collate([train_s[i] for i in _epoch_batches(train_s, t, 0)[0]])
+    log(f"specforge: step-0 logits equal ours on the first batch (max diff "
+        f"{check_step0_alignment(model, ours, first, specforge_inputs(first)):.2g})")
     model.embed_tokens.weight.requires_grad_(False)                        # the target's, frozen (as ours)
     model.to(device)
     wrapper = OnlineEagle3Model(draft_model=model, length=t.ttt_length, attention_backend="sdpa")
@@ -105,10 +148,7 @@ def train_specforge(cfg: PipelineConfig, n: int, seed: int, device: torch.device
     for epoch in range(t.epochs):
         for ids in _epoch_batches(train_s, t, epoch):
             b = collate([train_s[i] for i in ids])
-            plosses, *_ = wrapper(input_ids=b["input_ids"].to(device), attention_mask=b["valid"].long().to(device),
-                                  target=None, loss_mask=b["loss_mask"][..., None].long().to(device),
-                                  hidden_states=b["aux"].float().to(device),
-                                  target_hidden_for_compact=b["final"].float().to(device), target_head_weight=head)
+            plosses, *_ = wrapper(**specforge_inputs(b, device), target_head_weight=head)
             loss = sum(t.step_weight ** i * pl for i, pl in enumerate(plosses))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, t.grad_clip)

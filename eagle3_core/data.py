@@ -76,7 +76,9 @@ def end_of_turn(tokenizer) -> tuple[int, str]:
     first = next((t for t in tokenizer(tail, add_special_tokens=False)["input_ids"] if t in special), None)
     if first is None:
         raise MaskError(f"the chat template ends an assistant turn with {tail[:30]!r}, no special token; add the "
-                        f"end-of-turn token to the tokenizer's special tokens")
+                        f"end-of-turn token to the tokenizer's special tokens (seen with transformers 5.17 on a "
+                        f"tokenizer converted from GGUF, which 5.24 flags special: upgrade transformers, or point "
+                        f"target.model at a directory with the model's own tokenizer files)")
     return first, tokenizer.convert_ids_to_tokens(first)
 
 

@@ -220,12 +220,20 @@ def _generation_engine(cfg: PipelineConfig, tok, log):
     """server.kind 'transformers': the target in this process (fp32; CUDA when available), batches of
     generation.concurrency rows."""
     from .serving.hf_generate import BatchedGenerator
-    from .target import load_target
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = cfg.generation
     log(f"generation: target in this process on {device} (transformers, batches of {g.concurrency})")
-    return BatchedGenerator(load_target(cfg.target, device, torch.float32), tok, g.concurrency, g.max_new_tokens,
-                            g.temperature)
+    return BatchedGenerator(_generation_target(cfg.target.model_dump_json(), device), tok, g.concurrency,
+                            g.max_new_tokens, g.temperature)
+
+
+@lru_cache(maxsize=1)
+def _generation_target(target_json: str, device: str):
+    """The fp32 target of in-process generation, loaded once per process: the flow's shard tasks (threads of one
+    process) share it. Released by finish_generation."""
+    from .config import TargetConfig
+    from .target import load_target
+    return load_target(TargetConfig.model_validate_json(target_json), device, torch.float32)
 
 
 def run_generation_shard(cfg: PipelineConfig, shard: int, log=print, urls: list[str] | None = None,
@@ -265,6 +273,7 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
     from .generation_quality import check_quality, quality_report
     from .regenerate import num_shards, shard_name
     from .serving.client import TOKEN_ID_APIS
+    _generation_target.cache_clear()
     out, key, g = cfg.run_dir / "generations", generation_key(cfg), cfg.generation
     stage_key = generation_stage_key(cfg)
     if (m := cached_manifest(out / "manifest.json", stage_key)):

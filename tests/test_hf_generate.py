@@ -48,6 +48,11 @@ def test_batched_in_process_answers_equal_unbatched_greedy(tmp_path, target_mode
     again = stages.run_generation(cfg, log=lambda *_: None)                           # shards finished: kept
     assert again["samples"] == 6 and [json.loads((tmp_path / "generations" / f"shard_{k:05d}.json").read_text())[
         "sha256"] for k in (0, 1)] == shas
+    for f in (tmp_path / "generations").glob("shard_00001.*"):                       # the flow's shard-task path
+        f.unlink()
+    rec = stages.run_generation_shard(cfg, 1, log=lambda *_: None)
+    assert rec["generated"] == 3 and rec["sha256"] != "" and [r["output_ids"] for r in pq.read_table(
+        tmp_path / "generations" / "shard_00001.parquet").to_pylist()] == [r["output_ids"] for r in rows[3:]]
 
 
 def test_an_eos_token_ends_the_answer_before_it(target_model, tokenizer):
