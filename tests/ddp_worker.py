@@ -21,6 +21,7 @@ from conftest import tiny_draft
 from train_worker import CFG, samples
 
 from eagle3_core.distributed.ddp_trainer import train_ddp
+from eagle3_core.distributed.launch import emit_line
 from eagle3_core.distributed.train_ddp import init_distributed, shutdown_distributed
 
 LM_HEAD_SEED = 5
@@ -30,13 +31,13 @@ def main():
     torch.set_num_threads(1)                                     # the same kernels in every process
     rank, _, _ = init_distributed()
     if sys.argv[1] == "hold":
-        print(f"rank {rank} pid {os.getpid()} ready", flush=True)
+        emit_line(f"rank {rank} pid {os.getpid()} ready")            # one write: ranks share a pipe
         time.sleep(600)
         return
     out_dir, stop = Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None
     lm_head = torch.randn(100, 32, generator=torch.Generator().manual_seed(LM_HEAD_SEED))
     res = train_ddp(tiny_draft(), samples(), samples(4, seed=1), lm_head, CFG, out_dir,
-                    log=lambda s: print(s, flush=True) if rank == 0 else None, stop_after_steps=stop)
+                    log=emit_line if rank == 0 else lambda s: None, stop_after_steps=stop)
     if rank == 0:
         (out_dir / "result.json").write_text(json.dumps({"steps": res["steps"], "step_losses": res["step_losses"],
                                                          "history": res["history"]}))

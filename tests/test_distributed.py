@@ -84,3 +84,24 @@ def test_failed_torchrun_raises_with_its_output(tmp_path):
     with pytest.raises(TorchrunError, match="about to fail"):
         run_torchrun([str(bad)], 1, on_line=lines.append, env=ENV, grace_s=5)
     assert "about to fail" in lines and sys.executable
+
+
+def test_worker_lines_stay_whole_when_ranks_share_a_pipe():
+    """Two unbuffered processes on one pipe, 3,000 lines each through emit_line: every line arrives whole. (print()
+    writes the newline apart; two ranks' 'ready' lines once arrived as 'rank 0 pid P readyrank 1 pid Q ready' and
+    the cancellation test waited 600 s for a second line.)"""
+    import os
+    import re
+    import subprocess
+
+    from conftest import ROOT
+    code = ("import sys\nfrom eagle3_core.distributed.launch import emit_line\n"
+            "for i in range(3000):\n    emit_line(f'rank {sys.argv[1]} line {i} ready')")
+    r, w = os.pipe()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(k)], stdout=w, env=env) for k in (0, 1)]
+    os.close(w)
+    with os.fdopen(r) as f:
+        lines = f.read().splitlines()
+    assert [p.wait() for p in procs] == [0, 0]
+    assert len(lines) == 6000 and all(re.fullmatch(r"rank [01] line \d+ ready", x) for x in lines)

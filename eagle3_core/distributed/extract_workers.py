@@ -27,7 +27,7 @@ from ..config import PipelineConfig
 from ..extract import HFExtractor
 from ..features import STORE_VERSION, _write_head, bad_shards, content_key, shard_entry, write_shards
 from ..manifest import read_manifest, write_manifest
-from .launch import die_with_parent, run_torchrun
+from .launch import die_with_parent, emit_line, run_torchrun
 
 PARTS = "parts"
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     dist.init_process_group("gloo")                 # coordination only: a few small CPU messages
     try:
-        run_worker(cfg, log=lambda s: print(s, flush=True))
+        run_worker(cfg, log=emit_line)
     finally:
         dist.destroy_process_group()
 

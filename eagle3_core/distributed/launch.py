@@ -36,6 +36,14 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         _PRCTL(_PR_SET_PDEATHSIG, int(sig))
 
 
+def emit_line(text: str) -> None:
+    """Write `text` and its newline to stdout in one write() call. Workers share torchrun's output pipe and run
+    unbuffered (PYTHONUNBUFFERED, set by run_torchrun), where print() writes the text and the newline separately:
+    two ranks' lines then interleave ('...readyrank 1 ...'). One write of a line under PIPE_BUF bytes is atomic."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def torchrun_command(args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
                      rdzv_endpoint: str | None = None) -> list[str]:
     """The torchrun command line for `args` (e.g. ['-m', 'eagle3_core.distributed.train_ddp', '--config', f]).

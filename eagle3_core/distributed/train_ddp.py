@@ -22,7 +22,7 @@ from ..config import PipelineConfig
 from ..features import bad_shards, load_samples
 from ..manifest import read_manifest, write_manifest
 from .ddp_trainer import train_ddp
-from .launch import die_with_parent
+from .launch import die_with_parent, emit_line
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, _, device = init_distributed()
     cfg.train.device = str(device)
     try:
-        run_train_ddp(cfg, log=lambda s: print(s, flush=True) if rank == 0 else None)
+        run_train_ddp(cfg, log=emit_line if rank == 0 else lambda s: None)
     except BaseException:
         dist.destroy_process_group()          # no barrier: the other ranks may never reach it; torchrun stops them
         raise
