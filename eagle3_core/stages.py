@@ -163,8 +163,8 @@ def generation_servers(cfg: PipelineConfig):
     """Base URLs to generate with. Kinds 'llama.cpp' and 'sglang' start the server here, on `server.host` (default
     127.0.0.1), logging to generations/server.log, and stop it when the block ends, on failure, Ctrl-C, SIGTERM
     (a cancelled flow run) and, through PDEATHSIG, when this process is killed. Kind 'external' yields
-    `server.url` / `server.urls`; kind 'transformers' yields no URL (the stage generates in process). Raises ValueError for a config that cannot work, ServerError if a server does
-    not start."""
+    `server.url` / `server.urls`; kind 'transformers' yields no URL (the stage generates in process). Raises
+    ValueError for a config that cannot work, ServerError if a server does not start."""
     from .serving.launcher import llama_server, sglang_server
     from .target import gguf_path
     s, log_path = cfg.server, cfg.run_dir / "generations" / "server.log"
