@@ -5,7 +5,8 @@ see the same samples (the scaling study's nested subset of `--samples` training 
 in the same token-budget batches and order, for the same epochs, with AdamW (betas 0.9/0.95, no weight decay), the
 same warmup + cosine learning-rate schedule, gradient clipping and TTT length (step weights 0.8**k). Ours is the
 scaling study's draft of that size (eagle3_core/scaling_study.py: trained, or reused from its manifest); SpecForge's
-is trained here with its OnlineEagle3Model (its own shift, masks, teacher and loss; sdpa attention) and exported by
+is trained here with its OnlineEagle3Model (its masks, teacher and loss; sdpa attention; inputs shifted as its
+pipeline shifts them, checked against our step-0 logits before training) and exported by
 loading its weights into our draft class (same parameter names). Both are measured with our offline evaluator
 (chain drafting, greedy, the run's held-out prompts and eval settings): tau with 95% bootstrap intervals, and the
 difference with a paired bootstrap interval (the same prompts resampled for both drafts).
