@@ -18,17 +18,21 @@ from .speedup import model_from_measurement
 TAU_GAP_FLAG = 0.2
 
 
+def _percentile_bootstrap(k: int, stat, n: int, seed: int) -> tuple[float, float]:
+    """95% percentile interval of stat(idx) over n resamples idx of range(k) with replacement (seeded)."""
+    rng = random.Random(seed)
+    vals = sorted(stat([rng.randrange(k) for _ in range(k)]) for _ in range(n))
+    return vals[int(0.025 * n)], vals[int(0.975 * n) - 1]
+
+
+def _tau_of(per_prompt_tokens, per_prompt_steps, idx: list[int]) -> float:
+    return sum(per_prompt_tokens[i] for i in idx) / max(sum(per_prompt_steps[i] for i in idx), 1)
+
+
 def bootstrap_ci(per_prompt_tokens: list[int], per_prompt_steps: list[int], n: int = 1000, seed: int = 0):
     """95% percentile bootstrap interval of the ratio tau over prompts."""
-    rng = random.Random(seed)
-    k = len(per_prompt_tokens)
-    vals = []
-    for _ in range(n):
-        idx = [rng.randrange(k) for _ in range(k)]
-        steps = sum(per_prompt_steps[i] for i in idx)
-        vals.append(sum(per_prompt_tokens[i] for i in idx) / max(steps, 1))
-    vals.sort()
-    return vals[int(0.025 * n)], vals[int(0.975 * n) - 1]
+    return _percentile_bootstrap(len(per_prompt_tokens),
+                                 lambda idx: _tau_of(per_prompt_tokens, per_prompt_steps, idx), n, seed)
 
 
 def paired_bootstrap_diff_ci(a: list[tuple[int, int]], b: list[tuple[int, int]], n: int = 1000, seed: int = 0):
@@ -38,14 +42,8 @@ def paired_bootstrap_diff_ci(a: list[tuple[int, int]], b: list[tuple[int, int]],
     length or are empty."""
     if len(a) != len(b) or not a:
         raise ValueError(f"paired comparison needs the same prompts: {len(a)} vs {len(b)} per-prompt results")
-    rng, k, vals = random.Random(seed), len(a), []
-    for _ in range(n):
-        idx = [rng.randrange(k) for _ in range(k)]
-        ta = sum(a[i][0] for i in idx) / max(sum(a[i][1] for i in idx), 1)
-        tb = sum(b[i][0] for i in idx) / max(sum(b[i][1] for i in idx), 1)
-        vals.append(ta - tb)
-    vals.sort()
-    return vals[int(0.025 * n)], vals[int(0.975 * n) - 1]
+    (ta, sa), (tb, sb) = zip(*a), zip(*b)
+    return _percentile_bootstrap(len(a), lambda idx: _tau_of(ta, sa, idx) - _tau_of(tb, sb, idx), n, seed)
 
 
 def compare_outputs(spec: list[int], ref: list[int], ref_gaps: list[float], tie_gap: float) -> str:

@@ -223,17 +223,9 @@ def _generation_engine(cfg: PipelineConfig, tok, log):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = cfg.generation
     log(f"generation: target in this process on {device} (transformers, batches of {g.concurrency})")
-    return BatchedGenerator(_generation_target(cfg.target.model_dump_json(), device), tok, g.concurrency,
+    # loaded once per process: the flow's shard tasks (threads of one process) share it; finish_generation frees it
+    return BatchedGenerator(_loaded_target(cfg.target.model_dump_json(), device, torch.float32), tok, g.concurrency,
                             g.max_new_tokens, g.temperature)
-
-
-@lru_cache(maxsize=1)
-def _generation_target(target_json: str, device: str):
-    """The fp32 target of in-process generation, loaded once per process: the flow's shard tasks (threads of one
-    process) share it. Released by finish_generation."""
-    from .config import TargetConfig
-    from .target import load_target
-    return load_target(TargetConfig.model_validate_json(target_json), device, torch.float32)
 
 
 def run_generation_shard(cfg: PipelineConfig, shard: int, log=print, urls: list[str] | None = None,
@@ -273,7 +265,7 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
     from .generation_quality import check_quality, quality_report
     from .regenerate import num_shards, shard_name
     from .serving.client import TOKEN_ID_APIS
-    _generation_target.cache_clear()
+    _loaded_target.cache_clear()
     out, key, g = cfg.run_dir / "generations", generation_key(cfg), cfg.generation
     stage_key = generation_stage_key(cfg)
     if (m := cached_manifest(out / "manifest.json", stage_key)):
@@ -430,11 +422,12 @@ def _tokenized_rows(cfg: PipelineConfig) -> list[dict]:
 
 
 @lru_cache(maxsize=1)
-def _loaded_target(target_json: str, device: str):
-    """The target, loaded once per process for all feature shards of a run (cleared by finish_features)."""
+def _loaded_target(target_json: str, device: str, dtype: torch.dtype | None = None):
+    """The target, loaded once per process for all feature shards (or in-process generation shards, fp32) of a run
+    (cleared by finish_features and finish_generation). dtype None: load_target's default."""
     from .config import TargetConfig
     from .target import load_target
-    return load_target(TargetConfig.model_validate_json(target_json), device)
+    return load_target(TargetConfig.model_validate_json(target_json), device, dtype)
 
 
 def _mark_store(cfg: PipelineConfig, store: dict) -> None:

@@ -7,7 +7,7 @@ on the GPU machine); a served model (SGLang, llama.cpp) stays the path for large
 fields as the HTTP clients' (`client.parse_response`), so shards, resume and the quality gate are unchanged.
 
 Batching changes nothing but numerics: a row's greedy answer equals its unbatched greedy decoding except where two
-logits are within float rounding of each other (checked in tests/test_generation.py on the embedded target).
+logits are within float rounding of each other (checked in tests/test_hf_generate.py on the embedded target).
 """
 from __future__ import annotations
 
