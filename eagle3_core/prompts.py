@@ -83,7 +83,8 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None) -> tuple[
     (first occurrence in source order wins); then sample counts / weights / the pool (see prompt_data.mix),
     shuffle with `cfg.seed` and split off `num_eval` held-out rows (converted to prompt form).
 
-    Writes every reject to `rejects_path` (JSONL: source, row, reason) before any check can fail. Raises
+    Writes every reject to `rejects_path` (JSONL: source, row, reason); if the stage fails, to
+    `failed_rejects_path(rejects_path)` instead, so that a finished run's rejects stay as they are. Raises
     RejectError naming the worst source if one rejects more than `cfg.max_reject_frac` of its rows, and
     ValueError if a source has fewer rows left than it must give.
     """
@@ -112,10 +113,13 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None) -> tuple[
             seen.add(key)
             kept.append(r)
         st["available"] = len(kept)
-    if rejects_path is not None:
-        write_atomic(rejects_path, "".join(json.dumps(r) + "\n" for r in rejects).encode())
-    _check_rejects(per, rejects, cfg.max_reject_frac, rejects_path)
-    chosen = _sample(specs, avail, per, total, cfg.seed)
+    try:
+        check_reject_limit(per, rejects, cfg.max_reject_frac, failed_rejects_path(rejects_path))
+        chosen = _sample(specs, avail, per, total, cfg.seed)
+    except ValueError:
+        write_rejects(rejects_path, rejects, failed=True)
+        raise
+    write_rejects(rejects_path, rejects, failed=False)
     eval_rows = [{**r, "messages": to_prompt(r["messages"]), "mode": "prompt"} for r in chosen[:cfg.num_eval]]
     train_rows = chosen[cfg.num_eval:total]
     for name, rows in (("eval", eval_rows), ("train", train_rows)):
@@ -127,7 +131,32 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None) -> tuple[
     return train_rows, eval_rows, stats
 
 
-def _check_rejects(per: dict, rejects: list[dict], max_frac: float, rejects_path: Path | None) -> None:
+def failed_rejects_path(path: Path | None) -> Path | None:
+    """Where a failed attempt writes its rejects: `rejects.failed.jsonl` beside `rejects.jsonl`."""
+    return None if path is None else path.with_name(path.name.replace(".jsonl", ".failed.jsonl"))
+
+
+def write_rejects(path: Path | None, rejects: list[dict], failed: bool) -> None:
+    """Write `rejects` (JSONL, one object per rejected row) atomically: to `path` when the stage succeeded (and
+    remove an earlier failed attempt's file), else to `failed_rejects_path(path)`, leaving `path` (a finished
+    run's) byte-identical. `path=None` writes nothing."""
+    if path is None:
+        return
+    data = "".join(json.dumps(r) + "\n" for r in rejects).encode()
+    if failed:
+        write_atomic(failed_rejects_path(path), data)
+    else:
+        write_atomic(path, data)
+        failed_rejects_path(path).unlink(missing_ok=True)
+
+
+def check_reject_limit(per: dict, rejects: list[dict], max_frac: float, rejects_path: Path | None) -> None:
+    """Raise RejectError naming the source with the largest rejected fraction if it is above `max_frac`.
+
+    per: {source: {"read": rows read, "rejected": rows rejected, ...}}; rejects: [{"source", "reason", ...}];
+    rejects_path: named in the message (where the user finds every reject)."""
+    if not per:
+        return
     frac = {name: s["rejected"] / max(s["read"], 1) for name, s in per.items()}
     worst = max(frac, key=frac.get)
     if frac[worst] > max_frac:
@@ -135,6 +164,17 @@ def _check_rejects(per: dict, rejects: list[dict], max_frac: float, rejects_path
         raise RejectError(f"source {worst!r} rejected {per[worst]['rejected']} of {per[worst]['read']} rows "
                           f"({frac[worst]:.0%}), above prompts.max_reject_frac {max_frac:.0%}; first: {first}. "
                           f"All rejects: {rejects_path or '(not written)'}")
+
+
+def finish_rejects(path: Path, rejects: list[dict], per: dict, max_frac: float) -> None:
+    """A later stage's rejects (e.g. tokenize's): within the limit, written to `path`; above it, written to
+    `failed_rejects_path(path)` and RejectError raised naming the worst source (check_reject_limit)."""
+    try:
+        check_reject_limit(per, rejects, max_frac, failed_rejects_path(path))
+    except RejectError:
+        write_rejects(path, rejects, failed=True)
+        raise
+    write_rejects(path, rejects, failed=False)
 
 
 def _sample(specs: list[SourceSpec], avail: dict, per: dict, total: int, seed: int) -> list[dict]:

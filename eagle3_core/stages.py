@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from jinja2 import TemplateError
 from safetensors.torch import load_file, save_file
 
 from . import prompts as prompts_mod
@@ -345,21 +346,30 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
         return m
     t0 = time.monotonic()
     tok = load_tokenizer(cfg.target)
-    rows, n_cut, dropped = [], 0, []
+    rows, n_cut, dropped, rejects, per = [], 0, [], [], {}
     for shard in up["shards"]:
-        for r in prompts_mod.read_rows(cfg.run_dir / "generations" / shard):
+        for index, r in enumerate(prompts_mod.read_rows(cfg.run_dir / "generations" / shard)):
+            st = per.setdefault(r.get("source") or "?", {"read": 0, "rejected": 0})
+            st["read"] += 1
             if r.get("mode") == "keep":
                 msgs, train, truncated = r["messages"], "all", False
             else:
                 answer = {"role": "assistant", "content": assistant_content(r["response"], r["reasoning"])}
                 msgs, train, truncated = r["messages"] + [answer], "last", r["finish_reason"] == "length"
-            seq = tokenize_chat(tok, msgs, r["id"], train=train, truncated=truncated,
-                                max_length=cfg.features.max_length, overlong=cfg.prompts.overlong)
+            try:
+                seq = tokenize_chat(tok, msgs, r["id"], train=train, truncated=truncated,
+                                    max_length=cfg.features.max_length, overlong=cfg.prompts.overlong)
+            except (ValueError, TemplateError) as e:    # MaskError, or the template refusing this conversation
+                st["rejected"] += 1
+                rejects.append({"source": r.get("source") or "?", "file": f"generations/{shard}", "row": index,
+                                "id": r["id"], "reason": f"{type(e).__name__}: {e}"})
+                continue
             if seq is None:
                 dropped.append(r["id"])
                 continue
             n_cut += seq["cut"]
             rows.append({"id": r["id"], "input_ids": seq["input_ids"], "loss_mask": seq["loss_mask"]})
+    prompts_mod.finish_rejects(out / "rejects.jsonl", rejects, per, cfg.prompts.max_reject_frac)
     if not rows:
         raise ValueError(f"tokenize: every sample is longer than features.max_length {cfg.features.max_length} "
                          f"and prompts.overlong is 'drop'; raise max_length or use 'truncate'")
@@ -367,11 +377,14 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
     pq.write_table(pa.Table.from_pylist(rows), out / "train.parquet")
     n_tok, n_loss = sum(len(r["input_ids"]) for r in rows), sum(sum(r["loss_mask"]) for r in rows)
     log(f"tokenize: {len(rows)} samples, {n_tok} tokens, {n_loss} in the loss mask; over max_length "
-        f"{cfg.features.max_length}: {n_cut} cut, {len(dropped)} dropped")
+        f"{cfg.features.max_length}: {n_cut} cut, {len(dropped)} dropped; {len(rejects)} rejected "
+        f"({out / 'rejects.jsonl'})")
     return write_manifest(out / "manifest.json", {
         "inputs_key": key, "samples": len(rows), "tokens": n_tok, "loss_tokens": n_loss,
         "overlong": {"policy": cfg.prompts.overlong, "max_length": cfg.features.max_length, "cut": n_cut,
                      "dropped": len(dropped), "dropped_ids": dropped[:100]},
+        "rejected": len(rejects), "rejected_per_source": {k: v["rejected"] for k, v in per.items()},
+        "rejects": str(out / "rejects.jsonl"),
         "token_source": "re-tokenized with the target's chat template (the OpenAI API returns text, not ids)",
         "seconds": time.monotonic() - t0})
 

@@ -14,8 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("EAGLE3_RETRY_DELAY_S", "0.2")
 
 ROOT = Path(__file__).resolve().parents[1]
-# real data sets beside the checkout (CI lays shared/ next to the clone); EAGLE3_SHARED_DATA overrides
-SHARED_DATA = Path(os.environ.get("EAGLE3_SHARED_DATA", ROOT.parent / "shared" / "data"))
+# real data sets copied into the repository (tests/data/README.md: sources and licences): a plain clone passes
+SHARED_DATA = ROOT / "tests" / "data"
 
 
 def tiny_shape(**kw):

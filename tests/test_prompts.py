@@ -1,4 +1,4 @@
-"""Prompt sources in their real formats (../shared/data, HumanEval, hand-made rows of every other format under
+"""Prompt sources in their real formats (tests/data, HumanEval, hand-made rows of every other format under
 tests/fixtures/prompt_formats), the mix presets' mappings run through the Hugging Face `datasets` code path on local
 files, rejects with reasons, dedup, length filters, per-source counts and the seeded disjoint split."""
 import json

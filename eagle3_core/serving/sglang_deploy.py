@@ -27,10 +27,8 @@ from .sglang_bench import (
 )
 
 _ROOT = Path(__file__).resolve().parents[2]
-# the shared data folder beside the checkout (laptop, CI) or inside it (GPU hosts)
-DEFAULT_SPEC_BENCH = next((d / "shared" / "data" / "spec_bench" / "question.jsonl" for d in (_ROOT, _ROOT.parent)
-                           if (d / "shared" / "data").exists()), _ROOT.parent / "shared" / "data" / "spec_bench"
-                          / "question.jsonl")
+# Spec-Bench prompts shipped with the repository (tests/data/README.md: source and licence)
+DEFAULT_SPEC_BENCH = _ROOT / "tests" / "data" / "spec_bench" / "question.jsonl"
 
 
 def benchmark_prompts(spec_bench: Path | None, human_eval: bool, per_category: int | None) -> list[dict]:
