@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from eagle3_core import scaling_study as study  # noqa: E402
 from eagle3_core import stages  # noqa: E402
-from eagle3_core.config import PipelineConfig  # noqa: E402
+from eagle3_core.config import PipelineConfig, load_config  # noqa: E402
 
 
 def data_stages(cfg: PipelineConfig) -> None:
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--size", type=int, help=argparse.SUPPRESS)         # worker: one size of the study
     a = ap.parse_args()
-    cfg = PipelineConfig.model_validate_json(a.config.read_text())
+    cfg = load_config(a.config)
     if a.size is not None:
         study.train_and_measure(cfg, a.size, a.seed)
         return

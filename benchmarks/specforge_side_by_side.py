@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3_core.config import PipelineConfig  # noqa: E402
+from eagle3_core.config import PipelineConfig, load_config  # noqa: E402
 
 
 def _soft_ce_reference(logits, target_p, position_mask):
@@ -174,7 +174,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="result JSON (default: RUN_DIR/scaling/side_by_side.json)")
     a = ap.parse_args()
     from eagle3_core.scaling_study import measure_offline, train_and_measure
-    cfg = PipelineConfig.model_validate_json(a.config.read_text())
+    cfg = load_config(a.config)
     ours = train_and_measure(cfg, a.samples, a.seed)                      # trained, or reused from its manifest
     ours_seconds = ours["seconds"]
     draft, sf_seconds, losses = train_specforge(cfg, a.samples, a.seed, torch.device(a.device))

@@ -233,3 +233,20 @@ def preset(name: str, run_dir: str | Path | None = None) -> PipelineConfig:
     if run_dir is not None:
         cfg.run_dir = Path(run_dir)
     return cfg
+
+
+class ConfigFileError(ValueError):
+    """A configuration file that cannot be read as a PipelineConfig; the message names the file and each field."""
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    """Read a PipelineConfig from a JSON file. Raises ConfigFileError naming the file and, for each bad field, its
+    location and the reason (an unknown field also names the nearest valid one); FileNotFoundError if missing."""
+    from pydantic import ValidationError
+    path = Path(path)
+    text = path.read_text()
+    try:
+        return PipelineConfig.model_validate_json(text)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(str(x) for x in err['loc']) or '(top level)'}: {err['msg']}" for err in e.errors()]
+        raise ConfigFileError(f"config file {path}: {e.error_count()} bad field(s)\n" + "\n".join(lines)) from None

@@ -11,7 +11,7 @@ from pathlib import Path
 from prefect import flow
 
 from eagle3_core import report
-from eagle3_core.config import PipelineConfig, preset
+from eagle3_core.config import PipelineConfig, load_config, preset
 from eagle3_core.stages import STAGE_DIRS
 from flows import stages as s
 from tasks.report import report_task
@@ -40,7 +40,7 @@ def main() -> None:
     p.add_argument("--refresh", action="store_true", help="recompute every stage")
     args = p.parse_args()
     if args.config:
-        cfg = PipelineConfig.model_validate_json(Path(args.config).read_text())
+        cfg = load_config(args.config)
     else:
         cfg = preset(args.preset, args.run_dir or f"runs/{args.preset}")
     summary = eagle3_pipeline(cfg, refresh=args.refresh)

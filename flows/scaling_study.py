@@ -15,7 +15,7 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact, c
 from prefect.cache_policies import NO_CACHE
 
 from eagle3_core import scaling_study as study
-from eagle3_core.config import PipelineConfig, preset
+from eagle3_core.config import PipelineConfig, load_config, preset
 from flows import stages as s
 from tasks.logs import run_log
 from tasks.retry import RETRY_OPTIONS, retry_if_transient
@@ -70,7 +70,7 @@ def main() -> None:
     p.add_argument("--fractions", default="0.125,0.25,0.5,1")
     p.add_argument("--extrapolate-to", default="", help="comma-separated sample counts to predict tau at")
     a = p.parse_args()
-    cfg = (PipelineConfig.model_validate_json(Path(a.config).read_text()) if a.config
+    cfg = (load_config(a.config) if a.config
            else preset(a.preset, a.run_dir or f"runs/{a.preset}"))
     res = scaling_study_flow(cfg, [float(x) for x in a.fractions.split(",")],
                              [int(x) for x in a.extrapolate_to.split(",") if x])

@@ -3,8 +3,12 @@ one end-to-end run of the pipeline (debug_tiny preset) whose trained draft later
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -16,6 +20,65 @@ os.environ.setdefault("EAGLE3_RETRY_DELAY_S", "0.2")
 ROOT = Path(__file__).resolve().parents[1]
 # real data sets copied into the repository (tests/data/README.md: sources and licences): a plain clone passes
 SHARED_DATA = ROOT / "tests" / "data"
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop a process a test started, with everything in its process group when it leads one (servers started with
+    start_new_session): SIGTERM, then SIGKILL after `grace_s`."""
+    if proc.poll() is not None:
+        return
+    group = os.getpgid(proc.pid) == proc.pid
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            return
+
+
+@pytest.fixture
+def spawned():
+    """Register a process a test starts (`proc = spawned(Popen(...))`): it is stopped when the test ends, whether
+    it passed, failed, errored or was interrupted (Ctrl-C runs fixture finalizers)."""
+    procs: list[subprocess.Popen] = []
+
+    def register(proc: subprocess.Popen) -> subprocess.Popen:
+        procs.append(proc)
+        return proc
+    yield register
+    for proc in procs:
+        stop_process(proc)
+
+
+def leftover_children() -> list[psutil.Process]:
+    """Live descendants of this pytest process (zombies waiting for their reaper do not count)."""
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                out.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Backstop, also after Ctrl-C: a server or worker a test started and did not stop (a bug in that test) is
+    stopped here and named, so that no llama-server or torchrun outlives pytest. Session fixtures (the Prefect
+    harness) are torn down before this hook runs."""
+    left = leftover_children()
+    for child in left:
+        try:
+            sys.stderr.write(f"\nconftest: stopping leftover process {child.pid}: {' '.join(child.cmdline())[:200]}\n")
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(left, timeout=10)
+    for child in alive:
+        child.kill()
 
 
 def tiny_shape(**kw):

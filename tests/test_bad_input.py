@@ -149,3 +149,17 @@ def test_tokenize_fails_above_the_reject_limit_naming_the_worst_source(tmp_path)
         stages.run_tokenize(cfg, log=lambda *_: None)
     assert not (cfg.run_dir / "tokenized" / "manifest.json").exists()
     assert (cfg.run_dir / "tokenized" / "rejects.failed.jsonl").exists()
+
+
+def test_a_config_file_with_mistyped_fields_names_the_file_and_every_field(tmp_path):
+    from eagle3_core.config import ConfigFileError, load_config
+    path = tmp_path / "my_run.json"
+    path.write_text(json.dumps({"run_dir": "runs/x", "prompts": {"num_trian": 3}, "train": {"epoch": 3}}))
+    with pytest.raises(ConfigFileError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert msg.startswith(f"config file {path}: 2 bad field(s)")
+    assert "prompts: Value error, unknown field 'num_trian' in PromptConfig: did you mean 'num_train'?" in msg
+    assert "train: Value error, unknown field 'epoch' in TrainConfig: did you mean 'epochs'?" in msg
+    path.write_text(json.dumps({"run_dir": "runs/x"}))
+    assert load_config(path).run_dir.name == "x"

@@ -188,13 +188,13 @@ print(m["shards_extracted"])
 """
 
 
-def test_sigkill_during_a_shard_write_leaves_no_bad_shard_in_the_manifest(tmp_path, tiny_target_dirs):
+def test_sigkill_during_a_shard_write_leaves_no_bad_shard_in_the_manifest(tmp_path, tiny_target_dirs, spawned):
     tiny_llama_dir = tiny_target_dirs["llama"]
     out = tmp_path / "store"
     script = tmp_path / "extract.py"
     script.write_text(KILL_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(os.getcwd())}
-    proc = subprocess.Popen([sys.executable, str(script), str(tiny_llama_dir), str(out), "kill"], env=env)
+    proc = spawned(subprocess.Popen([sys.executable, str(script), str(tiny_llama_dir), str(out), "kill"], env=env))
     deadline = time.monotonic() + 120
     while not (out / "KILL_ME").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "extraction subprocess ended early"

@@ -37,6 +37,7 @@ from eagle3_core.serving.launcher import (
     free_port,
     llama_server,
     llama_server_argv,
+    spawn_server,
     stop,
     wait_healthy,
 )
@@ -147,7 +148,7 @@ def test_sglang_generate_request_and_response_fields():
         parse_response("sglang", {"choices": []}, "http://h:30000")
 
 
-def test_server_killed_mid_run_and_restarted_every_prompt_answered_once(tmp_path):
+def test_server_killed_mid_run_and_restarted_every_prompt_answered_once(tmp_path, spawned):
     """Two servers share the load; one is SIGKILLed with a request in flight and restarted on its port. The run
     completes, every prompt answered exactly once, the lost request retried, the restarted server used again."""
     ports = [free_port(), free_port()]
@@ -157,8 +158,7 @@ def test_server_killed_mid_run_and_restarted_every_prompt_answered_once(tmp_path
     def start(i: int) -> None:
         argv = llama_server_argv(embedded_gguf_path(), "127.0.0.1", ports[i], parallel=1, ctx_per_slot=1024,
                                  extra_args=["-t", "1"])
-        with open(tmp_path / f"server{i}.log", "ab") as log:
-            procs[i] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        procs[i] = spawned(spawn_server(argv, tmp_path / f"server{i}.log"))     # stopped by the fixture too
         wait_healthy(urls[i], procs[i], 120)
 
     start(0)
@@ -210,7 +210,7 @@ def test_fault_proxy_503_stalls_and_drops_every_prompt_completes(server, tmp_pat
     assert_each_prompt_answered_once(cfg)
 
 
-def test_client_killed_mid_run_then_rerun_no_duplicates_no_losses(server, tmp_path):
+def test_client_killed_mid_run_then_rerun_no_duplicates_no_losses(server, tmp_path, spawned):
     """The generating process is SIGKILLed with one shard finished and another partly flushed; rerunning through
     the shard contract leaves the finished shard's files untouched, keeps the flushed answers and answers every
     prompt exactly once."""
@@ -219,8 +219,8 @@ def test_client_killed_mid_run_then_rerun_no_duplicates_no_losses(server, tmp_pa
     code = ("import sys; from pathlib import Path; from eagle3_core import stages; "
             "from eagle3_core.config import PipelineConfig; "
             "stages.run_generation(PipelineConfig.model_validate_json(Path(sys.argv[1]).read_text()))")
-    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cfg.json")], cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
+    child = spawned(subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cfg.json")], cwd=ROOT,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL))
     out = cfg.run_dir / "generations"
     deadline = time.monotonic() + 300
     while not ((out / "shard_00000.json").exists() and list(out.glob("partial/shard_00001/part_*.parquet"))):

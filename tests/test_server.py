@@ -28,7 +28,7 @@ def test_unreachable_server_error_names_url_and_fix():
         asyncio.run(check_reachable("http://127.0.0.1:9"))
 
 
-def test_server_dies_with_a_killed_flow_process(tmp_path):
+def test_server_dies_with_a_killed_flow_process(tmp_path, spawned):
     """A cancelled flow run's process can be SIGKILLed (Prefect's runner does after a grace period); the server it
     started, in its own process group, must not outlive it."""
     import os
@@ -45,7 +45,8 @@ def test_server_dies_with_a_killed_flow_process(tmp_path):
         "from eagle3_core.serving.launcher import llama_server\nfrom eagle3_core.target import embedded_gguf_path\n"
         "with llama_server(embedded_gguf_path(), Path(sys.argv[1]), parallel=1) as url:\n"
         "    print(url, flush=True)\n    time.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "s.log")], stdout=subprocess.PIPE, text=True)
+    proc = spawned(subprocess.Popen([sys.executable, str(script), str(tmp_path / "s.log")], stdout=subprocess.PIPE,
+                                    text=True))
     url = proc.stdout.readline().strip()
     assert httpx.get(f"{url}/health", timeout=5).status_code == 200
     os.kill(proc.pid, signal.SIGKILL)
@@ -73,7 +74,7 @@ def test_sglang_command_is_built_as_an_argv_list():
     assert "--trust-remote-code" not in sglang_server_argv("m", "127.0.0.1", 1)
 
 
-def test_cancel_sigterm_to_the_process_group_stops_the_server(tmp_path):
+def test_cancel_sigterm_to_the_process_group_stops_the_server(tmp_path, spawned):
     """What Prefect's runner does on cancel: SIGTERM to the flow run's process group. The server (own process
     group, so it gets no signal itself) is stopped by the launcher's handler, which then calls the handler that
     was installed before it (Prefect installs one that raises; here one that exits with code 3)."""
@@ -90,8 +91,8 @@ def test_cancel_sigterm_to_the_process_group_stops_the_server(tmp_path):
         "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n"
         "with llama_server(embedded_gguf_path(), Path(sys.argv[1]), parallel=1) as url:\n"
         "    print(url, flush=True)\n    time.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "s.log")], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = spawned(subprocess.Popen([sys.executable, str(script), str(tmp_path / "s.log")], stdout=subprocess.PIPE,
+                                    text=True, start_new_session=True))
     url = proc.stdout.readline().strip()
     server_pid = int(open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()[0])
     os.killpg(proc.pid, signal.SIGTERM)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import PipelineConfig
+from ..config import PipelineConfig, load_config
 from ..extract import HFExtractor
 from ..features import STORE_VERSION, _write_head, bad_shards, content_key, shard_entry, write_shards
 from ..manifest import read_manifest, write_manifest
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, type=Path, help="a PipelineConfig JSON file")
     args = ap.parse_args(argv)
-    cfg = PipelineConfig.model_validate_json(args.config.read_text())
+    cfg = load_config(args.config)
     die_with_parent()
     dist.init_process_group("gloo")                 # coordination only: a few small CPU messages
     try:

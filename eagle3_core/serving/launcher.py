@@ -118,6 +118,18 @@ def _restore_sigterm_handler() -> None:
         signal.signal(signal.SIGTERM, _previous_handler[0])
 
 
+def spawn_server(argv: list[str], log_path: Path) -> subprocess.Popen:
+    """Start the server command `argv` in its own process group, appending its output to `log_path`, with
+    PR_SET_PDEATHSIG set (the kernel sends it SIGTERM when the starting thread dies, even by SIGKILL). The caller
+    owns it: `stop(proc)` when done (`launch` does). Raises FileNotFoundError if the binary is missing."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(argv)}\n".encode())
+        log.flush()
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+
+
 @contextmanager
 def launch(argv: list[str], url: str, log_path: Path, startup_timeout_s: float):
     """Run the server command `argv` for the duration of the block, waiting until `url`/health answers 200;
@@ -128,12 +140,7 @@ def launch(argv: list[str], url: str, log_path: Path, startup_timeout_s: float):
     of that (SIGKILL), the kernel sends the server SIGTERM (PR_SET_PDEATHSIG). Raises ServerError naming the URL
     and log if it exits or is not healthy in time.
     """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        log.write(f"$ {' '.join(argv)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+    proc = spawn_server(argv, log_path)
     _running.append(proc)
     _install_sigterm_handler()
     try:

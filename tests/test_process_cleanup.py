@@ -1,0 +1,63 @@
+"""No llama-server outlives the test that started it: a pytest holding a real server is interrupted (Ctrl-C, the
+SIGINT a user sends) or SIGKILLed, and the server is gone afterwards (checked with psutil by pid and port)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import ROOT
+
+CASES = ROOT / "tests" / "cases" / "hold_server.py"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _start_holding(case: str, tmp_path, spawned) -> tuple[subprocess.Popen, int, str]:
+    hold = tmp_path / "hold.txt"
+    env = {**os.environ, "HOLD_FILE": str(hold), "PYTHONPATH": str(ROOT)}
+    inner = spawned(subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                      f"{CASES}::{case}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + 180
+    while not hold.exists() or not hold.read_text():
+        assert inner.poll() is None, f"inner pytest ended early:\n{inner.stdout.read()}"
+        assert time.monotonic() < deadline, "the inner test did not start its server in time"
+        time.sleep(0.2)
+    pid, url = hold.read_text().split()
+    assert _alive(int(pid))
+    return inner, int(pid), url
+
+
+def _assert_gone(pid: int, url: str, inner_output: str = "") -> None:
+    deadline = time.monotonic() + 20
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"llama-server {pid} ({url}) outlived its test\n{inner_output}"
+        time.sleep(0.2)
+    port = url.rsplit(":", 1)[1]
+    assert not [p for p in psutil.process_iter(["name", "cmdline"])
+                if p.info["name"] and "llama-server" in p.info["name"] and port in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.mark.parametrize("case", ["test_hold_in_a_launcher_fixture", "test_hold_spawned", "test_hold_untracked"])
+def test_ctrl_c_of_a_test_holding_a_server_leaves_no_server(case, tmp_path, spawned):
+    inner, pid, url = _start_holding(case, tmp_path, spawned)
+    inner.send_signal(signal.SIGINT)
+    out, _ = inner.communicate(timeout=60)
+    assert inner.returncode == 2 and "KeyboardInterrupt" in out, out     # pytest's "interrupted" exit code
+    _assert_gone(pid, url, out)
+
+
+def test_sigkilled_pytest_leaves_no_server(tmp_path, spawned):
+    """No finalizer runs after SIGKILL: the kernel stops the server (PR_SET_PDEATHSIG, set by spawn_server)."""
+    inner, pid, url = _start_holding("test_hold_spawned", tmp_path, spawned)
+    inner.kill()
+    inner.wait()
+    _assert_gone(pid, url)
