@@ -7,7 +7,11 @@
 set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 CACHE="${EAGLE3_CACHE:-$HOME/.cache/eagle3-pipeline}"
-DEST="$CACHE/llama.cpp-$VERSION"
+# "-noamx": built without Intel AMX. On a VM whose CPU advertises AMX but whose kernel does not grant the tile state,
+# ggml's AMX matmul dies with SIGILL (seen on a Xeon VM: `tilezero` in tinygemm_kernel_amx, the server's exit code
+# -4). AVX-512 and AVX-VNNI stay on through -march=native; explicit -mno-* flags win over -march in GCC.
+DEST="$CACHE/llama.cpp-$VERSION-noamx"
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 PY="${PYTHON:-python3}"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 if [ -x "$DEST/bin/llama-server" ] && [ -x "$DEST/bin/llama-eagle3-layer-probe" ] && [ -f "$DEST/conversion/__init__.py" ] && [ -d "$DEST/gguf-py" ]; then
@@ -29,7 +33,8 @@ else
   cp -r "$HERE/llama_layer_probe" "$SRC/tools/eagle3-layer-probe"
   echo 'add_subdirectory(eagle3-layer-probe)' >> "$SRC/tools/CMakeLists.txt"
   cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF > "$WORK/cmake.log" 2>&1 \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+    -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" > "$WORK/cmake.log" 2>&1 \
     || { tail -30 "$WORK/cmake.log"; exit 1; }
   cmake --build "$SRC/build" -j "$(nproc)" --target llama-server llama-eagle3-layer-probe > "$WORK/build.log" 2>&1 \
     || { tail -30 "$WORK/build.log"; exit 1; }

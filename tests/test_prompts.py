@@ -197,7 +197,8 @@ def test_bad_rows_go_to_rejects_with_reasons_and_good_rows_go_through(tmp_path):
     out.unlink()
     with pytest.raises(RejectError, match=r"source 'mixed' rejected 5 of 11 rows \(45%\), above prompts.max_reject_frac 5%; first:.*row 3: empty"):
         build_prompts(PromptConfig(mix=mix, num_train=5, num_eval=1), out)
-    assert len(out.read_text().splitlines()) == 5                                    # written before failing
+    # written before failing, beside the finished run's file (which the failure must not replace)
+    assert len(out.with_name("rejects.failed.jsonl").read_text().splitlines()) == 5 and not out.exists()
 
 
 def test_worst_source_is_named(tmp_path):

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 LLAMA_CPP_VERSION = "0.3.36"
+LLAMA_CPP_BUILD = f"llama.cpp-{LLAMA_CPP_VERSION}-noamx"   # the cache folder scripts/build_llama_server.sh writes
 
 
 class ServerError(RuntimeError):
@@ -32,7 +33,7 @@ def llama_server_binary() -> Path:
         path = Path(env)
     else:
         cache = Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3-pipeline"))
-        path = cache / f"llama.cpp-{LLAMA_CPP_VERSION}" / "bin" / "llama-server"
+        path = cache / LLAMA_CPP_BUILD / "bin" / "llama-server"
     if not path.exists():
         raise ServerError(f"llama-server not found at {path}: run `make setup` (or scripts/build_llama_server.sh)")
     return path
