@@ -121,13 +121,14 @@ def _auto_class(config, where: str):
 
 def load_target(cfg: TargetConfig, device: str = "cpu", dtype: torch.dtype | None = None):
     """The target as a frozen HF causal LM (or vision-language wrapper, see _auto_class) in eval mode, SDPA
-    attention. dtype: bf16 on GPU, fp32 on CPU by default. Raises OSError (from transformers) naming the path if
+    attention where the model supports it (transformers' default), eager otherwise. dtype: bf16 on GPU, fp32 on CPU by default. Raises OSError (from transformers) naming the path if
     the model cannot be found."""
     if dtype is None:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     path = local_model_dir(cfg)
     auto = _auto_class(load_target_config(cfg), path)
-    model = auto.from_pretrained(path, revision=cfg.revision, dtype=dtype, attn_implementation="sdpa",
+    # attention: transformers' default, SDPA where the model class supports it (GPT-OSS's sinks need eager)
+    model = auto.from_pretrained(path, revision=cfg.revision, dtype=dtype,
                                  trust_remote_code=cfg.trust_remote_code).to(device)
     model.eval().requires_grad_(False)
     return model
