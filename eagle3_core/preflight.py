@@ -142,8 +142,7 @@ def check_draft(draft_dir: Path, target_config) -> list[tuple[str, str]]:
             add("eagle_config.eagle_aux_hidden_state_layer_ids", f"{ids} is not ascending: SGLang "
                              f"and vLLM concatenate the captured layers in ascending order, so fc sees them in "
                              f"another order than it was trained on; retrain with {sorted(ids)}")
-        top = cfg.get("eagle_aux_hidden_state_layer_ids")
-        if top is not None and ids == sorted(ids) and top != [i + 1 for i in ids]:
+        elif (top := cfg.get("eagle_aux_hidden_state_layer_ids")) is not None and top != [i + 1 for i in ids]:
             add("eagle_aux_hidden_state_layer_ids", f"top-level ids {top} (vLLM and llama.cpp read "
                              f"them as layer inputs) are not the nested output ids {ids} + 1: the engines would "
                              f"capture different layers; write {[i + 1 for i in ids]}")
@@ -161,9 +160,10 @@ def check_draft(draft_dir: Path, target_config) -> list[tuple[str, str]]:
         add("d2t", f"has shape {tuple(d2t.shape)} and dtype {d2t.dtype}, expected int64 [{N}] "
                          f"(draft_vocab_size offsets)")
     else:
-        t2d_ok = t2d is not None and str(t2d.dtype) == "torch.bool" and tuple(t2d.shape) == (V,)
+        V_d = cfg.get("vocab_size")                       # a V mismatch with the target is reported above
+        t2d_ok = t2d is not None and str(t2d.dtype) == "torch.bool" and tuple(t2d.shape) == (V_d,)
         if t2d is not None and not t2d_ok:
-            add("t2d", f"has shape {tuple(t2d.shape)} and dtype {t2d.dtype}, expected bool [{V}] (vocab_size)")
+            add("t2d", f"has shape {tuple(t2d.shape)} and dtype {t2d.dtype}, expected bool [{V_d}] (vocab_size)")
         if (msg := _d2t_problem(d2t, t2d if t2d_ok else None, N, V)):
             add("d2t", msg)
 
