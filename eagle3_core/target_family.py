@@ -98,9 +98,13 @@ def engine_readings(ids: list[int]) -> dict[str, dict]:
     """How each engine reads the export's ids (REFERENCE.md section 2b): the key it reads and the layers whose
     *input* it captures. Our ids are layer outputs; the export writes them nested for SGLang and, +1, top-level."""
     inputs = [i + 1 for i in ids]
+    sglang = {"key": "eagle_config.eagle_aux_hidden_state_layer_ids", "value": list(ids), "captures_inputs_of": inputs}
+    if ids and ids[0] != 1:
+        # REFERENCE.md 2b: a newer SGLang change (PR #25454) adds the +1 only when the first id is 1
+        sglang["note"] = (f"SGLang releases with PR #25454 read ids not starting at 1 as layer inputs and would "
+                          f"capture {list(ids)}: check the served SGLang's set_eagle3_layers_to_capture")
     return {
-        "sglang": {"key": "eagle_config.eagle_aux_hidden_state_layer_ids", "value": list(ids),
-                   "captures_inputs_of": inputs},
+        "sglang": sglang,
         "vllm": {"key": "eagle_aux_hidden_state_layer_ids (top level)", "value": inputs,
                  "captures_inputs_of": inputs},
         "llama.cpp": {"key": "eagle_aux_hidden_state_layer_ids (top level, convert_hf_to_gguf.py)",
