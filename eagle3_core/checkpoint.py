@@ -67,7 +67,18 @@ def check_tensors(tensors: dict[str, torch.Tensor], s: DraftShape, where: str) -
 
 
 def sglang_config(s: DraftShape, dtype: torch.dtype) -> dict:
-    """config.json of the draft: nested eagle_config with the aux ids as layer *outputs* (SGLang's reading)."""
+    """config.json of the draft, read the same way by every engine (REFERENCE.md section 2b):
+    - nested `eagle_config.eagle_aux_hidden_state_layer_ids`: our ids, layer *outputs* (SGLang adds 1 and captures
+      that layer's input: `models/llama.py`, `models/deepseek_v2.py` `set_eagle3_layers_to_capture`);
+    - top-level `eagle_aux_hidden_state_layer_ids`: the same layers as layer *inputs* (id + 1), what vLLM reads
+      (`vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py` `get_eagle3_aux_layers_from_config`; its models
+      append the residual stream before layer idx) and llama.cpp's converter reads.
+    Raises CheckpointError for ids that are not ascending (every engine concatenates in ascending layer order)."""
+    ids = list(s.aux_layer_ids)
+    if ids != sorted(set(ids)):
+        raise CheckpointError(f"aux_layer_ids {ids} are not strictly ascending: SGLang and vLLM concatenate the "
+                              f"captured layers in ascending order; retrain with features.aux_layer_ids "
+                              f"{sorted(set(ids))}")
     return {
         "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
         "hidden_size": s.hidden_size, "target_hidden_size": s.target_hidden_size,
@@ -78,7 +89,8 @@ def sglang_config(s: DraftShape, dtype: torch.dtype) -> dict:
         "torch_dtype": str(dtype).removeprefix("torch."), "vocab_size": s.vocab_size,
         "draft_vocab_size": s.draft_vocab_size, "tie_word_embeddings": False,
         "pad_token_id": None, "attention_bias": False, "mlp_bias": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(s.aux_layer_ids), "use_aux_hidden_state": True},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids],
     }
 
 
@@ -102,6 +114,38 @@ def save_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype | None = None) 
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+EXPORT_DTYPE = torch.bfloat16          # public drafts ship bf16; SGLang's --dtype auto turns float32 into float16
+
+
+def export_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype = EXPORT_DTYPE) -> Path:
+    """Write the serving export of a trained draft (save_draft in `dtype`, bf16 by default) and prove it: d2t and
+    t2d name the same target ids (vocab_map.check_vocab_map), and the reloaded export gives step-0 logits bit for
+    bit equal to the trained draft cast to `dtype`. Returns `out`. Raises ValueError (vocab map) or
+    CheckpointError (the export does not reproduce the draft)."""
+    import copy
+
+    from .vocab_map import check_vocab_map
+    check_vocab_map(draft.d2t.cpu(), draft.t2d.cpu(), f"export to {out}")
+    save_draft(draft, out, dtype)
+    cast = copy.deepcopy(draft).to(device="cpu", dtype=dtype)
+    if not logits_probe(cast, load_draft(out)):
+        raise CheckpointError(f"export {out} does not reproduce the trained draft cast to {dtype}: re-export")
+    return out
+
+
+@torch.no_grad()
+def logits_probe(a: Eagle3Draft, b: Eagle3Draft) -> bool:
+    """True if drafts a and b give bit-identical step-0 logits [1, 8, N] on a fixed random input (CPU)."""
+    g = torch.Generator().manual_seed(0)
+    T = 8
+    aux = torch.randn(1, T, 3 * a.shape.target_hidden_size, generator=g).to(a.fc.weight.dtype)
+    ids = torch.randint(0, a.shape.vocab_size, (1, T), generator=g)
+    pos = torch.arange(T)[None]
+    la = a.decode(ids, a.fuse(aux), pos, {})[1]
+    lb = b.decode(ids, b.fuse(aux.to(b.fc.weight.dtype)), pos, {})[1]
+    return la.dtype == lb.dtype and torch.equal(la, lb)
 
 
 def shape_from_config(cfg: dict, where: str) -> DraftShape:

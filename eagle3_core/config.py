@@ -130,12 +130,35 @@ class FeatureConfig(StrictModel):
     def _three_ids(cls, v):
         if v is not None and len(v) != 3:
             raise ValueError(f"aux_layer_ids must hold 3 layer ids, got {v}")
+        # order and repeats need no target: refused here; the range [0, L-2] by target_family.resolve_aux_ids
+        if v is not None and len(set(v)) != 3:
+            raise ValueError(f"features.aux_layer_ids = {v} repeats a layer; give 3 distinct layer ids")
+        if v is not None and v != sorted(v):
+            raise ValueError(f"features.aux_layer_ids = {v} is not ascending: SGLang and vLLM concatenate the "
+                             f"captured layers in ascending order; write {sorted(v)}")
         return v
 
 
 class DraftConfig(StrictModel):
     draft_vocab_size: int = Field(32000, ge=2, description="N, the draft vocabulary (capped at the target's V)")
     seed: int = Field(0, description="seed of the draft's initial weights")
+    # the draft's own geometry; None: the target family's recipe (target_family.draft_geometry)
+    num_attention_heads: int | None = Field(None, ge=1, description="draft query heads (None: family recipe)")
+    num_key_value_heads: int | None = Field(None, ge=1, description="draft KV heads (None: family recipe)")
+    head_dim: int | None = Field(None, ge=1, description="draft head size (None: family recipe; never MLA's "
+                                                         "qk_rope_head_dim)")
+    intermediate_size: int | None = Field(None, ge=1, description="draft MLP width (None: family recipe)")
+    rope_theta: float | None = Field(None, gt=0, description="draft RoPE base (None: family recipe)")
+    rope_scaling: dict | Literal["none"] | None = Field(
+        None, description="None: family recipe; 'none': plain RoPE; or a {'rope_type': 'llama3', ...} dict")
+    max_position_embeddings: int | None = Field(None, ge=1, description="draft positions, at least the target's "
+                                                                        "context (None: family recipe)")
+
+    def geometry(self) -> dict:
+        """The geometry fields (target_family.GEOMETRY_FIELDS) as a dict; None entries mean 'derive'."""
+        return {k: getattr(self, k) for k in ("num_attention_heads", "num_key_value_heads", "head_dim",
+                                              "intermediate_size", "rope_theta", "rope_scaling",
+                                              "max_position_embeddings")}
 
 
 class TrainConfig(StrictModel):

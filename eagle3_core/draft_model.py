@@ -25,7 +25,7 @@ from .ttt_attention import IMPLEMENTATIONS, _acc_dtype, ttt_attention
 
 @dataclass
 class DraftShape:
-    """Shapes of the draft, taken from the target's config (`from_target_config`)."""
+    """Shapes of the draft, from the target's config and the family recipe (`from_target_config`)."""
     hidden_size: int                 # H
     target_hidden_size: int          # H_t (aux features are 3*H_t wide)
     num_attention_heads: int         # nh
@@ -43,29 +43,13 @@ class DraftShape:
 
     @classmethod
     def from_target_config(cls, cfg, draft_vocab_size: int, aux_layer_ids: list[int],
-                           hidden_size: int | None = None) -> DraftShape:
-        """Draft shape from a transformers Llama-style config; N is capped at V. `hidden_size` gives a draft
-        hidden H other than the target's H_t (the draft then trains its own embedding). Raises ValueError if the
-        target's heads do not divide its hidden size and no head_dim is given."""
-        nh = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
-        if head_dim * nh != cfg.hidden_size and getattr(cfg, "head_dim", None) is None:
-            raise ValueError(f"target hidden {cfg.hidden_size} is not divisible by {nh} heads")
-        rope_theta = getattr(cfg, "rope_theta", None)
-        rope_params = getattr(cfg, "rope_parameters", None) or {}
-        if rope_theta is None:
-            rope_theta = rope_params.get("rope_theta", 10000.0)
-        rope_scaling = getattr(cfg, "rope_scaling", None)
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        return cls(
-            hidden_size=hidden_size or cfg.hidden_size, target_hidden_size=cfg.hidden_size, num_attention_heads=nh,
-            num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or nh, head_dim=head_dim,
-            intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
-            draft_vocab_size=min(draft_vocab_size, cfg.vocab_size), rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=float(rope_theta), rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.max_position_embeddings,
-            hidden_act=getattr(cfg, "hidden_act", "silu"), aux_layer_ids=list(aux_layer_ids))
+                           hidden_size: int | None = None, geometry: dict | None = None) -> DraftShape:
+        """Draft shape from a transformers target config (a composite config's text model): the target family's
+        geometry recipe (eagle3_core.target_family), `geometry` overrides (DraftConfig.geometry()); N is capped
+        at V. `hidden_size` gives a draft hidden H other than the target's H_t (the draft then trains its own
+        embedding). Raises ValueError naming each geometry field the draft cannot run."""
+        from .target_family import draft_shape      # the recipes read transformers configs: not this file's job
+        return draft_shape(cfg, draft_vocab_size, aux_layer_ids, hidden_size, geometry)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -20,7 +20,8 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from .target import capture, decoder_layers, default_aux_ids
+from .target import capture, decoder, decoder_layers, default_aux_ids
+from .target_family import text_config
 
 
 class Extractor(Protocol):
@@ -53,9 +54,9 @@ class HFExtractor:
         for i in self.aux_layer_ids:
             if not 0 <= i < len(layers):
                 raise ValueError(f"aux layer id {i} out of range for a target with {len(layers)} layers")
-        self.hidden_size = model.config.hidden_size
+        self.hidden_size = text_config(model.config).hidden_size
         self.device = next(model.parameters()).device
-        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.base = decoder(model)
         self.lm_head = model.get_output_embeddings()
         self.lm_head_chunk = lm_head_chunk
         if compile:

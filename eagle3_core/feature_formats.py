@@ -23,6 +23,16 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                                                        # largest finite e4m3fn value
 
 
+def bytes_per_token(name: str, hidden_size: int) -> int:
+    """Bytes one token takes on disk in format `name` for a target with hidden size H_t (the table above: input_ids
+    int32, loss_mask int8, top1 int32 and the format's features; offsets and headers left out)."""
+    H = hidden_size
+    per = {"bf16": 8 * H + 9, "fp32": 16 * H + 9, "fp8": 4 * H + 17, "online": 5}
+    if name not in per:
+        raise ValueError(f"unknown feature format {name!r}; choose one of {list(FORMATS)}")
+    return per[name]
+
+
 def check_format(name: str) -> str:
     if name not in FORMATS:
         raise ValueError(f"unknown feature format {name!r}; choose one of {list(FORMATS)}")

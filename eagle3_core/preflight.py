@@ -7,8 +7,12 @@ SGLang relies on without checking them itself (REFERENCE.md sections 1, 2, 4):
 - hidden sizes: the draft's `target_hidden_size` (default `hidden_size`) equals the target's hidden size;
 - `eagle_config.eagle_aux_hidden_state_layer_ids`: 3 distinct layer *outputs* in [0, L-2] (SGLang captures the input
   of layer id+1, `llama.py::set_eagle3_layers_to_capture`, so L-1 would capture nothing);
+  ascending (SGLang and vLLM concatenate in ascending layer order), and a top-level `eagle_aux_hidden_state_layer_ids`
+  (vLLM's and llama.cpp's key, layer inputs) equal to the nested ids + 1;
 - `vocab_size` equals the target's V; `lm_head` has `draft_vocab_size` rows; `d2t` exists, is an int64 [N] of offsets
-  with every `i + d2t[i]` in [0, V) and no two draft ids on one target id;
+  with every `i + d2t[i]` in [0, V), no two draft ids on one target id and, where the file has `t2d`, exactly t2d's
+  ids in ascending order (`vocab_map.check_vocab_map`: zeros, arange or absolute ids contradict it);
+- the target config may be a composite (vision-language) config: its `text_config` is read (`Kimi_K25Config`);
 - `max_position_embeddings` is not smaller than the target's (SGLang refuses to start otherwise).
 """
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from .checkpoint import ARCHITECTURE
+from .target_family import text_config, value
 
 EAGLE2_ARCHITECTURE = "LlamaForCausalLMEagle"
 
@@ -33,8 +38,41 @@ class PreflightError(ValueError):
 
 
 def _target_value(target_config, name: str):
-    cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    return cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
+    return value(text_config(target_config), name)
+
+
+def _d2t_problem(d2t, t2d, N: int, V: int | None) -> str | None:
+    """What is wrong with d2t (int64 [N] offsets) given its own t2d (bool [V] or None), or None if it is right.
+    With t2d, d2t must name exactly t2d's target ids in ascending order (vocab_map.check_vocab_map): a d2t of
+    zeros (N < V), of arange (absolute ids read as offsets) or of absolute target ids all contradict it; an
+    all-zero d2t is the identity and legal when N == V."""
+    import torch
+
+    from .vocab_map import check_vocab_map
+    target_ids = torch.arange(N) + d2t
+    if V is not None:
+        out = ((target_ids < 0) | (target_ids >= V)).nonzero().flatten().tolist()
+        if out:
+            return (f"maps {len(out)} draft ids outside the target vocab [0, {V}) (first: draft id {out[0]} -> "
+                    f"{int(target_ids[out[0]])}); d2t holds offsets (target = draft + d2t), not target ids: "
+                    f"rebuild the vocab map")
+    if len(set(target_ids.tolist())) != N:
+        return f"maps several draft ids to one target id ({N - len(set(target_ids.tolist()))} duplicates); " \
+               f"rebuild the vocab map"
+    if t2d is None:
+        return None
+    try:
+        check_vocab_map(d2t, t2d, "d2t/t2d")
+    except ValueError:
+        chosen = t2d.nonzero().flatten()
+        kind = ("all zeros (the identity, legal only when N == V)" if not d2t.any() else
+                "absolute target ids, not offsets" if chosen.numel() == N and torch.equal(d2t, chosen) else
+                "arange (draft ids read as offsets)" if torch.equal(d2t, torch.arange(N)) else
+                "not the offsets of t2d's ids")
+        return (f"contradicts the file's own t2d: d2t is {kind}; t2d marks {int(t2d.sum())} target ids and d2t "
+                f"must be their offsets (d2t[i] = t2d_ids[i] - i, SGLang's convention); rebuild the vocab map "
+                f"(eagle3_core.vocab_map.build_vocab_map) and re-export")
+    return None
 
 
 def check_draft(draft_dir: Path, target_config) -> list[tuple[str, str]]:
@@ -56,6 +94,7 @@ def check_draft(draft_dir: Path, target_config) -> list[tuple[str, str]]:
     with safe_open(str(weights), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
         d2t = f.get_tensor("d2t") if "d2t" in shapes else None
+        t2d = f.get_tensor("t2d") if "t2d" in shapes else None
 
     problems: list[tuple[str, str]] = []
 
@@ -99,6 +138,14 @@ def check_draft(draft_dir: Path, target_config) -> list[tuple[str, str]]:
                              f"outputs in [0, {L - 2}] for a target with {L} layers (SGLang captures the input of "
                              f"layer id+1){f'; out of range: {bad}' if bad else ''}; use the ids the features were "
                              f"extracted at")
+        elif ids != sorted(ids):
+            add("eagle_config.eagle_aux_hidden_state_layer_ids", f"{ids} is not ascending: SGLang "
+                             f"and vLLM concatenate the captured layers in ascending order, so fc sees them in "
+                             f"another order than it was trained on; retrain with {sorted(ids)}")
+        elif (top := cfg.get("eagle_aux_hidden_state_layer_ids")) is not None and top != [i + 1 for i in ids]:
+            add("eagle_aux_hidden_state_layer_ids", f"top-level ids {top} (vLLM and llama.cpp read "
+                             f"them as layer inputs) are not the nested output ids {ids} + 1: the engines would "
+                             f"capture different layers; write {[i + 1 for i in ids]}")
 
     if cfg.get("vocab_size") != V:
         add("vocab_size", f"is {cfg.get('vocab_size')}, the target's vocab is {V}: the draft maps its "
@@ -112,17 +159,13 @@ def check_draft(draft_dir: Path, target_config) -> list[tuple[str, str]]:
     elif tuple(d2t.shape) != (N,) or d2t.is_floating_point():
         add("d2t", f"has shape {tuple(d2t.shape)} and dtype {d2t.dtype}, expected int64 [{N}] "
                          f"(draft_vocab_size offsets)")
-    elif V is not None:
-        import torch
-        target_ids = torch.arange(N) + d2t
-        out = ((target_ids < 0) | (target_ids >= V)).nonzero().flatten().tolist()
-        if out:
-            add("d2t", f"maps {len(out)} draft ids outside the target vocab [0, {V}) (first: draft id "
-                             f"{out[0]} -> {int(target_ids[out[0]])}); d2t holds offsets (target = draft + d2t), "
-                             f"not target ids: rebuild the vocab map")
-        elif len(set(target_ids.tolist())) != N:
-            add("d2t", f"maps several draft ids to one target id ({N - len(set(target_ids.tolist()))} "
-                             f"duplicates); rebuild the vocab map")
+    else:
+        V_d = cfg.get("vocab_size")                       # a V mismatch with the target is reported above
+        t2d_ok = t2d is not None and str(t2d.dtype) == "torch.bool" and tuple(t2d.shape) == (V_d,)
+        if t2d is not None and not t2d_ok:
+            add("t2d", f"has shape {tuple(t2d.shape)} and dtype {t2d.dtype}, expected bool [{V_d}] (vocab_size)")
+        if (msg := _d2t_problem(d2t, t2d if t2d_ok else None, N, V)):
+            add("d2t", msg)
 
     draft_ctx = cfg.get("max_position_embeddings")
     if ctx is not None and (draft_ctx is None or draft_ctx < ctx):

@@ -100,7 +100,7 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     (TTT eval accuracies of the best epoch), tau_sim, best_epoch, export_dir, per_prompt (evaluate.measure's, for
     paired comparisons), seconds}. Raises ValueError if `n`
     exceeds the training samples."""
-    from .checkpoint import load_draft, save_draft
+    from .checkpoint import export_draft, load_draft
     from .stages import _fresh_draft, claim_training_dir, train_split
     from .trainer import train
 
@@ -116,7 +116,7 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     draft, lm_head = _fresh_draft(cfg)
     claim_training_dir(out, key)
     summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log)
-    export = save_draft(load_draft(out / "best"), out / "export")
+    export = export_draft(load_draft(out / "best"), out / "export")
 
     r = measure_offline(cfg, load_draft(export))
     best = next(h for h in summary["history"] if h["epoch"] == summary["best"]["epoch"])

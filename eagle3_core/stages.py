@@ -20,8 +20,8 @@ from jinja2 import TemplateError
 from safetensors.torch import load_file, save_file
 
 from . import prompts as prompts_mod
-from .checkpoint import clear_training_state, load_draft, save_draft
-from .config import PipelineConfig, default_aux_layer_ids
+from .checkpoint import EXPORT_DTYPE, clear_training_state, export_draft, load_draft
+from .config import PipelineConfig
 from .data import assistant_content, prompt_ids, tokenize_chat
 from .manifest import cached_manifest, read_manifest, sha256_file, sha256_json, write_manifest
 
@@ -390,7 +390,15 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
 
 
 def _aux_ids(cfg: PipelineConfig, num_layers: int) -> list[int]:
-    return cfg.features.aux_layer_ids or default_aux_layer_ids(num_layers)
+    """features.aux_layer_ids resolved and checked for an L-layer target (target_family.resolve_aux_ids)."""
+    from .target_family import resolve_aux_ids
+    return resolve_aux_ids(cfg.features.aux_layer_ids, num_layers)
+
+
+def _target_config(cfg: PipelineConfig):
+    """The target's config as every stage reads it (revision, trust_remote_code; no weights)."""
+    from .target import load_target_config
+    return load_target_config(cfg.target)
 
 
 def run_features(cfg: PipelineConfig, log=print) -> dict:
@@ -398,6 +406,7 @@ def run_features(cfg: PipelineConfig, log=print) -> dict:
     call (the Prefect flow runs them one task per shard instead: run_features_shard, finish_features)."""
     from .features import bad_shards, extract_features
     from .target import load_target
+    from .target_family import num_layers
     out = cfg.run_dir / "features"
     key = features_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
@@ -406,7 +415,7 @@ def run_features(cfg: PipelineConfig, log=print) -> dict:
         log(f"features: shard(s) {bad} missing or failing their sha256; extracting them again")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_target(cfg.target, device)
-    ids = _aux_ids(cfg, model.config.num_hidden_layers)
+    ids = _aux_ids(cfg, num_layers(model.config))
     f = cfg.features
     manifest = extract_features(model, _tokenized_rows(cfg), out, ids, f.shard_samples, f.batch_tokens,
                                 store_format=f.format, log=log, target=cfg.target.model_dump(),
@@ -483,6 +492,7 @@ def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
     Returns the shard's manifest entry {shard, file, sha256, bytes, samples, tokens, ids, content_key, extracted,
     inputs_key, seconds}. Raises ValueError for a shard id out of range."""
     from .features import extract_features
+    from .target_family import num_layers
     want = feature_shards(cfg)
     if shard not in want:
         raise ValueError(f"feature shard {shard} is out of range: {cfg.run_dir}/tokenized has {len(want)} shards "
@@ -495,7 +505,7 @@ def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = _loaded_target(cfg.target.model_dump_json(), device)
         f = cfg.features
-        store = extract_features(model, rows, out, _aux_ids(cfg, model.config.num_hidden_layers), f.shard_samples,
+        store = extract_features(model, rows, out, _aux_ids(cfg, num_layers(model.config)), f.shard_samples,
                                  f.batch_tokens, store_format=f.format, log=log, target=cfg.target.model_dump(),
                                  writer_threads=f.writer_threads, only_shards={shard})
         _mark_store(cfg, store)
@@ -538,16 +548,14 @@ def vocab_key(cfg: PipelineConfig) -> str:
 
 def run_vocab(cfg: PipelineConfig, log=print) -> dict:
     """Draft vocab map from loss-masked token counts (vocab/vocab_map.safetensors: d2t, t2d, counts)."""
-    from transformers import AutoConfig
-
-    from .target import local_model_dir
+    from .target_family import text_config
     from .vocab_map import build_vocab_map, count_tokens
     out = cfg.run_dir / "vocab"
     key = vocab_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
-    V = AutoConfig.from_pretrained(local_model_dir(cfg.target)).vocab_size
+    V = text_config(_target_config(cfg)).vocab_size
     rows = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
     counts = count_tokens([torch.tensor(r["input_ids"]) for r in rows], [torch.tensor(r["loss_mask"]) for r in rows],
                           V)
@@ -564,12 +572,11 @@ def run_vocab(cfg: PipelineConfig, log=print) -> dict:
 
 
 def _draft_shape(cfg: PipelineConfig):
-    from transformers import AutoConfig
-
-    from .draft_model import DraftShape
-    from .target import local_model_dir
-    tcfg = AutoConfig.from_pretrained(local_model_dir(cfg.target))
-    return DraftShape.from_target_config(tcfg, cfg.draft.draft_vocab_size, _aux_ids(cfg, tcfg.num_hidden_layers))
+    """The draft's shape: target config (composite configs unwrapped), family recipe, cfg.draft's geometry."""
+    from .target_family import draft_shape, num_layers
+    tcfg = _target_config(cfg)
+    return draft_shape(tcfg, cfg.draft.draft_vocab_size, _aux_ids(cfg, num_layers(tcfg)),
+                       overrides=cfg.draft.geometry())
 
 
 def _fresh_draft(cfg: PipelineConfig):
@@ -616,31 +623,14 @@ def run_train(cfg: PipelineConfig, log=print) -> dict:
     draft, lm_head = _fresh_draft(cfg)
     claim_training_dir(out, key)
     summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log)
-    best = load_draft(out / "best")
-    export = save_draft(best, out / "export")
-    reloaded = load_draft(export)
-    check = _logits_probe(best, reloaded)
-    if not check:
-        raise RuntimeError(f"export {export} does not reproduce the trained draft's logits")
+    export = export_draft(load_draft(out / "best"), out / "export")      # bf16, probed bit for bit
     log(f"train: best epoch {summary['best']['epoch']} (tau_sim {summary['best']['tau_sim']:.2f}); "
         f"exported to {export}")
     return write_manifest(out / "manifest.json", {
-        "inputs_key": key, "export_dir": str(export), "best": summary["best"], "steps": summary["steps"],
+        "inputs_key": key, "export_dir": str(export), "export_dtype": str(EXPORT_DTYPE).removeprefix("torch."),
+        "best": summary["best"], "steps": summary["steps"],
         "history": summary["history"], "train_samples": len(train_s), "eval_samples": len(eval_s),
         "seconds": time.monotonic() - t0})
-
-
-@torch.no_grad()
-def _logits_probe(a, b) -> bool:
-    """True if drafts a and b give bit-identical step-0 logits on a fixed random input."""
-    g = torch.Generator().manual_seed(0)
-    T = 8
-    aux = torch.randn(1, T, 3 * a.shape.target_hidden_size, generator=g)
-    ids = torch.randint(0, a.shape.vocab_size, (1, T), generator=g)
-    pos = torch.arange(T)[None]
-    la = a.decode(ids, a.fuse(aux), pos, {})[1]
-    lb = b.decode(ids, b.fuse(aux), pos, {})[1]
-    return torch.equal(la, lb)
 
 
 def evaluate_key(cfg: PipelineConfig) -> str:
@@ -659,19 +649,17 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
     """Pre-flight check of the exported draft against the target, then offline tau on the held-out prompts: the
     trained draft as a chain and as an SGLang-style tree, an untrained draft as a chain; simulated vs measured tau
     (eval/report.json). Raises PreflightError listing every mismatch between the draft and the target."""
-    from transformers import AutoConfig
-
     from .evaluate import SpecRun, measure, tau_consistency
     from .preflight import preflight
     from .speculate import TargetRunner
-    from .target import load_target, load_tokenizer, local_model_dir
+    from .target import load_target, load_tokenizer
     out = cfg.run_dir / "eval"
     up = _upstream(cfg.run_dir, "draft")
     key = evaluate_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
-    preflight(Path(up["export_dir"]), AutoConfig.from_pretrained(local_model_dir(cfg.target)))
+    preflight(Path(up["export_dir"]), _target_config(cfg))
     tok = load_tokenizer(cfg.target)
     model = load_target(cfg.target)
     rows = prompts_mod.read_rows(cfg.run_dir / "prompts" / "eval.parquet")

@@ -89,36 +89,72 @@ def load_tokenizer(cfg: TargetConfig):
                                          trust_remote_code=cfg.trust_remote_code)
 
 
+def load_target_config(cfg: TargetConfig):
+    """The target's transformers config (the whole config: `target_family.text_config` unwraps a composite one),
+    read with the target's revision and trust_remote_code, as every stage reads it. No weights are read.
+    Raises OSError (from transformers) naming the path if there is no config."""
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(local_model_dir(cfg), revision=cfg.revision,
+                                      trust_remote_code=cfg.trust_remote_code)
+
+
+def _auto_class(config, where: str):
+    """AutoModelForCausalLM for decoder-only configs (and remote code that maps it); AutoModelForImageTextToText
+    for a vision-language wrapper whose text model sits under `text_config` (transformers registers e.g.
+    `kimi_k25` only there). Raises ValueError for anything else."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+    auto_map = getattr(config, "auto_map", None) or {}
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or "AutoModelForCausalLM" in auto_map:
+        return AutoModelForCausalLM
+    if getattr(config, "text_config", None) is not None and (
+            config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+            or "AutoModelForImageTextToText" in auto_map):
+        return AutoModelForImageTextToText
+    raise ValueError(f"target.model {where}: model_type {config.model_type!r} is neither a causal LM nor a "
+                     f"vision-language model with a text_config in this transformers; upgrade transformers or "
+                     f"set target.trust_remote_code for a model with its own code")
+
+
 def load_target(cfg: TargetConfig, device: str = "cpu", dtype: torch.dtype | None = None):
-    """The target as a frozen HF causal LM in eval mode, SDPA attention. dtype: bf16 on GPU, fp32 on CPU by default.
-    Raises OSError (from transformers) naming the path if the model cannot be found."""
-    from transformers import AutoModelForCausalLM
+    """The target as a frozen HF causal LM (or vision-language wrapper, see _auto_class) in eval mode, SDPA
+    attention where the model supports it (transformers' default), eager otherwise. dtype: bf16 on GPU, fp32 on CPU by default. Raises OSError (from transformers) naming the path if
+    the model cannot be found."""
     if dtype is None:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(
-        local_model_dir(cfg), revision=cfg.revision, dtype=dtype, attn_implementation="sdpa",
-        trust_remote_code=cfg.trust_remote_code).to(device)
+    path = local_model_dir(cfg)
+    auto = _auto_class(load_target_config(cfg), path)
+    # attention: transformers' default, SDPA where the model class supports it (GPT-OSS's sinks need eager)
+    model = auto.from_pretrained(path, revision=cfg.revision, dtype=dtype,
+                                 trust_remote_code=cfg.trust_remote_code).to(device)
     model.eval().requires_grad_(False)
     return model
 
 
 def default_aux_ids(config) -> list[int]:
-    """Default aux layer ids for an HF config (`num_hidden_layers` L): `[1, L//2 - 1, L - 4]` (REFERENCE.md
-    section 1, config.default_aux_layer_ids). Raises ValueError for configs without `num_hidden_layers`."""
-    L = getattr(config, "num_hidden_layers", None)
-    if L is None:
-        raise ValueError(f"target config {type(config).__name__} has no num_hidden_layers: set "
-                         "features.aux_layer_ids explicitly")
-    return default_aux_layer_ids(L)
+    """Default aux layer ids for an HF config (L = the text model's `num_hidden_layers`): `[1, L//2 - 1, L - 4]`
+    (REFERENCE.md section 1, config.default_aux_layer_ids). Raises ValueError for configs without layers."""
+    from .target_family import num_layers
+    return default_aux_layer_ids(num_layers(config))
+
+
+def decoder(model) -> torch.nn.Module:
+    """The decoder stack of an HF model, found through its own structure (`get_decoder()`: `model.model` of a
+    Llama/Qwen/DeepSeek causal LM, `model.model.language_model` of a vision-language wrapper such as Kimi-K2.5);
+    it has `.layers` and the final `.norm`. Raises ValueError for a model without them."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if getattr(dec, "layers", None) is None or getattr(dec, "norm", None) is None:
+        raise ValueError(f"{type(model).__name__}.get_decoder() has no `.layers` and `.norm`: not a supported "
+                         f"decoder-only or vision-language target")
+    return dec
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder layers of an HF decoder-only model (`model.model.layers` for Llama/Qwen/DeepSeek-style)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no `model.layers`: not a supported decoder-only target")
-    return layers
+    """The decoder layers of an HF model (see `decoder`)."""
+    return decoder(model).layers
 
 
 @contextmanager
@@ -143,7 +179,7 @@ def capture(model, aux_layer_ids: list[int]):
         store["final"] = out
 
     handles = [layers[i].register_forward_hook(layer_hook(slot)) for slot, i in enumerate(aux_layer_ids)]
-    handles.append(model.model.norm.register_forward_hook(norm_hook))
+    handles.append(decoder(model).norm.register_forward_hook(norm_hook))
     try:
         yield store
     finally:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from prefect import flow
+from prefect import flow, get_run_logger
 
 from eagle3_core import report
+from eagle3_core.check import check_or_raise
 from eagle3_core.config import PipelineConfig, load_config, preset
 from eagle3_core.stages import STAGE_DIRS
 from flows import stages as s
@@ -21,6 +22,7 @@ from tasks.report import report_task
 def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False) -> dict:
     """Run every stage on `config` (default: the embedded demo preset) and publish the report as artifacts.
     refresh=True recomputes every stage; otherwise finished stages and shards are reused."""
+    check_or_raise(config, log=get_run_logger().info)   # config + target config files only: fails in seconds
     s.forget(config, refresh, *STAGE_DIRS)
     s.prompts_flow(config)
     s.generation_flow(config)

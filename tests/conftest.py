@@ -144,7 +144,7 @@ def e2e_run(prefect_server, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_target_dirs(tmp_path_factory):
-    """{family: directory} of tiny random-weight Llama, Qwen3 and DeepSeek-V3-style MoE targets (tiny_targets.py)."""
-    from tiny_targets import build
+    """{family: directory} of tiny random-weight targets of every family in tiny_targets.FAMILIES."""
+    from tiny_targets import FAMILIES, build
     root = tmp_path_factory.mktemp("tiny_targets")
-    return {f: build(f, root / f) for f in ("llama", "qwen3", "deepseek_v3")}
+    return {f: build(f, root / f) for f in FAMILIES}

@@ -127,7 +127,7 @@ def run_worker(cfg: PipelineConfig, log=print) -> None:
     broadcasts the target id, every rank extracts its shards, rank 0 merges the parts after a barrier."""
     import pyarrow.parquet as pq
 
-    from ..config import default_aux_layer_ids
+    from ..target_family import num_layers, resolve_aux_ids
     from ..target import load_target
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -135,7 +135,7 @@ def run_worker(cfg: PipelineConfig, log=print) -> None:
     out = cfg.run_dir / "features"
     model = load_target(cfg.target, device)
     f = cfg.features
-    extractor = HFExtractor(model, f.aux_layer_ids or default_aux_layer_ids(model.config.num_hidden_layers))
+    extractor = HFExtractor(model, resolve_aux_ids(f.aux_layer_ids, num_layers(model.config)))
     rows = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
     box = [None]
     if rank == 0:

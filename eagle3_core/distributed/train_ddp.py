@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import load_draft, save_draft
+from ..checkpoint import export_draft, load_draft
 from ..config import PipelineConfig
 from ..features import bad_shards, load_samples
 from ..manifest import read_manifest, write_manifest
@@ -68,7 +68,7 @@ def verify_my_shards(store_dir: Path, rank: int, world: int) -> None:
 def run_train_ddp(cfg: PipelineConfig, log=print) -> dict:
     """stages.run_train on every rank of an initialised process group; returns the stage manifest."""
     from ..manifest import cached_manifest
-    from ..stages import _fresh_draft, _logits_probe, claim_training_dir, train_key
+    from ..stages import _fresh_draft, claim_training_dir, train_key
     rank, world = dist.get_rank(), dist.get_world_size()
     out = cfg.run_dir / "draft"
     key = train_key(cfg)
@@ -86,10 +86,7 @@ def run_train_ddp(cfg: PipelineConfig, log=print) -> dict:
     summary = train_ddp(draft, train_s, eval_s, lm_head, cfg.train, out, log=log)
     manifest = None
     if rank == 0:
-        best = load_draft(out / "best")
-        export = save_draft(best, out / "export")
-        if not _logits_probe(best, load_draft(export)):
-            raise RuntimeError(f"export {export} does not reproduce the trained draft's logits")
+        export = export_draft(load_draft(out / "best"), out / "export")      # bf16, probed bit for bit
         log(f"train: best epoch {summary['best']['epoch']} (tau_sim {summary['best']['tau_sim']:.2f}); "
             f"exported to {export}")
         manifest = write_manifest(out / "manifest.json", {

@@ -50,7 +50,7 @@ def server_command(model: str, host: str, port: int, max_running_requests: int, 
 
     `--cuda-graph-max-bs` is a deprecated alias of `--cuda-graph-max-bs-decode` in sglang 0.5.14 and the only name
     in older releases, so it works with both. Raises ValueError for algorithm other than EAGLE3 or tree parameters
-    SGLang would reject (topk 1 needs num_draft_tokens = num_steps + 1).
+    SGLang would reject (topk 1 needs num_draft_tokens = num_steps + 1), and a None or empty draft directory.
     """
     from ..draft_tree import check_tree_params
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", str(port),
@@ -59,8 +59,12 @@ def server_command(model: str, host: str, port: int, max_running_requests: int, 
         if spec.algorithm != "EAGLE3":
             raise ValueError(f"speculative algorithm {spec.algorithm!r}: an EAGLE-3 draft must be served with "
                              f"EAGLE3 (EAGLE ignores its fc layer and d2t and accepts almost nothing)")
+        if spec.draft_dir is None or not str(spec.draft_dir).strip():
+            raise ValueError(f"SpecArgs.draft_dir is {spec.draft_dir!r}: an EAGLE3 server needs the exported draft "
+                             f"directory (draft/export of the train stage); without it SGLang would start without "
+                             f"a draft model")
         check_tree_params(spec.num_steps, spec.topk, spec.num_draft_tokens)
-        cmd += ["--speculative-algorithm", spec.algorithm, "--speculative-draft-model-path", spec.draft_dir,
+        cmd += ["--speculative-algorithm", spec.algorithm, "--speculative-draft-model-path", str(spec.draft_dir),
                 "--speculative-num-steps", str(spec.num_steps), "--speculative-eagle-topk", str(spec.topk),
                 "--speculative-num-draft-tokens", str(spec.num_draft_tokens)]
     return cmd + list(extra_args or [])

@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     p = argparse.ArgumentParser(description="Benchmark an EAGLE-3 draft on SGLang against the same server without it.")
     p.add_argument("--target", required=True, help="target model path or hub name (as for sglang --model-path)")
     p.add_argument("--draft", required=True, help="exported draft directory (SGLang format)")
+    p.add_argument("--revision", default=None, help="target hub revision (as for the pipeline's target.revision)")
+    p.add_argument("--trust-remote-code", action="store_true", help="run the target's own code (e.g. Kimi-K2)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--topk", type=int, default=1)
     p.add_argument("--draft-tokens", type=int, default=6)
@@ -110,14 +112,19 @@ def main(argv: list[str] | None = None) -> dict | None:
     from ..data import prompt_ids
     from ..preflight import preflight
     from .launcher import free_port, launch
-    preflight(Path(a.draft), AutoConfig.from_pretrained(a.target))
-    tok = AutoTokenizer.from_pretrained(a.target)
+    preflight(Path(a.draft), AutoConfig.from_pretrained(a.target, trust_remote_code=a.trust_remote_code,
+                                                        revision=a.revision))
+    tok = AutoTokenizer.from_pretrained(a.target, trust_remote_code=a.trust_remote_code, revision=a.revision)
     rows = benchmark_prompts(None if a.no_spec_bench else Path(a.spec_bench), not a.no_human_eval, a.per_category)
     prompts = [{**r, "input_ids": prompt_ids(tok, r["messages"])} for r in rows]
     port = a.port or free_port(a.host)
     url = f"http://{a.host}:{port}"
-    cmds = {"baseline": server_command(a.target, a.host, port, a.max_running_requests, a.cuda_graph_max_bs),
-            "eagle3": server_command(a.target, a.host, port, a.max_running_requests, a.cuda_graph_max_bs, spec)}
+    extra = (["--trust-remote-code"] if a.trust_remote_code else []) + (["--revision", a.revision] if a.revision
+                                                                       else [])
+    cmds = {"baseline": server_command(a.target, a.host, port, a.max_running_requests, a.cuda_graph_max_bs,
+                                       extra_args=extra),
+            "eagle3": server_command(a.target, a.host, port, a.max_running_requests, a.cuda_graph_max_bs, spec,
+                                     extra)}
     if a.dry_run:
         for name, cmd in cmds.items():
             print(f"{name}: {' '.join(cmd)}")

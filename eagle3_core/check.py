@@ -1,0 +1,181 @@
+"""`python -m eagle3_core.check CONFIG [--draft DIR]`: everything about a run that can be known from its config and
+the target's config files (no weights), checked before anything expensive runs; the first step of every flow run.
+
+Legend: L target decoder layers, H_t target hidden, V target vocab, N draft vocab.
+
+It prints the resolved target family, the aux layer ids in each engine's reading (target_family.engine_readings),
+the draft geometry and rope, vocab sizes, context lengths, disk per feature format and the backend of the features
+and evaluate stages, and refuses, naming the field and the fix, what would fail later: unsorted, repeated or
+out-of-range aux ids (L-1 included), a rope the draft cannot run, draft positions below the target's context, a
+target too large for the in-process (HF transformers) stages on this machine; with `--draft DIR` (a warm start or
+a deployment) also the draft's architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft).
+CONFIG: a JSON file holding a PipelineConfig, or a preset name ('demo', 'debug_tiny').
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .config import PipelineConfig, load_config, preset
+from .feature_formats import FORMATS, bytes_per_token
+from .target_family import (
+    draft_geometry,
+    engine_readings,
+    family,
+    geometry_problems,
+    num_layers,
+    resolve_aux_ids,
+    rope_type,
+    target_rope,
+    text_config,
+    value,
+)
+
+IN_PROCESS_STAGES = "features (HFExtractor) and evaluate (offline tau)"
+
+
+class CheckError(ValueError):
+    """The run would fail later; `problems` lists (field, message) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("check refused the run:\n" + "\n".join(f"- {f}: {m}" for f, m in problems))
+
+
+def estimate_params(t) -> int:
+    """Rough parameter count of a (text) config from its dimensions: embeddings, attention, dense and expert MLPs.
+    An estimate for the fit check (routers, norms and MLA's low-rank factors are left out or approximated)."""
+    H, L, V = value(t, "hidden_size"), value(t, "num_hidden_layers"), value(t, "vocab_size")
+    nh = value(t, "num_attention_heads")
+    hd = value(t, "v_head_dim") or value(t, "head_dim") or H // nh
+    nkv = value(t, "num_key_value_heads") or nh
+    attn = H * nh * hd * 2 + H * nkv * hd * 2                            # q, o + k, v (MLA: about its size)
+    dense = 3 * H * value(t, "intermediate_size", 0)
+    experts = value(t, "n_routed_experts") or value(t, "num_local_experts") or value(t, "num_experts") or 0
+    moe_i = value(t, "moe_intermediate_size") or value(t, "intermediate_size", 0)
+    moe = 3 * H * moe_i * (experts + (value(t, "n_shared_experts") or 0))
+    n_dense = value(t, "first_k_dense_replace", 0) if experts else L
+    tied = value(t, "tie_word_embeddings", False)
+    return V * H * (1 if tied else 2) + L * attn + n_dense * dense + (L - n_dense) * moe
+
+
+def machine_memory_bytes() -> tuple[int, str]:
+    """(bytes, description) the in-process stages can hold the target in: the sum of the CUDA devices' memory,
+    or the system RAM when there is no GPU."""
+    import os
+
+    import torch
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        total = sum(torch.cuda.get_device_properties(i).total_memory for i in range(n))
+        return total, f"{n} GPU(s), {total / 2**30:.0f} GiB"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total, f"no GPU; {total / 2**30:.0f} GiB RAM"
+
+
+def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=None,
+              memory: tuple[int, str] | None = None) -> tuple[dict, list[tuple[str, str]]]:
+    """(facts, problems) of a run. target_config: the target's transformers config (default: read with
+    target.load_target_config, no weights); memory: (bytes, description) for the fit check (default:
+    machine_memory_bytes()). Facts are JSON-able; problems are (field, message) pairs, empty when the run fits."""
+    from .preflight import check_draft
+    from .target import load_target_config
+    tcfg = target_config if target_config is not None else load_target_config(cfg.target)
+    t = text_config(tcfg)
+    problems: list[tuple[str, str]] = []
+    L, H_t, V = num_layers(tcfg), value(t, "hidden_size"), value(t, "vocab_size")
+    facts: dict = {"target": cfg.target.model, "config_class": type(tcfg).__name__,
+                   "text_config_class": type(t).__name__, "family": family(t), "layers": L, "hidden_size": H_t}
+    try:
+        ids = resolve_aux_ids(cfg.features.aux_layer_ids, L)
+        facts["aux_layer_ids"] = {"ours (layer outputs)": ids, **engine_readings(ids)}
+    except ValueError as e:
+        ids = None
+        problems.append(("features.aux_layer_ids", str(e)))
+    geom = draft_geometry(t, cfg.draft.geometry())
+    problems += geometry_problems(geom, t)
+    theta, scaling = target_rope(t)
+    facts["draft_geometry"] = geom
+    facts["rope"] = {"target": {"theta": theta, "type": rope_type(scaling), "scaling": scaling},
+                     "draft": {"theta": geom["rope_theta"], "type": rope_type(geom["rope_scaling"])}}
+    facts["vocab"] = {"V": V, "N": min(cfg.draft.draft_vocab_size, V)}
+    ctx = value(t, "max_position_embeddings")
+    facts["context"] = {"target": ctx, "draft": geom["max_position_embeddings"],
+                        "features.max_length": cfg.features.max_length}
+    if ctx is not None and cfg.features.max_length > ctx:
+        problems.append(("features.max_length", f"{cfg.features.max_length} exceeds the target's context {ctx}; "
+                                                f"set it to {ctx} or less"))
+    facts["disk_bytes_per_token"] = {f: bytes_per_token(f, H_t) for f in FORMATS}
+    facts["disk_gb_per_1m_tokens"] = {f: round(b * 1e6 / 1e9, 2) for f, b in facts["disk_bytes_per_token"].items()}
+    need = 2 * estimate_params(t)                                          # bf16 weights
+    have, where = memory if memory is not None else machine_memory_bytes()
+    facts["backends"] = {"features": "HF transformers in process (HFExtractor)",
+                         "evaluate": "HF transformers in process (speculate.TargetRunner)",
+                         "target_weights_gb_bf16_estimate": round(need / 1e9, 1), "machine": where}
+    if need > have:
+        problems.append(("target.model", f"~{need / 1e9:.0f} GB of bf16 weights (estimated from the config) do "
+                         f"not fit this machine ({where}): the {IN_PROCESS_STAGES} stages load the whole target "
+                         f"in this process; run them on a host whose GPUs hold the target"))
+    if draft_dir is not None:
+        problems += check_draft(Path(draft_dir), tcfg)
+        import json
+        dcfg = json.loads((Path(draft_dir) / "config.json").read_text()) if (Path(draft_dir) / "config.json").exists() \
+            else {}
+        draft_ids = (dcfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        facts["draft"] = {"dir": str(draft_dir), "architectures": dcfg.get("architectures"), "aux_ids": draft_ids}
+        if ids is not None and draft_ids is not None and draft_ids != ids:
+            problems.append(("features.aux_layer_ids", f"resolves to {ids} but the draft {draft_dir} was trained "
+                             f"on {draft_ids}: a warm start must extract the same layers; set "
+                             f"features.aux_layer_ids to {draft_ids}"))
+    return facts, problems
+
+
+def render(facts: dict) -> str:
+    """The facts as indented text lines."""
+    lines = []
+
+    def walk(d: dict, depth: int) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                lines.append("  " * depth + f"{k}:")
+                walk(v, depth + 1)
+            else:
+                lines.append("  " * depth + f"{k}: {v}")
+    walk(facts, 0)
+    return "\n".join(lines)
+
+
+def check_or_raise(cfg: PipelineConfig, draft_dir: Path | None = None, log=print, **kw) -> dict:
+    """check_run, logging the facts; raises CheckError listing every problem. Returns the facts."""
+    facts, problems = check_run(cfg, draft_dir, **kw)
+    log("check:\n" + render(facts))
+    if problems:
+        raise CheckError(problems)
+    return facts
+
+
+def config_or_preset(arg: str) -> PipelineConfig:
+    """A PipelineConfig from a JSON file path (config.load_config: errors name the file and each bad field) or a
+    preset name. Raises ValueError for neither."""
+    if Path(arg).is_file():
+        return load_config(arg)
+    return preset(arg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Check a run's config against its target (no weights read).")
+    p.add_argument("config", help="JSON file with a PipelineConfig, or a preset name (demo, debug_tiny)")
+    p.add_argument("--draft", default=None, help="a draft directory to check too (warm start or deployment)")
+    a = p.parse_args(argv)
+    try:
+        check_or_raise(config_or_preset(a.config), a.draft)
+    except ValueError as e:                       # CheckError, or a config that does not validate
+        print(str(e), file=sys.stderr)
+        return 1
+    print("check: passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
