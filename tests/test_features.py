@@ -52,9 +52,11 @@ def test_aux_layers_are_decoder_layer_outputs_exactly(target_model, tokenizer):
         assert torch.equal(out["target_top1"][b, :n].long(), ref.logits[b, :n].argmax(-1))
     # aux differs from the neighbouring layers (an off-by-one would pass a loose check on a smooth model)
     assert not torch.allclose(out["aux"][0, :, :576], hs[1][0, :out["aux"].shape[1]], atol=1e-3)
-    # right padding in a batch does not change a shorter sample's features
+    # right padding in a batch does not change a shorter sample's features, up to fp32 rounding of other matmul
+    # shapes: measured 1.5e-4 relative (3.9e-3 absolute on the first position's large values, layers 14 and 26;
+    # transformers 5.24, torch 2.13 CPU), so a relative tolerance of 1e-3
     alone = extract_batch(target_model, [1, 14, 26], [seqs[0]])[0]
-    assert torch.allclose(alone["aux"], out["aux"][0, :len(seqs[0])], atol=1e-4)
+    assert torch.allclose(alone["aux"], out["aux"][0, :len(seqs[0])], rtol=1e-3, atol=1e-4)
 
 
 def test_rerun_resumes_and_corrupt_or_missing_shards_are_extracted_again(target_model, tokenizer, tmp_path):
