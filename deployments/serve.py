@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NIGHTLY_CRON = "0 2 * * *"
 STAGE_FLOWS = {stages.prompts_flow: CPU_POOL, stages.generation_flow: CPU_POOL, stages.features_flow: GPU_POOL,
                stages.vocab_flow: CPU_POOL, stages.train_flow: GPU_POOL, stages.evaluate_flow: GPU_POOL,
-               stages.deploy_llama_cpp_flow: GPU_POOL}
+               stages.deploy_llama_cpp_flow: GPU_POOL, stages.deploy_sglang_flow: GPU_POOL}
 
 
 def nightly(timezone: str) -> Cron:

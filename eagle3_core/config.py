@@ -200,6 +200,30 @@ class EvalConfig(StrictModel):
         return self
 
 
+class SGLangDeployConfig(StrictModel):
+    """Phase 6 on SGLang: the exported draft served with EAGLE3 against the same server without it (REFERENCE.md 4).
+    Flags as sglang 0.5.14 `srt/server_args.py` names them (--tp-size, --ep-size, --trust-remote-code, --revision)."""
+    enabled: Literal["auto", "on", "off"] = Field(
+        "auto", description="'auto': run for non-GGUF targets where SGLang is installed or servers are given, else "
+        "skip saying why; 'on': fail instead of skipping; 'off': never")
+    baseline_url: str | None = Field(None, description="a running SGLang server of the target without a draft "
+                                                       "(None: the stage starts one)")
+    eagle3_url: str | None = Field(None, description="a running SGLang EAGLE3 server with this run's draft "
+                                                     "(None: the stage starts one)")
+    tp_size: int = Field(1, ge=1, description="--tp-size of the servers the stage starts (Kimi-K2.5: 8)")
+    ep_size: int = Field(1, ge=1, description="--ep-size (expert parallel) of the servers the stage starts")
+    extra_args: list[str] = Field([], description="more sglang.launch_server arguments for both servers")
+    num_steps: int | None = Field(None, ge=1, description="--speculative-num-steps (None: eval.num_draft_steps)")
+    topk: int = Field(1, ge=1, description="--speculative-eagle-topk")
+    num_draft_tokens: int | None = Field(None, ge=2, description="--speculative-num-draft-tokens (None: steps + 1)")
+    concurrency: list[int] = Field([1, 8, 32], min_length=1, description="concurrency levels measured")
+    max_running_requests: int = Field(32, ge=1, description="the same on both servers")
+    cuda_graph_max_bs: int = Field(32, ge=1, description="the same on both servers")
+    max_new_tokens: int = Field(256, ge=1)
+    per_category: int | None = Field(10, ge=1, description="Spec-Bench / HumanEval prompts per category")
+    startup_timeout_s: float = Field(3600.0, gt=0, description="a 1T-parameter target loads for tens of minutes")
+
+
 class PipelineConfig(StrictModel):
     run_dir: Path = Field(Path("runs/demo"), description="every stage writes under this directory")
     target: TargetConfig = TargetConfig()
@@ -210,6 +234,7 @@ class PipelineConfig(StrictModel):
     draft: DraftConfig = DraftConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    deploy_sglang: SGLangDeployConfig = SGLangDeployConfig()
 
 
 def preset(name: str, run_dir: str | Path | None = None) -> PipelineConfig:

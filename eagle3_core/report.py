@@ -27,7 +27,13 @@ def collect(run_dir: Path) -> dict:
         "stage_seconds": {s: round(m[s]["seconds"], 1) for s in STAGES},
         "eval": ev,
         "llama_cpp": m["deploy_llama_cpp"].get("summary"),
+        "sglang": _optional_manifest(Path(run_dir) / "deploy_sglang" / "manifest.json").get("verdict"),
     }
+
+
+def _optional_manifest(path: Path) -> dict:
+    """A stage manifest that may be missing (the SGLang deployment runs only on GPU hosts)."""
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 RUN_NAMES = {"trained": "trained, chain", "trained_tree": "trained, tree", "untrained": "untrained, chain"}
@@ -146,6 +152,17 @@ def markdown(r: dict) -> str:
         if abs(lc["tau"] / tr["tau"] - 1) > 0.1:
             lines.append("**Warning**: the engine's tau differs from the offline tau by more than 10%: check the "
                          "aux layer ids and d2t of the exported draft.")
+    sg = r.get("sglang")
+    if sg:
+        lines += ["", "## Deployed on SGLang (`--speculative-algorithm EAGLE3`)", "", sg["summary"], "",
+                  "| concurrency | baseline tok/s | EAGLE3 tok/s | speed-up | tau | break-even tau |",
+                  "|---|---|---|---|---|---|"]
+        for p in sg["per_level"]:
+            tau = "-" if p["tau"] is None else f"{p['tau']:.2f}"
+            even = "-" if p.get("break_even_tau") is None else f"{p['break_even_tau']:.2f}"
+            lines.append(f"| {p['concurrency']} | {p['baseline_tok_s']:.1f} | {p['eagle3_tok_s']:.1f} | "
+                         f"{p['speedup']:.2f}x | {tau} | {even} |")
+        lines += [f"\n**Warning**: {w}" for w in sg["warnings"]]
     if tr["tau"] < 1.2:
         lines += ["", ("**Warning**: tau below 1.2 usually means a misconfiguration (aux layer ids, d2t, chat "
                   "template), not a weak draft.")]

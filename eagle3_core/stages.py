@@ -91,7 +91,8 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
 
 
 STAGE_DIRS = {"prompts": "prompts", "generation": "generations", "tokenize": "tokenized", "features": "features",
-              "vocab": "vocab", "train": "draft", "evaluate": "eval", "deploy-llama-cpp": "deploy_llama_cpp"}
+              "vocab": "vocab", "train": "draft", "evaluate": "eval", "deploy-llama-cpp": "deploy_llama_cpp",
+              "deploy-sglang": "deploy_sglang"}
 
 
 def inputs_key(cfg: PipelineConfig, stage: str) -> str:
@@ -99,7 +100,7 @@ def inputs_key(cfg: PipelineConfig, stage: str) -> str:
     it is done. Needs the upstream stages' manifests; raises FileNotFoundError naming a missing one."""
     fns = {"prompts": prompts_key, "generation": generation_stage_key, "tokenize": tokenize_key,
            "features": features_key, "vocab": vocab_key, "train": train_key, "evaluate": evaluate_key,
-           "deploy-llama-cpp": deploy_llama_cpp_key}
+           "deploy-llama-cpp": deploy_llama_cpp_key, "deploy-sglang": deploy_sglang_key}
     return fns[stage](cfg)
 
 
@@ -739,4 +740,78 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
     log(f"deploy: llama.cpp tau {summary['tau']:.2f}, {summary['tokens_per_s']:.1f} tok/s with the draft vs "
         f"{summary['baseline_tokens_per_s']:.1f} without ({summary['speedup']:.2f}x); lossless {summary['lossless']}")
     return write_manifest(out / "manifest.json", {"inputs_key": key, "summary": summary,
+                                                  "seconds": time.monotonic() - t0})
+
+
+def deploy_sglang_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the SGLang deployment stage: the trained draft, the target, the stage's own settings."""
+    return _key(_upstream(cfg.run_dir, "draft")["inputs_key"], cfg.target, cfg.eval.num_draft_steps,
+                cfg.deploy_sglang)
+
+
+def deploy_sglang_skip(cfg: PipelineConfig) -> str | None:
+    """Why the SGLang deployment stage does not run here (None: it runs). 'auto' skips GGUF targets (llama.cpp
+    serves those), and a machine without SGLang unless both servers are given by URL; 'on' raises RuntimeError
+    where 'auto' would skip for a missing SGLang; 'off' always skips."""
+    from .serving.sglang_deploy import sglang_installed
+    from .target import gguf_path
+    d = cfg.deploy_sglang
+    if d.enabled == "off":
+        return "deploy_sglang.enabled is 'off'"
+    if d.enabled == "auto" and gguf_path(cfg.target) is not None:
+        return "the target is a GGUF file: the llama.cpp deployment stage serves it (SGLang serves HF checkpoints)"
+    if not (d.baseline_url and d.eagle3_url) and not sglang_installed():
+        why = ("SGLang is not installed here (it needs CUDA: on a GPU host `pip install -e '.[sglang]'`), and "
+               "deploy_sglang.baseline_url / eagle3_url do not name running servers")
+        if d.enabled == "on":
+            raise RuntimeError(f"deploy-sglang: {why}; install SGLang or give both URLs (deploy_sglang.enabled "
+                               f"is 'on')")
+        return why
+    return None
+
+
+def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
+    """Phase 6 on SGLang (deploy_sglang/): pre-flight of the exported draft against the target, then the same
+    Spec-Bench and HumanEval prompts through /generate on the baseline and the EAGLE3 server at each concurrency:
+    output tok/s, tau = sum(completion_tokens) / sum(spec_verify_ct), speed-up and break-even tau per level
+    (serving.sglang_deploy.run_benchmark). Skipped (no manifest, so a later run on a GPU host does the work) where
+    deploy_sglang_skip says why: a skip the config decides (GGUF target, 'off') writes a manifest saying so; one
+    this machine decides (no SGLang) writes none, so that a later run on a GPU host does the work, and returns
+    {'skipped': reason}."""
+    from .target import gguf_path
+    out = cfg.run_dir / STAGE_DIRS["deploy-sglang"]
+    key = deploy_sglang_key(cfg)
+    if (m := cached_manifest(out / "manifest.json", key)):
+        return m
+    if (why := deploy_sglang_skip(cfg)) is not None:
+        log(f"deploy-sglang: skipped: {why}")
+        if cfg.deploy_sglang.enabled == "off" or gguf_path(cfg.target) is not None:   # the config decides: done
+            return write_manifest(out / "manifest.json", {"inputs_key": key, "skipped": why, "seconds": 0.0})
+        return {"skipped": why}                                   # this machine decides: a GPU host will run it
+    from .preflight import preflight
+    from .serving.sglang_bench import SpecArgs, target_server_args
+    from .serving.sglang_deploy import DEFAULT_SPEC_BENCH, benchmark_prompts, run_benchmark
+    from .target import load_target_config, load_tokenizer
+    t0 = time.monotonic()
+    d, up = cfg.deploy_sglang, _upstream(cfg.run_dir, "draft")
+    steps = d.num_steps or cfg.eval.num_draft_steps
+    spec = SpecArgs(up["export_dir"], steps, d.topk, d.num_draft_tokens or steps + 1)
+    preflight(Path(up["export_dir"]), load_target_config(cfg.target))
+    tok = load_tokenizer(cfg.target)
+    rows = benchmark_prompts(DEFAULT_SPEC_BENCH, True, d.per_category)
+    prompts = [{**r, "input_ids": prompt_ids(tok, r["messages"])} for r in rows]
+    server_args = target_server_args(d.tp_size, d.ep_size, cfg.target.trust_remote_code, cfg.target.revision,
+                                     d.extra_args)
+    log(f"deploy-sglang: {len(prompts)} prompts at concurrency {d.concurrency} on the baseline and the EAGLE3 "
+        f"server ({'running at ' + d.eagle3_url if d.eagle3_url else 'started here'}; {' '.join(server_args)})")
+    result = run_benchmark(cfg.target.model, spec, prompts, d.concurrency, out, d.max_new_tokens,
+                           d.max_running_requests, d.cuda_graph_max_bs, server_args,
+                           {"baseline": d.baseline_url, "eagle3": d.eagle3_url}, host=cfg.server.host,
+                           startup_timeout_s=d.startup_timeout_s)
+    v = result["verdict"]
+    log(f"deploy-sglang: tau {v['tau'] if v['tau'] is None else round(v['tau'], 2)}; {v['summary']}")
+    for w in v["warnings"]:
+        log(f"deploy-sglang: WARNING {w}")
+    return write_manifest(out / "manifest.json", {"inputs_key": key, "verdict": v, "prompts": len(prompts),
+                                                  "report": str(out / "sglang_bench.md"),
                                                   "seconds": time.monotonic() - t0})

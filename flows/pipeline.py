@@ -1,7 +1,8 @@
 """The end-to-end EAGLE-3 pipeline flow. Reads like the diagram in DESIGN.md:
 
 prompts -> regenerate -> tokenize + loss masks -> aux hidden states -> vocab map -> train (TTT) + export
-        -> offline tau (HF target verifies) -> deploy on llama.cpp's EAGLE-3 server -> tau, tok/s vs no draft
+        -> offline tau (HF target verifies) -> deploy on llama.cpp's EAGLE-3 server (GGUF targets) or on SGLang
+        (EAGLE3; HF targets on a GPU host) -> tau, tok/s vs no draft
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False) -> d
     s.train_flow(config)
     s.evaluate_flow(config)
     s.deploy_llama_cpp_flow(config)
+    s.deploy_sglang_flow(config)
     return report_task(config)
 
 

@@ -128,3 +128,11 @@ def deploy_llama_cpp_flow(config: PipelineConfig = DEMO, refresh: bool = False) 
     """Serve the draft on llama.cpp's EAGLE-3 mode and benchmark it against the same server without a draft."""
     forget(config, refresh, "deploy-llama-cpp")
     return run_stage(t.deploy_llama_cpp_task, config, "deploy-llama-cpp")
+
+
+@flow(name="deploy-sglang")
+def deploy_sglang_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
+    """Serve the draft on SGLang (EAGLE3) against the same server without it: tau, tok/s, speed-up and break-even
+    tau per concurrency; skipped, saying why, for GGUF targets and where SGLang is not installed."""
+    forget(config, refresh, "deploy-sglang")
+    return run_stage(t.deploy_sglang_task, config, "deploy-sglang")

@@ -102,3 +102,11 @@ def deploy_llama_cpp_task(config: PipelineConfig) -> dict:
     """Serve the draft on llama.cpp's EAGLE-3 server and benchmark it (run_deploy_llama_cpp)."""
     with run_log() as log:
         return stages.run_deploy_llama_cpp(config, log=log.info)
+
+
+@stage_task("deploy-sglang", "deploy-sglang", 24, ("server",))
+def deploy_sglang_task(config: PipelineConfig) -> dict:
+    """Serve the draft on SGLang with EAGLE3 against the same server without it (run_deploy_sglang); returns
+    {'skipped': reason} where SGLang cannot run here."""
+    with run_log() as log:
+        return stages.run_deploy_sglang(config, log=log.info)

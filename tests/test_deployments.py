@@ -70,7 +70,8 @@ def test_deployments_register_with_schedule_schema_and_defaults(deployments):
     assert demo.parameters["config"]["train"]["epochs"] == 6 and demo.parameters["refresh"] is False
     tiny = asyncio.run(_read_deployment("eagle3-pipeline/debug-tiny"))
     assert tiny.schedules == [] and tiny.parameters["config"]["prompts"]["num_train"] == 6
-    for stage in ("prompts", "generation", "features", "vocab", "train", "evaluate", "deploy-llama-cpp"):
+    for stage in ("prompts", "generation", "features", "vocab", "train", "evaluate", "deploy-llama-cpp",
+                  "deploy-sglang"):
         assert asyncio.run(_read_deployment(f"{stage}/{stage}")).parameters["config"]["run_dir"].endswith("demo")
 
     async def limit():

@@ -17,7 +17,7 @@ from tasks.retry import RETRY_OPTIONS, is_transient, retry_if_transient
 
 STAGE_TASKS = {"prompts", "generation-shard-0", "generation-shard-1", "finish-generation", "tokenize",
                "features-shard-0", "features-shard-1", "finish-features", "vocab", "train", "evaluate",
-               "deploy-llama-cpp"}
+               "deploy-llama-cpp", "deploy-sglang"}
 
 
 def _manifests(run_dir):

@@ -70,6 +70,20 @@ def server_command(model: str, host: str, port: int, max_running_requests: int, 
     return cmd + list(extra_args or [])
 
 
+def target_server_args(tp_size: int = 1, ep_size: int = 1, trust_remote_code: bool = False,
+                       revision: str | None = None, extra_args: list[str] | None = None) -> list[str]:
+    """The target-side sglang.launch_server arguments both servers share (sglang 0.5.14 `srt/server_args.py`:
+    `--tp-size`, `--ep-size`, `--trust-remote-code`, `--revision`). Raises ValueError if ep_size does not divide
+    tp_size (SGLang splits the TP ranks into EP groups)."""
+    if tp_size % ep_size:
+        raise ValueError(f"deploy_sglang.ep_size {ep_size} must divide tp_size {tp_size} (SGLang forms EP groups "
+                         f"inside the TP ranks)")
+    args = (["--tp-size", str(tp_size)] if tp_size > 1 else []) + (["--ep-size", str(ep_size)] if ep_size > 1
+                                                                    else [])
+    args += (["--trust-remote-code"] if trust_remote_code else []) + (["--revision", revision] if revision else [])
+    return args + list(extra_args or [])
+
+
 def generate_body(input_ids: list[int], max_new_tokens: int) -> dict:
     """A greedy /generate request (sglang `GenerateReqInput`: input_ids, sampling_params, stream).
     max_new_tokens is always set (SGLang's default is 128)."""
@@ -142,16 +156,22 @@ def summarize_level(level: dict) -> dict:
 
 def verdict(baseline: list[dict], eagle3: list[dict]) -> dict:
     """Compare summarized levels concurrency by concurrency. Returns {per_level: [{concurrency, baseline_tok_s,
-    eagle3_tok_s, speedup, tau}], tau (over all levels), summary (one sentence), warnings: [...]}."""
+    eagle3_tok_s, speedup, tau, break_even_tau}], tau (over all levels), summary (one sentence), warnings: [...]}.
+    break_even_tau = tau / speedup: the tau at which that level's EAGLE3 server would match the baseline."""
     base = {b["concurrency"]: b for b in baseline}
     per_level, warnings = [], []
     for e in eagle3:
         b = base.get(e["concurrency"])
         if b is None:
             continue
+        speedup = e["output_tokens_per_s"] / b["output_tokens_per_s"]
+        tau_e = e.get("tau")
+        # speed-up = tau * t_base / t_step (one verify step costs t_step, one plain decode step t_base); with the
+        # step cost independent of how many drafts are accepted, the tau at which EAGLE3 breaks even is t_step /
+        # t_base = tau / speed-up (the speed-up model of eagle3_core/speedup.py, from SGLang's own numbers)
         per_level.append({"concurrency": e["concurrency"], "baseline_tok_s": b["output_tokens_per_s"],
-                          "eagle3_tok_s": e["output_tokens_per_s"],
-                          "speedup": e["output_tokens_per_s"] / b["output_tokens_per_s"], "tau": e.get("tau")})
+                          "eagle3_tok_s": e["output_tokens_per_s"], "speedup": speedup, "tau": tau_e,
+                          "break_even_tau": None if tau_e is None else tau_e / speedup})
     if any("tau" not in e for e in eagle3):
         warnings.append("the EAGLE3 server reported no meta_info.spec_verify_ct: it is not running speculative "
                         "decoding; check --speculative-algorithm EAGLE3 and --speculative-draft-model-path")

@@ -23,6 +23,7 @@ from .sglang_bench import (
     check_server_info,
     generate_body,
     server_command,
+    target_server_args,
     verdict,
 )
 
@@ -66,11 +67,13 @@ def markdown(result: dict) -> str:
              f"{a['cuda_graph_max_bs']} on both servers; {result['prompts']} prompts, greedy, "
              f"{a['max_new_tokens']} new tokens"),
              f"- verdict: {v['summary']}", "",
-             "| concurrency | baseline tok/s | EAGLE3 tok/s | speedup | tau |", "|---|---|---|---|---|"]
+             "| concurrency | baseline tok/s | EAGLE3 tok/s | speedup | tau | break-even tau |",
+             "|---|---|---|---|---|---|"]
     for p in v["per_level"]:
         tau = f"{p['tau']:.2f}" if p["tau"] is not None else "-"
+        even = f"{p['break_even_tau']:.2f}" if p.get("break_even_tau") is not None else "-"
         lines.append(f"| {p['concurrency']} | {p['baseline_tok_s']:.1f} | {p['eagle3_tok_s']:.1f} | "
-                     f"{p['speedup']:.2f}x | {tau} |")
+                     f"{p['speedup']:.2f}x | {tau} | {even} |")
     cats = result["eagle3"]["levels"][0].get("tau_per_category") if result["eagle3"]["levels"] else None
     if cats:
         lines += ["", "tau per category (first level): " + ", ".join(f"{c} {t:.2f}" for c, t in cats.items())]
@@ -79,12 +82,64 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def sglang_installed() -> bool:
+    """True if `sglang` can be imported here (its launch_server is what the stage starts)."""
+    import importlib.util
+    return importlib.util.find_spec("sglang") is not None
+
+
+def run_benchmark(target: str, spec: SpecArgs, prompts: list[dict], levels: list[int], out: Path,
+                  max_new_tokens: int, max_running_requests: int, cuda_graph_max_bs: int,
+                  server_args: list[str] | None = None, urls: dict[str, str | None] | None = None,
+                  host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 1800.0,
+                  transport=None) -> dict:
+    """Benchmark the baseline and the EAGLE3 server on `prompts` ({id, category, input_ids}) at each concurrency
+    of `levels`; writes sglang_bench.{json,md} and tok_s_vs_concurrency.png under `out` and returns the result
+    (args, prompts, baseline, eagle3, verdict with tau, speed-up and break-even tau per level).
+
+    urls: {'baseline': URL or None, 'eagle3': URL or None}: a given URL is a running server (its /server_info is
+    checked against what was asked for); None starts that server here (`server_command` + `server_args`, both
+    with the same --max-running-requests and --cuda-graph-max-bs), logged to out/<name>.log and stopped after.
+    transport: an httpx transport for the running servers (tests answer through SGLang stand-ins with it).
+    Raises ServerError naming the server, ValueError for an EAGLE (not EAGLE3) spec or a missing draft."""
+    from .launcher import free_port, launch
+    urls = urls or {}
+    out.mkdir(parents=True, exist_ok=True)
+    results, warnings = {}, []
+    for name, sp in (("baseline", None), ("eagle3", spec)):
+        cmd = server_command(target, host, port or free_port(host), max_running_requests, cuda_graph_max_bs, sp,
+                             server_args)
+        if urls.get(name):
+            results[name] = asyncio.run(benchmark_server(urls[name].rstrip("/"), prompts, levels, max_new_tokens,
+                                                         transport=transport))
+        else:
+            url = f"http://{host}:{cmd[cmd.index('--port') + 1]}"
+            with launch(cmd, url, out / f"{name}.log", startup_timeout_s):
+                results[name] = asyncio.run(benchmark_server(url, prompts, levels, max_new_tokens))
+        warnings += [f"{name}: {w}" for w in check_server_info(results[name]["server_info"], sp,
+                                                                 max_running_requests, cuda_graph_max_bs)]
+    v = verdict(results["baseline"]["levels"], results["eagle3"]["levels"])
+    v["warnings"] = warnings + v["warnings"]
+    result = {"args": {"target": target, "draft": spec.draft_dir, "steps": spec.num_steps, "topk": spec.topk,
+                       "draft_tokens": spec.num_draft_tokens, "max_running_requests": max_running_requests,
+                       "cuda_graph_max_bs": cuda_graph_max_bs, "max_new_tokens": max_new_tokens,
+                       "server_args": list(server_args or []), "urls": urls},
+              "prompts": len(prompts), **results, "verdict": v}
+    (out / "sglang_bench.json").write_text(json.dumps(result, indent=2))
+    (out / "sglang_bench.md").write_text(markdown(result))
+    from ..plots import plot_tok_s_vs_concurrency
+    plot_tok_s_vs_concurrency(v["per_level"], out / "tok_s_vs_concurrency.png")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     p = argparse.ArgumentParser(description="Benchmark an EAGLE-3 draft on SGLang against the same server without it.")
     p.add_argument("--target", required=True, help="target model path or hub name (as for sglang --model-path)")
     p.add_argument("--draft", required=True, help="exported draft directory (SGLang format)")
     p.add_argument("--revision", default=None, help="target hub revision (as for the pipeline's target.revision)")
     p.add_argument("--trust-remote-code", action="store_true", help="run the target's own code (e.g. Kimi-K2)")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor parallel GPUs per server (Kimi-K2.5: 8)")
+    p.add_argument("--ep-size", type=int, default=1, help="expert parallel size (divides --tp-size)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--topk", type=int, default=1)
     p.add_argument("--draft-tokens", type=int, default=6)
@@ -111,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     from ..data import prompt_ids
     from ..preflight import preflight
-    from .launcher import free_port, launch
+    from .launcher import free_port
     preflight(Path(a.draft), AutoConfig.from_pretrained(a.target, trust_remote_code=a.trust_remote_code,
                                                         revision=a.revision))
     tok = AutoTokenizer.from_pretrained(a.target, trust_remote_code=a.trust_remote_code, revision=a.revision)
@@ -119,37 +174,19 @@ def main(argv: list[str] | None = None) -> dict | None:
     prompts = [{**r, "input_ids": prompt_ids(tok, r["messages"])} for r in rows]
     port = a.port or free_port(a.host)
     url = f"http://{a.host}:{port}"
-    extra = (["--trust-remote-code"] if a.trust_remote_code else []) + (["--revision", a.revision] if a.revision
-                                                                       else [])
-    cmds = {"baseline": server_command(a.target, a.host, port, a.max_running_requests, a.cuda_graph_max_bs,
-                                       extra_args=extra),
-            "eagle3": server_command(a.target, a.host, port, a.max_running_requests, a.cuda_graph_max_bs, spec,
-                                     extra)}
+    extra = target_server_args(a.tp_size, a.ep_size, a.trust_remote_code, a.revision)
     if a.dry_run:
+        cmds = {"baseline": server_command(a.target, a.host, port, a.max_running_requests, a.cuda_graph_max_bs,
+                                           extra_args=extra),
+                "eagle3": server_command(a.target, a.host, port, a.max_running_requests, a.cuda_graph_max_bs, spec,
+                                         extra)}
         for name, cmd in cmds.items():
             print(f"{name}: {' '.join(cmd)}")
         print(f"{len(prompts)} prompts; first request: POST {url}/generate "
               f"{json.dumps(generate_body(prompts[0]['input_ids'], a.max_new_tokens))[:300]}")
         return None
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results, warnings = {}, []
-    for name, cmd in cmds.items():
-        with launch(cmd, url, out / f"{name}.log", a.startup_timeout):
-            results[name] = asyncio.run(benchmark_server(url, prompts, levels, a.max_new_tokens))
-        warnings += [f"{name}: {w}" for w in check_server_info(results[name]["server_info"],
-                                                                 spec if name == "eagle3" else None,
-                                                                 a.max_running_requests, a.cuda_graph_max_bs)]
-    v = verdict(results["baseline"]["levels"], results["eagle3"]["levels"])
-    v["warnings"] = warnings + v["warnings"]
-    result = {"args": {"target": a.target, "draft": a.draft, "steps": a.steps, "topk": a.topk,
-                       "draft_tokens": a.draft_tokens, "max_running_requests": a.max_running_requests,
-                       "cuda_graph_max_bs": a.cuda_graph_max_bs, "max_new_tokens": a.max_new_tokens},
-              "prompts": len(prompts), **results, "verdict": v}
-    (out / "sglang_bench.json").write_text(json.dumps(result, indent=2))
-    (out / "sglang_bench.md").write_text(markdown(result))
-    from ..plots import plot_tok_s_vs_concurrency
-    plot_tok_s_vs_concurrency(v["per_level"], out / "tok_s_vs_concurrency.png")
+    result = run_benchmark(a.target, spec, prompts, levels, Path(a.out), a.max_new_tokens, a.max_running_requests,
+                           a.cuda_graph_max_bs, extra, host=a.host, port=port, startup_timeout_s=a.startup_timeout)
     print(markdown(result))
     return result
 
