@@ -1,0 +1,215 @@
+"""`python -m eagle3_core.plan CONFIG`: disk, GPU-hours and wall time per stage of a run at N GPUs, from a rates
+file whose every rate says where it comes from, before anything runs.
+
+Legend: S train samples, R samples regenerated (prompt-mode rows: kept rows need no request), T tokens per sample
+(prompt + answer, capped at features.max_length), O answer tokens per sample, E epochs, G GPUs.
+
+    generation  R * O / (tok_s per server * servers)          servers = G // gpus_per_server (at least 1)
+    features    S / (samples_s per replica * replicas)  or  S * T / (tok_s per replica * replicas)
+    disk        S * bytes_per_sample (bf16; fp8 * fp8_bytes_ratio)  or  S * T * feature_formats.bytes_per_token
+    train       E * S * T / (tok_s per GPU * G * ddp_efficiency); format 'online' adds E times the features time
+    evaluate    num_eval * eval_s_per_prompt
+
+A rates file (JSON, configs/rates.json) holds named profiles; each rate is {value, unit, status, source} with status
+'measured' (source: where and when: the run or benchmark that measured it), 'given' (a number the user states, e.g.
+the reference team's 2,300 tok/s) or 'scaled' (derived from a measured rate by a stated ratio).
+`--measure RUN_DIR` writes the measured rates of a finished run (its manifests' counts and seconds) into a
+profile.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import date
+from pathlib import Path
+
+from .config import PipelineConfig
+from .feature_formats import bytes_per_token
+
+STATUSES = ("measured", "given", "scaled")
+DEFAULT_RATES = Path(__file__).resolve().parents[1] / "configs" / "rates.json"
+
+
+def load_rates(path: str | Path, profile: str) -> dict[str, dict]:
+    """The rates of `profile` in the rates file at `path`: {name: {value, unit, status, source}}. Raises ValueError
+    naming the file, profile and rate for an unknown profile, a missing field or a status outside STATUSES."""
+    data = json.loads(Path(path).read_text())
+    profiles = data.get("profiles", {})
+    if profile not in profiles:
+        raise ValueError(f"{path}: no profile {profile!r}; profiles: {sorted(profiles)}")
+    rates = profiles[profile]["rates"]
+    for name, r in rates.items():
+        missing = {"value", "unit", "status", "source"} - set(r)
+        if missing or r["status"] not in STATUSES or not str(r["source"]).strip():
+            raise ValueError(f"{path}: profile {profile!r} rate {name!r}: needs value, unit, a status in {STATUSES} "
+                             f"and a source saying where and when it was measured or who gives it (missing "
+                             f"{sorted(missing) or 'a valid status or source'})")
+    return rates
+
+
+def _workload(cfg: PipelineConfig, rates: dict) -> dict:
+    """Samples, regenerated rows, answer and total tokens per sample for `cfg` under `rates`."""
+    S = cfg.prompts.num_train
+    kept = 0
+    if cfg.prompts.mix is not None:
+        counts = [(s.count, s.mode) for s in cfg.prompts.mix.sources]
+        kept = round(S * sum(c for c, m in counts if c and m == "keep") / max(sum(c for c, _ in counts if c), 1))
+    O = min(rates["output_tokens_per_sample"]["value"], cfg.generation.max_new_tokens)
+    T = min(rates["tokens_per_sample"]["value"], cfg.features.max_length)
+    return {"samples": S, "regenerated": S - kept, "answer_tokens": O, "tokens": T}
+
+
+def _rate(rates: dict, *names: str) -> tuple[str, dict] | None:
+    return next(((n, rates[n]) for n in names if n in rates), None)
+
+
+def plan_run(cfg: PipelineConfig, rates: dict, gpus: int, hidden_size: int | None = None) -> dict:
+    """The plan of `cfg` on `gpus` GPUs under `rates` (load_rates): {workload, stages: [{stage, hours (wall),
+    gpu_hours, disk_bytes, rate (name, value, unit, status, source) or None, note}], total_hours}. hidden_size
+    H_t is needed only when the disk is planned from bytes per token. Raises ValueError for gpus < 1."""
+    if gpus < 1:
+        raise ValueError(f"gpus {gpus}: plan for at least one GPU (a CPU-only machine counts as 1)")
+    w, rows = _workload(cfg, rates), []
+
+    def row(stage, hours, gpu_hours, rate, disk=0.0, note=""):
+        rows.append({"stage": stage, "hours": hours, "gpu_hours": gpu_hours, "disk_bytes": disk, "note": note,
+                     "rate": None if rate is None else {"name": rate[0], **rate[1]}})
+
+    per_server = rates["gpus_per_server"]["value"]
+    servers = max(1, gpus // per_server)
+    gen = _rate(rates, "generation_tok_s_per_server")
+    h = w["regenerated"] * w["answer_tokens"] / (gen[1]["value"] * servers) / 3600
+    row("generation", h, h * servers * per_server, gen, note=f"{w['regenerated']} requests on {servers} server(s)")
+    per_replica = rates["gpus_per_extraction_replica"]["value"]
+    replicas = max(1, gpus // per_replica)
+    ext = _rate(rates, "extraction_samples_s_per_replica", "extraction_tok_s_per_replica")
+    work = w["samples"] if ext[0].startswith("extraction_samples") else w["samples"] * w["tokens"]
+    ext_h = work / (ext[1]["value"] * replicas) / 3600
+    fmt = cfg.features.format
+    if fmt == "online":
+        disk = w["samples"] * w["tokens"] * bytes_per_token("online", 0)      # token ids and masks only
+    elif "feature_bytes_per_sample" in rates:
+        per_sample = rates["feature_bytes_per_sample"]["value"]
+        disk = w["samples"] * per_sample * (rates["fp8_bytes_ratio"]["value"] if fmt == "fp8" else 1.0)
+    else:
+        if hidden_size is None:
+            raise ValueError("plan: the rates give no feature_bytes_per_sample; pass the target's hidden size")
+        disk = w["samples"] * w["tokens"] * bytes_per_token(fmt, hidden_size)
+    if fmt == "online":
+        row("features", 0.0, 0.0, ext, disk, note="online: nothing stored; training runs the target every epoch")
+    else:
+        row("features", ext_h, ext_h * replicas * per_replica, ext, disk, note=f"{replicas} replica(s), {fmt}")
+    tr = _rate(rates, "train_tok_s_per_gpu")
+    eff = rates.get("ddp_efficiency", {"value": 1.0})["value"] if gpus > 1 else 1.0
+    E = cfg.train.epochs
+    h = E * w["samples"] * w["tokens"] / (tr[1]["value"] * gpus * eff) / 3600
+    note = f"{E} epochs, DDP efficiency {eff:g}"
+    if fmt == "online":
+        h += E * ext_h
+        note += f", plus the target's forward every epoch ({E} x {ext_h:.2f} h)"
+    row("train", h, h * gpus, tr, note=note)
+    ev = _rate(rates, "eval_s_per_prompt")
+    if ev is None:
+        row("evaluate", 0.0, 0.0, None, note="no rate in this profile")
+    else:
+        h = cfg.prompts.num_eval * ev[1]["value"] / 3600
+        row("evaluate", h, h, ev, note=f"{cfg.prompts.num_eval} held-out prompts")
+    return {"workload": w, "gpus": gpus, "format": fmt, "stages": rows,
+            "total_hours": sum(r["hours"] for r in rows), "disk_bytes": sum(r["disk_bytes"] for r in rows)}
+
+
+def markdown(p: dict) -> str:
+    """The plan as a Markdown table, every rate with its status and source."""
+    w = p["workload"]
+    lines = [f"Plan at {p['gpus']} GPU(s), features {p['format']}: {w['samples']} samples ({w['regenerated']} "
+             f"regenerated), {w['tokens']} tokens and {w['answer_tokens']} answer tokens per sample", "",
+             "| stage | wall h | GPU-h | disk | rate | status | source | note |", "|---|---|---|---|---|---|---|---|"]
+    for r in p["stages"]:
+        rate = r["rate"] or {}
+        val = f"{rate['value']:g} {rate['unit']}" if rate else "-"
+        lines.append(f"| {r['stage']} | {r['hours']:.2f} | {r['gpu_hours']:.1f} | {r['disk_bytes'] / 1e12:.2f} TB | "
+                     f"{val} | {rate.get('status', '-')} | {rate.get('source', '-')} | {r['note']} |")
+    lines.append(f"| total | {p['total_hours']:.2f} | | {p['disk_bytes'] / 1e12:.2f} TB | | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def measured_rates(run_dir: Path, where: str) -> dict[str, dict]:
+    """Rates measured by a finished run (its stage manifests): generation tok/s, features tok/s, train token
+    passes/s, seconds per held-out prompt, tokens per sample and feature bytes per sample, each marked measured
+    with `where` and today's date. Raises FileNotFoundError naming a missing manifest."""
+    def m(d: str) -> dict:
+        path = Path(run_dir) / d / "manifest.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} missing: plan measures finished runs only")
+        return json.loads(path.read_text())
+    gen, tok, feat, draft, ev, prompts = (m(d) for d in ("generations", "tokenized", "features", "draft", "eval",
+                                                           "prompts"))
+    S = tok["samples"]
+    epochs = len(draft["history"])
+    feature_bytes = feat.get("bytes") or feat["bytes_per_token"] * feat["tokens"]
+    src = f"{where}, {date.today().isoformat()} ({run_dir})"
+
+    def r(value, unit):
+        return {"value": round(value, 4), "unit": unit, "status": "measured", "source": src}
+    return {"generation_tok_s_per_server": r(gen["completion_tokens"] / gen["seconds"], "output tok/s"),
+            "gpus_per_server": {"value": 1, "unit": "devices", "status": "given", "source": "one server here"},
+            "output_tokens_per_sample": r(gen["completion_tokens"] / max(len(prompts["train_ids"]), 1), "tokens"),
+            "tokens_per_sample": r(tok["tokens"] / S, "tokens"),
+            "extraction_tok_s_per_replica": r(tok["tokens"] / (feat["seconds"] + tok["seconds"]), "tok/s"),
+            "gpus_per_extraction_replica": {"value": 1, "unit": "devices", "status": "given", "source": "one here"},
+            "feature_bytes_per_sample": r(feature_bytes / S, "bytes"),
+            "fp8_bytes_ratio": {"value": 0.503, "unit": "fp8 / bf16 bytes", "status": "measured",
+                                "source": "benchmarks/extract_throughput.py on one H200, 2026-11 (issue 26)"},
+            "train_tok_s_per_gpu": r(epochs * tok["tokens"] * draft["train_samples"] / S / draft["seconds"],
+                                     "token passes/s"),
+            "eval_s_per_prompt": r(ev["seconds"] / len(prompts["eval_ids"]), "s per held-out prompt")}
+
+
+def compare(p: dict, run_dir: Path) -> dict[str, float]:
+    """measured / planned wall time per stage of a finished run (its manifests' seconds; features includes
+    tokenize): 1.0 is a perfect plan."""
+    secs = {}
+    for stage, dirs in (("generation", ["generations"]), ("features", ["tokenized", "features"]),
+                        ("train", ["draft"]), ("evaluate", ["eval"])):
+        secs[stage] = sum(json.loads((Path(run_dir) / d / "manifest.json").read_text())["seconds"] for d in dirs)
+    return {r["stage"]: secs[r["stage"]] / (r["hours"] * 3600) for r in p["stages"] if r["hours"] > 0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .check import config_or_preset
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("config", nargs="?", help="a PipelineConfig JSON file or a preset name")
+    p.add_argument("--profile", required=True, help="the rates profile to plan with (or to write, with --measure)")
+    p.add_argument("--rates", default=str(DEFAULT_RATES), help="the rates file (default configs/rates.json)")
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--hidden-size", type=int, default=None, help="H_t, when the profile plans disk per token")
+    p.add_argument("--against", default=None, help="a finished run directory: print measured / planned per stage")
+    p.add_argument("--measure", default=None, metavar="RUN_DIR",
+                   help="write this finished run's measured rates into --profile instead of planning")
+    p.add_argument("--where", default=None, help="with --measure: what measured it, e.g. 'make demo, 2 CPU cores'")
+    a = p.parse_args(argv)
+    if a.measure:
+        if not a.where:
+            p.error("--measure needs --where (the rates file says where each rate was measured)")
+        path = Path(a.rates)
+        data = json.loads(path.read_text()) if path.exists() else {"profiles": {}}
+        data["profiles"][a.profile] = {"description": a.where, "rates": measured_rates(Path(a.measure), a.where)}
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote profile {a.profile!r} to {path}")
+        return 0
+    if not a.config:
+        p.error("give CONFIG (or --measure RUN_DIR)")
+    cfg = config_or_preset(a.config)
+    rates = load_rates(a.rates, a.profile)
+    for fmt in dict.fromkeys([cfg.features.format, "bf16", "fp8", "online"]):
+        alt = cfg.model_copy(update={"features": cfg.features.model_copy(update={"format": fmt})})
+        plan = plan_run(alt, rates, a.gpus, a.hidden_size)
+        print(("" if fmt == cfg.features.format else f"With features.format '{fmt}':\n") + markdown(plan))
+        if a.against and fmt == cfg.features.format:
+            print("measured / planned: " + ", ".join(f"{k} {v:.2f}x" for k, v in compare(plan, a.against).items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""`plan CONFIG`: the reference team's hand arithmetic (REFERENCE.md 0) reproduced from their given rates, what fp8
+and online features change, refused rates files, and the measured rates of a finished run planning it back."""
+import json
+
+import pytest
+from conftest import ROOT
+
+from eagle3_core.config import load_config
+from eagle3_core.plan import compare, load_rates, main, measured_rates, plan_run
+
+RATES = ROOT / "configs" / "rates.json"
+KIMI = ROOT / "configs" / "kimi_k25_agentic_100k.json"
+
+
+def _stage(p, name):
+    return next(r for r in p["stages"] if r["stage"] == name)
+
+
+def test_the_reference_plan_reproduces_9_2_tb_24_h_and_18_8_h_within_10_percent():
+    cfg = load_config(KIMI)
+    rates = load_rates(RATES, "reference_kimi_k25")
+    bf16 = plan_run(cfg.model_copy(update={"features": cfg.features.model_copy(update={"format": "bf16"})}),
+                    rates, gpus=8)
+    # the team: 100K samples x 92 MB; 200M tokens at 2,300 tok/s; 100K samples at 1.48 samples/s
+    assert bf16["disk_bytes"] == pytest.approx(9.2e12, rel=0.10)
+    assert _stage(bf16, "generation")["hours"] == pytest.approx(200e6 / 2300 / 3600, rel=0.10)
+    assert _stage(bf16, "features")["hours"] == pytest.approx(18.8, rel=0.10)
+    # exactly what the config changes: 99K train prompts (1K held out), of which the kept trajectories (deepswe
+    # 2,800 + kimi-k2.5-2000x 2,000 of the mix's 100K) need no request
+    assert bf16["workload"] == {"samples": 99000, "regenerated": 99000 - 4752, "answer_tokens": 2000,
+                                "tokens": 2000}
+    assert _stage(bf16, "generation")["hours"] == pytest.approx(94248 * 2000 / 2300 / 3600)
+    assert all(r["rate"] is None or r["rate"]["status"] in ("measured", "given", "scaled") for r in bf16["stages"])
+
+    fp8 = plan_run(cfg, rates, gpus=8)                                   # the config's own format
+    assert cfg.features.format == "fp8" and fp8["disk_bytes"] == pytest.approx(0.503 * bf16["disk_bytes"])
+    online = plan_run(cfg.model_copy(update={"features": cfg.features.model_copy(update={"format": "online"})}),
+                      rates, gpus=8)
+    assert online["disk_bytes"] < 1e-3 * bf16["disk_bytes"] and _stage(online, "features")["hours"] == 0
+    assert _stage(online, "train")["hours"] == pytest.approx(_stage(bf16, "train")["hours"]
+                                                             + 4 * _stage(bf16, "features")["hours"])
+    four_nodes = plan_run(cfg, rates, gpus=32)
+    assert _stage(four_nodes, "generation")["hours"] == pytest.approx(_stage(fp8, "generation")["hours"] / 4)
+
+
+def test_a_rate_without_a_source_or_status_is_refused_naming_it(tmp_path):
+    bad = json.loads(RATES.read_text())
+    bad["profiles"]["reference_kimi_k25"]["rates"]["gpus_per_server"]["status"] = "guessed"
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"rates\.json: profile 'reference_kimi_k25' rate 'gpus_per_server'"):
+        load_rates(path, "reference_kimi_k25")
+    with pytest.raises(ValueError, match=r"no profile 'nope'; profiles: \['reference_kimi_k25'\]"):
+        load_rates(path, "nope")
+
+
+def test_a_finished_runs_measured_rates_plan_it_back(e2e_run, tmp_path, capsys):
+    """The session's end-to-end run measured its own rates; planning the same config with them gives each stage's
+    measured time back (the arithmetic is consistent), and the CLI writes and reads the profile."""
+    cfg, _ = e2e_run
+    rates = measured_rates(cfg.run_dir, "the test session's debug_tiny run")
+    assert all(r["status"] in ("measured", "given") and r["source"] for r in rates.values())
+    ratios = compare(plan_run(cfg, rates, gpus=1), cfg.run_dir)
+    assert set(ratios) == {"generation", "features", "train", "evaluate"}
+    assert all(r == pytest.approx(1.0, rel=0.02) for r in ratios.values()), ratios
+    path = tmp_path / "rates.json"
+    assert main([str(KIMI), "--profile", "tiny", "--rates", str(path), "--measure", str(cfg.run_dir),
+                 "--where", "test"]) == 0
+    assert load_rates(path, "tiny")["generation_tok_s_per_server"]["status"] == "measured"
+    capsys.readouterr()
+    assert main(["debug_tiny", "--profile", "tiny", "--rates", str(path), "--against", str(cfg.run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "| generation |" in out and "measured / planned: generation 1.00x" in out
+    assert "With features.format 'online':" in out
