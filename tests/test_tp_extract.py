@@ -23,7 +23,9 @@ from eagle3_core.distributed.launch import TorchrunError, run_torchrun
 from eagle3_core.distributed.tp_extract import run_features_tp
 from eagle3_core.features import bad_shards, load_samples
 from eagle3_core.manifest import read_manifest, sha256_file, write_manifest
+from eagle3_core.parallel_fit import BYTES_PER_PARAM, meta_model, param_bytes_per_rank
 from eagle3_core.stages import run_features
+from eagle3_core.target import load_target_config
 
 SHARD_KEYS = ("file", "ids", "tokens", "samples", "content_key")
 # (family, expert_parallel): plain TP for the dense target and one MoE, EP (experts whole per rank) for the others
@@ -89,6 +91,10 @@ def test_sharded_target_stores_the_one_process_features(stores, fam, ep):
         assert m1[k] == m2[k], k
     assert sha256_file(d1 / "head.safetensors") == sha256_file(d2 / "head.safetensors")
     assert any("rank 1/2 ran 3 forwards" in x for x in lines), lines[-20:]
+    # what check counts per rank (parallel_fit, from the config on the meta device) is what the rank holds
+    held = [x for x in lines if "rank 1/2 holds" in x][0].split("holds ")[1].split()[0]
+    counted = param_bytes_per_rank(meta_model(load_target_config(tp.target)), 2, ep) // BYTES_PER_PARAM
+    assert int(held) == counted
     same, total = 0, 0
     for a, b in zip(load_samples(d1), load_samples(d2), strict=True):
         assert a["id"] == b["id"] and torch.equal(a["input_ids"], b["input_ids"])

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..config import PipelineConfig, load_config
 from ..extract import HFExtractor
@@ -108,6 +109,9 @@ def run_worker(cfg: PipelineConfig, log=print) -> dict | None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_target(cfg.target, device, tp_size=f.tp_size, expert_parallel=f.expert_parallel)
     inner = HFExtractor(model, resolve_aux_ids(f.aux_layer_ids, num_layers(model.config)))
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    log(f"features: rank {rank}/{world} holds {sum(p.numel() for p in local)} parameters "
+        f"({sum(p.numel() * p.element_size() for p in local) / 1e9:.2f} GB)")
     if rank != 0:
         n = follow(inner)
         log(f"features: rank {rank}/{world} ran {n} forwards")
