@@ -135,3 +135,25 @@ def test_a_killed_rank_leaves_only_intact_shards_and_a_rerun_finishes(stores, tm
     assert [s["ids"] for s in manifest["shards"]] == [[f"k{i}", f"k{i + 1}"] for i in range(0, 8, 2)]
     # the shards of the first run are kept, not extracted again
     assert manifest["shards_extracted"] == 4 - len(killed["shards"])
+
+
+def test_the_features_task_launches_torchrun_and_streams_every_rank_into_the_run_log(stores, prefect_server,
+                                                                                      tmp_path):
+    """tasks.distributed.features_tp_task in a flow: the store is written and both ranks' lines are in the task
+    run's log (read back through the Prefect API)."""
+    from prefect import flow
+    from prefect_api import logs_of
+
+    from tasks.distributed import features_tp_task
+    _, ref, _ = stores("llama", False)
+    cfg = _run_dir(tmp_path / "run", ref.target.model, _rows(5), backend="hf_tp", tp_size=2)
+
+    @flow
+    def f():
+        return features_tp_task(cfg, return_state=True)
+
+    state = f()
+    assert state.result()["complete"]
+    msgs = logs_of(state.state_details.task_run_id, "rank 1/2 ran 3 forwards")
+    assert any("rank 0/2 holds" in m for m in msgs) and any("rank 1/2 ran 3 forwards" in m for m in msgs)
+    assert (cfg.run_dir / "features" / "torchrun.log").read_text().count("holds") == 2
