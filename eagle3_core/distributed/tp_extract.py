@@ -115,15 +115,18 @@ def run_worker(cfg: PipelineConfig, log=print) -> dict | None:
     if rank != 0:
         n = follow(inner)
         log(f"features: rank {rank}/{world} ran {n} forwards")
+        dist.barrier()                # leave together: a rank tearing its groups down first aborted (SIGABRT)
         return None
     leader = Leader(inner)
     try:
         rows = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
-        return extract_features(leader, rows, cfg.run_dir / "features", inner.aux_layer_ids, f.shard_samples,
-                                f.batch_tokens, store_format=f.format, log=log, target=cfg.target.model_dump(),
-                                writer_threads=f.writer_threads)
+        manifest = extract_features(leader, rows, cfg.run_dir / "features", inner.aux_layer_ids, f.shard_samples,
+                                    f.batch_tokens, store_format=f.format, log=log, target=cfg.target.model_dump(),
+                                    writer_threads=f.writer_threads)
     finally:
         leader.stop()                 # on an error too: the followers leave their loop and the run ends at once
+    dist.barrier()
+    return manifest
 
 
 def run_features_tp(cfg: PipelineConfig, log=print, **rdzv) -> dict:
