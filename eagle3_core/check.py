@@ -7,8 +7,10 @@ It prints the resolved target family, the aux layer ids in each engine's reading
 the draft geometry and rope, vocab sizes, context lengths, disk per feature format and the backend of the features
 and evaluate stages, and refuses, naming the field and the fix, what would fail later: unsorted, repeated or
 out-of-range aux ids (L-1 included), a rope the draft cannot run, draft positions below the target's context, a
-target too large for the in-process (HF transformers) stages on this machine; with `--draft DIR` (a warm start or
-a deployment) also the draft's architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft).
+target too large for the in-process (HF transformers) stages on this machine, a features.tp_size whose parameter
+bytes per GPU (parallel_fit.py: transformers' own plans on a meta-device model) do not fit one GPU or that splits
+attention heads unevenly; with `--draft DIR` (a warm start or a deployment) also the draft's architecture (EAGLE-2
+refused), fc, d2t/t2d and ids (preflight.check_draft).
 CONFIG: a JSON file holding a PipelineConfig, or a preset name ('demo', 'debug_tiny').
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .target_family import (
 )
 
 IN_PROCESS_STAGES = "features (HFExtractor) and evaluate (offline tau)"
+DETECT = "detect"                                  # check_run(gpus=DETECT): this host's GPUs
 
 
 class CheckError(ValueError):
@@ -61,24 +64,27 @@ def estimate_params(t) -> int:
 
 
 def machine_memory_bytes() -> tuple[int, str]:
-    """(bytes, description) the in-process stages can hold the target in: the sum of the CUDA devices' memory,
-    or the system RAM when there is no GPU."""
+    """(bytes, description) the in-process stages can hold the target in: one GPU's memory (load_target puts the
+    whole target on `cuda`, i.e. cuda:0), or the system RAM when there is no GPU."""
     import os
 
     import torch
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
-        total = sum(torch.cuda.get_device_properties(i).total_memory for i in range(n))
-        return total, f"{n} GPU(s), {total / 2**30:.0f} GiB"
+        one = torch.cuda.get_device_properties(0).total_memory
+        return one, f"one of {n} GPU(s), {one / 2**30:.0f} GiB"
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total, f"no GPU; {total / 2**30:.0f} GiB RAM"
 
 
 def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=None,
-              memory: tuple[int, str] | None = None) -> tuple[dict, list[tuple[str, str]]]:
+              memory: tuple[int, str] | None = None, gpus=DETECT) -> tuple[dict, list[tuple[str, str]]]:
     """(facts, problems) of a run. target_config: the target's transformers config (default: read with
-    target.load_target_config, no weights); memory: (bytes, description) for the fit check (default:
-    machine_memory_bytes()). Facts are JSON-able; problems are (field, message) pairs, empty when the run fits."""
+    target.load_target_config, no weights); memory: (bytes, description) for the in-process fit check (default:
+    machine_memory_bytes()); gpus: (count, bytes per GPU) for the features backend's per-GPU check
+    (parallel_fit.backend_facts; default: this host's, None: no GPU). Facts are JSON-able; problems are (field,
+    message) pairs, empty when the run fits."""
+    from .parallel_fit import backend_facts, gpu_memory
     from .preflight import check_draft
     from .target import load_target_config
     tcfg = target_config if target_config is not None else load_target_config(cfg.target)
@@ -110,13 +116,19 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     facts["disk_gb_per_1m_tokens"] = {f: round(b * 1e6 / 1e9, 2) for f, b in facts["disk_bytes_per_token"].items()}
     need = 2 * estimate_params(t)                                          # bf16 weights
     have, where = memory if memory is not None else machine_memory_bytes()
-    facts["backends"] = {"features": "HF transformers in process (HFExtractor)",
-                         "evaluate": "HF transformers in process (speculate.TargetRunner)",
+    feats, fit_problems = backend_facts(cfg, tcfg, gpu_memory() if gpus is DETECT else gpus)
+    tp = cfg.features.backend == "hf_tp"
+    feats["runs"] = (f"transformers' tensor-parallel plan over {cfg.features.tp_size} torchrun ranks "
+                     f"(distributed/tp_extract.py)" if tp else "HF transformers in process (HFExtractor)")
+    facts["backends"] = {"features": feats, "evaluate": "HF transformers in process (speculate.TargetRunner)",
                          "target_weights_gb_bf16_estimate": round(need / 1e9, 1), "machine": where}
+    problems += fit_problems
     if need > have:
+        stages = "evaluate (offline tau)" if tp else IN_PROCESS_STAGES
+        hint = (f"; features: {feats['needs']}" if "needs" in feats and not tp else "")
         problems.append(("target.model", f"~{need / 1e9:.0f} GB of bf16 weights (estimated from the config) do "
-                         f"not fit this machine ({where}): the {IN_PROCESS_STAGES} stages load the whole target "
-                         f"in this process; run them on a host whose GPUs hold the target"))
+                         f"not fit this machine ({where}): the {stages} stage(s) load the whole target "
+                         f"in this process; run them on a host whose GPUs hold the target{hint}"))
     if draft_dir is not None:
         problems += check_draft(Path(draft_dir), tcfg)
         import json

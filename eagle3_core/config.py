@@ -124,6 +124,15 @@ class FeatureConfig(StrictModel):
         "bf16", description="feature storage: bf16; fp8 (e4m3, per-token scales, ~half the bytes); online (nothing "
                             "stored, training runs the target on the fly)")
     writer_threads: int = Field(2, ge=1, description="background threads serializing, hashing and writing shards")
+    backend: Literal["hf", "hf_tp"] = Field(
+        "hf", description="'hf': the whole target in this process on one device (HFExtractor); 'hf_tp': "
+                          "transformers' tensor-parallel plan over tp_size processes under torchrun, one per GPU "
+                          "(distributed/tp_extract.py), for targets that fit no single GPU")
+    tp_size: int = Field(1, ge=1, description="processes (GPUs) the 'hf_tp' backend shards the target over; "
+                                              "torchrun's --nproc-per-node (1 with backend 'hf')")
+    expert_parallel: bool = Field(False, description="'hf_tp' on an MoE target: routed experts whole on one rank "
+                                                     "each (transformers' base_model_ep_plan, ep_size = tp_size) "
+                                                     "instead of every expert split over the ranks")
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -137,6 +146,13 @@ class FeatureConfig(StrictModel):
             raise ValueError(f"features.aux_layer_ids = {v} is not ascending: SGLang and vLLM concatenate the "
                              f"captured layers in ascending order; write {sorted(v)}")
         return v
+
+    @model_validator(mode="after")
+    def _parallel_needs_hf_tp(self):
+        if self.backend == "hf" and (self.tp_size != 1 or self.expert_parallel):
+            raise ValueError(f"features.tp_size = {self.tp_size}, expert_parallel = {self.expert_parallel} need "
+                             f"features.backend 'hf_tp' (backend 'hf' loads the whole target in one process)")
+        return self
 
 
 class DraftConfig(StrictModel):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import ClassVar, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .target import capture, decoder, decoder_layers, default_aux_ids
 from .target_family import text_config
@@ -34,6 +35,10 @@ class Extractor(Protocol):
     def forward(self, seqs: list[list[int]]) -> dict:
         """Device tensors for right-padded `seqs`: aux [B, T, 3H_t], final [B, T, H_t] (model dtype),
         target_top1 int32 [B, T] (0 on padding), lengths int64 [B] (CPU)."""
+
+    def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input embedding [V, H_t], lm_head [V, H_t]) weights, whole, model dtype (the same tensor twice when
+        tied)."""
 
 
 class HFExtractor:
@@ -87,6 +92,17 @@ class HFExtractor:
             chunk = self.lm_head(rows[a:a + self.lm_head_chunk]).argmax(-1)  # [chunk] from [chunk, V] logits
             top1.index_copy_(0, real[a:a + self.lm_head_chunk], chunk.to(torch.int32))
         return {"aux": aux, "final": final, "target_top1": top1.view(B, T), "lengths": lengths}
+
+    def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input embedding [V, H_t], lm_head [V, H_t]) weights, detached, on the model's device, model dtype.
+        Whole even for a tensor-parallel target: a sharded weight (a DTensor, target.load_target with tp_size > 1)
+        is gathered with `full_tensor()`, a collective, so every rank must call this in the same order."""
+        def whole(w):
+            w = w.detach()
+            return w.full_tensor() if isinstance(w, DTensor) else w
+        emb = self.model.get_input_embeddings().weight
+        lm = self.model.get_output_embeddings().weight
+        return whole(emb), (whole(lm) if lm is not emb else whole(emb))
 
     def __call__(self, seqs: list[list[int]]) -> list[dict]:
         """Per sample CPU tensors {'aux' [T, 3H_t], 'final' [T, H_t], 'target_top1' int32 [T]} (model dtype)."""

@@ -72,15 +72,16 @@ def bad_shards(store_dir: Path, entries: list[dict], threads: int = 4) -> list[s
 
 def _write_head(extractor, out_dir: Path, prev_target_id: str | None) -> str:
     """head.safetensors (embedding, lm_head if untied, fp32), unless it is there for the same target; returns an
-    id of the target weights (config + a checksum of some embedding rows), part of every shard's content key."""
-    model = extractor.model
-    emb = model.get_input_embeddings().weight.detach()
-    target_id = sha256_json([model.config.to_dict(),
+    id of the target weights (config + a checksum of some embedding rows), part of every shard's content key.
+    The weights come from `extractor.head_weights()` (gathered whole from a tensor-parallel target)."""
+    emb, lm = extractor.head_weights()
+    target_id = sha256_json([extractor.model.config.to_dict(),
                              hashlib.sha256(emb[:64].float().cpu().numpy().tobytes()).hexdigest()])
     if target_id == prev_target_id and (out_dir / "head.safetensors").exists():
         return target_id
+    tied = lm is emb
     emb = emb.float().cpu()
-    lm = model.get_output_embeddings().weight.detach().float().cpu()
+    lm = emb if tied else lm.float().cpu()
     tensors = {"embed_tokens": emb.contiguous()}
     if lm.data_ptr() != emb.data_ptr() and not torch.equal(lm, emb):
         tensors["lm_head"] = lm.contiguous()

@@ -404,7 +404,11 @@ def _target_config(cfg: PipelineConfig):
 
 def run_features(cfg: PipelineConfig, log=print) -> dict:
     """Aux hidden states of the target at the aux layer ids, sharded safetensors (features/), all shards in one
-    call (the Prefect flow runs them one task per shard instead: run_features_shard, finish_features)."""
+    call (the Prefect flow runs them one task per shard instead: run_features_shard, finish_features). Backend
+    'hf_tp' (a target sharded over features.tp_size GPUs): one torchrun for all shards (tp_extract.run_features_tp)."""
+    if cfg.features.backend == "hf_tp":
+        from .distributed.tp_extract import run_features_tp
+        return run_features_tp(cfg, log)
     from .features import bad_shards, extract_features
     from .target import load_target
     from .target_family import num_layers
@@ -491,8 +495,12 @@ def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
     Idempotent: a shard complete for the same inputs and samples is not recomputed, and the target is loaded (once
     per process) only when one is not. Shards must run one after another (each rewrites the store manifest).
     Returns the shard's manifest entry {shard, file, sha256, bytes, samples, tokens, ids, content_key, extracted,
-    inputs_key, seconds}. Raises ValueError for a shard id out of range."""
+    inputs_key, seconds}. Raises ValueError for a shard id out of range, or for features.backend 'hf_tp' (its
+    ranks extract all shards in one torchrun: run_features)."""
     from .features import extract_features
+    if cfg.features.backend != "hf":
+        raise ValueError(f"features.backend {cfg.features.backend!r} extracts all shards in one torchrun "
+                         f"(stages.run_features / tasks.distributed.features_tp_task), not one shard per task")
     from .target_family import num_layers
     want = feature_shards(cfg)
     if shard not in want:

@@ -119,17 +119,32 @@ def _auto_class(config, where: str):
                      f"set target.trust_remote_code for a model with its own code")
 
 
-def load_target(cfg: TargetConfig, device: str = "cpu", dtype: torch.dtype | None = None):
+def load_target(cfg: TargetConfig, device: str = "cpu", dtype: torch.dtype | None = None, tp_size: int = 1,
+                expert_parallel: bool = False):
     """The target as a frozen HF causal LM (or vision-language wrapper, see _auto_class) in eval mode, SDPA
-    attention where the model supports it (transformers' default), eager otherwise. dtype: bf16 on GPU, fp32 on CPU by default. Raises OSError (from transformers) naming the path if
-    the model cannot be found."""
+    attention where the model supports it (transformers' default), eager otherwise. dtype: bf16 on GPU, fp32 on
+    CPU by default. Raises OSError (from transformers) naming the path if the model cannot be found.
+
+    tp_size > 1: sharded with transformers' own plans (`DistributedConfig(tp_size, ep_size)`: the config's
+    `base_model_tp_plan`, and with expert_parallel its `base_model_ep_plan`, ep_size = tp_size), each process
+    reading only its shard; call it on every rank of a torchrun of tp_size processes (WORLD_SIZE = tp_size,
+    transformers binds cuda:LOCAL_RANK and starts the process group if none is); `device` then only picks the
+    default dtype. Sharded parameters are DTensors; the decoder layers' outputs (the residual stream) are
+    replicated, so capture() reads the full [B, T, H_t] on every rank. Raises ValueError (from transformers) for a
+    model without a plan for the sizes asked, RuntimeError if the world size is not tp_size."""
     if dtype is None:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     path = local_model_dir(cfg)
     auto = _auto_class(load_target_config(cfg), path)
+    kw = {}
+    if tp_size > 1 or expert_parallel:
+        from transformers.distributed import DistributedConfig
+        kw["distributed_config"] = DistributedConfig(tp_size=tp_size, ep_size=tp_size if expert_parallel else 1)
     # attention: transformers' default, SDPA where the model class supports it (GPT-OSS's sinks need eager)
-    model = auto.from_pretrained(path, revision=cfg.revision, dtype=dtype,
-                                 trust_remote_code=cfg.trust_remote_code).to(device)
+    model = auto.from_pretrained(path, revision=cfg.revision, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+                                 **kw)
+    if not kw:
+        model = model.to(device)
     model.eval().requires_grad_(False)
     return model
 

@@ -94,9 +94,13 @@ def generation_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dic
 @flow(name="features")
 def features_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Tokenize with loss masks, then extract the target's aux hidden states, one task per shard, one after
-    another (the target stays loaded between them; more GPUs = more workers of the GPU pool)."""
+    another (the target stays loaded between them; more GPUs = more workers of the GPU pool). Backend 'hf_tp':
+    one torchrun task whose features.tp_size ranks share the sharded target and extract every shard."""
     forget(config, refresh, "tokenize", "features")
     run_stage(t.tokenize_task, config, "tokenize")
+    if config.features.backend == "hf_tp":
+        from tasks.distributed import features_tp_task
+        return features_tp_task(config)
     shards = run_shards(t.features_shard_task, config, "features", stages.feature_shards(config),
                         stages.feature_shard_done)
     return run_stage(t.finish_features_task, config, "features", shards)

@@ -1,4 +1,5 @@
-"""Prefect tasks that run torchrun: multi-GPU training and multi-worker extraction (eagle3_core.distributed).
+"""Prefect tasks that run torchrun: multi-GPU training, multi-worker extraction and extraction from a target
+sharded over several GPUs (eagle3_core.distributed).
 
 Each streams every line of torchrun and its workers into the run log as it comes, holds the `gpu` tag (a `gpu`
 concurrency limit of 1 per host keeps two of them off the same GPUs), and leaves no process behind: the launcher
@@ -17,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from eagle3_core.config import PipelineConfig
 from eagle3_core.distributed.extract_workers import run_features_distributed
 from eagle3_core.distributed.launch import run_torchrun
+from eagle3_core.distributed.tp_extract import run_features_tp
 from eagle3_core.manifest import read_manifest
 
 
@@ -47,3 +49,12 @@ def features_distributed_task(config: PipelineConfig, nproc_per_node: int, nnode
     """The features stage with one extraction worker per GPU; returns the features manifest."""
     return run_features_distributed(config, nproc_per_node, log=get_run_logger().info, nnodes=nnodes,
                                     node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+
+
+@task(name="features-tp", cache_policy=NO_CACHE, tags=["gpu"])
+def features_tp_task(config: PipelineConfig, nnodes: int = 1, node_rank: int = 0,
+                     rdzv_endpoint: str | None = None) -> dict:
+    """The features stage for features.backend 'hf_tp': the target sharded over features.tp_size GPUs (all
+    shards in one torchrun, every rank's lines in the run log and features/torchrun.log); returns the manifest."""
+    return run_features_tp(config, log=get_run_logger().info, nnodes=nnodes, node_rank=node_rank,
+                           rdzv_endpoint=rdzv_endpoint)

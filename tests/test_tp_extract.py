@@ -1,0 +1,159 @@
+"""The `hf_tp` features backend (eagle3_core/distributed/tp_extract.py) on CPU: tiny random-weight targets sharded
+over 2 gloo ranks under a real torchrun with transformers' tensor-parallel plan (and its expert-parallel plan for
+the MoE families) store the same samples, tokens, layers and head as the one-process `hf` backend, with features
+equal within one bf16 rounding; a SIGKILLed rank leaves only intact shards listed and a rerun finishes.
+
+Tolerance, and why: the stores hold bf16. The sharded forward sums the row-wise projections' partial products in
+another order than the unsharded one, so the fp32 hidden states differ by a few 1e-6 (measured at most 1.3e-5
+absolute on values up to 11 with these weights, tiny Llama); bf16 rounding then turns a difference near a
+rounding boundary into one bf16 step. Allowed: |a - b| <= 1e-4 + 2^-7 |b| (one bf16 ulp, relative) per element;
+measured: most elements are bit-identical (asserted: at least 95%), the argmax token equal everywhere.
+"""
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tiny_targets import build
+
+from eagle3_core.config import FeatureConfig, PipelineConfig, TargetConfig
+from eagle3_core.distributed.launch import TorchrunError, run_torchrun
+from eagle3_core.distributed.tp_extract import run_features_tp
+from eagle3_core.features import bad_shards, load_samples
+from eagle3_core.manifest import read_manifest, sha256_file, write_manifest
+from eagle3_core.parallel_fit import BYTES_PER_PARAM, meta_model, param_bytes_per_rank
+from eagle3_core.stages import run_features
+from eagle3_core.target import load_target_config
+
+SHARD_KEYS = ("file", "ids", "tokens", "samples", "content_key")
+# (family, expert_parallel): plain TP for the dense target and one MoE, EP (experts whole per rank) for the others
+CASES = [("llama", False), ("qwen3_moe", False), ("qwen3_moe", True), ("deepseek_v3", True), ("kimi_k25", False)]
+
+
+def _rows(n: int) -> list[dict]:
+    rng = random.Random(0)
+    rows = []
+    for i in range(n):
+        k = rng.randint(5, 24)
+        rows.append({"id": f"r{i}", "input_ids": [rng.randrange(128) for _ in range(k)],
+                     "loss_mask": [int(t >= k // 2) for t in range(k)]})
+    return rows
+
+
+def _run_dir(root, target_dir, rows, **features) -> PipelineConfig:
+    cfg = PipelineConfig(run_dir=root, target=TargetConfig(model=str(target_dir)),
+                         features=FeatureConfig(max_length=64, shard_samples=2, batch_tokens=64, **features))
+    (root / "tokenized").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows), root / "tokenized" / "train.parquet")
+    write_manifest(root / "tokenized" / "manifest.json", {"inputs_key": "tp-rows", "samples": len(rows)})
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """stores(family, expert_parallel) -> (one-process cfg, tp cfg, tp log lines), each built once: 5 rows of 5-24
+    tokens in 3 shards of 2."""
+    root = tmp_path_factory.mktemp("tp")
+    targets, made = {}, {}
+
+    def get(fam: str, ep: bool):
+        if fam not in targets:
+            targets[fam] = build(fam, root / "targets" / fam)
+            one = _run_dir(root / fam / "one", targets[fam], _rows(5))
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)                 # as each torchrun rank (OMP_NUM_THREADS=1)
+            try:
+                run_features(one, log=lambda s: None)
+            finally:
+                torch.set_num_threads(threads)
+            targets[fam, "one"] = one
+        if (fam, ep) not in made:
+            tp = _run_dir(root / fam / f"tp_ep{int(ep)}", targets[fam], _rows(5), backend="hf_tp", tp_size=2,
+                          expert_parallel=ep)
+            lines = []
+            run_features_tp(tp, log=lines.append)
+            made[fam, ep] = (targets[fam, "one"], tp, lines)
+        return made[fam, ep]
+    return get
+
+
+@pytest.mark.parametrize(("fam", "ep"), CASES, ids=[f"{f}-{'ep' if e else 'tp'}" for f, e in CASES])
+def test_sharded_target_stores_the_one_process_features(stores, fam, ep):
+    one, tp, lines = stores(fam, ep)
+    d1, d2 = one.run_dir / "features", tp.run_dir / "features"
+    m1, m2 = read_manifest(d1 / "manifest.json"), read_manifest(d2 / "manifest.json")
+    assert m2["complete"] and m2["tp_size"] == 2 and m2["expert_parallel"] == ep and not bad_shards(d2, m2["shards"])
+    assert [{k: s[k] for k in SHARD_KEYS} for s in m1["shards"]] == [{k: s[k] for k in SHARD_KEYS}
+                                                                     for s in m2["shards"]]
+    for k in ("store_version", "format", "aux_layer_ids", "hidden_size", "target_id", "samples", "tokens", "bytes"):
+        assert m1[k] == m2[k], k
+    assert sha256_file(d1 / "head.safetensors") == sha256_file(d2 / "head.safetensors")
+    assert any("rank 1/2 ran 3 forwards" in x for x in lines), lines[-20:]
+    # what check counts per rank (parallel_fit, from the config on the meta device) is what the rank holds
+    held = [x for x in lines if "rank 1/2 holds" in x][0].split("holds ")[1].split()[0]
+    counted = param_bytes_per_rank(meta_model(load_target_config(tp.target)), 2, ep) // BYTES_PER_PARAM
+    assert int(held) == counted
+    same, total = 0, 0
+    for a, b in zip(load_samples(d1), load_samples(d2), strict=True):
+        assert a["id"] == b["id"] and torch.equal(a["input_ids"], b["input_ids"])
+        assert torch.equal(a["loss_mask"], b["loss_mask"])
+        assert torch.equal(a["target_top1"], b["target_top1"]), a["id"]
+        for k in ("aux", "final"):
+            torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=2 ** -7, msg=f"{fam} {a['id']} {k}")
+            same += int((a[k] == b[k]).sum())
+            total += a[k].numel()
+    assert same >= 0.95 * total, f"{same} of {total} elements bit-identical"
+    # the stage's cache: a rerun with the same inputs launches nothing
+    again = []
+    run_features_tp(tp, log=again.append)
+    assert again == []
+
+
+def test_a_killed_rank_leaves_only_intact_shards_and_a_rerun_finishes(stores, tmp_path):
+    """Rank 1 SIGKILLed at its 3rd forward (shard 2 of 4) while rank 0 writes: the run fails, every shard the
+    manifest lists passes its sha256, and the normal rerun extracts the rest, giving the uninterrupted store."""
+    _, ref, _ = stores("llama", False)
+    rows = _rows(5) + _rows(8)[5:]
+    for i, r in enumerate(rows):
+        r["id"] = f"k{i}"
+    cfg = _run_dir(tmp_path / "run", ref.target.model, rows, backend="hf_tp", tp_size=2)
+    out = cfg.run_dir / "features"
+    out.mkdir(parents=True)
+    (out / "tp_config.json").write_text(cfg.model_dump_json())
+    lines = []
+    with pytest.raises(TorchrunError):
+        run_torchrun([str(Path(__file__).parent / "tp_kill_worker.py"), "--kill-at", "3", "--config", str(out / "tp_config.json")], 2,
+                     on_line=lines.append, grace_s=10)
+    killed = read_manifest(out / "manifest.json")
+    assert killed is not None and not killed["complete"] and 1 <= len(killed["shards"]) < 4, lines[-20:]
+    assert bad_shards(out, killed["shards"]) == []
+    manifest = run_features_tp(cfg, log=lines.append)
+    assert manifest["complete"] and len(manifest["shards"]) == 4 and not bad_shards(out, manifest["shards"])
+    assert {s["file"] for s in killed["shards"]} <= {s["file"] for s in manifest["shards"]}
+    assert [s["ids"] for s in manifest["shards"]] == [[f"k{i}", f"k{i + 1}"] for i in range(0, 8, 2)]
+    # the shards of the first run are kept, not extracted again
+    assert manifest["shards_extracted"] == 4 - len(killed["shards"])
+
+
+def test_the_features_task_launches_torchrun_and_streams_every_rank_into_the_run_log(stores, prefect_server,
+                                                                                      tmp_path):
+    """tasks.distributed.features_tp_task in a flow: the store is written and both ranks' lines are in the task
+    run's log (read back through the Prefect API)."""
+    from prefect import flow
+    from prefect_api import logs_of
+
+    from tasks.distributed import features_tp_task
+    _, ref, _ = stores("llama", False)
+    cfg = _run_dir(tmp_path / "run", ref.target.model, _rows(5), backend="hf_tp", tp_size=2)
+
+    @flow
+    def f():
+        return features_tp_task(cfg, return_state=True)
+
+    state = f()
+    assert state.result()["complete"]
+    msgs = logs_of(state.state_details.task_run_id, "rank 1/2 ran 3 forwards")
+    assert any("rank 0/2 holds" in m for m in msgs) and any("rank 1/2 ran 3 forwards" in m for m in msgs)
+    assert (cfg.run_dir / "features" / "torchrun.log").read_text().count("holds") == 2

@@ -1,0 +1,31 @@
+"""A `hf_tp` extraction rank with a fault injected (tests/test_tp_extract.py): rank 1 SIGKILLs itself at the start
+of its `--kill-at`-th forward, while rank 0's shard writer pauses half-way through shard 1 (so that it is likely
+mid-write when the rank dies; shard 0 is written at once). Otherwise eagle3_core.distributed.tp_extract.main."""
+import argparse
+import os
+import signal
+import time
+
+import torch.distributed as dist
+
+from eagle3_core import shard_writer
+from eagle3_core.distributed import tp_extract
+from eagle3_core.extract import HFExtractor
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--kill-at", type=int, required=True)
+args, rest = ap.parse_known_args()
+calls = [0]
+forward = HFExtractor.forward
+
+
+def dying_forward(self, seqs):
+    calls[0] += 1
+    if dist.get_rank() == 1 and calls[0] == args.kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return forward(self, seqs)
+
+
+HFExtractor.forward = dying_forward
+shard_writer._mid_write_hook = lambda path: time.sleep(0.5) if path.name == "shard_00001.safetensors" else None
+tp_extract.main(rest)
