@@ -431,10 +431,16 @@ def run_features(cfg: PipelineConfig, log=print) -> dict:
     return write_manifest(out / "manifest.json", {**manifest, "inputs_key": key})
 
 
+# the feature settings that change what the store holds; batch_tokens (how samples are batched into forwards),
+# writer_threads, backend, tp_size and expert_parallel (how the same forwards are computed and written) do not
+FEATURE_RESULT_FIELDS = ("aux_layer_ids", "max_length", "shard_samples", "format")
+
+
 def features_key(cfg: PipelineConfig) -> str:
-    """Inputs key of the features stage: the tokenized data, the feature settings (incl. format and
-    writer_threads) and the target."""
-    return _key(_upstream(cfg.run_dir, "tokenized")["inputs_key"], cfg.features, _target_key(cfg))
+    """Inputs key of the features stage: the tokenized data, the feature settings that change the stored result
+    (FEATURE_RESULT_FIELDS) and the target."""
+    return _key(_upstream(cfg.run_dir, "tokenized")["inputs_key"],
+                cfg.features.model_dump(mode="json", include=set(FEATURE_RESULT_FIELDS)), _target_key(cfg))
 
 
 def feature_shards(cfg: PipelineConfig) -> list[int]:
