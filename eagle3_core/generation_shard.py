@@ -21,6 +21,10 @@ KEY_META = b"eagle3_inputs_key"
 MAX_FAILURES_KEPT = 20  # per shard record; the count is always complete
 
 
+def shard_name(k: int) -> str:
+    return f"shard_{k:05d}.parquet"
+
+
 def _file_key(path: Path) -> str | None:
     meta = pq.read_schema(path).metadata or {}
     return meta.get(KEY_META, b"").decode() or None

@@ -43,7 +43,13 @@ import pyarrow.parquet as pq
 from .config import GenerationConfig, ServerConfig
 from .generation_progress import Progress
 from .generation_quality import EarlyGate, gate_limits
-from .generation_shard import KEY_META, MAX_FAILURES_KEPT, ShardWriter, finished_record  # noqa: F401
+from .generation_shard import (  # noqa: F401  (re-exported: callers import them from here)
+    KEY_META,
+    MAX_FAILURES_KEPT,
+    ShardWriter,
+    finished_record,
+    shard_name,
+)
 from .serving.client import (
     TOKEN_ID_APIS,
     RequestRejected,
@@ -62,10 +68,6 @@ ANSWER_FIELDS = [("index", pa.int64()), ("response", pa.string()), ("reasoning",
                  ("server", pa.string()), ("api", pa.string()), ("attempts", pa.int32()), ("latency_s", pa.float64()),
                  ("timings", pa.string()), ("tool_calls", pa.string()), ("turn_requests", pa.int32()),
                  ("turns", pa.string())]
-
-
-def shard_name(k: int) -> str:
-    return f"shard_{k:05d}.parquet"
 
 
 def num_shards(prompts_path: Path, shard_size: int) -> int:
