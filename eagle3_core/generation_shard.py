@@ -113,13 +113,17 @@ class ShardWriter:
             assert len(set(table["id"].to_pylist())) == table.num_rows, f"shard {self.k}: duplicate ids"
             _write_parquet(self.path, table.replace_schema_metadata(self.schema.metadata))
         table = pq.read_table(self.path, columns=["id", "response", "reasoning", "finish_reason",
-                                                  "completion_tokens"])
+                                                  "completion_tokens", "turn_requests", "api"])
         finish = Counter(table["finish_reason"].to_pylist())
+        # requests per row: turn-by-turn rows say how many, kept rows had none, the others one
+        requests = Counter(str(n if n is not None else 0 if api == "kept" else 1) for n, api in
+                           zip(table["turn_requests"].to_pylist(), table["api"].to_pylist()))
         record = {"shard": self.k, "inputs_key": self.key, "file": self.path.name, "sha256": sha256_file(self.path),
                   "prompts": self.prompts, "answered": table.num_rows, "failed": len(self.failures),
                   "failures": self.failures[:MAX_FAILURES_KEPT], "complete": not self.failures,
                   "generated": self.generated, "resumed": self.resumed, "retries": sum(self.retry_kinds.values()),
                   "retry_kinds": dict(self.retry_kinds), "finish_reasons": dict(finish),
+                  "requests_per_row": dict(sorted(requests.items())),
                   "completion_tokens": int(pc.sum(table["completion_tokens"]).as_py() or 0),
                   "quality": shard_quality(table.to_pylist()), "seconds": time.monotonic() - self.t0}
         assert record["answered"] + record["failed"] == self.prompts, (
