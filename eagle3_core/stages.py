@@ -705,7 +705,9 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
     tok = load_tokenizer(cfg.target)
     model = load_target(cfg.target)
     rows = prompts_mod.read_rows(cfg.run_dir / "prompts" / "eval.parquet")
-    prompts = [prompt_ids(tok, r["messages"]) for r in rows]
+    kwargs = cfg.generation.chat_template_kwargs or None              # the thinking mode the draft was trained in
+    prompts = [prompt_ids(tok, r["messages"], json.loads(r["tools"]) if r.get("tools") else None, kwargs)
+               for r in rows]
     trained = load_draft(Path(up["export_dir"]))
     untrained, _ = _fresh_draft(cfg)
     ids = trained.shape.aux_layer_ids
@@ -723,6 +725,8 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
                      e.tie_gap)
     report.update({"eval_ids": [r["id"] for r in rows], "num_draft_steps": S, "max_new_tokens": e.max_new_tokens,
                    "aux_layer_ids": ids, "preflight": "passed",
+                   "sampling": {"temperature": 0.0, "top_p": 1.0, "greedy": True,
+                                "chat_template_kwargs": cfg.generation.chat_template_kwargs},
                    "consistency": tau_consistency(report["trained"]["tau"], up, S)})
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
@@ -732,7 +736,8 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
         + f", untrained {report['untrained']['tau']:.2f}; lossless {report['trained']['lossless']}; "
         + report["consistency"]["note"])
     return write_manifest(out / "manifest.json", {"inputs_key": key, "report": str(out / "report.json"),
-                                                  "summary": report, "seconds": time.monotonic() - t0})
+                                                  "summary": report, "sampling": report["sampling"],
+                                                  "seconds": time.monotonic() - t0})
 
 
 def deploy_llama_cpp_key(cfg: PipelineConfig) -> str:
