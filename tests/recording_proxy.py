@@ -58,8 +58,11 @@ class RecordingProxy:
                 entry = {"path": path, "body": json.loads(body)} if method == "POST" else None
                 if entry is not None:
                     self.posts.append(entry)                      # arrival order, before the answer
-                resp = await self._client.request(method, f"{self.upstream}{path}", content=body,
-                                                  headers={"content-type": headers.get("content-type", "")})
+                try:
+                    resp = await self._client.request(method, f"{self.upstream}{path}", content=body,
+                                                      headers={"content-type": headers.get("content-type", "")})
+                except httpx.HTTPError:                           # the client hung up (e.g. a cancelled request)
+                    return
                 if entry is not None:
                     entry["answer"] = resp.json()
                 data = resp.content

@@ -235,7 +235,7 @@ def test_early_gate_fails_fast_after_the_first_answers(server, tmp_path):
                                                                 num_train=16, num_eval=1),
                       max_new_tokens=2, max_truncated_frac=0.0, gate_after=4, concurrency=2)
         stages.run_prompts(cfg, log=quiet)
-        with pytest.raises(QualityGateError, match=r"early gate: the first 4 answers.*truncated: 4 of 4 answers "
+        with pytest.raises(QualityGateError, match=r"(?s)early gate: the first 4 answers.*truncated: 4 of 4 answers "
                                                    r"\(100\.0%, limit 0\.0%.*'tail'"):
             stages.run_generation(cfg, log=quiet)
         n = len(proxy.posts)
