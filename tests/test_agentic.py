@@ -255,3 +255,28 @@ def test_report_shows_both_sampling_settings_and_flags_a_mismatch():
     assert "| evaluation | 0 | 1 | template default |" in md
     assert "**Warning**: regeneration and evaluation sample differently (greedy vs sampled, temperature" in md
     assert "Warning" not in "\n".join(sampling_markdown(same))
+
+
+def test_tools_are_normalized_from_openai_tools_and_hermes_system_text(tmp_path):
+    """The `tools` column: an OpenAI `tools` field (a list or JSON text) and a Hermes `<tools>` block (a Python
+    literal inside the system text, which stays as it is) give the same OpenAI schema list."""
+    from conftest import ROOT
+
+    from eagle3_core.prompts import load_source
+    hermes = load_source(SourceSpec(path=str(ROOT / "tests/fixtures/prompt_formats/hermes_function_calling.json"),
+                                    mode="keep"))[0]
+    assert json.loads(hermes["tools"]) == [{"type": "function", "function": {
+        "name": "get_stock_price", "description": "Get a stock price", "parameters": {
+            "type": "object", "properties": {"symbol": {"type": "string"}}, "required": ["symbol"]}}}]
+    assert json.loads(hermes["meta"])["tools_from"] == "system" and "<tools>" in hermes["messages"][0]["content"]
+    path = write_jsonl(tmp_path / "t.jsonl", [
+        {"id": "a", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS},
+        {"id": "b", "messages": [{"role": "user", "content": "hi"}], "tools": json.dumps([TOOLS[0]["function"]])},
+        {"id": "c", "messages": [{"role": "user", "content": "hi"}]}])
+    rows = load_source(SourceSpec(path=path))
+    assert [json.loads(r["tools"]) if r["tools"] else None for r in rows] == [TOOLS, TOOLS, None]
+    rejects = []
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": "x", "messages": [{"role": "user", "content": "hi"}],
+                                                "tools": [{"description": "no name"}]}])
+    assert load_source(SourceSpec(path=bad), rejects=rejects) == []
+    assert "row 0: field 'tools': a tool has no function name" in rejects[0]["reason"]
