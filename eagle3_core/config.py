@@ -48,6 +48,10 @@ class PromptConfig(StrictModel):
                                                                  "of its rows (rejects.jsonl lists them)")
     overlong: Literal["truncate", "drop"] = Field(
         "truncate", description="samples longer than features.max_length tokens: cut to it, or leave them out")
+    over_budget: Literal["drop", "last_turns", "long"] = Field(
+        "drop", description="train prompts whose template tokens + generation.max_new_tokens exceed "
+        "features.max_length, measured before any request (eagle3_core.budget): 'drop' them, keep the 'last_turns' "
+        "that fit, or keep them whole as 'long' samples (marked in meta; features.max_length cuts them later)")
 
     @model_validator(mode="before")
     @classmethod
@@ -113,6 +117,17 @@ class GenerationConfig(StrictModel):
     max_truncated_frac: float = Field(0.2, ge=0, le=1, description="quality gate: answers cut at max_new_tokens")
     max_degenerate_frac: float = Field(0.05, ge=0, le=1, description="quality gate: answers ending in a "
                                                                      "runaway repetition")
+    gate_after: int = Field(64, ge=1, description="early quality gate: checked once on the first this many "
+                                                  "answers of a generation call, so a degenerate start fails fast")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling (1.0: off); recorded beside temperature")
+    chat_template_kwargs: dict = Field({}, description="chat-template arguments, e.g. {'enable_thinking': False} "
+                                       "(Qwen3) or {'thinking': True} (Kimi-K2.5): sent with each request (OpenAI "
+                                       "API `chat_template_kwargs`) and used by every local rendering")
+    turns: Literal["final", "all"] = Field(
+        "final", description="'final': regenerate the final assistant turn after the data's earlier turns; 'all': "
+        "turn by turn, each user turn answered after the target's own earlier answers (eagle3_core.turns)")
+    max_turns: int | None = Field(None, ge=1, description="turns='all': regenerate at most this many turns per row "
+                                                          "(the row ends after the last one); None: every turn")
 
 
 class FeatureConfig(StrictModel):

@@ -31,17 +31,22 @@ class MaskError(ValueError):
     """A row whose loss mask cannot be built correctly; the message names the row and the fix."""
 
 
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` rendered with the chat template and the generation prompt (what a server sees)."""
-    text = _render(tokenizer, messages, add_generation_prompt=True)
+def prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+               template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of `messages` rendered with the chat template and the generation prompt (what a server sees).
+    tools: OpenAI tool schemas passed to the template (`tools=`); template_kwargs: more template arguments (e.g.
+    {'enable_thinking': False}), as `generation.chat_template_kwargs` sends them to a server."""
+    text = _render(tokenizer, messages, add_generation_prompt=True, tools=tools, template_kwargs=template_kwargs)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     _check_single_bos(tokenizer, ids, "prompt")
     return ids
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+            template_kwargs: dict | None = None) -> str:
     return tokenizer.apply_chat_template([_renderable(m) for m in messages], tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, tools=tools or None,
+                                         **(template_kwargs or {}))
 
 
 def _renderable(m: dict) -> dict:
@@ -91,12 +96,14 @@ def _split_reasoning(content: str) -> tuple[str, str]:
 
 
 def tokenize_chat(tokenizer, messages: list[dict], row_id: str, train: str = "all", truncated: bool = False,
-                  max_length: int | None = None, overlong: str = "truncate") -> dict | None:
+                  max_length: int | None = None, overlong: str = "truncate", tools: list[dict] | None = None,
+                  template_kwargs: dict | None = None) -> dict | None:
     """input_ids and loss_mask of a conversation that ends with an assistant turn.
 
     train: 'all' trains every assistant turn (responses kept as they are), 'last' only the final one (the turn the
     target regenerated; earlier turns are context). truncated=True (finish reason 'length'): the final turn has no
     end-of-turn token. Longer than max_length: overlong='truncate' cuts to max_length, 'drop' returns None.
+    tools / template_kwargs: rendered with them, as `prompt_ids` renders a request's prompt.
 
     Returns {'input_ids': list[int], 'loss_mask': list[int] (0/1), 'cut': bool (truncated to max_length)}, equal
     lengths T. Raises MaskError naming `row_id` if there is no assistant turn, the template does not render a turn's
@@ -107,11 +114,12 @@ def tokenize_chat(tokenizer, messages: list[dict], row_id: str, train: str = "al
     if not turns or turns[-1] != len(messages) - 1:
         raise MaskError(f"row {row_id}: the conversation must end with an assistant turn; drop the row")
     trained = turns if train == "all" else turns[-1:]
-    full = _render(tokenizer, messages, add_generation_prompt=False)
+    render = dict(tools=tools, template_kwargs=template_kwargs)
+    full = _render(tokenizer, messages, add_generation_prompt=False, **render)
     _, eot = end_of_turn(tokenizer)
     spans = []
     for i in trained:
-        prefix = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        prefix = _render(tokenizer, messages[:i], add_generation_prompt=True, **render)
         if not full.startswith(prefix):
             raise MaskError(f"row {row_id}: the chat template does not render the prompt of turn {i} as a prefix "
                             f"of the conversation (it rewrites earlier turns); split this row by turn or drop it")

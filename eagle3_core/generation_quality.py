@@ -87,3 +87,54 @@ def check_quality(report: dict, where: str) -> None:
     lines.append("the answers are kept: with other limits a rerun only repeats this check (other sampling "
                  "settings regenerate them); failed prompts are sent again on every rerun")
     raise QualityGateError("\n".join(lines))
+
+
+class EarlyGate:
+    """The quality gate on the first `n` answers of a generation call, so that a degenerate start (a wrong chat
+    template, a broken reasoning parser, greedy loops) fails within minutes, not after every shard is done.
+
+    `add(row)` takes each answer ({id, response, reasoning, finish_reason}) as it arrives, `fail(id, reason)` each
+    prompt that got none; when the n-th outcome arrives the counts are checked against `limits` (as
+    `quality_report` does over shards) and QualityGateError is raised, with examples, if one is past its limit.
+    Afterwards `check()` raises the same error (callers send no new request), or passes if the gate passed. Later
+    answers are left to the final gate. Counts are of requests: in turn-by-turn mode each turn is one answer."""
+
+    def __init__(self, n: int, limits: dict[str, float], where: str):
+        self.n, self.limits, self.where = n, limits, where
+        self.rows: list[dict] = []
+        self.failures: list[dict] = []
+        self.error: QualityGateError | None = None
+        self.done = False
+
+    def add(self, row: dict) -> None:
+        if not self.done:
+            self.rows.append(row)
+            self._maybe_check()
+
+    def fail(self, row_id: str, reason: str) -> None:
+        if not self.done:
+            self.failures.append({"id": row_id, "reason": reason[:300]})
+            self._maybe_check()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _maybe_check(self) -> None:
+        if len(self.rows) + len(self.failures) < self.n:
+            return
+        self.done = True
+        record = {"prompts": self.n, "answered": len(self.rows), "failures": self.failures,
+                  "quality": shard_quality(self.rows)}
+        report = quality_report([record], self.limits)
+        try:
+            check_quality(report, f"{self.where} (early gate: the first {self.n} answers, generation.gate_after)")
+        except QualityGateError as e:
+            self.error = e
+            raise
+
+
+def gate_limits(gen) -> dict[str, float]:
+    """The gate's limits of a GenerationConfig: {failed, empty, truncated, degenerate} -> largest fraction."""
+    return {"failed": gen.max_failed_frac, "empty": gen.max_empty_frac, "truncated": gen.max_truncated_frac,
+            "degenerate": gen.max_degenerate_frac}

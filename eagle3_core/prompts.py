@@ -2,6 +2,7 @@
 reasons, dedupe, filter by length, sample per source, split train/eval (DESIGN.md 'prompts').
 
 Row schema: id (str, unique), source (str), messages (list of normalized messages, see prompt_data.formats),
+tools (JSON text of the OpenAI tool schemas the row's conversation may call, '' for none; prompt_data.tools),
 mode ('prompt': ends before the assistant turn the target regenerates; 'keep': ends with an assistant turn and is
 trained as it is), meta (JSON text: row index, format, ...). Held-out (eval) rows are always in prompt form.
 """
@@ -20,6 +21,7 @@ from .manifest import sha256_file, write_atomic
 from .prompt_data import HUMAN_EVAL, human_eval_path  # noqa: F401  (re-exported: callers import them from here)
 from .prompt_data import RowReject, SourceSpec, conversation_text, iter_rows, normalize, source_path, to_prompt
 from .prompt_data.formats import ID_FIELDS
+from .prompt_data.tools import row_tools
 
 
 class RejectError(ValueError):
@@ -61,6 +63,7 @@ def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = No
             if isinstance(item, RowReject):
                 raise item
             messages, meta = normalize(item, spec)
+            tools, tools_from = row_tools(item, messages)
         except RowReject as e:
             where = f"{source_path(spec) or spec.hf} row {i}"
             reason = e.reason if e.reason.startswith(str(source_path(spec))) else f"{where}: {e.reason}"
@@ -73,8 +76,10 @@ def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = No
         if key in keys:                                   # e.g. several trajectories of one task: keep all
             key = f"{key}#{i}"
         keys.add(key)
+        if tools_from:
+            meta["tools_from"] = tools_from
         out.append({"id": f"{label}/{key}", "source": label, "messages": messages, "mode": spec.mode,
-                    "meta": json.dumps({"row": i, **meta})})
+                    "tools": json.dumps(tools) if tools else "", "meta": json.dumps({"row": i, **meta})})
     return out
 
 

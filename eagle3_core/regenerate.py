@@ -14,9 +14,16 @@ its Parquet metadata; files of other inputs are deleted, never mixed in.
 Memory: prompts stream from Parquet in batches through a queue of 2 x concurrency; only open shards keep state
 (their answered ids and unflushed rows), so memory does not grow with the number of prompts.
 
-What is sent: the conversation up to its final assistant turn (which the target regenerates). Rows with
-`mode == "keep"` are passed through whole, no request: `messages` holds the full conversation (every assistant turn
-is trained) and `response`/`reasoning` its final turn (finish_reason 'kept').
+What is sent: the conversation up to its final assistant turn (which the target regenerates), with the row's tool
+schemas (`tools` column) and `generation.chat_template_kwargs`. With `generation.turns = 'all'` every turn is
+answered in order after the target's own earlier answers (eagle3_core.turns: its tool-call policy, resume per row)
+and `messages` holds the regenerated conversation. Rows with `mode == "keep"` are passed through whole, no request:
+`messages` holds the full conversation (every assistant turn is trained) and `response`/`reasoning` its final turn
+(finish_reason 'kept').
+
+Early gate: the first `generation.gate_after` answers of a call are checked against the quality gate's limits
+(generation_quality.EarlyGate); past a limit the call stops sending and raises QualityGateError with examples,
+after at most gate_after + concurrency requests.
 """
 from __future__ import annotations
 
@@ -24,7 +31,6 @@ import asyncio
 import json
 import shutil
 import time
-from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -32,12 +38,18 @@ from pathlib import Path
 
 import httpx
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .config import GenerationConfig, ServerConfig
-from .generation_quality import shard_quality
-from .manifest import sha256_file, write_atomic, write_manifest
+from .generation_progress import Progress
+from .generation_quality import EarlyGate, gate_limits
+from .generation_shard import (  # noqa: F401  (re-exported: callers import them from here)
+    KEY_META,
+    MAX_FAILURES_KEPT,
+    ShardWriter,
+    finished_record,
+    shard_name,
+)
 from .serving.client import (
     TOKEN_ID_APIS,
     RequestRejected,
@@ -47,19 +59,15 @@ from .serving.client import (
 )
 from .serving.launcher import ServerError
 from .serving.pool import ServerPool
+from .turns import regenerate_row
 
-KEY_META = b"eagle3_inputs_key"
-MAX_FAILURES_KEPT = 20  # per shard record; the count is always complete
 # columns the regeneration adds to each prompt row (`messages` becomes what was sent, as JSON text)
 ANSWER_FIELDS = [("index", pa.int64()), ("response", pa.string()), ("reasoning", pa.string()),
                  ("finish_reason", pa.string()), ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
                  ("prompt_ids", pa.list_(pa.int32())), ("output_ids", pa.list_(pa.int32())), ("model", pa.string()),
                  ("server", pa.string()), ("api", pa.string()), ("attempts", pa.int32()), ("latency_s", pa.float64()),
-                 ("timings", pa.string())]
-
-
-def shard_name(k: int) -> str:
-    return f"shard_{k:05d}.parquet"
+                 ("timings", pa.string()), ("tool_calls", pa.string()), ("turn_requests", pa.int32()),
+                 ("turns", pa.string())]
 
 
 def num_shards(prompts_path: Path, shard_size: int) -> int:
@@ -111,142 +119,6 @@ def split_final_answer(messages: list[dict], mode: str | None, where: str) -> tu
         raise ValueError(f"{where}: nothing to answer (the conversation before the final assistant turn ends with "
                          f"{role!r}, not a user or tool turn)")
     return prompt, None
-
-
-def _file_key(path: Path) -> str | None:
-    meta = pq.read_schema(path).metadata or {}
-    return meta.get(KEY_META, b"").decode() or None
-
-
-def _write_parquet(path: Path, table: pa.Table) -> None:
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    write_atomic(path, sink.getvalue().to_pybytes())
-
-
-def finished_record(out: Path, k: int, key: str) -> dict | None:
-    """Shard k's record if the shard is finished for inputs `key` (record and file agree, no failed prompt)."""
-    path = out / f"shard_{k:05d}.json"
-    if not path.exists():
-        return None
-    rec = json.loads(path.read_text())
-    if rec.get("inputs_key") != key or not rec.get("complete") or not (out / rec["file"]).exists():
-        return None
-    return rec if sha256_file(out / rec["file"]) == rec["sha256"] else None
-
-
-class ShardWriter:
-    """Answers of one shard: buffered, flushed to part files, merged into the shard file by `finalize`."""
-
-    def __init__(self, out: Path, k: int, key: str, schema: pa.Schema, prompts: int, gen: GenerationConfig):
-        self.out, self.k, self.key, self.schema, self.prompts, self.gen = out, k, key, schema, prompts, gen
-        self.path, self.record_path = out / shard_name(k), out / f"shard_{k:05d}.json"
-        self.partial = out / "partial" / f"shard_{k:05d}"
-        self.partial.mkdir(parents=True, exist_ok=True)
-        self.done_ids: set[str] = set()
-        for f in self._files():
-            if _file_key(f) != key:                       # written for other inputs: never mixed in
-                f.unlink()
-            else:
-                self.done_ids.update(pq.read_table(f, columns=["id"])["id"].to_pylist())
-        parts = [int(p.stem.split("_")[1]) for p in self.partial.glob("part_*.parquet")]
-        self.next_part = max(parts, default=-1) + 1
-        self.buffer: list[dict] = []
-        self.buffer_since = 0.0
-        self.failures: list[dict] = []
-        self.retry_kinds: Counter = Counter()
-        self.resumed = len(self.done_ids)
-        self.generated = self.pending = 0
-        self.input_done = self.finalized = False
-        self.t0 = time.monotonic()
-
-    def _files(self) -> list[Path]:
-        return ([self.path] if self.path.exists() else []) + sorted(self.partial.glob("part_*.parquet"))
-
-    def add(self, row: dict) -> None:
-        if not self.buffer:
-            self.buffer_since = time.monotonic()
-        self.buffer.append(row)
-        self.generated += 1
-        if len(self.buffer) >= self.gen.flush_rows:
-            self.flush()
-
-    def fail(self, row_id: str, reason: str) -> None:
-        self.failures.append({"id": row_id, "reason": reason[:1000]})
-
-    def retry(self, error: RetryableError) -> None:
-        self.retry_kinds[error.kind] += 1
-
-    def flush(self, older_than_s: float = 0.0) -> None:
-        """Write buffered answers to a new part file (atomically), if any waited longer than `older_than_s`."""
-        if not self.buffer or time.monotonic() - self.buffer_since < older_than_s:
-            return
-        _write_parquet(self.partial / f"part_{self.next_part:06d}.parquet",
-                       pa.Table.from_pylist(self.buffer, schema=self.schema))
-        self.next_part += 1
-        self.buffer = []
-
-    def finalize(self) -> dict:
-        """Merge the shard file and parts (deduplicated by id, prompt order) into the shard file, write the record,
-        delete the parts. Returns the record (small, JSON-able)."""
-        self.flush()
-        files = self._files()
-        changed = any(f != self.path for f in files) or not self.path.exists()
-        if changed:
-            tables = [pq.read_table(f).cast(self.schema) for f in files]
-            table = pa.concat_tables(tables) if tables else self.schema.empty_table()
-            ids = table["id"].to_pylist()
-            first = {i: n for n, i in reversed(list(enumerate(ids)))}        # first occurrence of each id
-            table = table.take(pa.array(sorted(first.values()))).sort_by("index")
-            assert len(set(table["id"].to_pylist())) == table.num_rows, f"shard {self.k}: duplicate ids"
-            _write_parquet(self.path, table.replace_schema_metadata(self.schema.metadata))
-        table = pq.read_table(self.path, columns=["id", "response", "reasoning", "finish_reason",
-                                                  "completion_tokens"])
-        finish = Counter(table["finish_reason"].to_pylist())
-        record = {"shard": self.k, "inputs_key": self.key, "file": self.path.name, "sha256": sha256_file(self.path),
-                  "prompts": self.prompts, "answered": table.num_rows, "failed": len(self.failures),
-                  "failures": self.failures[:MAX_FAILURES_KEPT], "complete": not self.failures,
-                  "generated": self.generated, "resumed": self.resumed, "retries": sum(self.retry_kinds.values()),
-                  "retry_kinds": dict(self.retry_kinds), "finish_reasons": dict(finish),
-                  "completion_tokens": int(pc.sum(table["completion_tokens"]).as_py() or 0),
-                  "quality": shard_quality(table.to_pylist()), "seconds": time.monotonic() - self.t0}
-        assert record["answered"] + record["failed"] == self.prompts, (
-            f"shard {self.k}: {record['answered']} answered + {record['failed']} failed != {self.prompts} prompts")
-        write_manifest(self.record_path, record)
-        shutil.rmtree(self.partial, ignore_errors=True)
-        self.finalized = True
-        return record
-
-
-class Progress:
-    """done/total, output tok/s (since the start and over the last interval), failures and retries of one
-    regeneration call; `snapshot()` is JSON-able."""
-
-    def __init__(self, total: int):
-        self.total, self.t0 = total, time.monotonic()
-        self.resumed = self.answered = self.failed = self.retries = self.tokens = 0
-        self._last = (self.t0, 0)                                       # (time, tokens) at the last snapshot
-
-    def snapshot(self, pool: ServerPool | None = None) -> dict:
-        now = time.monotonic()
-        elapsed, (t_last, tok_last) = now - self.t0, self._last
-        self._last = (now, self.tokens)
-        done = self.resumed + self.answered + self.failed
-        rate = (self.answered + self.failed) / elapsed if elapsed > 0 else 0.0
-        return {"done": done, "total": self.total, "fraction": done / max(self.total, 1), "answered": self.answered,
-                "resumed": self.resumed, "failed": self.failed, "retries": self.retries,
-                "output_tokens": self.tokens, "tokens_per_s": self.tokens / elapsed if elapsed > 0 else 0.0,
-                "recent_tokens_per_s": (self.tokens - tok_last) / (now - t_last) if now > t_last else 0.0,
-                "elapsed_s": elapsed, "eta_s": (self.total - done) / rate if rate > 0 else None,
-                "servers": pool.stats() if pool else {}}
-
-    @staticmethod
-    def line(s: dict) -> str:
-        eta = ""
-        if s["eta_s"] is not None:
-            eta = f", ETA {s['eta_s'] / 3600:.1f} h" if s["eta_s"] >= 7200 else f", ETA {s['eta_s'] / 60:.1f} min"
-        return (f"generation: {s['done']}/{s['total']} prompts ({s['fraction']:.1%}), {s['recent_tokens_per_s']:.0f} "
-                f"output tok/s (mean {s['tokens_per_s']:.0f}), {s['failed']} failed, {s['retries']} retries{eta}")
 
 
 async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str, gen: GenerationConfig,
@@ -310,12 +182,15 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
     async def answer(w: ShardWriter, index: int, row: dict, client: httpx.AsyncClient, pool: ServerPool) -> None:
         t0 = time.monotonic()
         where = f"{prompts_path} row {index} (id {row['id']})"
+        tools = json.loads(row["tools"]) if row.get("tools") else None
+        kwargs = gen.chat_template_kwargs or None
         try:
             messages = row["messages"] if isinstance(row["messages"], list) else json.loads(row["messages"])
             sent, kept = split_final_answer(messages, row.get("mode"), where)
             ids = []
             if token_ids:                               # one thread: HF tokenizers are not safe to share
-                ids = await asyncio.get_running_loop().run_in_executor(tokenize_thread, prompt_ids, tokenizer, sent)
+                ids = await asyncio.get_running_loop().run_in_executor(tokenize_thread, prompt_ids, tokenizer, sent,
+                                                                       tools, kwargs)
         except ValueError as e:                        # bad row (also data.MaskError): recorded, never retried
             w.fail(row["id"], f"bad prompt row: {e}")
             progress.failed += 1
@@ -328,34 +203,58 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
                    "reasoning": kept.get("reasoning_content") or kept.get("reasoning") or "", "api": "kept"})
             progress.answered += 1
             return
+        last_ids = {"ids": ids}
 
         def on_retry(error: RetryableError) -> None:
             w.retry(error)
             progress.retries += 1
 
-        if engine is not None:
-            data, url, attempts, api = await engine.complete(ids), engine.name, 1, engine.name
-        else:
-            if pool is None:
-                raise ServerError(f"{where} needs an answer but no server URL was given")
-            body = request_body(gen.api, sent, ids, gen.max_new_tokens, gen.temperature)
-            try:
+        async def ask(msgs: list[dict]) -> tuple[dict, str, int]:
+            """One request for the conversation `msgs`; the answer goes through the early gate."""
+            gate.check()
+            turn_ids = ids
+            if token_ids and msgs is not sent:          # a later turn: its own prompt, with the target's answers
+                turn_ids = await asyncio.get_running_loop().run_in_executor(tokenize_thread, prompt_ids, tokenizer,
+                                                                            msgs, tools, kwargs)
+            last_ids["ids"] = turn_ids
+            if engine is not None:
+                data, url, attempts = await engine.complete(turn_ids), engine.name, 1
+            else:
+                if pool is None:
+                    raise ServerError(f"{where} needs an answer but no server URL was given")
+                body = request_body(gen.api, msgs, turn_ids, gen.max_new_tokens, gen.temperature, top_p=gen.top_p,
+                                    tools=tools, template_kwargs=kwargs)
                 data, url, attempts = await request_with_retries(pool, client, gen.api, body, gen.max_retries,
                                                                  gen.retry_backoff_s, on_retry)
-            except RequestRejected as e:
-                w.fail(row["id"], str(e))
-                progress.failed += 1
-                return
-            except RetryableError as e:
-                w.fail(row["id"], f"gave up after {gen.max_retries + 1} attempts: {e.reason}")
-                progress.failed += 1
-                return
-            data.pop("logprobs", None)
-            api = gen.api
-        w.add({**base, **data, "server": url, "api": api, "attempts": attempts,
+                data.pop("logprobs", None)
+            if gen.turns == "all":                     # each turn is an answer (final mode: once it is stored)
+                gate.add(_gate_row(row["id"], data))
+            return data, url, attempts
+
+        try:
+            if gen.turns == "all":
+                data = await regenerate_row(sent, gen.max_turns, ask)
+                data["messages"] = json.dumps(data["messages"])
+                url, attempts = data.pop("server"), data.pop("attempts")
+            else:
+                data, url, attempts = await ask(sent)
+        except RequestRejected as e:
+            w.fail(row["id"], str(e))
+            gate.fail(row["id"], str(e))
+            progress.failed += 1
+            return
+        except RetryableError as e:
+            w.fail(row["id"], f"gave up after {gen.max_retries + 1} attempts: {e.reason}")
+            gate.fail(row["id"], e.reason)
+            progress.failed += 1
+            return
+        w.add({**base, **data, "prompt_ids": last_ids["ids"], "server": url,
+               "api": engine.name if engine is not None else gen.api, "attempts": attempts,
                "latency_s": time.monotonic() - t0})
         progress.answered += 1
         progress.tokens += data["completion_tokens"]
+        if gen.turns != "all":
+            gate.add(_gate_row(row["id"], data))
 
     async def work(client: httpx.AsyncClient, pool: ServerPool) -> None:
         while (item := await queue.get()) is not None:
@@ -385,6 +284,7 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
     timeout = httpx.Timeout(gen.request_timeout_s, connect=min(10.0, gen.request_timeout_s))
     limits = httpx.Limits(max_connections=gen.concurrency, max_keepalive_connections=gen.concurrency)
     tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+    gate = EarlyGate(gen.gate_after, gate_limits(gen), str(out))
     # no URLs: every row of these shards is kept as it is (the caller checked), no server is needed
     pools = ServerPool(urls, server.probe_interval_s, server.down_timeout_s) if urls else nullcontext(None)
     async with pools as pool, \
@@ -410,6 +310,11 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
     if (out / "partial").exists() and not any((out / "partial").iterdir()):
         (out / "partial").rmdir()
     return [records[k] for k in sorted(records)]
+
+
+def _gate_row(row_id: str, data: dict) -> dict:
+    return {"id": row_id, "response": data["response"], "reasoning": data["reasoning"],
+            "finish_reason": data["finish_reason"]}
 
 
 def remove_shards_from(out: Path, first: int) -> None:

@@ -28,7 +28,34 @@ def collect(run_dir: Path) -> dict:
         "eval": ev,
         "llama_cpp": m["deploy_llama_cpp"].get("summary"),
         "sglang": _optional_manifest(Path(run_dir) / "deploy_sglang" / "manifest.json").get("verdict"),
+        "sampling": compare_sampling(m["generations"].get("sampling"), m["eval"].get("sampling")),
     }
+
+
+# evaluation decodes greedily (evaluate.measure, llama.cpp deployment); an older eval manifest says nothing else
+EVAL_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "greedy": True, "chat_template_kwargs": {}}
+
+
+def _thinking(kwargs: dict | None) -> str:
+    """The thinking mode of chat-template arguments: e.g. 'enable_thinking=False', or 'template default'."""
+    keys = [k for k in (kwargs or {}) if "think" in k.lower()]
+    return ", ".join(f"{k}={kwargs[k]}" for k in keys) or "template default"
+
+
+def compare_sampling(regen: dict | None, evaluation: dict | None) -> dict:
+    """Regeneration's sampling (generations manifest) beside evaluation's (eval manifest; greedy when it says
+    nothing): {'regeneration': {temperature, top_p, thinking}, 'evaluation': {...}, 'mismatch': [what differs]}.
+    A draft trained on sampled answers and measured greedily (or the reverse) learns another distribution than
+    the one it is measured on (SpecForge issue 465); so does one trained in another thinking mode."""
+    sides = {}
+    for name, s in (("regeneration", regen or {}), ("evaluation", evaluation or EVAL_SAMPLING)):
+        sides[name] = {"temperature": float(s.get("temperature", 0.0)), "top_p": float(s.get("top_p", 1.0)),
+                       "thinking": _thinking(s.get("chat_template_kwargs"))}
+    a, b = sides["regeneration"], sides["evaluation"]
+    mismatch = [k for k in ("temperature", "top_p", "thinking") if a[k] != b[k]]
+    if (a["temperature"] == 0.0) != (b["temperature"] == 0.0):
+        mismatch = ["greedy vs sampled"] + mismatch
+    return {**sides, "mismatch": mismatch}
 
 
 def _optional_manifest(path: Path) -> dict:
@@ -166,8 +193,23 @@ def markdown(r: dict) -> str:
     if tr["tau"] < 1.2:
         lines += ["", ("**Warning**: tau below 1.2 usually means a misconfiguration (aux layer ids, d2t, chat "
                   "template), not a weak draft.")]
+    if r.get("sampling"):
+        lines += sampling_markdown(r["sampling"])
     lines += ["", "## Wall time per stage (s)", "", "| " + " | ".join(r["stage_seconds"]) + " | total |",
               "|" + "---|" * (len(r["stage_seconds"]) + 1),
               "| " + " | ".join(str(v) for v in r["stage_seconds"].values())
               + f" | {sum(r['stage_seconds'].values()):.1f} |"]
     return "\n".join(lines) + "\n"
+
+
+def sampling_markdown(sp: dict) -> list[str]:
+    """Markdown lines of `compare_sampling`'s result: a table of both sides and a warning naming each mismatch."""
+    lines = ["", "## Sampling", "", "| | temperature | top_p | thinking mode |", "|---|---|---|---|"]
+    for name in ("regeneration", "evaluation"):
+        d = sp[name]
+        lines.append(f"| {name} | {d['temperature']:g} | {d['top_p']:g} | {d['thinking']} |")
+    if sp["mismatch"]:
+        lines += ["", (f"**Warning**: regeneration and evaluation sample differently ({', '.join(sp['mismatch'])}): "
+                       f"the draft is measured on another distribution than it was trained on; regenerate with the "
+                       f"sampling you serve, or measure with the one you trained on.")]
+    return lines

@@ -22,10 +22,10 @@ from safetensors.torch import load_file, save_file
 from . import prompts as prompts_mod
 from .checkpoint import EXPORT_DTYPE, clear_training_state, export_draft, load_draft
 from .config import PipelineConfig
-from .data import assistant_content, prompt_ids, tokenize_chat
+from .data import prompt_ids
 from .manifest import cached_manifest, read_manifest, sha256_file, sha256_json, write_manifest
 
-CODE_VERSION = "3"  # bump when a stage's output format or semantics change
+CODE_VERSION = "4"  # bump when a stage's output format or semantics change
 
 
 def _key(*parts) -> str:
@@ -58,14 +58,22 @@ def _sha256_unchanged_file(path: Path) -> str:
 
 
 def prompts_key(cfg: PipelineConfig) -> str:
-    """Inputs key of the prompts stage: the prompt settings and what makes each source's rows what they are
-    (prompts.source_fingerprints: local files' sha256, Hugging Face data sets' name/split/revision)."""
-    return _key(cfg.prompts, prompts_mod.source_fingerprints(cfg.prompts))
+    """Inputs key of the prompts stage: the prompt settings, what makes each source's rows what they are
+    (prompts.source_fingerprints: local files' sha256, Hugging Face data sets' name/split/revision) and what the
+    token budget depends on (the target's template, max_length, max_new_tokens, chat-template arguments)."""
+    g = cfg.generation
+    return _key(cfg.prompts, prompts_mod.source_fingerprints(cfg.prompts), _target_key(cfg),
+                {"max_length": cfg.features.max_length, "max_new_tokens": g.max_new_tokens,
+                 "chat_template_kwargs": g.chat_template_kwargs})
 
 
 def run_prompts(cfg: PipelineConfig, log=print) -> dict:
     """Read, normalize, reject, dedupe, sample and split the prompt sources into prompts/{train,eval}.parquet;
-    bad rows go to prompts/rejects.jsonl with source, row and reason."""
+    bad rows go to prompts/rejects.jsonl with source, row and reason. Every train row is then measured with the
+    target's chat template and the token budget applied (prompts.over_budget; eagle3_core.budget): the length
+    distribution and the policy's counts per source are logged and kept in the manifest (`budget`)."""
+    from .budget import apply_budget, budget_line
+    from .target import load_tokenizer
     out = cfg.run_dir / "prompts"
     key = prompts_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
@@ -73,6 +81,21 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
     t0 = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     train, evals, stats = prompts_mod.build_prompts(cfg.prompts, rejects_path=out / "rejects.jsonl")
+    train, budget = apply_budget(load_tokenizer(cfg.target), train, cfg.generation.max_new_tokens,
+                                 cfg.features.max_length, cfg.prompts.over_budget,
+                                 cfg.generation.chat_template_kwargs or None, str(out / "train.parquet"))
+    log(budget_line(budget))
+    if not train:
+        raise ValueError(f"prompts: every train row is over the token budget (prompt + generation.max_new_tokens "
+                         f"{cfg.generation.max_new_tokens} > features.max_length {cfg.features.max_length}) and "
+                         f"prompts.over_budget is {cfg.prompts.over_budget!r}: raise max_length, lower "
+                         f"max_new_tokens or choose 'last_turns' / 'long'")
+    stats["train"] = len(train)
+    for st in stats["per_source"].values():
+        st.pop("train", None)
+    for r in train:
+        st = stats["per_source"][r["source"]]
+        st["train"] = st.get("train", 0) + 1
     prompts_mod.write_rows(out / "train.parquet", train)
     # held-out rows are prompts: a kept conversation's final assistant turn is what the target must produce
     evals = [{**r, "messages": r["messages"][:-1]} if r["messages"] and r["messages"][-1].get("role") == "assistant"
@@ -84,7 +107,7 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
         + ", ".join(f"{k} {v.get('train', 0)}+{v.get('eval', 0)}" for k, v in stats["per_source"].items()))
     specs = prompts_mod.source_specs(cfg.prompts)
     return write_manifest(out / "manifest.json", {
-        "inputs_key": key, "stats": stats, "train_ids": [r["id"] for r in train],
+        "inputs_key": key, "stats": stats, "budget": budget, "train_ids": [r["id"] for r in train],
         "eval_ids": [r["id"] for r in evals], "sources": [s.model_dump(exclude_defaults=True) for s in specs],
         "unpinned": [s.label for s in specs if s.hf and not s.revision and s.hf not in ("json", "parquet")],
         "rejects": str(out / "rejects.jsonl"), "seconds": time.monotonic() - t0})
@@ -122,7 +145,8 @@ def generation_key(cfg: PipelineConfig) -> str:
     not concurrency, retries or server addresses, so a rerun with other servers resumes)."""
     g = cfg.generation
     return _key({"api": g.api, "max_new_tokens": g.max_new_tokens, "temperature": g.temperature,
-                 "shard_size": g.shard_size, "server_kind": cfg.server.kind},
+                 "shard_size": g.shard_size, "server_kind": cfg.server.kind, "top_p": g.top_p,
+                 "chat_template_kwargs": g.chat_template_kwargs, "turns": g.turns, "max_turns": g.max_turns},
                 _upstream(cfg.run_dir, "prompts")["inputs_key"], _target_key(cfg))
 
 
@@ -297,11 +321,21 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
         "completion_tokens": sum(r["completion_tokens"] for r in records), "finish_reasons": finish,
         "failed": report["counts"]["failed"], "failures": [f for r in records for f in r["failures"]][:100],
         "retries": sum(r["retries"] for r in records), "retry_kinds": kinds, "quality": report,
-        "sampling": {"temperature": g.temperature, "max_new_tokens": g.max_new_tokens,
-                     "greedy": g.temperature == 0.0},
+        "sampling": {"temperature": g.temperature, "top_p": g.top_p, "max_new_tokens": g.max_new_tokens,
+                     "greedy": g.temperature == 0.0, "chat_template_kwargs": g.chat_template_kwargs},
+        "turns": {"mode": g.turns, "max_turns": g.max_turns, **_request_counts(records)},
         "api": g.api, "token_ids": "from the server (prompt_ids, output_ids)" if g.api in TOKEN_ID_APIS else None,
         "server": _server_desc(cfg), "shards": [r["file"] for r in records],
         "seconds": seconds if seconds is not None else sum(r["seconds"] for r in records)})
+
+
+def _request_counts(records: list[dict]) -> dict:
+    """Requests sent over all shards and rows per number of requests ({'1': rows, '3': rows, ...}; kept rows: 0)."""
+    hist: dict[str, int] = {}
+    for r in records:
+        for n, c in (r.get("requests_per_row") or {}).items():
+            hist[n] = hist.get(n, 0) + c
+    return {"requests": sum(int(n) * c for n, c in hist.items()), "rows_by_requests": dict(sorted(hist.items()))}
 
 
 def run_generation(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
@@ -336,10 +370,13 @@ def tokenize_key(cfg: PipelineConfig) -> str:
 
 
 def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
-    """Tokenize each conversation with the target's chat template; loss mask over assistant tokens: the
-    regenerated final turn of prompt rows, every assistant turn of rows kept as they are (data.tokenize_chat).
-    Samples longer than features.max_length are cut or dropped (prompts.overlong), counted in the manifest."""
+    """Tokenize each conversation with the target's chat template (tools and generation.chat_template_kwargs as the
+    requests had them); loss mask over assistant tokens: the regenerated final turn of prompt rows (the server's own
+    ids where a token-id API returned them), every regenerated turn of turn-by-turn rows, every assistant turn of
+    rows kept as they are (tokenize_rows.row_samples). Samples longer than features.max_length are cut or dropped
+    (prompts.overlong), counted in the manifest, with the token source and a sample check of the server's ids."""
     from .target import load_tokenizer
+    from .tokenize_rows import check_server_ids, row_samples
     out = cfg.run_dir / "tokenized"
     up = _upstream(cfg.run_dir, "generations")
     key = tokenize_key(cfg)
@@ -347,29 +384,27 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
         return m
     t0 = time.monotonic()
     tok = load_tokenizer(cfg.target)
-    rows, n_cut, dropped, rejects, per = [], 0, [], [], {}
+    kwargs = cfg.generation.chat_template_kwargs or None
+    rows, n_cut, dropped, rejects, per, sources, id_rows = [], 0, [], [], {}, {}, []
     for shard in up["shards"]:
         for index, r in enumerate(prompts_mod.read_rows(cfg.run_dir / "generations" / shard)):
             st = per.setdefault(r.get("source") or "?", {"read": 0, "rejected": 0})
             st["read"] += 1
-            if r.get("mode") == "keep":
-                msgs, train, truncated = r["messages"], "all", False
-            else:
-                answer = {"role": "assistant", "content": assistant_content(r["response"], r["reasoning"])}
-                msgs, train, truncated = r["messages"] + [answer], "last", r["finish_reason"] == "length"
             try:
-                seq = tokenize_chat(tok, msgs, r["id"], train=train, truncated=truncated,
-                                    max_length=cfg.features.max_length, overlong=cfg.prompts.overlong)
+                samples, source = row_samples(tok, r, cfg.features.max_length, cfg.prompts.overlong, kwargs)
             except (ValueError, TemplateError) as e:    # MaskError, or the template refusing this conversation
                 st["rejected"] += 1
                 rejects.append({"source": r.get("source") or "?", "file": f"generations/{shard}", "row": index,
                                 "id": r["id"], "reason": f"{type(e).__name__}: {e}"})
                 continue
-            if seq is None:
+            sources[source] = sources.get(source, 0) + 1
+            if source == "server" and len(id_rows) < 16:
+                id_rows.append(r)
+            if not samples:
                 dropped.append(r["id"])
                 continue
-            n_cut += seq["cut"]
-            rows.append({"id": r["id"], "input_ids": seq["input_ids"], "loss_mask": seq["loss_mask"]})
+            n_cut += sum(s["cut"] for s in samples)
+            rows += [{"id": s["id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"]} for s in samples]
     prompts_mod.finish_rejects(out / "rejects.jsonl", rejects, per, cfg.prompts.max_reject_frac)
     if not rows:
         raise ValueError(f"tokenize: every sample is longer than features.max_length {cfg.features.max_length} "
@@ -377,16 +412,22 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), out / "train.parquet")
     n_tok, n_loss = sum(len(r["input_ids"]) for r in rows), sum(sum(r["loss_mask"]) for r in rows)
+    check = check_server_ids(tok, id_rows, kwargs)
     log(f"tokenize: {len(rows)} samples, {n_tok} tokens, {n_loss} in the loss mask; over max_length "
         f"{cfg.features.max_length}: {n_cut} cut, {len(dropped)} dropped; {len(rejects)} rejected "
-        f"({out / 'rejects.jsonl'})")
+        f"({out / 'rejects.jsonl'}); token source: {sources}"
+        + (f"; server ids equal to the re-tokenized text in {check['equal']} of {check['checked']} checked rows"
+           if check["checked"] else ""))
     return write_manifest(out / "manifest.json", {
         "inputs_key": key, "samples": len(rows), "tokens": n_tok, "loss_tokens": n_loss,
         "overlong": {"policy": cfg.prompts.overlong, "max_length": cfg.features.max_length, "cut": n_cut,
                      "dropped": len(dropped), "dropped_ids": dropped[:100]},
         "rejected": len(rejects), "rejected_per_source": {k: v["rejected"] for k, v in per.items()},
         "rejects": str(out / "rejects.jsonl"),
-        "token_source": "re-tokenized with the target's chat template (the OpenAI API returns text, not ids)",
+        "token_source": ("the server's own ids (prompt_ids + output_ids) for final-turn rows of a token-id API; "
+                         "the others re-tokenized with the target's chat template" if sources.get("server") else
+                         "re-tokenized with the target's chat template (the OpenAI API returns text, not ids)"),
+        "token_sources": sources, "server_ids_check": check,
         "seconds": time.monotonic() - t0})
 
 
@@ -678,7 +719,9 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
     tok = load_tokenizer(cfg.target)
     model = load_target(cfg.target)
     rows = prompts_mod.read_rows(cfg.run_dir / "prompts" / "eval.parquet")
-    prompts = [prompt_ids(tok, r["messages"]) for r in rows]
+    kwargs = cfg.generation.chat_template_kwargs or None              # the thinking mode the draft was trained in
+    prompts = [prompt_ids(tok, r["messages"], json.loads(r["tools"]) if r.get("tools") else None, kwargs)
+               for r in rows]
     trained = load_draft(Path(up["export_dir"]))
     untrained, _ = _fresh_draft(cfg)
     ids = trained.shape.aux_layer_ids
@@ -696,6 +739,8 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
                      e.tie_gap)
     report.update({"eval_ids": [r["id"] for r in rows], "num_draft_steps": S, "max_new_tokens": e.max_new_tokens,
                    "aux_layer_ids": ids, "preflight": "passed",
+                   "sampling": {"temperature": 0.0, "top_p": 1.0, "greedy": True,
+                                "chat_template_kwargs": cfg.generation.chat_template_kwargs},
                    "consistency": tau_consistency(report["trained"]["tau"], up, S)})
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
@@ -705,7 +750,8 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
         + f", untrained {report['untrained']['tau']:.2f}; lossless {report['trained']['lossless']}; "
         + report["consistency"]["note"])
     return write_manifest(out / "manifest.json", {"inputs_key": key, "report": str(out / "report.json"),
-                                                  "summary": report, "seconds": time.monotonic() - t0})
+                                                  "summary": report, "sampling": report["sampling"],
+                                                  "seconds": time.monotonic() - t0})
 
 
 def deploy_llama_cpp_key(cfg: PipelineConfig) -> str:

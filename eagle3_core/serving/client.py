@@ -52,29 +52,47 @@ class RequestRejected(Exception):
 
 
 def request_body(api: str, messages: list[dict] | None, prompt_ids: list[int] | None, max_new_tokens: int,
-                 temperature: float, extra: dict | None = None) -> dict:
-    """JSON body for one request. `messages` for 'openai', `prompt_ids` (int token ids) for the token-id APIs."""
+                 temperature: float, extra: dict | None = None, top_p: float = 1.0, tools: list[dict] | None = None,
+                 template_kwargs: dict | None = None) -> dict:
+    """JSON body for one request. `messages` for 'openai', `prompt_ids` (int token ids) for the token-id APIs.
+
+    tools (OpenAI tool schemas) and template_kwargs (chat-template arguments, e.g. {'enable_thinking': False})
+    go into an 'openai' body as `tools` / `chat_template_kwargs` (SGLang, vLLM and llama-server with --jinja read
+    both); the token-id APIs get a prompt already rendered with them (`data.prompt_ids`). top_p < 1 is sent to
+    every API (1.0 is each server's default, left out)."""
     greedy = temperature == 0.0
     if api == "openai":
         body = {"messages": messages, "max_tokens": max_new_tokens, "temperature": temperature, "stream": False}
         if greedy:
             body["top_k"] = 1  # llama.cpp samples even at temperature 0 unless top_k is 1; others accept it
+        if tools:
+            body["tools"] = tools
+        if template_kwargs:
+            body["chat_template_kwargs"] = template_kwargs
+        if top_p < 1.0:
+            body["top_p"] = top_p
     elif api == "sglang":
         body = {"input_ids": prompt_ids, "stream": False,
                 "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature}}
+        if top_p < 1.0:
+            body["sampling_params"]["top_p"] = top_p
     elif api == "llama.cpp":
         body = {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": temperature, "return_tokens": True,
                 "stream": False, "cache_prompt": True}
         if greedy:
             body["top_k"] = 1
+        if top_p < 1.0:
+            body["top_p"] = top_p
     else:
         raise ValueError(f"unknown generation.api {api!r}; choose one of {sorted(API_PATHS)}")
     return {**body, **(extra or {})}
 
 
 def parse_response(api: str, data: dict, url: str) -> dict:
-    """The answer fields of one response: response, reasoning (str), finish_reason ('stop' | 'length' | other),
-    prompt_tokens, completion_tokens (int), output_ids (list[int], token-id APIs only), model, timings (JSON str).
+    """The answer fields of one response: response, reasoning (str), finish_reason ('stop' | 'length' |
+    'tool_calls' | other), prompt_tokens, completion_tokens (int), output_ids (list[int], token-id APIs only), model,
+    timings (JSON str), tool_calls (JSON text of the OpenAI `message.tool_calls` list; '' when there are none, and
+    always for the token-id APIs, whose text keeps the tool-call markup the target wrote).
 
     Raises RetryableError for an SGLang abort (e.g. the request was retracted), RequestRejected if the body has
     not this API's shape (the message names `url` and the `generation.api` setting)."""
@@ -89,7 +107,8 @@ def parse_response(api: str, data: dict, url: str) -> dict:
                     "prompt_tokens": int(usage.get("prompt_tokens") or 0),
                     "completion_tokens": int(usage.get("completion_tokens") or 0), "output_ids": [],
                     "model": data.get("model") or "", "timings": json.dumps(data.get("timings") or {}),
-                    "logprobs": json.dumps((choice.get("logprobs") or {}).get("content") or [])}
+                    "logprobs": json.dumps((choice.get("logprobs") or {}).get("content") or []),
+                    "tool_calls": json.dumps(msg["tool_calls"]) if msg.get("tool_calls") else ""}
         if api == "sglang":
             meta = data["meta_info"]
             finish = meta.get("finish_reason") or {}
