@@ -5,7 +5,7 @@ downloads, about 5 minutes on 2 H200s).
   python benchmarks/ddp_train.py --tiny          # CPU check with gloo, tiny shapes, 2 processes
 
 Training: the Llama-3.1-8B-shaped draft of benchmarks/train_throughput.py (H 4096, T 2048, K 7 TTT steps, bf16,
-merged_flex attention), random features, under torchrun + ddp_trainer.train_ddp. Equal global batch: 1 GPU with
+merged_flex attention), random features, under torchrun + trainer.train. Equal global batch: 1 GPU with
 grad_accum N, N GPUs with grad_accum 1, the same seeded data and draft; the first 2 steps are warm-up. Reports
 tokens/s per GPU, scaling efficiency (per-GPU tok/s on N / on 1) and the largest loss-curve difference.
 Extraction: a Llama-3.1-8B-shaped random target (bf16), extract_workers.extract_owned per rank, each GPU owning the
@@ -38,8 +38,8 @@ def train_worker(args) -> None:
     from train_throughput import make_draft, make_inputs
 
     from eagle3_core.config import TrainConfig
-    from eagle3_core.distributed.ddp_trainer import train_ddp
     from eagle3_core.distributed.train_ddp import init_distributed, shutdown_distributed
+    from eagle3_core.trainer import train
     rank, world, device = init_distributed()
     s = TRAIN_TINY if args.tiny else TRAIN_FULL
     T, n_batches = s["T"], args.global_batches * args.steps
@@ -64,8 +64,8 @@ def train_worker(args) -> None:
         times.append(time.perf_counter())
         losses.append(loss)
     with tempfile.TemporaryDirectory() as out:
-        res = train_ddp(draft, samples, [], inp["lm_head"], cfg, Path(out), log=lambda m: None,
-                        stop_after_steps=args.steps - 1, on_step=on_step, tensorboard=False)
+        res = train(draft, samples, [], inp["lm_head"], cfg, Path(out), log=lambda m: None,
+                    stop_after_steps=args.steps - 1, on_step=on_step, tensorboard=False)
     warm = 2
     tokens = torch.tensor([res["tokens"] / len(times) * (len(times) - warm)], dtype=torch.float64)
     dist.all_reduce(tokens)                                            # tokens of the timed steps, all ranks

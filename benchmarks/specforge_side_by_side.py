@@ -121,7 +121,7 @@ def train_specforge(cfg: PipelineConfig, n: int, seed: int, device: torch.device
     seconds, step losses)."""
     from eagle3_core.scaling_study import nested_subset
     from eagle3_core.stages import _fresh_draft, train_split
-    from eagle3_core.trainer import _epoch_batches, lr_lambda
+    from eagle3_core.trainer import epoch_batches, lr_lambda
     from eagle3_core.ttt import collate
     OnlineEagle3Model, _, _ = import_specforge()
     t = cfg.train
@@ -131,7 +131,7 @@ def train_specforge(cfg: PipelineConfig, n: int, seed: int, device: torch.device
     train_s = [train_all[i] for i in nested_subset(len(train_all), n, seed)]
     ours, lm_head = _fresh_draft(cfg)
     model = specforge_draft(ours)
-    first = collate([train_s[i] for i in _epoch_batches(train_s, t, 0)[0]])
+    first = collate([train_s[i] for i in epoch_batches(train_s, t, 0)[0]])
     log(f"specforge: step-0 logits equal ours on the first batch (max diff "
         f"{check_step0_alignment(model, ours, first, specforge_inputs(first)):.2g})")
     model.embed_tokens.weight.requires_grad_(False)                        # the target's, frozen (as ours)
@@ -140,14 +140,14 @@ def train_specforge(cfg: PipelineConfig, n: int, seed: int, device: torch.device
     params = [p for p in model.parameters() if p.requires_grad]
     torch.manual_seed(t.seed)
     opt = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    batches0 = _epoch_batches(train_s, t, 0)
+    batches0 = epoch_batches(train_s, t, 0)
     total = math.ceil(len(batches0) / t.grad_accum) * t.epochs
     warmup = max(1, int(t.warmup_frac * total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, total, warmup))
     head = lm_head.to(device)
     losses, t0 = [], time.monotonic()
     for epoch in range(t.epochs):
-        for ids in _epoch_batches(train_s, t, epoch):
+        for ids in epoch_batches(train_s, t, epoch):
             b = collate([train_s[i] for i in ids])
             plosses, *_ = wrapper(**specforge_inputs(b, device), target_head_weight=head)
             loss = sum(t.step_weight ** i * pl for i, pl in enumerate(plosses))

@@ -643,10 +643,20 @@ def _fresh_draft(cfg: PipelineConfig):
     return build_draft(_draft_shape(cfg), emb, vocab["d2t"], vocab["t2d"], cfg.draft.seed), lm
 
 
-def train_split(cfg: PipelineConfig) -> tuple[list, list]:
-    """(train, held-out) samples of cfg.run_dir/features: the first int(n * train.eval_frac) are held out."""
-    from .features import load_samples
-    samples = load_samples(cfg.run_dir / "features")
+def train_split(cfg: PipelineConfig, dp=None) -> tuple[list, list]:
+    """(train, held-out) samples of cfg.run_dir/features: the first int(n * train.eval_frac) are held out. Every
+    shard's sha256 is checked first, 1/W of them on each rank of `dp` (a DataParallel; default one process).
+    Raises ValueError on every rank, naming the bad shards this rank found, if any rank found one."""
+    from .distributed.data_parallel import DataParallel
+    from .features import bad_shards, load_samples
+    dp, store = dp or DataParallel(), cfg.run_dir / "features"
+    shards = (read_manifest(store / "manifest.json") or {}).get("shards", [])   # none: load_samples says so
+    bad = bad_shards(store, dp.shard(shards))
+    if n_bad := dp.sum_int(len(bad)):
+        raise ValueError(f"{n_bad} feature shard(s) corrupt or missing (sha256 mismatch), here "
+                         f"{[str(store / b) for b in bad]}; rerun the features stage: it extracts exactly those "
+                         "shards again")
+    samples = load_samples(store, verify=False)
     n_eval = int(len(samples) * cfg.train.eval_frac)
     return samples[n_eval:], samples[:n_eval]
 
@@ -668,25 +678,35 @@ def train_key(cfg: PipelineConfig) -> str:
 
 def run_train(cfg: PipelineConfig, log=print) -> dict:
     """Train the draft with TTT (draft/), then export the best epoch as an SGLang-loadable directory
-    (draft/export), validated by reloading it strictly and comparing logits exactly."""
+    (draft/export), validated by reloading it strictly and comparing logits exactly. The same on every rank of an
+    initialised process group (torchrun: distributed/train_ddp.py): each rank trains its share (trainer.train),
+    rank 0 alone exports and writes the manifest (its `world_size` says how many ranks trained)."""
+    from .distributed.data_parallel import DataParallel
     from .trainer import train
+    dp = DataParallel.from_process_group()
     out = cfg.run_dir / "draft"
     key = train_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)):
         return m
     t0 = time.monotonic()
-    train_s, eval_s = train_split(cfg)
+    train_s, eval_s = train_split(cfg, dp)
     draft, lm_head = _fresh_draft(cfg)
-    claim_training_dir(out, key)
+    if dp.is_main:
+        claim_training_dir(out, key)
+    dp.barrier()                                   # no rank resumes from state of other inputs
     summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log)
-    export = export_draft(load_draft(out / "best"), out / "export")      # bf16, probed bit for bit
-    log(f"train: best epoch {summary['best']['epoch']} (tau_sim {summary['best']['tau_sim']:.2f}); "
-        f"exported to {export}")
-    return write_manifest(out / "manifest.json", {
-        "inputs_key": key, "export_dir": str(export), "export_dtype": str(EXPORT_DTYPE).removeprefix("torch."),
-        "best": summary["best"], "steps": summary["steps"],
-        "history": summary["history"], "train_samples": len(train_s), "eval_samples": len(eval_s),
-        "seconds": time.monotonic() - t0})
+    manifest = None
+    if dp.is_main:
+        export = export_draft(load_draft(out / "best"), out / "export")      # bf16, probed bit for bit
+        log(f"train: best epoch {summary['best']['epoch']} (tau_sim {summary['best']['tau_sim']:.2f}); "
+            f"exported to {export}")
+        manifest = write_manifest(out / "manifest.json", {
+            "inputs_key": key, "export_dir": str(export), "export_dtype": str(EXPORT_DTYPE).removeprefix("torch."),
+            "best": summary["best"], "steps": summary["steps"],
+            "history": summary["history"], "train_samples": len(train_s), "eval_samples": len(eval_s),
+            "world_size": dp.world, "seconds": time.monotonic() - t0})
+    dp.barrier()                                   # the manifest exists when any rank returns
+    return manifest or read_manifest(out / "manifest.json")
 
 
 def evaluate_key(cfg: PipelineConfig) -> str:

@@ -1,12 +1,18 @@
-"""The draft training loop: AdamW, warmup + cosine, grad clipping, gradient accumulation, bf16 autocast on GPU
-(fp32 on CPU), token-budget batches, eval on the held-out split each epoch, best export by simulated tau,
-TensorBoard scalars, and atomic checkpoints every `checkpoint_every` optimizer steps that resume mid-epoch to the
-same bits. Read it top to bottom.
+"""The one draft training loop, for one process or W data-parallel ranks (torchrun): AdamW, warmup + cosine, grad
+clipping, gradient accumulation, bf16 autocast on GPU (fp32 on CPU), token-budget batches, eval on the held-out
+split each epoch, best export by simulated tau, TensorBoard scalars, and atomic checkpoints every
+`checkpoint_every` optimizer steps that resume mid-epoch to the same bits. Read `train` top to bottom; the
+data-parallel parts (rank slicing, zero-weight pads, no_sync, all-reduces, rank-0 writes) sit behind
+distributed.data_parallel.DataParallel, the identity on one process.
+
+Legend: W ranks, G = cfg.grad_accum micro-batches per rank per optimizer step, K TTT steps, V target vocab,
+N draft vocab, H_t target hidden size.
 
 Recipe defaults follow SpecForge / EAGLE (REFERENCE.md section 3): AdamW betas (0.9, 0.95), grad clip 0.5.
-Resumable state (checkpoint.save_training_state): weights, optimizer, scheduler, epoch, position in the epoch's
-batch order (the order is a pure function of (seed, epoch, sample lengths)), metric sums of the epoch so far,
-best score, history and RNG states.
+Resumable state (checkpoint.save_training_state, the keys written in `train` and read in restore_training_state):
+weights, optimizer, scheduler, epoch, position in the epoch's batch order (the order is a pure function of (seed,
+epoch, sample lengths)), optimizer steps, metric sums and tokens of the epoch so far (all ranks), best score,
+history and RNG states (rank 0's), and a fingerprint of the data and the global batch W*G.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from .checkpoint import (
     load_latest_training_state,
@@ -27,6 +34,7 @@ from .checkpoint import (
     set_rng_states,
 )
 from .config import TrainConfig
+from .distributed.data_parallel import DataParallel
 from .draft_model import DraftShape, Eagle3Draft
 from .features import batches_by_tokens
 from .ttt import collate, summarize, ttt_loss
@@ -63,23 +71,27 @@ def lr_lambda(step: int, total: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _epoch_batches(samples: list[dict], cfg: TrainConfig, epoch: int) -> list[list[int]]:
-    """Length-bucketed batches under the token budget, in an order seeded by (seed, epoch)."""
+def epoch_batches(samples: list[dict], cfg: TrainConfig, epoch: int) -> list[list[int]]:
+    """Epoch `epoch`'s batches: lists of sample indices, length-bucketed under cfg.batch_tokens tokens each, in an
+    order seeded by (cfg.seed, epoch); the same on every rank and every run (resume relies on it)."""
     batches = batches_by_tokens([len(s["input_ids"]) for s in samples], cfg.batch_tokens)
     random.Random(cfg.seed * 1000 + epoch).shuffle(batches)
     return batches
 
 
-def _data_fingerprint(samples: list[dict], cfg: TrainConfig) -> str:
-    """Identifies the batch orders a checkpoint's position refers to: sample ids and lengths, budget, seed."""
-    key = [[s["id"], len(s["input_ids"])] for s in samples] + [cfg.batch_tokens, cfg.seed, cfg.grad_accum]
+def _data_fingerprint(samples: list[dict], cfg: TrainConfig, global_accum: int) -> str:
+    """Identifies the batch orders and step groups a checkpoint's position refers to: sample ids and lengths,
+    budget, seed, and batches per optimizer step (W*G: the same for 2 ranks x 1 as for 1 process x 2)."""
+    key = [[s["id"], len(s["input_ids"])] for s in samples] + [cfg.batch_tokens, cfg.seed, global_accum]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.device)
+    """cfg.device as a torch.device: 'auto' is CUDA when available, else CPU; 'cuda' is the current CUDA device
+    (under torchrun cuda:LOCAL_RANK, set by distributed.train_ddp.init_distributed), so that one config, and one
+    train stage key, serves every rank."""
+    name = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
 
 
 def _to(batch: dict, device: torch.device) -> dict:
@@ -91,20 +103,38 @@ def _autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
+class TTTLoss(nn.Module):
+    """The draft with its TTT loss as `forward`, so that DDP sees the forward that uses the parameters (the draft
+    itself is driven through `step`/`fuse`, which DDP cannot hook). head_draft [N, H_t] is a plain attribute, not
+    a buffer: DDP neither broadcasts nor all-reduces it. forward(batch) -> ttt.ttt_loss's (loss, stats)."""
+
+    def __init__(self, draft: Eagle3Draft, head_draft: torch.Tensor, cfg: TrainConfig):
+        super().__init__()
+        self.draft, self.head_draft, self.cfg = draft, head_draft, cfg
+
+    def forward(self, batch: dict):
+        return ttt_loss(self.draft, batch, self.head_draft, self.cfg.ttt_length, self.cfg.step_weight)
+
+
 @torch.no_grad()
-def evaluate_ttt(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tensor, cfg: TrainConfig) -> dict:
-    """TTT metrics (acc_k, cond_acc_k, tau_sim, loss_k) over `samples` without gradients."""
+def evaluate_ttt(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tensor, cfg: TrainConfig,
+                 dp: DataParallel | None = None) -> dict:
+    """TTT metrics over `samples` without gradients: ttt.summarize's {'acc', 'cond_acc', 'loss'} (K floats each)
+    and 'tau_sim'. head_draft [N, H_t] on the draft's device. With `dp` (W ranks, every rank calling) the batches
+    are split round-robin over the ranks and the sums added over them; default: one process, every batch."""
+    dp = dp or DataParallel()
     draft.eval()
     device = head_draft.device
     total = None
-    for batch in batches_by_tokens([len(s["input_ids"]) for s in samples], cfg.batch_tokens):
+    for batch in dp.shard(batches_by_tokens([len(s["input_ids"]) for s in samples], cfg.batch_tokens)):
         with _autocast(device):
             _, stats = ttt_loss(draft, _to(collate([samples[i] for i in batch]), device), head_draft,
                                 cfg.ttt_length, cfg.step_weight)
         stats["loss"] = stats["loss"] * stats["n"]          # weight batch means by their counts
         total = stats if total is None else {k: total[k] + stats[k] for k in stats}
+    total = {k: v.cpu() for k, v in dp.sum_stats(total, cfg.ttt_length).items()}
     total["loss"] = total["loss"] / total["n"].clamp(min=1)
-    return summarize({k: v.cpu() for k, v in total.items()})
+    return summarize(total)
 
 
 def prepare_training(draft, target_lm_head: torch.Tensor, cfg: TrainConfig, device: torch.device):
@@ -138,107 +168,165 @@ def restore_training_state(state: dict, draft, opt, sched, device: torch.device)
 
 
 def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict], target_lm_head: torch.Tensor,
-          cfg: TrainConfig, out_dir: Path, log=print, stop_after_epochs: int | None = None) -> dict:
-    """Train `draft` in place (moved to cfg.device); resume from the newest checkpoint in out_dir/checkpoints.
+          cfg: TrainConfig, out_dir: Path, log=print, stop_after_epochs: int | None = None,
+          stop_after_steps: int | None = None, on_step=None, tensorboard: bool = True) -> dict:
+    """Train `draft` in place on cfg.device; resume from the newest checkpoint in out_dir/checkpoints.
+
+    One process, or every rank of an initialised torch.distributed process group (torchrun; cfg.device 'auto' or
+    'cuda' is then this rank's cuda:LOCAL_RANK, see resolve_device). W ranks with grad_accum G take the optimizer steps of one process
+    with grad_accum W*G (distributed/data_parallel.py says why) and write checkpoints with the same keys and data
+    fingerprint, so a run resumes on another world size with the same global batch. Every rank passes the same
+    samples (read lazily: a rank touches only its micro-batches) and the same seeded draft; rank 0 alone logs and
+    writes files.
 
     target_lm_head [V, H_t] fp32. Writes out_dir/last (and out_dir/best, chosen by eval tau_sim, or train tau_sim
-    without eval samples) as SGLang draft directories at each epoch end, and resumable checkpoints every
-    cfg.checkpoint_every optimizer steps and at each epoch end (the newest cfg.keep_checkpoints kept).
-    Raises FloatingPointError naming epoch, step and batch on a non-finite loss or gradient norm, before that
-    step changes the weights or anything is saved; ValueError if the checkpoint was written for other data.
-    `stop_after_epochs` ends this call after that many epochs (a time-boxed run); calling again resumes.
-    Returns {'best', 'history', 'steps', 'best_dir', 'last_dir'}.
+    without eval samples) as SGLang draft directories at each epoch end, resumable checkpoints every
+    cfg.checkpoint_every optimizer steps and at each epoch end (the newest cfg.keep_checkpoints kept), and
+    TensorBoard scalars under out_dir/tensorboard unless `tensorboard` is False (hosts without the package).
+    Raises FloatingPointError on every rank, naming epoch, step and batch, on a non-finite loss (any rank) or
+    gradient norm, before that step changes the weights or anything is saved; ValueError if the checkpoint was
+    written for other data or another global batch. `stop_after_epochs` / `stop_after_steps` end this call after
+    that many epochs / optimizer steps (time-boxed runs, resume tests); calling again resumes. `on_step(step, loss)`
+    runs on every rank after each optimizer step (loss: the step's mean micro-batch loss over all ranks).
+    Returns {'best', 'history', 'steps', 'step_losses' (each optimizer step of this call, as for on_step), 'tokens'
+    (real tokens trained on by this rank in this call), 'best_dir', 'last_dir'}.
     """
-    from torch.utils.tensorboard import SummaryWriter
-
-    out_dir = Path(out_dir)
-    device = resolve_device(cfg)
+    dp = DataParallel.from_process_group()
+    say = log if dp.is_main else (lambda s: None)
+    ranks = f" on {dp.world} ranks" if dp.world > 1 else ""
+    out_dir, device = Path(out_dir), resolve_device(cfg)
     head_draft, opt = prepare_training(draft, target_lm_head, cfg, device)
     params = [p for p in draft.parameters() if p.requires_grad]
-    batches_per_epoch = len(_epoch_batches(train_samples, cfg, 0))
-    steps_per_epoch = math.ceil(batches_per_epoch / cfg.grad_accum)
-    total_steps = steps_per_epoch * cfg.epochs
+    group_size = cfg.grad_accum * dp.world                      # batches per optimizer step, over all ranks
+    total_steps = math.ceil(len(epoch_batches(train_samples, cfg, 0)) / group_size) * cfg.epochs
     warmup = max(1, int(cfg.warmup_frac * total_steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, total_steps, warmup))
-    fingerprint = _data_fingerprint(train_samples, cfg)
+    fingerprint = _data_fingerprint(train_samples, cfg, group_size)
 
     # --- resume: the newest complete checkpoint, or a fresh start
-    state, path = load_latest_training_state(out_dir, log)
+    state, path = load_latest_training_state(out_dir, say)
     if state is not None:
         if state["data"] != fingerprint:
-            raise ValueError(f"checkpoint {path} was written for other training data or batching; delete "
-                             f"{path.parent} to train from scratch, or restore the original data and settings")
+            raise ValueError(f"checkpoint {path} was written for other training data or batching (here: world size "
+                             f"x grad_accum = {group_size} batches per step); delete {path.parent} to train from "
+                             f"scratch, or restore the original data and settings")
         epoch0, batch0, step, sums, n_tokens, best, history = restore_training_state(state, draft, opt, sched, device)
-        log(f"train: resumed from {path.name} (epoch {epoch0}, batch {batch0}, step {step})")
+        say(f"train: resumed from {path.name} (epoch {epoch0}, batch {batch0}, step {step}){ranks}")
     else:
         epoch0, batch0, step, sums, n_tokens = 0, 0, 0, None, 0
         best, history = {"tau_sim": -1.0, "epoch": -1}, []
+    if not dp.is_main:             # restored epoch sums and tokens are of all ranks: rank 0 alone carries them on
+        sums, n_tokens = None, 0
+    model = dp.wrap(TTTLoss(draft, head_draft, cfg), device)      # DDP broadcasts rank 0's weights here
 
     def checkpoint(epoch: int, batch: int) -> None:
-        """Everything needed to continue at batch `batch` of epoch `epoch` with the same bits."""
-        save_training_state(out_dir, {
-            "model": draft.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-            "epoch": epoch, "batch": batch, "step": step, "data": fingerprint, "tokens": n_tokens,
-            "sums": {k: v.cpu() for k, v in sums.items()} if sums else {},
-            "best": best, "history": json.dumps(history), "rng": rng_states()}, step, cfg.keep_checkpoints)
-        log(f"train: checkpoint step {step} (epoch {epoch}, batch {batch})")
+        """Everything needed to continue at batch `batch` of epoch `epoch` with the same bits. Every rank joins
+        (sums and tokens are added over ranks); rank 0 writes. Rank 0 runs the first micro-batch of every step,
+        so its `sums` is None exactly at an epoch boundary."""
+        all_sums, tokens = dp.sum_stats(sums, cfg.ttt_length), dp.sum_int(n_tokens)
+        if dp.is_main:
+            save_training_state(out_dir, {
+                "model": draft.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "epoch": epoch, "batch": batch, "step": step, "data": fingerprint, "tokens": tokens,
+                "sums": {k: v.cpu() for k, v in all_sums.items()} if sums is not None else {},
+                "best": best, "history": json.dumps(history), "rng": rng_states()}, step, cfg.keep_checkpoints)
+        say(f"train: checkpoint step {step} (epoch {epoch}, batch {batch})")
 
-    tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=step if state is not None else None)
-    t0 = time.monotonic()
+    tb = None
+    if dp.is_main and tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=step if state is not None else None)
+
+    def finish() -> dict:
+        if tb:
+            tb.close()
+        dp.barrier()                                          # rank 0's files exist when any rank returns
+        return {"best": best, "history": history, "steps": step, "step_losses": step_losses, "tokens": my_tokens,
+                "best_dir": str(out_dir / "best"), "last_dir": str(out_dir / "last")}
+
+    t0, step_losses, my_tokens, steps_this_call = time.monotonic(), [], 0, 0
     end_epoch = cfg.epochs if stop_after_epochs is None else min(cfg.epochs, epoch0 + stop_after_epochs)
     for epoch in range(epoch0, end_epoch):
         draft.train()
-        batches = _epoch_batches(train_samples, cfg, epoch)
-        for b_idx in range(batch0 if epoch == epoch0 else 0, len(batches)):
-            batch_ids = batches[b_idx]
-            batch = _to(collate([train_samples[i] for i in batch_ids]), device)
-            with _autocast(device):
-                loss, stats = ttt_loss(draft, batch, head_draft, cfg.ttt_length, cfg.step_weight)
-            where = (f"epoch {epoch}, step {step}, batch {b_idx} (samples "
-                     f"{[train_samples[i]['id'] for i in batch_ids][:4]}...)")
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite loss {loss.item()} at {where}; lower train.lr or check "
-                                         f"the features of these samples")
-            (loss / cfg.grad_accum).backward()
-            stats["loss"] = stats["loss"] * stats["n"]
-            sums = stats if sums is None else {k: sums[k] + stats[k] for k in stats}
-            n_tokens += int(batch["valid"].sum())
-            if (b_idx + 1) % cfg.grad_accum == 0 or b_idx + 1 == len(batches):
-                gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                if not torch.isfinite(gnorm):
-                    raise FloatingPointError(f"non-finite gradient norm at {where}; lower train.lr or check "
-                                             f"the features of these samples")
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
-                tb.add_scalar("train/loss", loss.item(), step)
+        batches = epoch_batches(train_samples, cfg, epoch)
+        for g0 in range(batch0 if epoch == epoch0 else 0, len(batches), group_size):   # one optimizer step
+            group = batches[g0:g0 + group_size]
+            micro = dp.micro_batches(group, cfg.grad_accum)
+            loss_sum = torch.zeros(2, dtype=torch.float64, device=device)      # [sum of micro-batch losses, count]
+            for m, batch_ids in enumerate(micro):
+                real = batch_ids is not None                               # None: a zero-weight pad (W > 1)
+                batch = _to(collate([train_samples[i] for i in (batch_ids if real else group[0])]), device)
+                with dp.sync_gradients(model, last=m + 1 == len(micro)):   # all-reduce on the last one only
+                    with _autocast(device):
+                        loss, stats = model(batch)
+                    finite = bool(torch.isfinite(loss)) if real else True
+                    if not dp.all_true(finite):                    # every rank stops at the same step
+                        where = (f"epoch {epoch}, step {step}, batch {g0 + dp.rank * cfg.grad_accum + m}"
+                                 + (f", rank {dp.rank}" if dp.world > 1 else "")
+                                 + f" (samples {[train_samples[i]['id'] for i in batch_ids or []][:4]}...)")
+                        raise FloatingPointError(
+                            f"non-finite loss {loss.item()} at {where}; lower train.lr or check the features of "
+                            f"these samples" if not finite else
+                            f"non-finite loss on another rank at epoch {epoch}, step {step}; see its error")
+                    (loss / cfg.grad_accum if real else loss * 0.0).backward()
+                if real:
+                    stats["loss"] = stats["loss"] * stats["n"]      # weight batch means by their counts
+                    sums = stats if sums is None else {k: sums[k] + stats[k] for k in stats}
+                    n_tokens += int(batch["valid"].sum())
+                    my_tokens += int(batch["valid"].sum())
+                    loss_sum += torch.stack([loss.detach().double(), loss.new_ones((), dtype=torch.float64)])
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)   # the same on every rank: grads synced
+            if not torch.isfinite(gnorm):
+                raise FloatingPointError(f"non-finite gradient norm at epoch {epoch}, step {step} (batches "
+                                         f"{g0}..{g0 + len(group) - 1}); lower train.lr or check the features "
+                                         f"of this step's samples")
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            loss_sum = dp.sum(loss_sum)
+            step_losses.append(float(loss_sum[0] / loss_sum[1]))
+            if tb:
+                tb.add_scalar("train/loss", step_losses[-1], step)
                 tb.add_scalar("train/grad_norm", float(gnorm), step)
                 tb.add_scalar("train/lr", sched.get_last_lr()[0], step)
-                step += 1
-                if step % cfg.checkpoint_every == 0 and b_idx + 1 < len(batches):
-                    checkpoint(epoch, b_idx + 1)
-        sums = {k: v.cpu() for k, v in sums.items()}
-        sums["loss"] = sums["loss"] / sums["n"].clamp(min=1)
-        train_m = summarize(sums)
-        eval_m = evaluate_ttt(draft, eval_samples, head_draft, cfg) if eval_samples else None
+            step += 1
+            steps_this_call += 1
+            if on_step is not None:
+                on_step(step, step_losses[-1])
+            if step % cfg.checkpoint_every == 0 and g0 + group_size < len(batches):
+                checkpoint(epoch, g0 + group_size)
+            if stop_after_steps is not None and steps_this_call >= stop_after_steps:
+                return finish()
+        # --- epoch end: metrics over all ranks, eval, export, a checkpoint at the start of the next epoch
+        epoch_sums = {k: v.cpu() for k, v in dp.sum_stats(sums, cfg.ttt_length).items()}
+        epoch_sums["loss"] = epoch_sums["loss"] / epoch_sums["n"].clamp(min=1)
+        train_m = summarize(epoch_sums)
+        eval_m = evaluate_ttt(draft, eval_samples, head_draft, cfg, dp) if eval_samples else None
         score = (eval_m or train_m)["tau_sim"]
-        history.append({"epoch": epoch, "train": train_m, "eval": eval_m, "tokens": n_tokens,
+        history.append({"epoch": epoch, "train": train_m, "eval": eval_m, "tokens": dp.sum_int(n_tokens),
                         "seconds": time.monotonic() - t0})
-        for split, m in (("train", train_m), ("eval", eval_m)):
-            for k, (a, c) in enumerate(zip(m["acc"], m["cond_acc"]) if m else ()):
-                tb.add_scalar(f"{split}/acc_{k}", a, step)
-                tb.add_scalar(f"{split}/cond_acc_{k}", c, step)
-            if m:
-                tb.add_scalar(f"{split}/tau_sim", m["tau_sim"], step)
-        log(f"train: epoch {epoch} loss {sum(train_m['loss']):.3f} acc_0 {train_m['acc'][0]:.3f} "
+        if tb:
+            _epoch_scalars(tb, step, train_m, eval_m)
+        say(f"train: epoch {epoch} loss {sum(train_m['loss']):.3f} acc_0 {train_m['acc'][0]:.3f} "
             f"tau_sim {train_m['tau_sim']:.2f}" + (f" eval tau_sim {eval_m['tau_sim']:.2f}" if eval_m else "")
-            + f" ({time.monotonic() - t0:.0f} s)")
-        save_draft(draft, out_dir / "last")
+            + f" ({time.monotonic() - t0:.0f} s" + (f", {dp.world} ranks)" if dp.world > 1 else ")"))
+        if dp.is_main:
+            save_draft(draft, out_dir / "last")
         if score > best["tau_sim"]:
             best = {"tau_sim": score, "epoch": epoch}
-            save_draft(draft, out_dir / "best")
+            if dp.is_main:
+                save_draft(draft, out_dir / "best")
         sums, n_tokens = None, 0
         checkpoint(epoch + 1, 0)
-    tb.close()
-    return {"best": best, "history": history, "steps": step, "best_dir": str(out_dir / "best"),
-            "last_dir": str(out_dir / "last")}
+    return finish()
+
+
+def _epoch_scalars(tb, step: int, train_m: dict, eval_m: dict | None) -> None:
+    """TensorBoard: per-step acc_k, cond_acc_k and tau_sim of the epoch's train (and eval) metrics at `step`."""
+    for split, m in (("train", train_m), ("eval", eval_m)):
+        if m is None:
+            continue
+        for k, (a, c) in enumerate(zip(m["acc"], m["cond_acc"])):
+            tb.add_scalar(f"{split}/acc_{k}", a, step)
+            tb.add_scalar(f"{split}/cond_acc_{k}", c, step)
+        tb.add_scalar(f"{split}/tau_sim", m["tau_sim"], step)

@@ -1,7 +1,7 @@
 """A torchrun worker for tests/test_distributed.py (gloo on CPU).
 
   torchrun --standalone --nproc-per-node 2 tests/ddp_worker.py train OUT_DIR [STOP_AFTER_STEPS]
-      trains the tiny draft of train_worker.py with ddp_trainer.train_ddp (train.grad_accum 1 per rank); rank 0
+      trains the tiny draft of train_worker.py with trainer.train (train.grad_accum 1 per rank); rank 0
       writes OUT_DIR/result.json (steps, step losses)
   torchrun --standalone --nproc-per-node 2 tests/ddp_worker.py hold
       joins the process group, prints 'rank R pid P ready' and sleeps (the cancellation test kills it)
@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import tiny_draft
 from train_worker import CFG, samples
 
-from eagle3_core.distributed.ddp_trainer import train_ddp
 from eagle3_core.distributed.launch import emit_line
 from eagle3_core.distributed.train_ddp import init_distributed, shutdown_distributed
+from eagle3_core.trainer import train
 
 LM_HEAD_SEED = 5
 
@@ -36,8 +36,8 @@ def main():
         return
     out_dir, stop = Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None
     lm_head = torch.randn(100, 32, generator=torch.Generator().manual_seed(LM_HEAD_SEED))
-    res = train_ddp(tiny_draft(), samples(), samples(4, seed=1), lm_head, CFG, out_dir,
-                    log=emit_line if rank == 0 else lambda s: None, stop_after_steps=stop)
+    res = train(tiny_draft(), samples(), samples(4, seed=1), lm_head, CFG, out_dir,
+                log=emit_line, stop_after_steps=stop)                # train logs on rank 0 only
     if rank == 0:
         (out_dir / "result.json").write_text(json.dumps({"steps": res["steps"], "step_losses": res["step_losses"],
                                                          "history": res["history"]}))

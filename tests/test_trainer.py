@@ -120,3 +120,33 @@ def test_checkpoint_for_other_data_is_refused(tmp_path):
     train(tiny_draft(), samples(), [], lm_head, CFG.model_copy(update={"epochs": 1}), tmp_path, log=lambda s: None)
     with pytest.raises(ValueError, match="other training data"):
         train(tiny_draft(), samples(8), [], lm_head, CFG, tmp_path, log=lambda s: None)
+
+
+def _functions_with_an_epoch_loop(path: Path) -> list[str]:
+    """Names of the functions of `path` holding a loop over epochs (`for epoch ...`, `for ... in ...epochs...`)."""
+    import ast
+    found = []
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) and any(
+                isinstance(loop, ast.For) and ("epoch" in ast.unparse(loop.target) or "epochs" in
+                                               ast.unparse(loop.iter)) for loop in ast.walk(fn)):
+            found.append(fn.name)
+    return found
+
+
+def test_one_function_holds_the_epoch_loop_for_one_and_many_ranks():
+    """Issue 19: one training loop for 1..N ranks. trainer.train is the only function in eagle3_core with an epoch
+    loop (the data-parallel parts are in distributed/data_parallel.py, the torchrun entry calls the train stage), and
+    nothing imports a private name of the training modules."""
+    import ast
+    root = Path(__file__).resolve().parents[1]
+    pkg = root / "eagle3_core"
+    loops = {f"{p.relative_to(pkg)}:{name}" for p in pkg.rglob("*.py") for name in _functions_with_an_epoch_loop(p)}
+    assert loops == {"trainer.py:train"}, loops
+    assert not (pkg / "distributed" / "ddp_trainer.py").exists()
+    training = {"trainer", "data_parallel", "train_ddp"}
+    for p in [*pkg.rglob("*.py"), *(root / "tests").glob("*.py"), *(root / "benchmarks").glob("*.py")]:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").rsplit(".", 1)[-1] in training:
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{p.relative_to(root)} imports private {private} from {node.module}"
