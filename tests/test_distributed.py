@@ -1,5 +1,6 @@
-"""Data-parallel training under a real torchrun (gloo, 2 CPU processes): the same weights as one process on the
-same global batch, resume of a 2-process run, and the launcher streaming lines and leaving no process behind."""
+"""Data-parallel training under a real torchrun (gloo, 2 CPU processes), through the one trainer.train: the same
+weights as one process on the same global batch, resume of a 2-process run, the train stage's torchrun entry point
+(stages.run_train on every rank), and the launcher streaming lines and leaving no process behind."""
 import json
 import sys
 from pathlib import Path
@@ -105,3 +106,61 @@ def test_worker_lines_stay_whole_when_ranks_share_a_pipe():
         lines = f.read().splitlines()
     assert [p.wait() for p in procs] == [0, 0]
     assert len(lines) == 6000 and all(re.fullmatch(r"rank [01] line \d+ ready", x) for x in lines)
+
+
+def test_train_stage_under_torchrun_equals_the_one_process_stage(tmp_path):
+    """`python -m eagle3_core.distributed.train_ddp --config run.json` is stages.run_train on every rank: 2 ranks
+    x grad_accum 1 export the same draft (float tolerance) as the one-process stage with grad_accum 2, after the
+    same steps; rank 0 alone writes the manifest (world_size 2), and a corrupt shard stops every rank."""
+    import random
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import ROOT
+    from safetensors.torch import load_file
+    from tiny_targets import build
+
+    from eagle3_core.config import DraftConfig, FeatureConfig, PipelineConfig, TargetConfig, TrainConfig
+    from eagle3_core.manifest import read_manifest, write_manifest
+    from eagle3_core.stages import run_features, run_train, run_vocab
+    rng = random.Random(0)
+    rows = [{"id": f"r{i}", "input_ids": [rng.randrange(128) for _ in range(n)],
+             "loss_mask": [int(t >= n // 3) for t in range(n)]} for i, n in enumerate(rng.randint(8, 30)
+                                                                                     for _ in range(16))]
+    one = PipelineConfig(run_dir=tmp_path / "one", target=TargetConfig(model=str(build("llama", tmp_path / "t"))),
+                         features=FeatureConfig(max_length=64, shard_samples=4, batch_tokens=128),
+                         draft=DraftConfig(draft_vocab_size=64),
+                         train=TrainConfig(epochs=2, lr=3e-3, batch_tokens=48, ttt_length=2, eval_frac=0.25,
+                                           grad_accum=2, checkpoint_every=2, device="cpu"))
+    (one.run_dir / "tokenized").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows), one.run_dir / "tokenized" / "train.parquet")
+    write_manifest(one.run_dir / "tokenized" / "manifest.json", {"inputs_key": "sixteen-random-rows"})
+    torch.set_num_threads(1)                                 # the workers' kernels (OMP_NUM_THREADS=1)
+    run_features(one, log=lambda s: None)
+    run_vocab(one, log=lambda s: None)
+    two = one.model_copy(update={"run_dir": tmp_path / "two",
+                                 "train": one.train.model_copy(update={"grad_accum": 1})})
+    for stage in ("tokenized", "features", "vocab"):
+        shutil.copytree(one.run_dir / stage, two.run_dir / stage)
+    m1 = run_train(one, log=lambda s: None)
+    config = tmp_path / "two.json"
+    config.write_text(two.model_dump_json())
+    lines = []
+    run_torchrun(["-m", "eagle3_core.distributed.train_ddp", "--config", str(config)], 2, on_line=lines.append,
+                 env={**ENV, "PYTHONPATH": str(ROOT)}, grace_s=5, cwd=ROOT)
+    m2 = read_manifest(two.run_dir / "draft" / "manifest.json")
+    assert (m1["world_size"], m2["world_size"]) == (1, 2) and m1["steps"] == m2["steps"] >= 4
+    assert m1["best"]["epoch"] == m2["best"]["epoch"] and m2["train_samples"] == 12
+    assert m1["history"][0]["train"]["loss"] != m1["history"][1]["train"]["loss"]     # it trained
+    a, b = (load_file(Path(m["export_dir"]) / "model.safetensors") for m in (m1, m2))
+    for name, t in a.items():
+        assert torch.allclose(t, b[name], rtol=1e-4, atol=1e-6), name
+    assert sum(1 for x in lines if x.startswith("train: best epoch")) == 1       # rank 0 logs, once
+    # a corrupt shard: each rank hashes half of them, and both stop with the count
+    shutil.rmtree(two.run_dir / "draft")
+    shard = sorted((two.run_dir / "features").glob("shard_*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-10] + bytes(10))
+    with pytest.raises(TorchrunError, match=r"1 feature shard\(s\) corrupt or missing"):
+        run_torchrun(["-m", "eagle3_core.distributed.train_ddp", "--config", str(config)], 2,
+                     env={**ENV, "PYTHONPATH": str(ROOT)}, grace_s=5, cwd=ROOT)

@@ -98,13 +98,14 @@ class DataParallel:
 
     def sum_stats(self, stats: dict | None, K: int) -> dict | None:
         """Per-TTT-step metric sums (STAT_KEYS, each [K]) summed over ranks, on `device`: counts int64, loss sums
-        float32; a rank that has no batch yet passes None (it adds zeros). One process: `stats` unchanged."""
+        float64 (added in float64: the ranks' float32 sums lose nothing); a rank that has no batch yet passes None
+        (it adds zeros). One process: `stats` unchanged."""
         if self.world == 1:
             return stats
         zeros = torch.zeros(K, dtype=torch.float64)
         flat = torch.stack([(stats[k].double() if stats else zeros).to(self.device) for k in STAT_KEYS])  # [4, K]
         self.sum(flat)
-        return {k: flat[i].float() if k == "loss" else flat[i].long() for i, k in enumerate(STAT_KEYS)}
+        return {k: flat[i] if k == "loss" else flat[i].long() for i, k in enumerate(STAT_KEYS)}
 
     def barrier(self) -> None:
         """Wait for every rank (e.g. until rank 0's files exist); nothing on one process."""
