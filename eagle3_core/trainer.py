@@ -260,7 +260,7 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                     with _autocast(device):
                         loss, stats = model(batch)
                     finite = bool(torch.isfinite(loss)) if real else True
-                    if not dp.all_true(finite):                    # every rank stops at the same step
+                    if not dp.all_true(finite):                            # every rank stops at this step
                         where = (f"epoch {epoch}, step {step}, batch {g0 + dp.rank * cfg.grad_accum + m}"
                                  + (f", rank {dp.rank}" if dp.world > 1 else "")
                                  + f" (samples {[train_samples[i]['id'] for i in batch_ids or []][:4]}...)")
@@ -272,8 +272,8 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                 if real:
                     stats["loss"] = stats["loss"] * stats["n"]      # weight batch means by their counts
                     sums = stats if sums is None else {k: sums[k] + stats[k] for k in stats}
-                    n_tokens += int(batch["valid"].sum())
-                    my_tokens += int(batch["valid"].sum())
+                    tokens = int(batch["valid"].sum())
+                    n_tokens, my_tokens = n_tokens + tokens, my_tokens + tokens
                     loss_sum += torch.stack([loss.detach().double(), loss.new_ones((), dtype=torch.float64)])
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)   # the same on every rank: grads synced
             if not torch.isfinite(gnorm):
