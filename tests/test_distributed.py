@@ -110,8 +110,8 @@ def test_worker_lines_stay_whole_when_ranks_share_a_pipe():
 
 def test_train_stage_under_torchrun_equals_the_one_process_stage(tmp_path):
     """`python -m eagle3_core.distributed.train_ddp --config run.json` is stages.run_train on every rank: 2 ranks
-    x grad_accum 1 export the same draft (float tolerance) as the one-process stage with grad_accum 2, after the
-    same steps; rank 0 alone writes the manifest (world_size 2), and a corrupt shard stops every rank."""
+    x grad_accum 1 train the same draft (float tolerance) as the one-process stage with grad_accum 2, after the
+    same steps, and export it; rank 0 alone writes the manifest (world_size 2); a corrupt shard stops every rank."""
     import random
     import shutil
 
@@ -153,7 +153,8 @@ def test_train_stage_under_torchrun_equals_the_one_process_stage(tmp_path):
     assert (m1["world_size"], m2["world_size"]) == (1, 2) and m1["steps"] == m2["steps"] >= 4
     assert m1["best"]["epoch"] == m2["best"]["epoch"] and m2["train_samples"] == 12
     assert m1["history"][0]["train"]["loss"] != m1["history"][1]["train"]["loss"]     # it trained
-    a, b = (load_file(Path(m["export_dir"]) / "model.safetensors") for m in (m1, m2))
+    assert m1["export_dtype"] == m2["export_dtype"] and all(Path(m["export_dir"]).is_dir() for m in (m1, m2))
+    a, b = (load_file(r / "draft" / "best" / "model.safetensors") for r in (one.run_dir, two.run_dir))   # fp32
     for name, t in a.items():
         assert torch.allclose(t, b[name], rtol=1e-4, atol=1e-6), name
     assert sum(1 for x in lines if x.startswith("train: best epoch")) == 1       # rank 0 logs, once
