@@ -165,3 +165,24 @@ def test_train_stage_under_torchrun_equals_the_one_process_stage(tmp_path):
     with pytest.raises(TorchrunError, match=r"1 feature shard\(s\) corrupt or missing"):
         run_torchrun(["-m", "eagle3_core.distributed.train_ddp", "--config", str(config)], 2,
                      env={**ENV, "PYTHONPATH": str(ROOT)}, grace_s=5, cwd=ROOT)
+
+
+def test_data_parallel_is_the_identity_on_one_process_and_slices_groups_on_many():
+    """DataParallel() (no process group) changes nothing and runs no collective; rank r of W takes micro-batches
+    [r*G, (r+1)*G) of a step's group, padded with None to G (zero-weight) when the epoch's last group is short."""
+    from torch import nn
+
+    from eagle3_core.distributed.data_parallel import DataParallel
+    one, group = DataParallel.from_process_group(), [[0], [1], [2]]
+    assert (one.rank, one.world, one.is_main) == (0, 1, True)
+    assert one.micro_batches(group, 3) == group and one.micro_batches(group[:1], 3) == [[0]]   # no pads
+    t, stats, module = torch.ones(3), {"n": torch.ones(2)}, nn.Linear(2, 2)
+    assert one.sum(t) is t and one.sum_stats(stats, 2) is stats and one.sum_stats(None, 2) is None
+    assert one.wrap(module, torch.device("cpu")) is module and one.shard([1, 2, 3]) == [1, 2, 3]
+    assert one.sum_int(7) == 7 and one.all_true(False) is False
+    with one.sync_gradients(module, last=False):                   # a plain module: nothing to skip
+        pass
+    short = [[0], [1], [2]]                                         # W = 2, G = 2: 3 of 4 batches left
+    assert DataParallel(0, 2).micro_batches(short, 2) == [[0], [1]]
+    assert DataParallel(1, 2).micro_batches(short, 2) == [[2], None]
+    assert DataParallel(1, 2).shard([0, 1, 2, 3, 4]) == [1, 3] and not DataParallel(1, 2).is_main
