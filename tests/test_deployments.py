@@ -142,7 +142,7 @@ def test_work_pool_deployments_register_with_their_pools(deployments, tmp_path):
     from deployments.serve import deploy_to_pools
     asyncio.run(ensure_work_pools())
     asyncio.run(ensure_work_pools())                                  # idempotent
-    assert len(deploy_to_pools(tmp_path, timezone="UTC")) == 11                   # 2 pipeline + 8 stage flows + scaling study
+    assert len(deploy_to_pools(tmp_path, timezone="UTC")) == 11  # 2 pipelines, 8 stages, the study
     pools = {name: asyncio.run(_read_deployment(name)).work_pool_name
              for name in ("eagle3-pipeline/demo", "prompts/prompts", "generation/generation", "vocab/vocab",
                           "features/features", "train/train", "evaluate/evaluate")}
