@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-from .data import _render, prompt_ids
+from .data import render_chat, prompt_ids
 
 POLICIES = ("drop", "last_turns", "long")
 
@@ -28,7 +28,7 @@ def row_tokens(tokenizer, messages: list[dict], mode: str, tools: list[dict] | N
     """Tokens of one row as the template renders it: the prompt with the generation prompt (mode 'prompt'), or
     the whole conversation (mode 'keep')."""
     if mode == "keep":
-        text = _render(tokenizer, messages, add_generation_prompt=False, tools=tools, template_kwargs=template_kwargs)
+        text = render_chat(tokenizer, messages, add_generation_prompt=False, tools=tools, template_kwargs=template_kwargs)
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
     return len(prompt_ids(tokenizer, messages, tools, template_kwargs))
 

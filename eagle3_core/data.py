@@ -36,14 +36,17 @@ def prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
     """Token ids of `messages` rendered with the chat template and the generation prompt (what a server sees).
     tools: OpenAI tool schemas passed to the template (`tools=`); template_kwargs: more template arguments (e.g.
     {'enable_thinking': False}), as `generation.chat_template_kwargs` sends them to a server."""
-    text = _render(tokenizer, messages, add_generation_prompt=True, tools=tools, template_kwargs=template_kwargs)
+    text = render_chat(tokenizer, messages, add_generation_prompt=True, tools=tools, template_kwargs=template_kwargs)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     _check_single_bos(tokenizer, ids, "prompt")
     return ids
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
-            template_kwargs: dict | None = None) -> str:
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+                template_kwargs: dict | None = None) -> str:
+    """`messages` rendered as text by the target's chat template (reasoning given apart put back inline), with the
+    row's `tools` and chat-template arguments (e.g. {'enable_thinking': False}); raises what the template raises
+    (jinja2 TemplateError, transformers' ValueError for an empty conversation)."""
     return tokenizer.apply_chat_template([_renderable(m) for m in messages], tokenize=False,
                                          add_generation_prompt=add_generation_prompt, tools=tools or None,
                                          **(template_kwargs or {}))
@@ -115,11 +118,11 @@ def tokenize_chat(tokenizer, messages: list[dict], row_id: str, train: str = "al
         raise MaskError(f"row {row_id}: the conversation must end with an assistant turn; drop the row")
     trained = turns if train == "all" else turns[-1:]
     render = dict(tools=tools, template_kwargs=template_kwargs)
-    full = _render(tokenizer, messages, add_generation_prompt=False, **render)
+    full = render_chat(tokenizer, messages, add_generation_prompt=False, **render)
     _, eot = end_of_turn(tokenizer)
     spans = []
     for i in trained:
-        prefix = _render(tokenizer, messages[:i], add_generation_prompt=True, **render)
+        prefix = render_chat(tokenizer, messages[:i], add_generation_prompt=True, **render)
         if not full.startswith(prefix):
             raise MaskError(f"row {row_id}: the chat template does not render the prompt of turn {i} as a prefix "
                             f"of the conversation (it rewrites earlier turns); split this row by turn or drop it")

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ttt_attention import IMPLEMENTATIONS, _acc_dtype, ttt_attention
+from .ttt_attention import IMPLEMENTATIONS, acc_dtype, ttt_attention
 
 
 @dataclass
@@ -67,7 +67,7 @@ class RMSNorm(nn.Module):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF Llama RMSNorm: normalise in fp32, cast back to x's dtype, times weight (result in the promoted dtype)."""
-    xf = x.to(_acc_dtype(x.dtype))
+    xf = x.to(acc_dtype(x.dtype))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 

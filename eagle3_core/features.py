@@ -70,7 +70,7 @@ def bad_shards(store_dir: Path, entries: list[dict], threads: int = 4) -> list[s
 
 # ---- extraction ---------------------------------------------------------------------------------------------
 
-def _write_head(extractor, out_dir: Path, prev_target_id: str | None) -> str:
+def write_head(extractor, out_dir: Path, prev_target_id: str | None) -> str:
     """head.safetensors (embedding, lm_head if untied, fp32), unless it is there for the same target; returns an
     id of the target weights (config + a checksum of some embedding rows), part of every shard's content key.
     The weights come from `extractor.head_weights()` (gathered whole from a tensor-parallel target)."""
@@ -167,7 +167,7 @@ def shard_entry(path: Path, sha: str, nbytes: int, part: list[dict], content_key
 
 def content_key(part: list[dict], aux_layer_ids: list[int], store_format: str, target_id: str) -> str:
     """The key a shard of tokenized rows `part` is stored under: a shard is reused only for the same samples,
-    tokens, layers, format and target (target_id: see _write_head)."""
+    tokens, layers, format and target (target_id: see write_head)."""
     return sha256_json([STORE_VERSION, [[r["id"], list(r["input_ids"])] for r in part], aux_layer_ids,
                         store_format, target_id])
 
@@ -197,7 +197,7 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     previous = read_manifest(out_dir / "manifest.json") or {}
-    target_id = _write_head(extractor, out_dir, previous.get("target_id"))
+    target_id = write_head(extractor, out_dir, previous.get("target_id"))
     ids = extractor.aux_layer_ids
     header = {"store_version": STORE_VERSION, "format": store_format, "aux_layer_ids": ids,
               "hidden_size": extractor.hidden_size, "target": target, "target_id": target_id,

@@ -25,9 +25,9 @@ BYTES_PER_PARAM = 2          # bf16
 
 def meta_model(tcfg, trust_remote_code: bool = False) -> torch.nn.Module:
     """The target's model class built from its config on the meta device (shapes only, no memory)."""
-    from .target import _auto_class
+    from .target import auto_model_class
     with torch.device("meta"):
-        return _auto_class(tcfg, type(tcfg).__name__).from_config(tcfg, dtype=torch.bfloat16,
+        return auto_model_class(tcfg, type(tcfg).__name__).from_config(tcfg, dtype=torch.bfloat16,
                                                                   trust_remote_code=trust_remote_code)
 
 

@@ -98,7 +98,7 @@ def load_target_config(cfg: TargetConfig):
                                       trust_remote_code=cfg.trust_remote_code)
 
 
-def _auto_class(config, where: str):
+def auto_model_class(config, where: str):
     """AutoModelForCausalLM for decoder-only configs (and remote code that maps it); AutoModelForImageTextToText
     for a vision-language wrapper whose text model sits under `text_config` (transformers registers e.g.
     `kimi_k25` only there). Raises ValueError for anything else."""
@@ -121,7 +121,7 @@ def _auto_class(config, where: str):
 
 def load_target(cfg: TargetConfig, device: str = "cpu", dtype: torch.dtype | None = None, tp_size: int = 1,
                 expert_parallel: bool = False):
-    """The target as a frozen HF causal LM (or vision-language wrapper, see _auto_class) in eval mode, SDPA
+    """The target as a frozen HF causal LM (or vision-language wrapper, see auto_model_class) in eval mode, SDPA
     attention where the model supports it (transformers' default), eager otherwise. dtype: bf16 on GPU, fp32 on
     CPU by default. Raises OSError (from transformers) naming the path if the model cannot be found.
 
@@ -135,7 +135,7 @@ def load_target(cfg: TargetConfig, device: str = "cpu", dtype: torch.dtype | Non
     if dtype is None:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     path = local_model_dir(cfg)
-    auto = _auto_class(load_target_config(cfg), path)
+    auto = auto_model_class(load_target_config(cfg), path)
     kw = {}
     if tp_size > 1 or expert_parallel:
         from transformers.distributed import DistributedConfig

@@ -23,7 +23,7 @@ import json
 
 from .data import (
     MaskError,
-    _render,
+    render_chat,
     _renderable,
     _split_reasoning,
     assistant_content,
@@ -55,7 +55,7 @@ def uses_server_ids(row: dict) -> bool:
 def strips_history_reasoning(tokenizer, messages: list[dict], tools=None, template_kwargs=None) -> bool:
     """True if the template leaves out the reasoning of an assistant turn before the last one (checked by
     rendering `messages`: some earlier turn's reasoning text is not in the rendering)."""
-    full = _render(tokenizer, messages, add_generation_prompt=False, tools=tools, template_kwargs=template_kwargs)
+    full = render_chat(tokenizer, messages, add_generation_prompt=False, tools=tools, template_kwargs=template_kwargs)
     turns = [m for m in messages if m.get("role") == "assistant"][:-1]
     for m in turns:
         reasoning, _ = _split_reasoning(_renderable(m).get("content") or "")

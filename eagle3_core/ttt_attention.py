@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - older torch: the deprecated return_lse
 IMPLEMENTATIONS = ("eager", "merged_math", "merged_flex")
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for half-precision inputs (softmax), the input's own dtype otherwise (fp32, fp64 in tests)."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
@@ -46,7 +46,7 @@ def ttt_attention_eager(q: torch.Tensor, keys: list, values: list) -> torch.Tens
     [B, nkv, Tq, hd] (step j, same indices as q). Returns [B, nh, Tq, hd] in q's dtype."""
     B, nh, Tq, hd = q.shape
     nkv, T = keys[0].shape[1], keys[0].shape[2]
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(hd)
     qg = _grouped(q, nkv)                                                  # [B, nkv, rep, Tq, hd]
     scores0 = (qg @ keys[0][:, :, None].transpose(-1, -2)).to(acc) * scale  # [B, nkv, rep, Tq, T]
@@ -65,7 +65,7 @@ def causal_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     query i is index T - Tq + i. Returns (out [B, nh, Tq, hd] q's dtype, lse [B, nh, Tq] fp32 or fp64)."""
     B, nh, Tq, hd = q.shape
     nkv, T = k.shape[1], k.shape[2]
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     scores = (_grouped(q, nkv) @ k[:, :, None].transpose(-1, -2)).to(acc) / math.sqrt(hd)
     causal = torch.ones(Tq, T, dtype=torch.bool, device=q.device).tril(diagonal=T - Tq)
     scores = scores.masked_fill(~causal, float("-inf"))                   # [B, nkv, rep, Tq, T]
@@ -134,7 +134,7 @@ def _merge_diagonal(q, out0, lse0, keys: list, values: list) -> torch.Tensor:
     """The causal part (out0, lse0) merged with the diagonal keys/values of steps 1..k (ttt_attention_merged)."""
     B, nh, Tq, hd = q.shape
     nkv = keys[0].shape[1]
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     qg = _grouped(q, nkv)
     scale = 1.0 / math.sqrt(hd)
     qa = qg.to(acc)                                                       # diagonal dot products in fp32

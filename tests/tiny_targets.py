@@ -49,10 +49,10 @@ def config(family: str):
 
 def build(family: str, out: Path, seed: int = 0) -> Path:
     """Save a random-weight target of `family` (fp32, safetensors) to `out`; returns `out`."""
-    from eagle3_core.target import _auto_class
+    from eagle3_core.target import auto_model_class
     cfg = config(family)
     torch.manual_seed(seed)
-    model = _auto_class(cfg, family).from_config(cfg, dtype=torch.float32)
+    model = auto_model_class(cfg, family).from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():                 # HF's std 0.02 init makes every layer near-identity: widen it
             if p.dim() == 2:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..config import PipelineConfig, load_config
 from ..extract import HFExtractor
-from ..features import STORE_VERSION, _write_head, bad_shards, content_key, shard_entry, write_shards
+from ..features import STORE_VERSION, write_head, bad_shards, content_key, shard_entry, write_shards
 from ..manifest import read_manifest, write_manifest
 from .launch import die_with_parent, emit_line, run_torchrun
 
@@ -140,7 +140,7 @@ def run_worker(cfg: PipelineConfig, log=print) -> None:
     box = [None]
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        box[0] = _write_head(extractor, out, (read_manifest(out / "manifest.json") or {}).get("target_id"))
+        box[0] = write_head(extractor, out, (read_manifest(out / "manifest.json") or {}).get("target_id"))
     dist.broadcast_object_list(box, src=0)
     header = {"store_version": STORE_VERSION, "format": f.format, "aux_layer_ids": extractor.aux_layer_ids,
               "hidden_size": extractor.hidden_size, "target": cfg.target.model_dump(), "target_id": box[0],
