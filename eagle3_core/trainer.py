@@ -138,7 +138,7 @@ def restore_training_state(state: dict, draft, opt, sched, device: torch.device)
 
 
 def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict], target_lm_head: torch.Tensor,
-          cfg: TrainConfig, out_dir: Path, log=print, stop_after_epochs: int | None = None) -> dict:
+          cfg: TrainConfig, out_dir: Path, log=print, stop_after_epochs: int | None = None, on_epoch=None) -> dict:
     """Train `draft` in place (moved to cfg.device); resume from the newest checkpoint in out_dir/checkpoints.
 
     target_lm_head [V, H_t] fp32. Writes out_dir/last (and out_dir/best, chosen by eval tau_sim, or train tau_sim
@@ -147,6 +147,7 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
     Raises FloatingPointError naming epoch, step and batch on a non-finite loss or gradient norm, before that
     step changes the weights or anything is saved; ValueError if the checkpoint was written for other data.
     `stop_after_epochs` ends this call after that many epochs (a time-boxed run); calling again resumes.
+    on_epoch(epochs_done, epochs): called after each epoch (e.g. to move a progress bar).
     Returns {'best', 'history', 'steps', 'best_dir', 'last_dir'}.
     """
     from torch.utils.tensorboard import SummaryWriter
@@ -230,9 +231,13 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                 tb.add_scalar(f"{split}/cond_acc_{k}", c, step)
             if m:
                 tb.add_scalar(f"{split}/tau_sim", m["tau_sim"], step)
-        log(f"train: epoch {epoch} loss {sum(train_m['loss']):.3f} acc_0 {train_m['acc'][0]:.3f} "
+        elapsed = time.monotonic() - t0
+        eta = elapsed / (epoch + 1 - epoch0) * (cfg.epochs - epoch - 1)
+        log(f"train: epoch {epoch + 1} of {cfg.epochs}: loss {sum(train_m['loss']):.3f} acc_0 {train_m['acc'][0]:.3f} "
             f"tau_sim {train_m['tau_sim']:.2f}" + (f" eval tau_sim {eval_m['tau_sim']:.2f}" if eval_m else "")
-            + f" ({time.monotonic() - t0:.0f} s)")
+            + f" ({elapsed:.0f} s" + (f", ETA {eta / 60:.1f} min)" if eta > 0 else ")"))
+        if on_epoch is not None:
+            on_epoch(epoch + 1, cfg.epochs)
         save_draft(draft, out_dir / "last")
         if score > best["tau_sim"]:
             best = {"tau_sim": score, "epoch": epoch}

@@ -8,6 +8,8 @@ disk is the source of truth).
 """
 from __future__ import annotations
 
+import logging
+import time
 from contextlib import nullcontext
 
 from prefect import flow, get_run_logger
@@ -37,6 +39,22 @@ def forget(cfg: PipelineConfig, refresh: bool, *stage_names: str) -> None:
             stages.invalidate_stage(cfg, name)
 
 
+def log_in_parent_runs(level: int, msg: str, *args) -> None:
+    """Log to the current flow run and to every flow run above it (a stage flow called by the pipeline flow), so
+    that what a user must act on shows on the run page they opened."""
+    from prefect.client.orchestration import get_client
+    from prefect.logging.loggers import flow_run_logger
+    get_run_logger().log(level, msg, *args)
+    ctx = FlowRunContext.get()
+    run = ctx.flow_run if ctx else None
+    if run is None or run.parent_task_run_id is None:
+        return
+    with get_client(sync_client=True) as client:
+        while run.parent_task_run_id is not None:
+            run = client.read_flow_run(client.read_task_run(run.parent_task_run_id).flow_run_id)
+            flow_run_logger(flow_run=run).log(level, msg, *args)
+
+
 def run_stage(task, cfg: PipelineConfig, stage: str, *args):
     """Run a stage task; Prefect's cache may answer only if the stage's manifest on disk matches its inputs."""
     return task.with_options(refresh_cache=not stages.stage_done(cfg, stage))(cfg, *args)
@@ -48,24 +66,34 @@ def run_shards(task, cfg: PipelineConfig, stage: str, shard_ids: list[int], done
     tells whether shard i is intact on disk (else the task ignores Prefect's cache). parallel=False runs them one
     after another in the flow's thread, where a task timeout can interrupt a hung shard; parallel=True submits
     them to the flow's task runner."""
-    progress = ShardProgress(stage, len(shard_ids))
+    progress = ShardProgress(cfg.run_dir, stage, len(shard_ids))
+    log, t0 = get_run_logger(), time.monotonic()
+
+    def step(shard: int, state) -> None:
+        progress.step()
+        n, N = progress.done, progress.total
+        eta = f", ETA {(time.monotonic() - t0) / n * (N - n) / 60:.1f} min" if n < N else ""
+        log.info("%s: %s of %s shards done (shard %s: %s)%s", stage, n, N, shard, state.name, eta)
+
     states = []
     if parallel:
-        futures = [task.with_options(refresh_cache=not done(cfg, i)).submit(cfg, i, *args) for i in shard_ids]
-        for fut in as_completed(futures):
+        futures = {task.with_options(refresh_cache=not done(cfg, i)).submit(cfg, i, *args): i for i in shard_ids}
+        for fut in as_completed(list(futures)):
             fut.wait()                     # keeps the final state on the future (the API's copy may lag)
-            progress.step()
+            step(futures[fut], fut.state)
         states = [f.state for f in futures]
     else:
         for i in shard_ids:
             states.append(task.with_options(refresh_cache=not done(cfg, i))(cfg, i, *args, return_state=True))
-            progress.step()
+            step(i, states[-1])
     failed = [i for i, st in zip(shard_ids, states) if not st.is_completed()]
     if failed:
-        get_run_logger().error("%s: shards %s of %s failed; fix the cause and retry this flow run: only they will "
-                               "run again", stage, failed, len(shard_ids))
+        first = next(st for st in states if not st.is_completed())
+        log_in_parent_runs(logging.ERROR, "%s: shards %s of %s failed (first error: %s); fix the cause and retry "
+                           "this flow run: only they will run again", stage, failed, len(shard_ids),
+                           (first.message or "")[:1500])
     results = [st.result() for st in states]                  # raises the first failure
-    shard_table(stage, results)
+    shard_table(cfg.run_dir, stage, results)
     return results
 
 
