@@ -192,6 +192,79 @@ def test_server_killed_mid_run_and_restarted_every_prompt_answered_once(tmp_path
     assert lines[-1].startswith("generation: 16/16 prompts (100.0%), ") and " retries" in lines[-1]
 
 
+def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_only_unfinished_shards(
+        prefect_server, tmp_path):
+    """The generation flow (called by a parent flow, as the pipeline does) starts llama-server itself; it is
+    SIGKILLed once a shard has finished. The run fails within seconds through the launcher's watch, not after
+    server.down_timeout_s (1800 s): the error names the signal and that attempt's log, the parent run's log names
+    the failed shards. A rerun starts a new server (its own log; the first attempt's is kept) and runs only the
+    shards that had not finished (the finished one comes back Cached)."""
+    import psutil
+    from prefect import flow
+
+    from eagle3_core.regenerate import finished_record
+    from eagle3_core.serving.launcher import ServerExited
+    from flows.stages import generation_flow
+    from prefect_api import flow_run_tree, states_by_name, task_runs
+
+    cfg = make_run(tmp_path / "run", 8, [], shard_size=2, concurrency=1, max_new_tokens=16)
+    cfg.server = ServerConfig(kind="llama.cpp", parallel=1, ctx_per_slot=1024, extra_args=["-t", "1"],
+                              probe_interval_s=0.5)
+    assert cfg.server.down_timeout_s == 1800.0
+    out = cfg.run_dir / "generations"
+
+    @flow(name="generation-parent")
+    def parent() -> dict:
+        return generation_flow(cfg)
+
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(state=parent(return_state=True)))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "shard_00000.json").exists() and not (out / "shard_00001.json").exists():
+            assert time.monotonic() < deadline and worker.is_alive(), "the run ended before a shard finished"
+            time.sleep(0.1)
+        (server,) = [p for p in psutil.Process().children(recursive=True) if p.name() == "llama-server"]
+        server.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+    finally:
+        worker.join(600)
+    failed_after = time.monotonic() - killed_at
+    state = result["state"]
+    assert state.is_failed() and failed_after < 120, (state, failed_after)
+    log1 = out / "server.attempt-1.log"
+    with pytest.raises(ServerExited, match=rf"pid {server.pid}\) was killed by signal 9 \(SIGKILL\) while the "
+                                           rf"stage was using it; its log {log1}, last lines:\n"):
+        state.result()
+    finished = [k for k in range(4) if finished_record(out, k, stages.generation_key(cfg))]
+    unfinished = [k for k in range(4) if k not in finished]
+    assert finished and unfinished, finished
+    # the line to act on is in the parent run's log, not only in the generation subflow's
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    parent_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        deadline = time.monotonic() + 30
+        while not any(f"generation: shards {unfinished} of 4 failed (first error: " in (msgs := [
+                m.message for m in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[parent_id])))])
+                for _ in [0]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert any(f"generation: shards {unfinished} of 4 failed" in m and "SIGKILL" in m for m in msgs), msgs
+    assert len(flow_run_tree(parent_id)) == 2
+    first_log = log1.read_bytes()
+    assert b"llama-server" in first_log.splitlines()[0]
+
+    rerun = generation_flow(cfg, return_state=True)
+    assert rerun.is_completed()
+    got = states_by_name(task_runs(rerun.state_details.flow_run_id))
+    assert got == {**{f"generation-shard-{k}": "Cached" for k in finished},
+                   **{f"generation-shard-{k}": "Completed" for k in unfinished}, "finish-generation": "Completed"}
+    assert sorted(p.name for p in out.glob("server*.log")) == ["server.attempt-1.log", "server.attempt-2.log"]
+    assert log1.read_bytes() == first_log and (out / "server.attempt-2.log").stat().st_size > 0
+    assert_each_prompt_answered_once(cfg)
+
+
 def test_fault_proxy_503_stalls_and_drops_every_prompt_completes(server, tmp_path):
     """20% of generation requests fail at a proxy in front of the real server (503, a stall past the request
     timeout, a dropped connection, a body cut in half); every prompt completes and each injected fault is one
