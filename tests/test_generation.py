@@ -34,6 +34,7 @@ from eagle3_core.serving.client import (
     request_with_retries,
 )
 from eagle3_core.serving.launcher import (
+    ServerError,
     free_port,
     llama_server,
     llama_server_argv,
@@ -263,6 +264,40 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
     assert sorted(p.name for p in out.glob("server*.log")) == ["server.attempt-1.log", "server.attempt-2.log"]
     assert log1.read_bytes() == first_log and (out / "server.attempt-2.log").stat().st_size > 0
     assert_each_prompt_answered_once(cfg)
+
+
+def test_advice_fits_the_server_kind(tmp_path):
+    """A server the stage started that stops answering (SIGSTOP: alive, silent) is reported with its log, not with
+    'start it or set server.url'; once it has exited, entering a pool fails at once naming the exit and the log.
+    An external server that does not answer gets the advice to start it or set server.url / server.urls."""
+    from eagle3_core.serving.launcher import ServerExited
+
+    async def use(urls: list[str], down_timeout_s: float, after_enter=lambda: None) -> None:
+        async with ServerPool(urls, probe_interval_s=0.2, down_timeout_s=down_timeout_s) as pool:
+            after_enter()
+            pool.failed(urls[0], "ConnectError: refused", server_down=True)
+            async with pool.server():
+                pass
+
+    log = tmp_path / "server.attempt-1.log"
+    with llama_server(embedded_gguf_path(), log, parallel=1, ctx_per_slot=512, extra_args=["-t", "1"]) as url:
+        from eagle3_core.serving import launcher
+        proc = launcher._watched[url][0]
+        try:
+            with pytest.raises(ServerError, match=rf"no inference server answered for 1 s .*the stage started this "
+                                                  rf"server and it passed its health check: see its log {log}; then "
+                                                  rf"rerun"):
+                asyncio.run(use([url], 1.0, lambda: os.killpg(proc.pid, signal.SIGSTOP)))
+        finally:
+            os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGTERM)                  # llama-server ends cleanly on SIGTERM: code 0
+        proc.wait()
+        with pytest.raises(ServerExited, match=rf"(?s)pid {proc.pid}\) exited with code 0 while the stage was using it; "
+                                               rf"its log {log}, last lines:\n.*cleaning up before exit"):
+            asyncio.run(use([url], 1800.0))
+    with pytest.raises(ServerError, match=r"cannot reach any inference server \(http://127\.0\.0\.1:9: .*\); start "
+                                          r"it or set server\.url / server\.urls"):
+        asyncio.run(use(["http://127.0.0.1:9"], 1.0))
 
 
 def test_fault_proxy_503_stalls_and_drops_every_prompt_completes(server, tmp_path):

@@ -60,8 +60,8 @@ class ServerPool:
         """What to do about servers that do not answer, by kind: started here (their logs) or external."""
         logs = [str(log) for u in self.servers if (log := started_here(u)) is not None]
         if len(logs) == len(self.servers):
-            return (f"the stage started {'this server' if len(logs) == 1 else 'these servers'}: see "
-                    f"{', '.join(logs)} (raise server.startup_timeout_s if it is still loading)")
+            return (f"the stage started {'this server' if len(logs) == 1 else 'these servers'} and it passed its "
+                    f"health check: see {'its log' if len(logs) == 1 else 'their logs'} {', '.join(logs)}")
         return ("start it or set server.url / server.urls to a running server (server.kind 'llama.cpp' or 'sglang' "
                 "lets the stage start one)")
 
