@@ -801,11 +801,11 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
     common = dict(host=cfg.server.host, parallel=1, ctx_per_slot=cfg.server.ctx_per_slot * 2,
                   startup_timeout_s=cfg.server.startup_timeout_s)
     with llama_server(gguf, out / "baseline.log", **common) as url:
-        base = run_requests(url, rows, n_new)
+        base = run_requests(url, rows, n_new, log, "no draft")
     spec_args = ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(S),
                  "--spec-draft-n-min", str(S)]
     with llama_server(gguf, out / "eagle3.log", extra_args=spec_args, **common) as url:
-        spec = run_requests(url, rows, n_new)
+        spec = run_requests(url, rows, n_new, log, "EAGLE-3 draft")
     summary = {**summarize(base, spec, LLAMA_CPP_TIE_GAP), "num_draft_steps": S, "max_new_tokens": n_new,
                "tie_gap": LLAMA_CPP_TIE_GAP, "draft_gguf": str(draft_gguf),
                "server_args": spec_args[2:]}                                 # without the local -md path
