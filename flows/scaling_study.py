@@ -40,10 +40,13 @@ def finish_task(config: PipelineConfig, sizes: list[dict], extrapolate_to: list[
     create_table_artifact([{"samples": z["samples"], "tokens": z["tokens"], "tau": round(z["tau"], 3),
                             "tau_ci95": f"{z['tau_ci95'][0]:.2f}-{z['tau_ci95'][1]:.2f}",
                             "tau_sim": round(z["tau_sim"], 3), "acc_0": round(z["acc_k"][0], 3)}
-                           for z in res["sizes"]], key=run_key(config.run_dir, "scaling-study"), description="tau per training-set size")
+                           for z in res["sizes"]], key=run_key(config.run_dir, "scaling-study"),
+                          description="tau per training-set size")
     url = "data:image/png;base64," + base64.b64encode(Path(res["plot"]).read_bytes()).decode()
-    create_image_artifact(url, key=run_key(config.run_dir, "scaling-study-plot"), description="tau and acc_k against training samples")
-    create_markdown_artifact(res["markdown"], key=run_key(config.run_dir, "scaling-study-summary"), description="scaling study")
+    create_image_artifact(url, key=run_key(config.run_dir, "scaling-study-plot"),
+                          description="tau and acc_k against training samples")
+    create_markdown_artifact(res["markdown"], key=run_key(config.run_dir, "scaling-study-summary"),
+                             description="scaling study")
     return {k: v for k, v in res.items() if k != "markdown"}
 
 

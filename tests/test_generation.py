@@ -296,8 +296,8 @@ def test_advice_fits_the_server_kind(tmp_path):
             os.killpg(proc.pid, signal.SIGCONT)
         os.killpg(proc.pid, signal.SIGTERM)                  # llama-server ends cleanly on SIGTERM: code 0
         proc.wait()
-        with pytest.raises(ServerExited, match=rf"(?s)pid {proc.pid}\) exited with code 0 while the stage was using it; "
-                                               rf"its log {log}, last lines:\n.*cleaning up before exit"):
+        with pytest.raises(ServerExited, match=rf"(?s)pid {proc.pid}\) exited with code 0 while the stage was using "
+                                               rf"it; its log {log}, last lines:\n.*cleaning up before exit"):
             asyncio.run(use([url], 1800.0))
     with pytest.raises(ServerError, match=r"cannot reach any inference server \(http://127\.0\.0\.1:9: .*\); start "
                                           r"it or set server\.url / server\.urls"):
