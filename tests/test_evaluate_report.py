@@ -108,9 +108,9 @@ def test_paired_bootstrap_difference_of_tau():
 def test_warnings_only_where_an_interval_excludes_agreement():
     """The smoke run's case: 2 held-out prompts, wide intervals that hold the simulated tau and the engine's tau:
     no warning. Intervals that exclude agreement: one warning each, naming the numbers."""
-    note = "measured tau 1.30 vs simulated 1.90 over 3 draft steps (-32%; simulated on training samples): check"
+    note = "measured tau 1.30 vs simulated 1.90 over 3 draft steps (-32%; simulated on held-out samples): check"
     ev = {"trained": {"tau": 1.3, "tau_ci95": [1.1, 1.95]},
-          "consistency": {"flagged": True, "tau_sim_at_steps": 1.9, "note": note}}
+          "consistency": {"flagged": True, "tau_sim_at_steps": 1.9, "note": note, "metrics_from": "eval"}}
     lc = {"tau": 1.6, "tau_ci95": [1.2, 2.0]}
     assert warnings(ev, lc) == []
     ev["trained"]["tau_ci95"] = [1.12, 1.18]                 # narrow: excludes 1.9, lies below 1.2
@@ -121,7 +121,9 @@ def test_warnings_only_where_an_interval_excludes_agreement():
         "aux layer ids and d2t of the exported draft",
         "tau 1.30 (95% interval 1.12-1.18) is below 1.2, which usually means a misconfiguration (aux layer ids, "
         "d2t, chat template), not a weak draft"]
-    ev["consistency"]["flagged"] = False                     # tau_consistency's own gap test passed
+    ev["consistency"]["metrics_from"] = "train"               # simulated on training samples: overfitting
+    assert len(warnings(ev, None)) == 1
+    ev["consistency"].update(metrics_from="eval", flagged=False)   # tau_consistency's own gap test passed
     assert len(warnings(ev, None)) == 1
 
 
