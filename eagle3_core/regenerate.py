@@ -134,7 +134,8 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
     rendered with its chat template (`data.prompt_ids`). on_progress(snapshot: dict) is called every
     `gen.progress_interval_s` and at the end (e.g. to update a Prefect progress artifact), beside a log line.
     A prompt whose request exhausts its retries or is rejected (4xx) is recorded as failed with the reason.
-    Raises ServerError when no server answers for `server.down_timeout_s` (answers so far are flushed first).
+    Raises ServerError when no server answers for `server.down_timeout_s`, launcher.ServerExited within a second
+    when a server this process started exits (answers so far are flushed first, in both cases).
     """
     from .data import prompt_ids
     if not shards:
@@ -270,10 +271,13 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
             on_progress(snap)
 
     async def tick(pool: ServerPool) -> None:
-        """Runs until cancelled: flushes answers waiting longer than flush_s, reports progress."""
+        """Runs until cancelled: flushes answers waiting longer than flush_s, reports progress; raises
+        launcher.ServerExited as soon as the server the stage started has exited (the pool's watch)."""
         last = time.monotonic()
         while True:
             await asyncio.sleep(min(0.2, gen.progress_interval_s))
+            if pool is not None:
+                pool.check_exited()
             for w in list(writers.values()):
                 w.flush(older_than_s=gen.flush_s)
             if time.monotonic() - last >= gen.progress_interval_s:

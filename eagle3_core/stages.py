@@ -187,13 +187,15 @@ def _server_desc(cfg: PipelineConfig) -> str:
 @contextmanager
 def generation_servers(cfg: PipelineConfig):
     """Base URLs to generate with. Kinds 'llama.cpp' and 'sglang' start the server here, on `server.host` (default
-    127.0.0.1), logging to generations/server.log, and stop it when the block ends, on failure, Ctrl-C, SIGTERM
-    (a cancelled flow run) and, through PDEATHSIG, when this process is killed. Kind 'external' yields
-    `server.url` / `server.urls`; kind 'transformers' yields no URL (the stage generates in process). Raises
-    ValueError for a config that cannot work, ServerError if a server does not start."""
-    from .serving.launcher import llama_server, sglang_server
+    127.0.0.1), logging to generations/server.attempt-N.log (one log per start, earlier attempts kept), watched
+    while the block runs (a server that exits fails the stage at once: launcher.exit_error), and stop it when the
+    block ends, on failure, Ctrl-C, SIGTERM (a cancelled flow run) and, through PDEATHSIG, when this process is
+    killed. Kind 'external' yields `server.url` / `server.urls`; kind 'transformers' yields no URL (the stage
+    generates in process). Raises ValueError for a config that cannot work, ServerError if a server does not
+    start."""
+    from .serving.launcher import llama_server, next_attempt_log, sglang_server
     from .target import gguf_path
-    s, log_path = cfg.server, cfg.run_dir / "generations" / "server.log"
+    s, log_path = cfg.server, next_attempt_log(cfg.run_dir / "generations", "server")
     if s.kind == "llama.cpp":
         gguf = gguf_path(cfg.target)
         if gguf is None:
@@ -676,11 +678,12 @@ def train_key(cfg: PipelineConfig) -> str:
                 cfg.train, cfg.draft)
 
 
-def run_train(cfg: PipelineConfig, log=print) -> dict:
+def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
     """Train the draft with TTT (draft/), then export the best epoch as an SGLang-loadable directory
     (draft/export), validated by reloading it strictly and comparing logits exactly. The same on every rank of an
     initialised process group (torchrun: distributed/train_ddp.py): each rank trains its share (trainer.train),
-    rank 0 alone exports and writes the manifest (its `world_size` says how many ranks trained)."""
+    rank 0 alone exports and writes the manifest (its `world_size` says how many ranks trained). Logs 'epoch e of
+    E' with an ETA; on_epoch(epochs_done, epochs) after each epoch (rank 0)."""
     from .distributed.data_parallel import DataParallel
     from .trainer import train
     dp = DataParallel.from_process_group()
@@ -694,7 +697,7 @@ def run_train(cfg: PipelineConfig, log=print) -> dict:
     if dp.is_main:
         claim_training_dir(out, key)
     dp.barrier()                                   # no rank resumes from state of other inputs
-    summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log)
+    summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log, on_epoch=on_epoch)
     manifest = None
     if dp.is_main:
         export = export_draft(load_draft(out / "best"), out / "export")      # bf16, probed bit for bit
@@ -721,10 +724,11 @@ def _category(row: dict) -> str:
     return str(meta.get("category") or row.get("source") or "all")
 
 
-def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
+def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     """Pre-flight check of the exported draft against the target, then offline tau on the held-out prompts: the
     trained draft as a chain and as an SGLang-style tree, an untrained draft as a chain; simulated vs measured tau
-    (eval/report.json). Raises PreflightError listing every mismatch between the draft and the target."""
+    (eval/report.json). Logs 'n of N' decoded prompts with an ETA after each; on_progress(done, total, run name)
+    too. Raises PreflightError listing every mismatch between the draft and the target."""
     from .evaluate import SpecRun, measure, tau_consistency
     from .preflight import preflight
     from .speculate import TargetRunner
@@ -755,8 +759,16 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
     if e.tree_topk > 1:
         runs["trained_tree"] = SpecRun(trained, S, e.tree_topk, e.tree_num_draft_tokens, subset(e.tree_prompts))
     runs["untrained"] = SpecRun(untrained, S, prompt_idx=subset(e.untrained_prompts))
+    t_measure = time.monotonic()
+
+    def progress(done: int, total: int, name: str) -> None:
+        eta = (time.monotonic() - t_measure) / done * (total - done)
+        log(f"evaluate: {done} of {total} prompt decodes ({name})" + (f", ETA {eta / 60:.1f} min" if eta else ""))
+        if on_progress is not None:
+            on_progress(done, total, name)
+
     report = measure(TargetRunner(model, ids), runs, prompts, [_category(r) for r in rows], e.max_new_tokens, eos,
-                     e.tie_gap)
+                     e.tie_gap, on_prompt=progress)
     report.update({"eval_ids": [r["id"] for r in rows], "num_draft_steps": S, "max_new_tokens": e.max_new_tokens,
                    "aux_layer_ids": ids, "preflight": "passed",
                    "sampling": {"temperature": 0.0, "top_p": 1.0, "greedy": True,
@@ -767,8 +779,8 @@ def run_evaluate(cfg: PipelineConfig, log=print) -> dict:
     tree = report.get("trained_tree")
     log(f"eval: tau trained {report['trained']['tau']:.2f} (chain)"
         + (f", {tree['tau']:.2f} (tree k={e.tree_topk}, T={e.tree_num_draft_tokens})" if tree else "")
-        + f", untrained {report['untrained']['tau']:.2f}; lossless {report['trained']['lossless']}; "
-        + report["consistency"]["note"])
+        + f", untrained {report['untrained']['tau']:.2f}; lossless {report['trained']['lossless']}; simulated "
+        + f"tau {report['consistency']['tau_sim_at_steps']:.2f} over {report['consistency']['steps_compared']} steps")
     return write_manifest(out / "manifest.json", {"inputs_key": key, "report": str(out / "report.json"),
                                                   "summary": report, "sampling": report["sampling"],
                                                   "seconds": time.monotonic() - t0})
@@ -809,11 +821,11 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
     common = dict(host=cfg.server.host, parallel=1, ctx_per_slot=cfg.server.ctx_per_slot * 2,
                   startup_timeout_s=cfg.server.startup_timeout_s)
     with llama_server(gguf, out / "baseline.log", **common) as url:
-        base = run_requests(url, rows, n_new)
+        base = run_requests(url, rows, n_new, log, "no draft")
     spec_args = ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(S),
                  "--spec-draft-n-min", str(S)]
     with llama_server(gguf, out / "eagle3.log", extra_args=spec_args, **common) as url:
-        spec = run_requests(url, rows, n_new)
+        spec = run_requests(url, rows, n_new, log, "EAGLE-3 draft")
     summary = {**summarize(base, spec, LLAMA_CPP_TIE_GAP), "num_draft_steps": S, "max_new_tokens": n_new,
                "tie_gap": LLAMA_CPP_TIE_GAP, "draft_gguf": str(draft_gguf),
                "server_args": spec_args[2:]}                                 # without the local -md path

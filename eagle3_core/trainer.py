@@ -169,7 +169,7 @@ def restore_training_state(state: dict, draft, opt, sched, device: torch.device)
 
 def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict], target_lm_head: torch.Tensor,
           cfg: TrainConfig, out_dir: Path, log=print, stop_after_epochs: int | None = None,
-          stop_after_steps: int | None = None, on_step=None, tensorboard: bool = True) -> dict:
+          stop_after_steps: int | None = None, on_step=None, tensorboard: bool = True, on_epoch=None) -> dict:
     """Train `draft` in place on cfg.device; resume from the newest checkpoint in out_dir/checkpoints.
 
     One process, or every rank of an initialised torch.distributed process group (torchrun; cfg.device 'auto' or
@@ -187,7 +187,8 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
     gradient norm, before that step changes the weights or anything is saved; ValueError if the checkpoint was
     written for other data or another global batch. `stop_after_epochs` / `stop_after_steps` end this call after
     that many epochs / optimizer steps (time-boxed runs, resume tests); calling again resumes. `on_step(step, loss)`
-    runs on every rank after each optimizer step (loss: the step's mean micro-batch loss over all ranks).
+    runs on every rank after each optimizer step (loss: the step's mean micro-batch loss over all ranks);
+    `on_epoch(epochs_done, epochs)` on rank 0 after each epoch (e.g. to move a progress bar).
     Returns {'best', 'history', 'steps', 'step_losses' (each optimizer step of this call, as for on_step), 'tokens'
     (real tokens trained on by this rank in this call), 'best_dir', 'last_dir'}.
     """
@@ -307,10 +308,16 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                         "seconds": time.monotonic() - t0})
         if tb:
             _epoch_scalars(tb, step, train_m, eval_m)
-        say(f"train: epoch {epoch} loss {sum(train_m['loss']):.3f} acc_0 {train_m['acc'][0]:.3f} "
-            f"tau_sim {train_m['tau_sim']:.2f}" + (f" eval tau_sim {eval_m['tau_sim']:.2f}" if eval_m else "")
-            + f" ({time.monotonic() - t0:.0f} s" + (f", {dp.world} ranks)" if dp.world > 1 else ")"))
+        elapsed = time.monotonic() - t0
+        eta = elapsed / (epoch + 1 - epoch0) * (cfg.epochs - epoch - 1)
+        say(f"train: epoch {epoch + 1} of {cfg.epochs}: loss {sum(train_m['loss']):.3f} acc_0 "
+            f"{train_m['acc'][0]:.3f} tau_sim {train_m['tau_sim']:.2f}"
+            + (f" eval tau_sim {eval_m['tau_sim']:.2f}" if eval_m else "")
+            + f" ({elapsed:.0f} s" + (f", ETA {eta / 60:.1f} min" if eta > 0 else "")
+            + (f", {dp.world} ranks)" if dp.world > 1 else ")"))
         if dp.is_main:
+            if on_epoch is not None:
+                on_epoch(epoch + 1, cfg.epochs)
             save_draft(draft, out_dir / "last")
         if score > best["tau_sim"]:
             best = {"tau_sim": score, "epoch": epoch}

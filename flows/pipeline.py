@@ -22,18 +22,20 @@ from tasks.report import report_task
 @flow(name="eagle3-pipeline")
 def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False) -> dict:
     """Run every stage on `config` (default: the embedded demo preset) and publish the report as artifacts.
-    refresh=True recomputes every stage; otherwise finished stages and shards are reused."""
+    refresh=True recomputes every stage; otherwise finished stages and shards are reused. Holds the run
+    directory's lock throughout (a second run of the same directory is refused, naming this one)."""
     check_or_raise(config, log=get_run_logger().info)   # config + target config files only: fails in seconds
-    s.forget(config, refresh, *STAGE_DIRS)
-    s.prompts_flow(config)
-    s.generation_flow(config)
-    s.features_flow(config)
-    s.vocab_flow(config)
-    s.train_flow(config)
-    s.evaluate_flow(config)
-    s.deploy_llama_cpp_flow(config)
-    s.deploy_sglang_flow(config)
-    return report_task(config)
+    with s.locked(config):
+        s.forget(config, refresh, *STAGE_DIRS)
+        s.prompts_flow(config)
+        s.generation_flow(config)
+        s.features_flow(config)
+        s.vocab_flow(config)
+        s.train_flow(config)
+        s.evaluate_flow(config)
+        s.deploy_llama_cpp_flow(config)
+        s.deploy_sglang_flow(config)
+        return report_task(config)
 
 
 def main() -> None:

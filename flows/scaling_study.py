@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from eagle3_core import scaling_study as study
 from eagle3_core.config import PipelineConfig, load_config, preset
 from flows import stages as s
+from tasks.artifacts import run_key
 from tasks.logs import run_log
 from tasks.retry import RETRY_OPTIONS, retry_if_transient
 
@@ -39,10 +40,13 @@ def finish_task(config: PipelineConfig, sizes: list[dict], extrapolate_to: list[
     create_table_artifact([{"samples": z["samples"], "tokens": z["tokens"], "tau": round(z["tau"], 3),
                             "tau_ci95": f"{z['tau_ci95'][0]:.2f}-{z['tau_ci95'][1]:.2f}",
                             "tau_sim": round(z["tau_sim"], 3), "acc_0": round(z["acc_k"][0], 3)}
-                           for z in res["sizes"]], key="scaling-study", description="tau per training-set size")
+                           for z in res["sizes"]], key=run_key(config.run_dir, "scaling-study"),
+                          description="tau per training-set size")
     url = "data:image/png;base64," + base64.b64encode(Path(res["plot"]).read_bytes()).decode()
-    create_image_artifact(url, key="scaling-study-plot", description="tau and acc_k against training samples")
-    create_markdown_artifact(res["markdown"], key="scaling-study-summary", description="scaling study")
+    create_image_artifact(url, key=run_key(config.run_dir, "scaling-study-plot"),
+                          description="tau and acc_k against training samples")
+    create_markdown_artifact(res["markdown"], key=run_key(config.run_dir, "scaling-study-summary"),
+                             description="scaling study")
     return {k: v for k, v in res.items() if k != "markdown"}
 
 
@@ -51,15 +55,16 @@ def scaling_study_flow(config: PipelineConfig = s.DEMO, fractions: list[float] =
                        extrapolate_to: list[int] | None = None, seed: int = 0) -> dict:
     """Train drafts on nested subsets (fractions of the training samples) with one recipe, measure each offline on
     the same held-out prompts, fit tau against log(samples) and mark predictions beyond the largest size as
-    extrapolated."""
-    s.prompts_flow(config)
-    s.generation_flow(config)
-    s.features_flow(config)
-    s.vocab_flow(config)
-    # one size after another (each uses the whole GPU); a failed size does not stop the others
-    states = [size_task(config, n, seed, return_state=True) for n in study.study_sizes(config, fractions)]
-    sizes = [st.result() for st in states]                       # raises the first failed size
-    return finish_task(config, sizes, extrapolate_to or [])
+    extrapolated. Holds the run directory's lock throughout."""
+    with s.locked(config):
+        s.prompts_flow(config)
+        s.generation_flow(config)
+        s.features_flow(config)
+        s.vocab_flow(config)
+        # one size after another (each uses the whole GPU); a failed size does not stop the others
+        states = [size_task(config, n, seed, return_state=True) for n in study.study_sizes(config, fractions)]
+        sizes = [st.result() for st in states]                       # raises the first failed size
+        return finish_task(config, sizes, extrapolate_to or [])
 
 
 def main() -> None:

@@ -1,8 +1,13 @@
-"""What people look at in the Prefect UI: shard progress bars, shard tables, the report (Markdown), tables of
-tau and stage times, and a PNG plot of acceptance. Artifact keys are lowercase-dash."""
+"""What people look at in the Prefect UI: progress bars (shards, requests, training epochs, evaluation prompts),
+shard tables, the report (Markdown with its plots embedded), tables of tau and stage times, and a PNG plot of
+acceptance. Artifact keys are lowercase-dash and name the run directory (`run_key`), so two runs (demo and
+debug-tiny, or two run directories of one preset) never overwrite each other's artifacts."""
 from __future__ import annotations
 
 import base64
+import hashlib
+import re
+import time
 from pathlib import Path
 
 from prefect.artifacts import (
@@ -13,41 +18,88 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from eagle3_core.report import RUN_NAMES, embed_images
 
-class ShardProgress:
-    """A progress artifact `<stage>-progress` that moves as shards finish."""
 
-    def __init__(self, stage: str, total: int):
-        self.total, self.done = total, 0
-        self.id = create_progress_artifact(0.0, key=f"{stage}-progress",
-                                           description=f"{stage}: shards finished of {total}")
+def run_key(run_dir: Path | str, name: str) -> str:
+    """Artifact key `<name>-<run dir name>-<6 hex of its absolute path>`, e.g. 'eagle3-report-demo-3f9a1c':
+    readable, one per run directory (two folders named 'demo' under different roots differ by the hash)."""
+    path = Path(run_dir).resolve()
+    slug = re.sub(r"[^a-z0-9]+", "-", path.name.lower()).strip("-")[:40] or "run"
+    return f"{name}-{slug}-{hashlib.sha1(str(path).encode()).hexdigest()[:6]}"
+
+
+def eta_text(done: float, total: float, elapsed_s: float) -> str:
+    """', ETA 3.2 min' from the rate so far ('' before the first item or once done)."""
+    if done <= 0 or done >= total:
+        return ""
+    eta = elapsed_s / done * (total - done)
+    return f", ETA {eta / 3600:.1f} h" if eta >= 7200 else f", ETA {eta / 60:.1f} min"
+
+
+class Progress:
+    """A progress artifact `<name>-progress-<run>` moved by `update(done, total, what)`; its description reads
+    'done of total <what>' with an ETA."""
+
+    def __init__(self, run_dir: Path, name: str, total: int, what: str):
+        self.name, self.what, self.total, self.t0 = name, what, total, time.monotonic()
+        self.id = create_progress_artifact(0.0, key=run_key(run_dir, f"{name}-progress"),
+                                           description=f"{name}: 0 of {total} {what}")
+
+    def update(self, done: int, total: int | None = None, detail: str = "") -> None:
+        self.total = total or self.total
+        desc = (f"{self.name}: {done} of {self.total} {self.what}{detail}"
+                f"{eta_text(done, self.total, time.monotonic() - self.t0)}")
+        update_progress_artifact(self.id, 100.0 * done / max(self.total, 1), description=desc)
+
+
+def progress_callback(run_dir: Path, name: str, what: str):
+    """A callback (done, total, detail='') that creates the progress artifact `<name>-progress-<run>` on its first
+    call and moves it after: a stage that finds its work done on disk publishes no bar stuck at 0%."""
+    bars: list[Progress] = []
+
+    def update(done: int, total: int, detail: str = "") -> None:
+        if not bars:
+            bars.append(Progress(run_dir, name, total, what))
+        bars[0].update(done, total, detail)
+    return update
+
+
+class ShardProgress(Progress):
+    """A progress artifact `<stage>-progress-<run>` that moves as shards finish."""
+
+    def __init__(self, run_dir: Path, stage: str, total: int):
+        super().__init__(run_dir, stage, total, "shards finished")
+        self.done = 0
 
     def step(self) -> None:
         self.done += 1
-        update_progress_artifact(self.id, 100.0 * self.done / max(self.total, 1))
+        self.update(self.done)
 
 
 class RequestProgress:
-    """A progress artifact `<key>-progress` fed by regenerate's progress snapshots (done/total prompts, output
-    tok/s, failures, retries in its description)."""
+    """A progress artifact `<key>-progress-<run>` fed by regenerate's progress snapshots (done/total prompts,
+    output tok/s, failures, retries in its description)."""
 
-    def __init__(self, key: str):
-        self.key, self.id = key, None
+    def __init__(self, run_dir: Path, key: str):
+        self.key, self.id = run_key(run_dir, f"{key}-progress"), None
 
     def update(self, snap: dict) -> None:
-        desc = (f"{snap['done']}/{snap['total']} prompts, {snap['recent_tokens_per_s']:.0f} output tok/s, "
-                f"{snap['failed']} failed, {snap['retries']} retries")
+        desc = (f"{snap['done']} of {snap['total']} prompts, {snap['recent_tokens_per_s']:.0f} output tok/s, "
+                f"{snap['failed']} failed, {snap['retries']} retries"
+                + (f", ETA {snap['eta_s'] / 60:.1f} min" if snap.get("eta_s") is not None else ""))
         if self.id is None:
-            self.id = create_progress_artifact(100.0 * snap["fraction"], key=f"{self.key}-progress", description=desc)
+            self.id = create_progress_artifact(100.0 * snap["fraction"], key=self.key, description=desc)
         else:
             update_progress_artifact(self.id, 100.0 * snap["fraction"], description=desc)
 
 
-def shard_table(stage: str, rows: list[dict]) -> None:
-    """Table artifact `<stage>-shards`: one row per shard with its counts (columns: the manifests' scalar fields)."""
+def shard_table(run_dir: Path, stage: str, rows: list[dict]) -> None:
+    """Table artifact `<stage>-shards-<run>`: one row per shard with its counts (columns: the manifests' scalar
+    fields)."""
     keep = [{k: v for k, v in r.items() if isinstance(v, (int, float, str)) and k not in ("sha256", "inputs_key")}
             for r in rows]
-    create_table_artifact(keep, key=f"{stage}-shards", description=f"{stage}: one row per shard")
+    create_table_artifact(keep, key=run_key(run_dir, f"{stage}-shards"), description=f"{stage}: one row per shard")
 
 
 def acceptance_plot(summary: dict, history: list[dict], path: Path) -> Path:
@@ -57,9 +109,11 @@ def acceptance_plot(summary: dict, history: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
     ev = summary["eval"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
-    for name in ("trained", "untrained"):
-        acc = ev[name]["accept_per_position"]
-        a.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} (tau {ev[name]['tau']:.2f})")
+    for key, name in RUN_NAMES.items():
+        if key not in ev:
+            continue
+        acc = ev[key]["accept_per_position"]
+        a.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} (tau {ev[key]['tau']:.2f})")
     a.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1), title="Acceptance per position",
           xticks=range(1, len(ev["trained"]["accept_per_position"]) + 1))
     a.legend()
@@ -71,21 +125,35 @@ def acceptance_plot(summary: dict, history: list[dict], path: Path) -> Path:
     return path
 
 
-def publish_report(summary: dict, markdown: str, history: list[dict], run_dir: Path) -> None:
-    """Markdown report, tau and stage-time tables and the acceptance plot as artifacts of the current run."""
-    create_markdown_artifact(markdown, key="eagle3-report", description="EAGLE-3 draft report")
-    ev = summary["eval"]
-    rows = [{"draft": n, "tau": round(ev[n]["tau"], 3), "tau_ci95": str(ev[n]["tau_ci95"]),
-             "tokens_per_s": round(ev[n]["tokens_per_s"], 1), "where": "offline (HF target verifies)"}
-            for n in ("trained", "untrained")]
+def acceptance_rows(summary: dict) -> list[dict]:
+    """The `eagle3-acceptance` table: one row per measured run (trained chain, trained tree, untrained chain, the
+    trained draft on llama.cpp) under distinct names, tau and its 95% interval to 3 decimals."""
+    ev, rows = summary["eval"], []
+    for key, name in RUN_NAMES.items():
+        if key in ev:
+            d = ev[key]
+            rows.append({"draft": name, "tau": round(d["tau"], 3), "tau_ci95_low": round(d["tau_ci95"][0], 3),
+                         "tau_ci95_high": round(d["tau_ci95"][1], 3), "prompts": d.get("prompts"),
+                         "tokens_per_s": round(d["tokens_per_s"], 1), "where": "offline (HF target verifies)"})
     if (lc := summary.get("llama_cpp")):
-        rows.append({"draft": "trained", "tau": round(lc["tau"], 3), "tau_ci95": str(lc["tau_ci95"]),
-                     "tokens_per_s": round(lc["tokens_per_s"], 1), "where": "llama.cpp draft-eagle3"})
-    create_table_artifact(rows, key="eagle3-acceptance", description="Acceptance length tau of the drafts")
+        rows.append({"draft": "trained, llama.cpp", "tau": round(lc["tau"], 3),
+                     "tau_ci95_low": round(lc["tau_ci95"][0], 3), "tau_ci95_high": round(lc["tau_ci95"][1], 3),
+                     "prompts": summary.get("eval_prompts"), "tokens_per_s": round(lc["tokens_per_s"], 1),
+                     "where": "llama.cpp draft-eagle3"})
+    return rows
+
+
+def publish_report(summary: dict, markdown: str, history: list[dict], run_dir: Path) -> None:
+    """Markdown report (plots embedded as data URIs: the UI cannot read files of the run directory), tau and
+    stage-time tables and the acceptance plot as artifacts of the current run, keyed by the run directory."""
+    create_markdown_artifact(embed_images(markdown, run_dir), key=run_key(run_dir, "eagle3-report"),
+                             description=f"EAGLE-3 draft report of {run_dir}")
+    create_table_artifact(acceptance_rows(summary), key=run_key(run_dir, "eagle3-acceptance"),
+                          description="Acceptance length tau of the drafts (95% bootstrap interval over prompts)")
     create_table_artifact([{"stage": k, "seconds": v} for k, v in summary["stage_seconds"].items()],
-                          key="eagle3-stage-times", description="Wall time per stage (s)")
+                          key=run_key(run_dir, "eagle3-stage-times"), description="Wall time per stage (s)")
     png = acceptance_plot(summary, history, run_dir / "report_acceptance.png")
     # the UI shows an image artifact from a URL: a data URL keeps the small PNG self-contained
     url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
-    create_image_artifact(url, key="eagle3-acceptance-plot", description=f"{png} (acceptance and training)")
-
+    create_image_artifact(url, key=run_key(run_dir, "eagle3-acceptance-plot"),
+                          description=f"{png} (acceptance and training)")

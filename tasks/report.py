@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3_core import report
 from eagle3_core.config import PipelineConfig
-from tasks.artifacts import publish_report
+from tasks.artifacts import publish_report, run_key
 from tasks.logs import run_log
 
 
@@ -25,7 +25,10 @@ def report_task(config: PipelineConfig) -> dict:
         (config.run_dir / "report.json").write_text(json.dumps(summary, indent=2))
         history = json.loads((config.run_dir / "draft" / "manifest.json").read_text())["history"]
         publish_report(summary, md, history, config.run_dir)
-        create_markdown_artifact(report.plots_markdown_inline(summary["plots"], config.run_dir), key="eagle3-plots",
+        create_markdown_artifact(report.plots_markdown_inline(summary["plots"], config.run_dir),
+                                 key=run_key(config.run_dir, "eagle3-plots"),
                                  description="acceptance per position, tau with CI and per category, tokens/s")
+        for warning in report.warnings(summary["eval"], summary.get("llama_cpp")):
+            log.warning("report: %s", warning)
         log.info("report written to %s", config.run_dir / "report.md")
         return summary

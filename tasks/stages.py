@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from prefect import task
 
-from eagle3_core import stages
+from eagle3_core import report, stages
 from eagle3_core.config import PipelineConfig
-from tasks.artifacts import RequestProgress
+from tasks.artifacts import RequestProgress, progress_callback
 from tasks.cache import stage_cache
 from tasks.faults import maybe_fail
 from tasks.logs import run_log
@@ -41,10 +41,10 @@ def prompts_task(config: PipelineConfig) -> dict:
 @stage_task("generation-shard", "generation", None, ("server",), "generation-shard-{shard}")
 def generation_shard_task(config: PipelineConfig, shard: int, urls: list[str] | None = None) -> dict:
     """Regenerate one shard of train prompts on the servers at `urls` (run_generation_shard); a progress artifact
-    `generation-shard-<k>-progress` moves every generation.progress_interval_s."""
+    `generation-shard-<k>-progress-<run>` moves every generation.progress_interval_s."""
     with run_log() as log:
         maybe_fail("generation", shard)
-        progress = RequestProgress(f"generation-shard-{shard}")
+        progress = RequestProgress(config.run_dir, f"generation-shard-{shard}")
         return stages.run_generation_shard(config, shard, log=log.info, urls=urls, on_progress=progress.update)
 
 
@@ -85,16 +85,23 @@ def vocab_task(config: PipelineConfig) -> dict:
 
 @stage_task("train", "train", 96, ("gpu",))
 def train_task(config: PipelineConfig) -> dict:
-    """Train the draft with TTT and export it (run_train); a retried run resumes from the training state."""
+    """Train the draft with TTT and export it (run_train); a retried run resumes from the training state. A
+    progress artifact `train-progress-<run>` moves each epoch."""
     with run_log() as log:
-        return stages.run_train(config, log=log.info)
+        return stages.run_train(config, log=log.info, on_epoch=progress_callback(config.run_dir, "train", "epochs"))
 
 
 @stage_task("evaluate", "evaluate", 12, ("gpu",))
 def evaluate_task(config: PipelineConfig) -> dict:
-    """Offline tau of the trained and an untrained draft (run_evaluate)."""
+    """Offline tau of the trained and an untrained draft (run_evaluate); a progress artifact
+    `evaluate-progress-<run>` moves each decoded prompt; warnings the numbers support at WARNING."""
     with run_log() as log:
-        return stages.run_evaluate(config, log=log.info)
+        bar = progress_callback(config.run_dir, "evaluate", "prompt decodes")
+        manifest = stages.run_evaluate(config, log=log.info,
+                                       on_progress=lambda done, total, name: bar(done, total, f" (now: {name})"))
+        for warning in report.warnings(manifest["summary"]):
+            log.warning("evaluate: %s", warning)
+        return manifest
 
 
 @stage_task("deploy-llama-cpp", "deploy-llama-cpp", 12, ("server",))

@@ -73,6 +73,10 @@ def test_deployments_register_with_schedule_schema_and_defaults(deployments):
     for stage in ("prompts", "generation", "features", "vocab", "train", "evaluate", "deploy-llama-cpp",
                   "deploy-sglang"):
         assert asyncio.run(_read_deployment(f"{stage}/{stage}")).parameters["config"]["run_dir"].endswith("demo")
+    # one run of each deployment at a time; a second one waits in the queue
+    for name in ("eagle3-pipeline/demo", "eagle3-pipeline/debug-tiny", "train/train", "scaling-study/scaling-study"):
+        d = asyncio.run(_read_deployment(name))
+        assert d.global_concurrency_limit.limit == 1 and d.concurrency_options.collision_strategy.value == "ENQUEUE"
 
     async def limit():
         async with get_client() as client:

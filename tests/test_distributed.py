@@ -56,7 +56,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(ddp_full, tm
         assert ea["tokens"] == eb["tokens"] and ea["train"]["acc"] == pytest.approx(eb["train"]["acc"])
         assert ea["eval"]["tau_sim"] == pytest.approx(eb["eval"]["tau_sim"])
         assert ea["train"]["loss"] == pytest.approx(eb["train"]["loss"], rel=1e-4)
-    assert any(line.startswith("train: epoch 2 loss") and "2 ranks" in line for line in lines)   # rank 0 logs
+    assert any(line.startswith("train: epoch 3 of 3: loss") and "2 ranks" in line for line in lines)   # rank 0 logs
 
 
 def test_two_process_run_resumes_from_its_checkpoint(ddp_full, tmp_path):

@@ -11,7 +11,7 @@ from eagle3_core.evaluate import (
     paired_bootstrap_diff_ci,
     tau_consistency,
 )
-from eagle3_core.report import markdown, plots_markdown_inline, write_plots
+from eagle3_core.report import embed_images, markdown, plots_markdown_inline, warnings, write_plots
 from eagle3_core.speculate import TargetRunner, greedy_generate
 
 N_NEW = 10
@@ -103,3 +103,33 @@ def test_paired_bootstrap_difference_of_tau():
     assert 0 < lo <= hi and hi - lo < 0.5 * min(ci_a[1] - ci_a[0], ci_b[1] - ci_b[0])
     with pytest.raises(ValueError, match="same prompts: 8 vs 7"):
         paired_bootstrap_diff_ci(a, a[:7])
+
+
+def test_warnings_only_where_an_interval_excludes_agreement():
+    """The smoke run's case: 2 held-out prompts, wide intervals that hold the simulated tau and the engine's tau:
+    no warning. Intervals that exclude agreement: one warning each, naming the numbers."""
+    note = "measured tau 1.30 vs simulated 1.90 over 3 draft steps (-32%; simulated on held-out samples): check"
+    ev = {"trained": {"tau": 1.3, "tau_ci95": [1.1, 1.95]},
+          "consistency": {"flagged": True, "tau_sim_at_steps": 1.9, "note": note, "metrics_from": "eval"}}
+    lc = {"tau": 1.6, "tau_ci95": [1.2, 2.0]}
+    assert warnings(ev, lc) == []
+    ev["trained"]["tau_ci95"] = [1.12, 1.18]                 # narrow: excludes 1.9, lies below 1.2
+    lc["tau_ci95"] = [1.4, 1.8]                              # disjoint from the offline interval
+    assert warnings(ev, lc) == [
+        f"{note} (the simulated tau lies outside the measured tau's 95% interval 1.12-1.18)",
+        "the engine's tau 1.60 (95% interval 1.40-1.80) and the offline tau 1.30 (1.12-1.18) disagree: check the "
+        "aux layer ids and d2t of the exported draft",
+        "tau 1.30 (95% interval 1.12-1.18) is below 1.2, which usually means a misconfiguration (aux layer ids, "
+        "d2t, chat template), not a weak draft"]
+    ev["consistency"]["metrics_from"] = "train"               # simulated on training samples: overfitting
+    assert len(warnings(ev, None)) == 1
+    ev["consistency"].update(metrics_from="eval", flagged=False)   # tau_consistency's own gap test passed
+    assert len(warnings(ev, None)) == 1
+
+
+def test_embed_images_inlines_the_run_dirs_pngs_only(tmp_path):
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "tau.png").write_bytes(b"\x89PNG\r\n\x1a\nxyz")
+    md = "a ![tau](plots/tau.png) b ![web](https://example.org/x.png) ![gone](plots/none.png)"
+    assert embed_images(md, tmp_path) == ("a ![tau](data:image/png;base64,iVBORw0KGgp4eXo=) b "
+                                          "![web](https://example.org/x.png) ![gone](plots/none.png)")

@@ -7,6 +7,7 @@ from prefect.client.orchestration import get_client
 
 from eagle3_core.checkpoint import load_draft
 from eagle3_core.config import ServerConfig, preset
+from tasks.artifacts import run_key
 
 
 def test_pipeline_runs_end_to_end(e2e_run):
@@ -55,7 +56,7 @@ def test_flow_runs_and_report_artifact_are_in_prefect(e2e_run):
     ours = [first, *subflows]
     assert len(ours) == 8 and all(r.parent_task_run_id for r in subflows), [r.name for r in ours]
     assert all(r.state.is_completed() for r in ours), [(r.name, r.state.name) for r in ours]
-    assert {"eagle3-report", "eagle3-plots"} <= {a.key for a in arts}
+    assert {run_key(cfg.run_dir, "eagle3-report"), run_key(cfg.run_dir, "eagle3-plots")} <= {a.key for a in arts}
 
 
 def test_missing_prompt_file_fails_the_run_naming_it(prefect_server, tmp_path):

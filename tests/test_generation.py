@@ -34,6 +34,7 @@ from eagle3_core.serving.client import (
     request_with_retries,
 )
 from eagle3_core.serving.launcher import (
+    ServerError,
     free_port,
     llama_server,
     llama_server_argv,
@@ -189,7 +190,118 @@ def test_server_killed_mid_run_and_restarted_every_prompt_answered_once(tmp_path
     assert {r["server"] for r in rows} == set(urls)
     assert snaps[-1]["servers"][urls[0]]["answered"] > answered_before      # back in use after the restart
     assert snaps[-1]["done"] == snaps[-1]["total"] == 16 and snaps[-1]["output_tokens"] == m["completion_tokens"]
-    assert lines[-1].startswith("generation: 16/16 prompts (100.0%), ") and " retries" in lines[-1]
+    assert lines[-1].startswith("generation: 16 of 16 prompts (100.0%), ") and " retries" in lines[-1]
+
+
+def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_only_unfinished_shards(
+        prefect_server, tmp_path):
+    """The generation flow (called by a parent flow, as the pipeline does) starts llama-server itself; it is
+    SIGKILLed once a shard has finished. The run fails within seconds through the launcher's watch, not after
+    server.down_timeout_s (1800 s): the error names the signal and that attempt's log, the parent run's log names
+    the failed shards. A rerun starts a new server (its own log; the first attempt's is kept) and runs only the
+    shards that had not finished (the finished one comes back Cached)."""
+    import psutil
+    from prefect import flow
+
+    from eagle3_core.regenerate import finished_record
+    from eagle3_core.serving import launcher
+    from eagle3_core.serving.launcher import ServerExited
+    from flows.stages import generation_flow
+    from prefect_api import flow_run_tree, states_by_name, task_runs
+
+    cfg = make_run(tmp_path / "run", 8, [], shard_size=2, concurrency=1, max_new_tokens=16)
+    cfg.server = ServerConfig(kind="llama.cpp", parallel=1, ctx_per_slot=1024, extra_args=["-t", "1"],
+                              probe_interval_s=0.5)
+    assert cfg.server.down_timeout_s == 1800.0
+    out = cfg.run_dir / "generations"
+
+    @flow(name="generation-parent")
+    def parent() -> dict:
+        return generation_flow(cfg)
+
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(state=parent(return_state=True)))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "shard_00000.json").exists() and not (out / "shard_00001.json").exists():
+            assert time.monotonic() < deadline and worker.is_alive(), "the run ended before a shard finished"
+            time.sleep(0.1)
+        # the stage's server (the module's shared `server` fixture may be running too): the one logging here
+        (pid,) = [proc.pid for proc, log in launcher._watched.values() if log.parent == out]
+        server = psutil.Process(pid)
+        assert server.name() == "llama-server"
+        server.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+    finally:
+        worker.join(600)
+    failed_after = time.monotonic() - killed_at
+    state = result["state"]
+    assert state.is_failed() and failed_after < 120, (state, failed_after)
+    log1 = out / "server.attempt-1.log"
+    with pytest.raises(ServerExited, match=rf"pid {server.pid}\) was killed by signal 9 \(SIGKILL\) while the "
+                                           rf"stage was using it; its log {log1}, last lines:\n"):
+        state.result()
+    finished = [k for k in range(4) if finished_record(out, k, stages.generation_key(cfg))]
+    unfinished = [k for k in range(4) if k not in finished]
+    assert finished and unfinished, finished
+    # the line to act on is in the parent run's log, not only in the generation subflow's
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    parent_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        deadline = time.monotonic() + 30
+        while not any(f"generation: shards {unfinished} of 4 failed (first error: " in (msgs := [
+                m.message for m in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[parent_id])))])
+                for _ in [0]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert any(f"generation: shards {unfinished} of 4 failed" in m and "SIGKILL" in m for m in msgs), msgs
+    assert len(flow_run_tree(parent_id)) == 2
+    first_log = log1.read_bytes()
+    assert b"llama-server" in first_log.splitlines()[0]
+
+    rerun = generation_flow(cfg, return_state=True)
+    assert rerun.is_completed()
+    got = states_by_name(task_runs(rerun.state_details.flow_run_id))
+    assert got == {**{f"generation-shard-{k}": "Cached" for k in finished},
+                   **{f"generation-shard-{k}": "Completed" for k in unfinished}, "finish-generation": "Completed"}
+    assert sorted(p.name for p in out.glob("server*.log")) == ["server.attempt-1.log", "server.attempt-2.log"]
+    assert log1.read_bytes() == first_log and (out / "server.attempt-2.log").stat().st_size > 0
+    assert_each_prompt_answered_once(cfg)
+
+
+def test_advice_fits_the_server_kind(tmp_path):
+    """A server the stage started that stops answering (SIGSTOP: alive, silent) is reported with its log, not with
+    'start it or set server.url'; once it has exited, entering a pool fails at once naming the exit and the log.
+    An external server that does not answer gets the advice to start it or set server.url / server.urls."""
+    from eagle3_core.serving.launcher import ServerExited
+
+    async def use(urls: list[str], down_timeout_s: float, after_enter=lambda: None) -> None:
+        async with ServerPool(urls, probe_interval_s=0.2, down_timeout_s=down_timeout_s) as pool:
+            after_enter()
+            pool.failed(urls[0], "ConnectError: refused", server_down=True)
+            async with pool.server():
+                pass
+
+    log = tmp_path / "server.attempt-1.log"
+    with llama_server(embedded_gguf_path(), log, parallel=1, ctx_per_slot=512, extra_args=["-t", "1"]) as url:
+        from eagle3_core.serving import launcher
+        proc = launcher._watched[url][0]
+        try:
+            with pytest.raises(ServerError, match=rf"no inference server answered for 1 s .*the stage started this "
+                                                  rf"server and it passed its health check: see its log {log}; then "
+                                                  rf"rerun"):
+                asyncio.run(use([url], 1.0, lambda: os.killpg(proc.pid, signal.SIGSTOP)))
+        finally:
+            os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGTERM)                  # llama-server ends cleanly on SIGTERM: code 0
+        proc.wait()
+        with pytest.raises(ServerExited, match=rf"(?s)pid {proc.pid}\) exited with code 0 while the stage was using "
+                                               rf"it; its log {log}, last lines:\n.*cleaning up before exit"):
+            asyncio.run(use([url], 1800.0))
+    with pytest.raises(ServerError, match=r"cannot reach any inference server \(http://127\.0\.0\.1:9: .*\); start "
+                                          r"it or set server\.url / server\.urls"):
+        asyncio.run(use(["http://127.0.0.1:9"], 1.0))
 
 
 def test_fault_proxy_503_stalls_and_drops_every_prompt_completes(server, tmp_path):

@@ -10,7 +10,9 @@ import pytest
 from prefect import flow, task
 
 from eagle3_core import stages
+from eagle3_core.report import embed_images
 from prefect_api import artifacts_of, logs_of, states_by_name, task_runs
+from tasks.artifacts import run_key
 from tasks.faults import InjectedFault
 from tasks.logs import run_log
 from tasks.retry import RETRY_OPTIONS, is_transient, retry_if_transient
@@ -60,13 +62,26 @@ def test_task_logs_and_artifacts_read_back_through_the_api(e2e_run):
     report = runs["report"]
     assert any(f"report written to {cfg.run_dir / 'report.md'}" in m
                for m in logs_of(report.id, "report written to"))
+    # keys name the run directory: another run's report never replaces this one's
     arts = {a.key: a for a in artifacts_of(report.id)}
-    assert {"eagle3-report", "eagle3-acceptance", "eagle3-stage-times", "eagle3-acceptance-plot"} <= set(arts)
-    assert arts["eagle3-report"].data == (cfg.run_dir / "report.md").read_text()
-    table = json.loads(arts["eagle3-acceptance"].data)
-    tau = json.loads((cfg.run_dir / "eval" / "manifest.json").read_text())["summary"]["trained"]["tau"]
-    assert table[0]["draft"] == "trained" and table[0]["tau"] == round(tau, 3)
-    png = base64.b64decode(arts["eagle3-acceptance-plot"].data.split(",", 1)[1])
+    keys = {name: run_key(cfg.run_dir, name) for name in ("eagle3-report", "eagle3-acceptance", "eagle3-stage-times",
+                                                          "eagle3-acceptance-plot", "eagle3-plots")}
+    assert set(keys.values()) <= set(arts)
+    assert keys["eagle3-report"].startswith("eagle3-report-debug-tiny-")
+    # the report artifact is report.md with its three plots embedded (the UI cannot read the run directory)
+    md = (cfg.run_dir / "report.md").read_text()
+    shown = arts[keys["eagle3-report"]].data
+    assert shown == embed_images(md, cfg.run_dir) and "](plots/" in md and "](plots/" not in shown
+    assert shown.count("](data:image/png;base64,") == 3 == md.count("](plots/")
+    # every run under its own name, rounded to 3 decimals
+    table = json.loads(arts[keys["eagle3-acceptance"]].data)
+    ev = json.loads((cfg.run_dir / "eval" / "manifest.json").read_text())["summary"]
+    assert [r["draft"] for r in table] == ["trained, chain", "trained, tree", "untrained, chain",
+                                           "trained, llama.cpp"]
+    for row, key in zip(table, ("trained", "trained_tree", "untrained")):
+        assert row["tau"] == round(ev[key]["tau"], 3)
+        assert [row["tau_ci95_low"], row["tau_ci95_high"]] == [round(x, 3) for x in ev[key]["tau_ci95"]]
+    png = base64.b64decode(arts[keys["eagle3-acceptance-plot"]].data.split(",", 1)[1])
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png == (cfg.run_dir / "report_acceptance.png").read_bytes()
 
 
@@ -81,11 +96,17 @@ def test_shard_progress_and_shard_tables_are_artifacts(e2e_run):
         async with get_client() as client:
             return await client.read_artifacts()
     arts = asyncio.run(query())
-    progress = [a for a in arts if a.key == "features-progress"]
+    progress = [a for a in arts if a.key == run_key(cfg.run_dir, "features-progress")]
     assert progress and all(a.type == "progress" for a in progress)
     assert any(a.data == 100.0 for a in progress)
-    shards = [json.loads(a.data) for a in arts if a.key == "features-shards"]
+    shards = [json.loads(a.data) for a in arts if a.key == run_key(cfg.run_dir, "features-shards")]
     assert any(sum(r["samples"] for r in t) == 6 for t in shards)
+    # training and evaluation publish progress too, at 100% once done
+    for stage, what in (("train", f"{cfg.train.epochs} of {cfg.train.epochs} epochs"),
+                        ("evaluate", "prompt decodes")):
+        bars = [a for a in arts if a.key == run_key(cfg.run_dir, f"{stage}-progress")]
+        assert bars and any(a.data == 100.0 and what in a.description for a in bars), [
+            (a.data, a.description) for a in bars]
 
 
 def test_transformers_and_httpx_warnings_reach_the_run_log(prefect_server):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from eagle3_core.scaling_study import fit_log_trend, nested_subset, predict, subset_sizes
+from tasks.artifacts import run_key
 
 
 def test_subsets_are_nested_prefixes_of_one_permutation():
@@ -61,7 +62,7 @@ def test_scaling_study_flow_on_real_features(e2e_run, tmp_path):
     with get_client(sync_client=True) as client:
         art = client.read_artifacts()
         keys = {a.key for a in art}
-    assert {"scaling-study", "scaling-study-plot", "scaling-study-summary"} <= keys
+    assert {run_key(new.run_dir, k) for k in ("scaling-study", "scaling-study-plot", "scaling-study-summary")} <= keys
     # an equal rerun returns every size from its manifest (nothing retrained)
     mtimes = [(new.run_dir / "scaling" / f"n_{z['samples']}" / "manifest.json").stat().st_mtime_ns for z in sizes]
     scaling_study_flow(new, fractions=[0.5, 1.0], extrapolate_to=[1000])

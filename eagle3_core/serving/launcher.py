@@ -1,7 +1,10 @@
-"""Start, health-check and stop an inference server as a child process in its own process group.
+"""Start, health-check, watch and stop an inference server as a child process in its own process group.
 
 The server binds 127.0.0.1 unless configured otherwise. Stopping kills the whole process group (SIGTERM, then
-SIGKILL after a grace period), so no server outlives the stage on success, failure or cancel.
+SIGKILL after a grace period), so no server outlives the stage on success, failure or cancel. While the block of
+`launch` runs, the server is watched: `exit_error(url)` answers at once whether a server this process started at
+`url` has exited, with the exit code or signal and the tail of its log (the client pool checks it, so a dead server
+fails the stage in seconds instead of after `server.down_timeout_s`).
 """
 from __future__ import annotations
 
@@ -23,6 +26,47 @@ LLAMA_CPP_BUILD = f"llama.cpp-{LLAMA_CPP_VERSION}-noamx"   # the cache folder sc
 
 class ServerError(RuntimeError):
     """A server could not be started or reached; the message names the URL/binary and what to do."""
+
+
+class ServerExited(ServerError):
+    """A server this process started exited while in use; the message names the exit code or signal and the tail
+    of that attempt's log."""
+
+
+def next_attempt_log(folder: Path, stem: str = "server") -> Path:
+    """Create and return `folder/<stem>.attempt-N.log`, N one past the highest existing attempt (1 for the first):
+    each start of a stage's server gets its own log and earlier attempts' logs are kept. The file is created
+    exclusively, so two servers started at once never share one."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    done = [int(n) for p in folder.glob(f"{stem}.attempt-*.log")
+            if (n := p.name[len(stem) + len(".attempt-"):-len(".log")]).isdigit()]
+    n = max(done, default=0) + 1
+    while True:
+        path = folder / f"{stem}.attempt-{n}.log"
+        try:
+            path.open("x").close()
+            return path
+        except FileExistsError:
+            n += 1
+
+
+def log_tail(log_path: Path | None, lines: int = 20, max_chars: int = 2000) -> str:
+    """The last `lines` lines (at most `max_chars` characters) of a server log; '' if there is none."""
+    if log_path is None or not Path(log_path).exists():
+        return ""
+    return "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-lines:])[-max_chars:]
+
+
+def describe_exit(returncode: int) -> str:
+    """'exited with code 1' or 'was killed by signal 9 (SIGKILL)' (Popen's negative return codes are signals)."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown"
+        return f"was killed by signal {-returncode} ({name})"
+    return f"exited with code {returncode}"
 
 
 def llama_server_binary() -> Path:
@@ -50,9 +94,8 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, log_
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            tail = log_path.read_text()[-2000:] if log_path and log_path.exists() else ""
-            raise ServerError(f"server for {url} exited with code {proc.returncode} while starting; log {log_path}:"
-                              f"\n{tail}")
+            raise ServerExited(f"server for {url} {describe_exit(proc.returncode)} while starting; log {log_path}, "
+                               f"last lines:\n{log_tail(log_path)}")
         try:
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                 return
@@ -90,6 +133,29 @@ def _die_with_parent() -> None:
 
 
 _running: list[subprocess.Popen] = []   # servers started by `launch` and not yet stopped
+# url -> (process, log) of every server in a `launch` block of this process: the watch list of `exit_error`
+_watched: dict[str, tuple[subprocess.Popen, Path]] = {}
+
+
+def started_here(url: str) -> Path | None:
+    """The log of the server this process started at `url` (inside `launch`), or None for a server it did not
+    start (an external one): errors give advice that fits the kind."""
+    entry = _watched.get(url.rstrip("/"))
+    return entry[1] if entry else None
+
+
+def exit_error(url: str) -> ServerExited | None:
+    """If the server this process started at `url` has exited (it is still inside its `launch` block, so nobody
+    stopped it on purpose): a ServerExited naming its pid, exit code or signal and the tail of its log. None while
+    it runs, or for a server this process did not start. Cheap (a waitpid with WNOHANG): call it often."""
+    entry = _watched.get(url.rstrip("/"))
+    if entry is None or entry[0].poll() is None:
+        return None
+    proc, log_path = entry
+    return ServerExited(f"the inference server this stage started ({url}, pid {proc.pid}) "
+                        f"{describe_exit(proc.returncode)} while the stage was using it; its log {log_path}, last "
+                        f"lines:\n{log_tail(log_path)}\nFix the cause (memory? a killed process?) and retry the flow "
+                        f"run: finished shards are kept and the stage starts a new server (a new attempt log)")
 _previous_handler: list = [signal.SIG_DFL]
 
 
@@ -138,16 +204,19 @@ def launch(argv: list[str], url: str, log_path: Path, startup_timeout_s: float):
 
     The server runs in its own process group (so stopping it stops everything it spawned), logs to `log_path`, and
     is stopped on success, exception, Ctrl-C and SIGTERM (handler above); if this process dies without running any
-    of that (SIGKILL), the kernel sends the server SIGTERM (PR_SET_PDEATHSIG). Raises ServerError naming the URL
-    and log if it exits or is not healthy in time.
+    of that (SIGKILL), the kernel sends the server SIGTERM (PR_SET_PDEATHSIG). Inside the block the server is on
+    the watch list of `exit_error`. Raises ServerError naming the URL and log if it is not healthy in time,
+    ServerExited if it exits while starting.
     """
     proc = spawn_server(argv, log_path)
     _running.append(proc)
     _install_sigterm_handler()
     try:
         wait_healthy(url, proc, startup_timeout_s, log_path)
+        _watched[url.rstrip("/")] = (proc, log_path)
         yield url
     finally:
+        _watched.pop(url.rstrip("/"), None)                  # stopped on purpose from here on: not a crash
         stop(proc)
         _running.remove(proc)
         _restore_sigterm_handler()

@@ -100,9 +100,19 @@ def _tokens_and_gaps(logprobs_json: str) -> tuple[list[int], list[float]]:
     return ids, gaps
 
 
-def run_requests(url: str, prompts: list[dict], max_new_tokens: int) -> list[dict]:
-    """Greedy answers, one request at a time (single-stream speed), with llama.cpp timings and top-2 logprobs."""
-    rows = asyncio.run(generate_all(url, prompts, max_new_tokens, 0.0, 1, 2, 600,
+def run_requests(url: str, prompts: list[dict], max_new_tokens: int, log=None, label: str = "") -> list[dict]:
+    """Greedy answers, one request at a time (single-stream speed), with llama.cpp timings and top-2 logprobs.
+    log: called with 'deploy: <label>: n of N prompts, ETA ...' after each answer."""
+    import time
+    t0, done = time.monotonic(), []
+
+    def on_done(row: dict) -> None:
+        done.append(row["id"])
+        n, N = len(done), len(prompts)
+        eta = f", ETA {(time.monotonic() - t0) / n * (N - n) / 60:.1f} min" if n < N else ""
+        if log is not None:
+            log(f"deploy: {label}: {n} of {N} prompts{eta}")
+    rows = asyncio.run(generate_all(url, prompts, max_new_tokens, 0.0, 1, 2, 600, on_done=on_done,
                                     extra={"logprobs": True, "top_logprobs": 2}))
     for r in rows:
         t = json.loads(r["timings"])

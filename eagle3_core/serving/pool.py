@@ -5,6 +5,11 @@ Each request goes to the reachable server with the fewest requests in flight (ti
 server whose connection failed is marked down and probed (GET /health, any status below 500 counts as up: SGLang
 and llama.cpp answer 503 while loading) every `probe_interval_s`. Requests wait while every server is down; after
 `down_timeout_s` without any server they raise ServerError, so the stage fails and a rerun resumes.
+
+A server this process started (launcher.launch) is watched: once it has exited, `check_exited` (called by the
+regeneration loop every 0.2 s, by `_acquire` and on entering) raises launcher.ServerExited at once, naming the exit
+code or signal and its log, instead of waiting `down_timeout_s` for it to come back. Error messages give advice
+that fits the server: its log for one the stage started, `server.url` / `server.urls` for an external one.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .launcher import ServerError
+from .launcher import ServerError, exit_error, started_here
 
 
 @dataclass
@@ -44,7 +49,24 @@ class ServerPool:
         self._changed = asyncio.Event()
         self._probe_client: httpx.AsyncClient | None = None
 
+    def check_exited(self) -> None:
+        """Raise launcher.ServerExited if a server this process started has exited and no other server of the pool
+        is up to take over (the usual case: the stage's one server died)."""
+        dead = [e for u in self.servers if (e := exit_error(u)) is not None]
+        if dead and not any(s.up and exit_error(u) is None for u, s in self.servers.items()):
+            raise dead[0]
+
+    def _advice(self) -> str:
+        """What to do about servers that do not answer, by kind: started here (their logs) or external."""
+        logs = [str(log) for u in self.servers if (log := started_here(u)) is not None]
+        if len(logs) == len(self.servers):
+            return (f"the stage started {'this server' if len(logs) == 1 else 'these servers'} and it passed its "
+                    f"health check: see {'its log' if len(logs) == 1 else 'their logs'} {', '.join(logs)}")
+        return ("start it or set server.url / server.urls to a running server (server.kind 'llama.cpp' or 'sglang' "
+                "lets the stage start one)")
+
     async def __aenter__(self) -> ServerPool:
+        self.check_exited()
         self._probe_client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0))
         results = await asyncio.gather(*(self._healthy(u) for u in self.servers))
         for (url, s), (ok, why) in zip(self.servers.items(), results):
@@ -53,8 +75,7 @@ class ServerPool:
         if not any(s.up for s in self.servers.values()):
             await self.__aexit__(None, None, None)
             reasons = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers.values())
-            raise ServerError(f"cannot reach any inference server ({reasons}); start it or set server.url / "
-                              f"server.urls to a running server")
+            raise ServerError(f"cannot reach any inference server ({reasons}); {self._advice()}")
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -107,6 +128,7 @@ class ServerPool:
 
     async def _acquire(self) -> ServerState:
         while True:
+            self.check_exited()
             up = [s for s in self.servers.values() if s.up]
             if up:
                 return min(up, key=lambda s: (s.in_flight, s.last_used))
@@ -114,8 +136,10 @@ class ServerPool:
             left = self.down_timeout_s - (time.monotonic() - since)
             if left <= 0:
                 reasons = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers.values())
+                what = (self._advice() if any(started_here(u) for u in self.servers)
+                        else "check the servers (server.url / server.urls)")
                 raise ServerError(f"no inference server answered for {self.down_timeout_s:.0f} s ({reasons}); "
-                                  f"check the servers and rerun: finished work is kept")
+                                  f"{what}; then rerun: finished work is kept")
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=min(left, self.probe_interval_s))
@@ -123,6 +147,9 @@ class ServerPool:
                 pass
 
     def stats(self) -> dict:
-        """Per server: answered, errors, in_flight, up (JSON-able)."""
-        return {s.url: {"answered": s.answered, "errors": s.errors, "in_flight": s.in_flight, "up": s.up}
+        """Per server: answered, errors, in_flight, up, down_s (seconds since it stopped answering, or None)
+        (JSON-able)."""
+        now = time.monotonic()
+        return {s.url: {"answered": s.answered, "errors": s.errors, "in_flight": s.in_flight, "up": s.up,
+                        "down_s": None if s.down_since is None else now - s.down_since}
                 for s in self.servers.values()}
