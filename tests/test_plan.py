@@ -72,3 +72,20 @@ def test_a_finished_runs_measured_rates_plan_it_back(e2e_run, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| generation |" in out and "measured / planned: generation 1.00x" in out
     assert "With features.format 'online':" in out
+
+
+def test_check_reads_the_reference_config_offline_and_names_what_one_node_cannot_hold():
+    """The reference case as a file, checked against a config-only Kimi-K2.5 fixture (tests/test_check.py: the
+    published dimensions): the family recipe's geometry and SGLang's [2, 30, 58] capture, and the two refusals that
+    are true today on one 8 x H200 node: the bf16 weights (~2 TB) need tp_size 32 for the features backend, and the
+    offline evaluate stage loads the whole target (the checkpoint's INT4 experts are not loaded as INT4 yet)."""
+    import test_check
+
+    from eagle3_core.check import check_run
+    cfg = load_config(KIMI)
+    facts, problems = check_run(cfg, target_config=test_check.kimi_k25.__wrapped__(),
+                                memory=(8 * 141 << 30, "8 x H200"), gpus=(8, 141 << 30))
+    assert facts["family"] == "mla" and facts["aux_layer_ids"]["sglang"]["captures_inputs_of"] == [2, 30, 58]
+    assert facts["draft_geometry"]["num_attention_heads"] == 64 and facts["draft_geometry"]["head_dim"] == 128
+    assert [f for f, _ in problems] == ["features.tp_size", "target.model"]
+    assert "needs hf_tp with tp_size >= 32" in problems[0][1] and "evaluate" in problems[1][1]
