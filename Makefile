@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export TOKENIZERS_PARALLELISM := false
+# a fresh PREFECT_HOME migrates its database before the temporary server answers: 20 s (Prefect's default) was
+# not enough on 2 busy cores (make demo failed with 'Timed out while attempting to connect to ephemeral Prefect API')
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
 .PHONY: setup demo test test-ui server deploy deploy-pools clean
 
