@@ -29,6 +29,7 @@ $(VENV)/.installed: pyproject.toml
 # runs on that server instead.
 DEMO_PREFECT_HOME ?= $(CURDIR)/runs/.prefect-demo
 demo: setup
+	mkdir -p $(DEMO_PREFECT_HOME)        # SQLite cannot create its database in a folder that does not exist
 	PREFECT_HOME=$(DEMO_PREFECT_HOME) $(PY) -m flows.pipeline --preset demo --run-dir runs/demo
 
 test: setup
