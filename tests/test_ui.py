@@ -144,7 +144,7 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
             keys_after = {a["key"] for a in _artifacts("-debug-tiny-")}
             assert keys_before < keys_after and len([k for k in keys_after if k.startswith("eagle3-report-")]) == 2
             page.goto(f"{UI}/artifacts/key/{report['key']}", wait_until="networkidle")
-            assert _artifacts(report["key"])[0]["id"] == report["id"]           # the first run's report, unchanged
+            assert _artifacts(report["key"])[0]["latest_id"] == report["latest_id"]   # the first report, unchanged
 
             # a failed run: its log in the UI names the cause
             failed = _run_deployment(served / "runs" / "failed" / "debug_tiny", sources=["no/such/prompts.jsonl"])
