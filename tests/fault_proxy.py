@@ -13,14 +13,13 @@ import httpx
 KINDS = ("503", "stall", "drop", "drop_mid")
 
 
-class FaultProxy:
-    def __init__(self, upstream: str, every: int = 5, kinds: tuple[str, ...] = KINDS):
-        self.upstream, self.every, self.kinds = upstream, every, kinds
-        self.posts = 0
-        self.injected: Counter = Counter()
-        self.url = ""
+class LoopbackProxy:
+    """A proxy on 127.0.0.1 (a free port) in front of `upstream`, run by an asyncio loop in a thread for the
+    duration of a `with` block; subclasses define `_handle(reader, writer)`."""
 
-    def __enter__(self) -> FaultProxy:
+    url = ""
+
+    def __enter__(self) -> LoopbackProxy:
         ready = threading.Event()
         self._loop = asyncio.new_event_loop()
 
@@ -33,7 +32,7 @@ class FaultProxy:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         asyncio.run_coroutine_threadsafe(start(), self._loop)
-        assert ready.wait(10), "fault proxy did not start"
+        assert ready.wait(10), f"{type(self).__name__} did not start"
         return self
 
     def __exit__(self, *exc) -> None:
@@ -43,6 +42,14 @@ class FaultProxy:
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+
+class FaultProxy(LoopbackProxy):
+    def __init__(self, upstream: str, every: int = 5, kinds: tuple[str, ...] = KINDS):
+        self.upstream, self.every, self.kinds = upstream, every, kinds
+        self.posts = 0
+        self.injected: Counter = Counter()
+        self.url = ""
 
     def _fault(self, method: str) -> str | None:
         if method != "POST":

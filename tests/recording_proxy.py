@@ -5,39 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import httpx
+from fault_proxy import LoopbackProxy
 
 
-class RecordingProxy:
+class RecordingProxy(LoopbackProxy):
     def __init__(self, upstream: str):
         self.upstream, self.url = upstream, ""
         self.posts: list[dict] = []
-
-    def __enter__(self) -> RecordingProxy:
-        ready = threading.Event()
-        self._loop = asyncio.new_event_loop()
-
-        async def start():
-            self._client = httpx.AsyncClient(timeout=None)
-            self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-            self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-            ready.set()
-
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(start(), self._loop)
-        assert ready.wait(10), "recording proxy did not start"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        async def shutdown():
-            self._server.close()
-            await self._client.aclose()
-        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
     def bodies(self, path: str) -> list[dict]:
         """The JSON bodies POSTed to `path`, in arrival order."""
