@@ -123,9 +123,15 @@ def run_torchrun(args: list[str], nproc_per_node: int, on_line: Callable[[str], 
     (without the newline) and to `log_path` if given. Whatever ends the wait (the run finishing, an exception in
     `on_line`, KeyboardInterrupt, Prefect's TerminationSignal) the process tree is stopped (stop_tree) before this
     returns or raises. Raises TorchrunError (command, exit code, last 50 lines) on a non-zero exit.
+
+    OMP_NUM_THREADS, unless the caller's environment sets it: the host's cores divided among the local workers
+    (torchrun's own default is 1, which made the workers' CPU side, shard encoding, hashing and writing, the
+    bottleneck: hf_tp extraction at world size 1 ran at 0.68x the in-process backend on an H200,
+    benchmarks/tp_extract_throughput.py).
     """
     cmd = torchrun_command(args, nproc_per_node, **rdzv)
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
     tail: deque[str] = deque(maxlen=50)
     log = open(log_path, "a") if log_path else None                     # noqa: SIM115 (closed in finally)
     # own session and process group: a signal meant for the caller's group (Ctrl-C, the runner's SIGTERM) does not
