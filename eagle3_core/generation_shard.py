@@ -70,7 +70,7 @@ class ShardWriter:
         self.resumed = len(self.done_ids)
         self.generated = self.pending = 0
         self.input_done = self.finalized = False
-        self.t0 = time.monotonic()
+        self.t0, self.started_at = time.monotonic(), time.time()
 
     def _files(self) -> list[Path]:
         return ([self.path] if self.path.exists() else []) + sorted(self.partial.glob("part_*.parquet"))
@@ -125,7 +125,8 @@ class ShardWriter:
                   "retry_kinds": dict(self.retry_kinds), "finish_reasons": dict(finish),
                   "requests_per_row": dict(sorted(requests.items())),
                   "completion_tokens": int(pc.sum(table["completion_tokens"]).as_py() or 0),
-                  "quality": shard_quality(table.to_pylist()), "seconds": time.monotonic() - self.t0}
+                  "quality": shard_quality(table.to_pylist()), "seconds": time.monotonic() - self.t0,
+                  "started_at": self.started_at, "ended_at": time.time()}
         assert record["answered"] + record["failed"] == self.prompts, (
             f"shard {self.k}: {record['answered']} answered + {record['failed']} failed != {self.prompts} prompts")
         write_manifest(self.record_path, record)

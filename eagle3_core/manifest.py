@@ -51,3 +51,16 @@ def cached_manifest(path: Path, key: str) -> dict[str, Any] | None:
     if manifest is not None and manifest.get("inputs_key") == key:
         return manifest
     return None
+
+
+def busy_seconds(records: list[dict]) -> float:
+    """Wall seconds during which at least one of `records` ran: the length of the union of their
+    [started_at, ended_at] intervals (Unix time, s), so that shards run side by side count once and the idle time
+    between a failed attempt and its retry not at all. A record without both times adds its own `seconds` (s)."""
+    spans = sorted((r["started_at"], r["ended_at"]) for r in records if "started_at" in r and "ended_at" in r)
+    total = sum(r["seconds"] for r in records if not ("started_at" in r and "ended_at" in r))
+    end = float("-inf")
+    for a, b in spans:
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total

@@ -23,7 +23,7 @@ from . import prompts as prompts_mod
 from .checkpoint import EXPORT_DTYPE, clear_training_state, export_draft, load_draft
 from .config import PipelineConfig
 from .data import prompt_ids
-from .manifest import cached_manifest, read_manifest, sha256_file, sha256_json, write_manifest
+from .manifest import busy_seconds, cached_manifest, read_manifest, sha256_file, sha256_json, write_manifest
 
 CODE_VERSION = "4"  # bump when a stage's output format or semantics change
 
@@ -285,7 +285,8 @@ def run_generation_shard(cfg: PipelineConfig, shard: int, log=print, urls: list[
 def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds: float | None = None) -> dict:
     """Check every shard against its record on disk, run the quality gate and write generations/manifest.json
     (and quality.json). `shard_manifests`: the records `run_generation_shard` returned (each must match the
-    record on disk); `seconds`: the stage's wall time (default: the sum of the shards' times).
+    record on disk); `seconds`: the stage's wall time (default: the time any shard ran, manifest.busy_seconds: the
+    shard tasks run side by side, and their sum overstated the demo's 174 s as 726 s).
 
     Raises RuntimeError naming a shard that has not finished, ValueError for a record that does not match the
     disk, QualityGateError (with counts, examples and the fix) when too many answers failed, are empty, truncated
@@ -328,7 +329,7 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
         "turns": {"mode": g.turns, "max_turns": g.max_turns, **_request_counts(records)},
         "api": g.api, "token_ids": "from the server (prompt_ids, output_ids)" if g.api in TOKEN_ID_APIS else None,
         "server": _server_desc(cfg), "shards": [r["file"] for r in records],
-        "seconds": seconds if seconds is not None else sum(r["seconds"] for r in records)})
+        "seconds": seconds if seconds is not None else busy_seconds(records)})
 
 
 def _request_counts(records: list[dict]) -> dict:

@@ -387,3 +387,16 @@ def test_degenerate_answers_are_runaway_repetitions():
     assert is_degenerate(answer + " 72 + 72 =" * 40) and is_degenerate("\n" * 100)
     assert is_degenerate("So the answer is 72. " * 30)          # a 21-character block, 30 times
     assert not is_degenerate("ha " * 10)                         # too short to tell
+
+
+def test_stage_seconds_count_shards_run_side_by_side_once():
+    """finish_generation's stage time is the union of the shards' run intervals (manifest.busy_seconds), not their
+    sum: four shards sharing one server for the same 174 s were reported as 726 s."""
+    from eagle3_core.manifest import busy_seconds
+    side_by_side = [{"seconds": 10.0, "started_at": 100.0, "ended_at": 110.0},
+                    {"seconds": 7.0, "started_at": 105.0, "ended_at": 112.0},
+                    {"seconds": 1.0, "started_at": 106.0, "ended_at": 107.0},     # inside the others
+                    {"seconds": 5.0, "started_at": 200.0, "ended_at": 205.0}]     # a retry after a gap
+    assert busy_seconds(side_by_side) == 17.0
+    assert busy_seconds(side_by_side + [{"seconds": 3.0}]) == 20.0                # an old record: its own time
+    assert busy_seconds([]) == 0.0
