@@ -4,7 +4,8 @@ the difference is the export dtype alone.
 
     python benchmarks/export_dtype_tau.py runs/demo            # after `make demo`
 
-Prints tau (95% CI) per dtype as a chain of eval.num_draft_steps and the paired bootstrap interval of bf16 - fp32.
+On a machine busy with other work run it with OMP_NUM_THREADS=1: two processes' OpenMP threads spinning on 2
+cores made the target's step 10x slower (measured here). Prints tau (95% CI) per dtype as a chain of eval.num_draft_steps and the paired bootstrap interval of bf16 - fp32.
 """
 from __future__ import annotations
 
