@@ -1,6 +1,8 @@
 """The Prefect UI in a real browser (Debian's chromium, headless, driven by Playwright): `make server` serves the
 UI on 127.0.0.1:4200 and `make deploy` serves the deployments; the browser finds the end-to-end deployment of the
-smallest preset, starts a custom run with one parameter changed, and watches it complete. Screenshots go to
+smallest preset, starts a custom run with one parameter changed, and watches it complete, seeing the evaluation's
+progress artifact before the stage ends; the report artifact's embedded plots load; a second run (another run
+directory) leaves the first run's artifacts in place; a failed run's log names the cause. Screenshots go to
 test-artifacts/ui/. Run with `make test-ui` (CI: .ci/run); needs port 4200 free."""
 import os
 import shlex
@@ -106,18 +108,85 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
             page.wait_for_url("**/deployment/**")
             page.get_by_role("link", name=run_name).first.click()
             page.wait_for_url("**/flow-run/**")
+            run_url = page.url
             state = page.locator(".state-badge").first
-            deadline = time.monotonic() + RUN_TIMEOUT_S
+            deadline, last_reload, eval_progress = time.monotonic() + RUN_TIMEOUT_S, time.monotonic(), None
             while time.monotonic() < deadline and state.inner_text().strip() not in ("Completed", "Failed",
                                                                                      "Crashed", "Cancelled"):
-                time.sleep(5)
-                page.reload(wait_until="networkidle")
+                time.sleep(1)
+                if eval_progress is None:         # the evaluation's progress artifact, seen before it reaches 100
+                    art = _artifacts("evaluate-progress-debug-tiny")
+                    if art and art[0]["data"] is not None and art[0]["data"] < 100:
+                        eval_progress = art[0]["data"]
+                        page.goto(f"{UI}/artifacts/artifact/{art[0]['latest_id']}", wait_until="networkidle")
+                        page.screenshot(path=SHOTS / "3-evaluate-progress.png", full_page=True)
+                        page.goto(run_url, wait_until="networkidle")
+                if time.monotonic() - last_reload > 5:
+                    page.reload(wait_until="networkidle")
+                    last_reload = time.monotonic()
                 state = page.locator(".state-badge").first
             page.screenshot(path=SHOTS / "2-flow-run.png", full_page=True)
             assert state.inner_text().strip() == "Completed", (SHOTS / "2-flow-run.png")
+            assert eval_progress is not None, "no evaluate progress artifact below 100% was seen during the run"
+
+            (report,) = _artifacts("eagle3-report-debug-tiny")
+            page.goto(f"{UI}/artifacts/artifact/{report['latest_id']}", wait_until="networkidle")   # its content
+            page.locator("img").first.wait_for()
+            widths = page.eval_on_selector_all("img", "els => els.filter(e => e.src.startsWith('data:image/png'))"
+                                                      ".map(e => e.naturalWidth)")
+            page.screenshot(path=SHOTS / "4-report-artifact.png", full_page=True)
+            assert len(widths) >= 2 and all(w > 0 for w in widths), widths      # the plots render
+            keys_before = {a["key"] for a in _artifacts("-debug-tiny-")}
+
+            # a second run in another run directory: its artifacts sit beside the first run's
+            second = _run_deployment(served / "runs" / "second" / "debug_tiny", epochs=3)
+            assert second["state"]["type"] == "COMPLETED", second["state"]
+            keys_after = {a["key"] for a in _artifacts("-debug-tiny-")}
+            assert keys_before < keys_after and len([k for k in keys_after if k.startswith("eagle3-report-")]) == 2
+            assert _artifacts(report["key"])[0]["latest_id"] == report["latest_id"]   # the first report, unchanged
+            page.goto(f"{UI}/artifacts", wait_until="networkidle")
+            page.screenshot(path=SHOTS / "6-artifacts-of-two-runs.png", full_page=True)
+
+            # a failed run: its log in the UI names the cause
+            failed = _run_deployment(served / "runs" / "failed" / "debug_tiny", sources=["no/such/prompts.jsonl"])
+            assert failed["state"]["type"] == "FAILED", failed["state"]
+            page.goto(f"{UI}/runs/flow-run/{failed['id']}", wait_until="networkidle")
+            cause = page.get_by_text("no/such/prompts.jsonl").first
+            cause.wait_for()
+            cause.scroll_into_view_if_needed()        # the log pane scrolls inside the page: show the cause's line
+            page.screenshot(path=SHOTS / "5-failed-run-log.png")
         finally:
             browser.close()
     # the run used the changed parameter: 3 training epochs in the draft's manifest
     import json
     draft = json.loads((served / "runs" / "debug_tiny" / "draft" / "manifest.json").read_text())
     assert len(draft["history"]) == 3
+
+
+def _artifacts(key_part: str) -> list[dict]:
+    """The latest artifact of every key containing `key_part` (Prefect's REST API), newest first."""
+    r = httpx.post(f"{UI}/api/artifacts/latest/filter", json={"artifacts": {"key": {"like_": key_part}},
+                                                             "sort": "UPDATED_DESC"}, timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def _run_deployment(run_dir: Path, epochs: int | None = None, sources: list[str] | None = None) -> dict:
+    """A run of eagle3-pipeline/debug-tiny through the REST API with run_dir (and epochs / prompt sources)
+    changed, waited for until it ends; returns the flow run."""
+    dep = httpx.get(f"{UI}/api/deployments/name/eagle3-pipeline/debug-tiny", timeout=30).json()
+    config = dep["parameters"]["config"]
+    config["run_dir"] = str(run_dir)
+    if epochs is not None:
+        config["train"]["epochs"] = epochs
+    if sources is not None:
+        config["prompts"]["sources"] = sources
+    run = httpx.post(f"{UI}/api/deployments/{dep['id']}/create_flow_run",
+                     json={"parameters": {"config": config, "refresh": False}}, timeout=30).json()
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        run = httpx.get(f"{UI}/api/flow_runs/{run['id']}", timeout=30).json()
+        if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return run
+        time.sleep(3)
+    raise AssertionError(f"flow run {run['id']} did not end in {RUN_TIMEOUT_S} s")
