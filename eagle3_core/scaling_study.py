@@ -61,8 +61,9 @@ def predict(trend: dict, samples: int, measured_max: int) -> dict:
 def size_key(cfg: PipelineConfig, n: int, seed: int) -> str:
     """Inputs key of one size: the training stage's key (features, vocab, recipe), the size, the subset seed, the
     eval settings and the held-out prompts."""
-    from .stages import _key, _upstream, train_key
-    return _key(train_key(cfg), n, seed, cfg.eval, _upstream(cfg.run_dir, "prompts")["inputs_key"])
+    from .pipeline.keys import stage_key, upstream_manifest
+    from .pipeline.train import train_key
+    return stage_key(train_key(cfg), n, seed, cfg.eval, upstream_manifest(cfg.run_dir, "prompts")["inputs_key"])
 
 
 def measure_offline(cfg: PipelineConfig, draft) -> dict:
@@ -73,7 +74,7 @@ def measure_offline(cfg: PipelineConfig, draft) -> dict:
     from .evaluate import SpecRun, measure
     from .prompts import read_rows
     from .speculate import TargetRunner
-    from .stages import _category
+    from .pipeline.evaluate import category
     from .target import load_target, load_tokenizer
     tok = load_tokenizer(cfg.target)
     rows = read_rows(cfg.run_dir / "prompts" / "eval.parquet")
@@ -81,7 +82,7 @@ def measure_offline(cfg: PipelineConfig, draft) -> dict:
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     report = measure(TargetRunner(load_target(cfg.target), draft.shape.aux_layer_ids),
                      {"draft": SpecRun(draft.eval(), cfg.eval.num_draft_steps)}, prompts,
-                     [_category(r) for r in rows], cfg.eval.max_new_tokens, eos, cfg.eval.tie_gap)
+                     [category(r) for r in rows], cfg.eval.max_new_tokens, eos, cfg.eval.tie_gap)
     return report["draft"]
 
 
@@ -101,7 +102,7 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     paired comparisons), seconds}. Raises ValueError if `n`
     exceeds the training samples."""
     from .checkpoint import export_draft, load_draft
-    from .stages import _fresh_draft, claim_training_dir, train_split
+    from .pipeline.train import claim_training_dir, fresh_draft, train_split
     from .trainer import train
 
     out = cfg.run_dir / "scaling" / f"n_{n}"
@@ -113,7 +114,7 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     if n > len(train_all):
         raise ValueError(f"scaling size {n} > {len(train_all)} training samples in {cfg.run_dir / 'features'}")
     train_s = [train_all[i] for i in nested_subset(len(train_all), n, seed)]
-    draft, lm_head = _fresh_draft(cfg)
+    draft, lm_head = fresh_draft(cfg)
     claim_training_dir(out, key)
     summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log)
     export = export_draft(load_draft(out / "best"), out / "export")

@@ -158,12 +158,12 @@ def run_features_distributed(cfg: PipelineConfig, nproc_per_node: int, log=print
     node_rank, rdzv_endpoint for several hosts (node 0's call returns the manifest). Every line the workers print
     goes to `log`. Raises TorchrunError if a worker fails (finished shards are kept: rerun to finish)."""
     from ..manifest import cached_manifest
-    from ..stages import features_key
+    from ..pipeline.features import features_key
     if cfg.features.backend != "hf":
         raise ValueError(f"features.backend {cfg.features.backend!r}: its ranks share one sharded target "
                          f"(tp_extract.run_features_tp); these workers each load the whole target")
     out = cfg.run_dir / "features"
-    key = features_key(cfg)                         # the stage's own key: one definition (stages.features_key)
+    key = features_key(cfg)                         # the stage's own key: one definition (pipeline.features)
     if (m := cached_manifest(out / "manifest.json", key)) and not bad_shards(out, m["shards"]):
         return m
     out.mkdir(parents=True, exist_ok=True)

@@ -136,7 +136,7 @@ def run_features_tp(cfg: PipelineConfig, log=print, **rdzv) -> dict:
     against their sha256). Raises TorchrunError if a rank fails (finished shards are kept: rerun to finish)."""
     from ..features import bad_shards
     from ..manifest import cached_manifest
-    from ..stages import _mark_store, features_key
+    from ..pipeline.features import features_key, mark_store
     f = cfg.features
     if f.backend != "hf_tp":
         raise ValueError(f"run_features_tp needs features.backend 'hf_tp', got {f.backend!r}")
@@ -152,7 +152,7 @@ def run_features_tp(cfg: PipelineConfig, log=print, **rdzv) -> dict:
     run_torchrun(["-m", "eagle3_core.distributed.tp_extract", "--config", str(config_file)], f.tp_size // nnodes,
                  on_line=log, log_path=out / "torchrun.log", **rdzv)
     manifest = read_manifest(out / "manifest.json")
-    _mark_store(cfg, manifest)
+    mark_store(cfg, manifest)
     log(f"features: {manifest['samples']} samples, {manifest['tokens']} tokens, target sharded over {f.tp_size} "
         f"ranks ({'expert' if f.expert_parallel else 'tensor'} parallel), format {manifest['format']}, "
         f"{manifest['bytes_per_token']:.0f} bytes/token")
