@@ -103,7 +103,7 @@ def writer_micro(out_dir: Path, seq: int, hidden: int, shard_seqs: int, shards: 
     bf16 rows of 8*hidden+9 bytes/token to the writer ('none': no writer, the producer's own speed). Measures how
     much the writer threads slow the thread that feeds the GPU."""
     from eagle3_core.extract import HostCopy
-    from eagle3_core.features import _shard_parts, _shard_tensors
+    from eagle3_core.features import shard_parts, shard_tensors
     from eagle3_core.shard_writer import ShardWriter
 
     g = torch.Generator().manual_seed(0)
@@ -126,7 +126,7 @@ def writer_micro(out_dir: Path, seq: int, hidden: int, shard_seqs: int, shards: 
                 if mode == "none":
                     continue
                 pieces = [(HostCopy(host), list(range(shard_seqs)), [seq] * shard_seqs)]
-                asm = _shard_parts if mode == "zero_copy" else _shard_tensors
+                asm = shard_parts if mode == "zero_copy" else shard_tensors
 
                 def build(pieces=pieces, asm=asm):
                     return asm(part, pieces), {"ids": "[]"}

@@ -91,7 +91,7 @@ def write_head(extractor, out_dir: Path, prev_target_id: str | None) -> str:
     return target_id
 
 
-def _shard_tensors(part: list[dict], pieces: list[tuple[HostCopy, list[int], list[int]]]) -> dict:
+def shard_tensors(part: list[dict], pieces: list[tuple[HostCopy, list[int], list[int]]]) -> dict:
     """Shard tensors in row order from per-batch host copies: pieces = (copy, indices into part, lengths)."""
     rows_of: dict[int, tuple[dict, int, int]] = {}
     for copy, idx, lens in pieces:
@@ -110,8 +110,8 @@ def _shard_tensors(part: list[dict], pieces: list[tuple[HostCopy, list[int], lis
     return {k: v.contiguous() for k, v in tensors.items()}
 
 
-def _shard_parts(part: list[dict], pieces: list[tuple[HostCopy, list[int], list[int]]]) -> dict:
-    """As `_shard_tensors`, but each feature tensor as the list of its samples' row slices of the host copies (no
+def shard_parts(part: list[dict], pieces: list[tuple[HostCopy, list[int], list[int]]]) -> dict:
+    """As `shard_tensors`, but each feature tensor as the list of its samples' row slices of the host copies (no
     concatenation: shard_writer.write_shard_parts writes them to the file as they are)."""
     rows_of: dict[int, tuple[dict, int, int]] = {}
     for copy, idx, lens in pieces:
@@ -150,7 +150,7 @@ def write_shards(extractor, jobs: list[tuple[Path, list[dict]]], store_format: s
             n_tokens += sum(len(r["input_ids"]) for r in part)
 
             def build(part=part, pieces=pieces):
-                assemble = _shard_parts if zero_copy else _shard_tensors
+                assemble = shard_parts if zero_copy else shard_tensors
                 return assemble(part, pieces), {"ids": json.dumps([r["id"] for r in part])}
 
             writer.submit(path, build, lambda p, sha, n, part=part: on_written(p, sha, n, part))
