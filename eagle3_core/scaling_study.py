@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .config import PipelineConfig
 from .manifest import cached_manifest, write_manifest
+from .pipeline.layout import RunLayout
 
 
 def subset_sizes(n_train: int, fractions: list[float]) -> list[int]:
@@ -77,7 +78,7 @@ def measure_offline(cfg: PipelineConfig, draft) -> dict:
     from .pipeline.evaluate import category
     from .target import load_target, load_tokenizer
     tok = load_tokenizer(cfg.target)
-    rows = read_rows(cfg.run_dir / "prompts" / "eval.parquet")
+    rows = read_rows(RunLayout(cfg.run_dir).prompts_eval)
     prompts = [prompt_ids(tok, r["messages"]) for r in rows]
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     report = measure(TargetRunner(load_target(cfg.target), draft.shape.aux_layer_ids),
@@ -89,7 +90,7 @@ def measure_offline(cfg: PipelineConfig, draft) -> dict:
 def study_sizes(cfg: PipelineConfig, fractions: list[float]) -> list[int]:
     """subset_sizes of the train split of cfg.run_dir/features (sample count only; no shard is read)."""
     from .features import load_samples
-    n = len(load_samples(cfg.run_dir / "features", verify=False))
+    n = len(load_samples(RunLayout(cfg.run_dir).features, verify=False))
     return subset_sizes(n - int(n * cfg.train.eval_frac), fractions)
 
 

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from ..config import PipelineConfig, load_config
 from ..extract import HFExtractor
 from ..manifest import read_manifest, write_manifest
+from ..pipeline.layout import RunLayout
 from .launch import die_with_parent, emit_line, run_torchrun
 
 _FORWARD, _HEAD, _STOP = "forward", "head", "stop"
@@ -119,8 +120,8 @@ def run_worker(cfg: PipelineConfig, log=print) -> dict | None:
         return None
     leader = Leader(inner)
     try:
-        rows = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
-        manifest = extract_features(leader, rows, cfg.run_dir / "features", inner.aux_layer_ids, f.shard_samples,
+        rows = pq.read_table(RunLayout(cfg.run_dir).tokenized_train).to_pylist()
+        manifest = extract_features(leader, rows, RunLayout(cfg.run_dir).features, inner.aux_layer_ids, f.shard_samples,
                                     f.batch_tokens, store_format=f.format, log=log, target=cfg.target.model_dump(),
                                     writer_threads=f.writer_threads)
     finally:
@@ -140,7 +141,7 @@ def run_features_tp(cfg: PipelineConfig, log=print, **rdzv) -> dict:
     f = cfg.features
     if f.backend != "hf_tp":
         raise ValueError(f"run_features_tp needs features.backend 'hf_tp', got {f.backend!r}")
-    out, key = cfg.run_dir / "features", features_key(cfg)
+    out, key = RunLayout(cfg.run_dir).features, features_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)) and not bad_shards(out, m["shards"]):
         return m
     out.mkdir(parents=True, exist_ok=True)
