@@ -82,3 +82,11 @@ def test_the_run_layout_and_stage_dirs_read_the_stage_table(tmp_path):
             run.deploy_llama_cpp, run.deploy_sglang] == [tmp_path / d for d in STAGE_DIRS.values()]
     for s in STAGES.values():
         assert set(s.upstream) <= set(STAGES), (s.name, s.upstream)
+
+
+def test_fault_injection_lives_with_the_tests():
+    """Faults are injected by tests/fault_site (sitecustomize on a subprocess's PYTHONPATH), never by production
+    code: no fault variable or injector in eagle3_core/ or tasks/."""
+    found = [f"{p.relative_to(ROOT)}: {word}" for p in _py_files("eagle3_core", "tasks")
+             for word in ("EAGLE3_FAULT_INJECT", "maybe_fail", "tasks.faults", "InjectedFault") if word in p.read_text()]
+    assert not found, found
