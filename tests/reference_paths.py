@@ -5,11 +5,23 @@ benchmarks that measure the speed-up (benchmarks/ put tests/ on sys.path).
 - `reference_ttt_loss`: the former TTT step of ttt.ttt_loss: RoPE tables and weight casts at every step, and the
   loss from the teacher's fp32 probabilities (`soft_cross_entropy`) instead of its logits
   (ttt.SoftCrossEntropyFromLogits). Same loss, metrics and gradients up to rounding (tests/test_ttt.py).
+- `write_shard_concat` / `concatenating_writer`: the former shard writer: the pieces concatenated (one copy) and
+  serialized by `safetensors.torch.save` (another, made holding the GIL), then the same file contract as
+  shard_writer.write_shard_parts (temporary file, fsync, rename). safetensors reads the same tensors and metadata
+  back from both (tests/test_features.py).
 """
 from __future__ import annotations
 
-import torch
+import contextlib
+import hashlib
+import os
+import threading
+from pathlib import Path
 
+import torch
+from safetensors.torch import save
+
+from eagle3_core import shard_writer
 from eagle3_core.ttt import shift_left, supervised, trim_start
 
 
@@ -81,3 +93,29 @@ def reference_ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_
             stats["chain"].append(chain.sum())
             stats["loss"].append(loss_k.detach())
     return total, {k: torch.stack(v) for k, v in stats.items()}
+
+
+def write_shard_concat(path: Path, parts: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> tuple[str, int]:
+    """shard_writer.write_shard_parts by the former writer (module docstring): same arguments, a file safetensors
+    reads back to the same tensors and metadata; returns (sha256 hex of its bytes, size in bytes)."""
+    data = save({k: torch.cat(v) for k, v in parts.items()}, metadata=metadata)
+    sha = hashlib.sha256(data).hexdigest()
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{threading.get_ident()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return sha, len(data)
+
+
+@contextlib.contextmanager
+def concatenating_writer():
+    """Within the block, shard_writer.ShardWriter (and so features.write_shards) writes with write_shard_concat:
+    the former writer path, for benchmarks/extract_throughput.py."""
+    fast = shard_writer.write_shard_parts
+    shard_writer.write_shard_parts = write_shard_concat
+    try:
+        yield
+    finally:
+        shard_writer.write_shard_parts = fast

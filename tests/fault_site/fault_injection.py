@@ -7,6 +7,9 @@ starts, tests/test_deployments.py).
 EAGLE3_FAULT_INJECT="features:1" makes feature shard 1 raise InjectedFault, a non-transient error that task retries
 do not absorb, so the flow run fails and a flow-run retry has to re-run that shard. "generation:0:transient" raises a
 ConnectionError on the task's first attempt only (task retries absorb it). Several faults: comma-separated.
+
+`pause_mid_write` stops the shard writer half-way through one shard (SIGKILL tests: a real writer is too quick to
+kill mid-write reliably); the script of the killed process calls it (tests/test_features.py, tp_kill_worker.py).
 """
 from __future__ import annotations
 
@@ -55,3 +58,26 @@ def install() -> None:
 def pythonpath_with_injector() -> str:
     """PYTHONPATH for a subprocess that should honour EAGLE3_FAULT_INJECT: this folder first."""
     return os.pathsep.join([str(SITE_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def pause_mid_write(shard_name: str, pause) -> None:
+    """Make eagle3_core.shard_writer stop writing shard `shard_name` (e.g. 'shard_00001.safetensors') once, after
+    its header and half of its first tensor piece are in the hidden temporary file, and call pause(final path)
+    there (sleep until SIGKILLed, or briefly). Wraps shard_writer.write_all, which write_shard_parts calls once
+    per piece; the file behind a descriptor is read from /proc/self/fd (Linux)."""
+    from eagle3_core import shard_writer
+    write_all, calls, paused = shard_writer.write_all, {}, set()
+
+    def pausing(fd: int, view: memoryview) -> None:
+        tmp = Path(os.readlink(f"/proc/self/fd/{fd}"))                 # .<name>.tmp.<pid>.<thread>
+        if not tmp.name.startswith(f".{shard_name}.tmp") or tmp in paused:
+            return write_all(fd, view)
+        calls[tmp] = calls.get(tmp, 0) + 1
+        if calls[tmp] == 1:                                            # the header
+            return write_all(fd, view)
+        paused.add(tmp)
+        write_all(fd, view[:len(view) // 2])
+        pause(tmp.with_name(shard_name))
+        write_all(fd, view[len(view) // 2:])
+
+    shard_writer.write_all = pausing
