@@ -47,12 +47,6 @@ def batches_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
     return batches
 
 
-def extract_batch(model, aux_layer_ids: list[int], seqs: list[list[int]], device: str = "cpu") -> list[dict]:
-    """Run the target on right-padded `seqs`; per sample {'aux' [T, 3H_t], 'final' [T, H_t], 'target_top1' [T]}
-    on the CPU in the model's dtype (HFExtractor)."""
-    return HFExtractor(model, aux_layer_ids)(seqs)
-
-
 # ---- verification -------------------------------------------------------------------------------------------
 
 def _shard_ok(store_dir: Path, entry: dict) -> bool:
@@ -155,8 +149,7 @@ def content_key(part: list[dict], aux_layer_ids: list[int], store_format: str, t
 
 def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list[int] | None, shard_samples: int,
                      batch_tokens: int, store_format: str = "bf16", log=print, target: dict | None = None,
-                     writer_threads: int = 2, device: str | None = None,
-                     only_shards: set[int] | None = None) -> dict:
+                     writer_threads: int = 2, only_shards: set[int] | None = None) -> dict:
     """Extract and store features for tokenized `rows` ({id, input_ids, loss_mask}); resumable per shard.
 
     model: an HF causal LM (wrapped in HFExtractor) or an Extractor. aux_layer_ids None: the config's defaults.
@@ -168,8 +161,8 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     shards' files are left alone and their earlier manifest entries kept (unverified) while their content key still
     matches, and an incomplete store is no error (the caller finishes the others; the manifest says `complete`).
     Raises ValueError on an unknown format, an online store without `target` or an index in only_shards out of
-    range; RuntimeError if a full extraction (only_shards None) leaves shards missing. `device` is unused (the
-    model's).
+    range; RuntimeError if a full extraction (only_shards None) leaves shards missing. The model runs on its own
+    device.
     """
     ff.check_format(store_format)
     if store_format == "online" and target is None:

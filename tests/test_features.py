@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from eagle3_core.extract import HFExtractor
-from eagle3_core.features import extract_batch, extract_features, load_samples
+from eagle3_core.features import extract_features, load_samples
 from eagle3_core.manifest import sha256_file
 
 
@@ -56,7 +56,7 @@ def test_aux_layers_are_decoder_layer_outputs_exactly(target_model, tokenizer):
     # right padding in a batch does not change a shorter sample's features, up to fp32 rounding of other matmul
     # shapes: measured 1.5e-4 relative (3.9e-3 absolute on the first position's large values, layers 14 and 26;
     # transformers 5.24, torch 2.13 CPU), so a relative tolerance of 1e-3
-    alone = extract_batch(target_model, [1, 14, 26], [seqs[0]])[0]
+    alone = HFExtractor(target_model, [1, 14, 26])([seqs[0]])[0]
     assert torch.allclose(alone["aux"], out["aux"][0, :len(seqs[0])], rtol=1e-3, atol=1e-4)
 
 
