@@ -85,8 +85,25 @@ def test_the_run_layout_and_stage_dirs_read_the_stage_table(tmp_path):
 
 
 def test_fault_injection_lives_with_the_tests():
-    """Faults are injected by tests/fault_site (sitecustomize on a subprocess's PYTHONPATH), never by production
-    code: no fault variable or injector in eagle3_core/ or tasks/."""
+    """Faults are injected by tests/fault_site (sitecustomize on a subprocess's PYTHONPATH, or a call of the killed
+    script), never by production code: no fault variable, injector or hook in eagle3_core/ or tasks/."""
+    words = ("EAGLE3_FAULT_INJECT", "FAULT_INJECT", "maybe_fail", "tasks.faults", "InjectedFault", "_mid_write_hook",
+             "fault_site", "fault_injection")
     found = [f"{p.relative_to(ROOT)}: {word}" for p in _py_files("eagle3_core", "tasks")
-             for word in ("EAGLE3_FAULT_INJECT", "maybe_fail", "tasks.faults", "InjectedFault") if word in p.read_text()]
+             for word in words if word in p.read_text()]
     assert not found, found
+    assert not (ROOT / "tasks" / "faults.py").exists()
+
+
+def test_one_path_per_computation():
+    """No runtime switch to a former implementation in eagle3_core/ or tasks/: the former TTT step and shard
+    writer are references in tests/reference_paths.py, imported only by tests and benchmarks (the equivalence tests
+    test_ttt.test_ttt_loss_equals_the_former_step and test_features.test_zero_copy_shard_writer_matches_...)."""
+    words = ("set_fast_step", "fast_step", "zero_copy", "compile_merge = ", "reference_ttt_loss",
+             "write_shard_concat", "extract_batch")
+    found = [f"{p.relative_to(ROOT)}: {word}" for p in _py_files("eagle3_core", "tasks", "flows", "deployments")
+             for word in words if word in p.read_text()]
+    assert not found, found
+    importers = {p.parent.name for p in _py_files("eagle3_core", "tasks", "flows", "benchmarks", "tests")
+                 for _, module, _ in _imports(p) if module == "reference_paths"}
+    assert importers == {"tests", "benchmarks"}, importers
