@@ -21,6 +21,7 @@ for the reference case (100K samples, ~200M tokens, Kimi-K2.5 H=7168) per format
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -32,6 +33,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))      # the former writer: a test reference
+
+from reference_paths import concatenating_writer  # noqa: E402
 
 from eagle3_core import feature_formats as ff  # noqa: E402
 from eagle3_core.extract import HFExtractor  # noqa: E402
@@ -103,7 +107,7 @@ def writer_micro(out_dir: Path, seq: int, hidden: int, shard_seqs: int, shards: 
     bf16 rows of 8*hidden+9 bytes/token to the writer ('none': no writer, the producer's own speed). Measures how
     much the writer threads slow the thread that feeds the GPU."""
     from eagle3_core.extract import HostCopy
-    from eagle3_core.features import _shard_parts, _shard_tensors
+    from eagle3_core.features import shard_parts
     from eagle3_core.shard_writer import ShardWriter
 
     g = torch.Generator().manual_seed(0)
@@ -118,7 +122,8 @@ def writer_micro(out_dir: Path, seq: int, hidden: int, shard_seqs: int, shards: 
         d.mkdir(exist_ok=True)
         written = []
         t0 = time.perf_counter()
-        with ShardWriter(threads) as writer:
+        former = concatenating_writer() if mode == "safetensors" else contextlib.nullcontext()
+        with former, ShardWriter(threads) as writer:
             for j in range(shards):
                 for _ in range(shard_seqs * launches):
                     x.add_(1)
@@ -126,10 +131,9 @@ def writer_micro(out_dir: Path, seq: int, hidden: int, shard_seqs: int, shards: 
                 if mode == "none":
                     continue
                 pieces = [(HostCopy(host), list(range(shard_seqs)), [seq] * shard_seqs)]
-                asm = _shard_parts if mode == "zero_copy" else _shard_tensors
 
-                def build(pieces=pieces, asm=asm):
-                    return asm(part, pieces), {"ids": "[]"}
+                def build(pieces=pieces):
+                    return shard_parts(part, pieces), {"ids": "[]"}
 
                 def rotate(path, sha, n, written=written):
                     written.append((path, n))
@@ -159,7 +163,8 @@ def main() -> None:
     ap.add_argument("--out-dir", default=None, help="where shards and disk-test files go (default: a temp dir)")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="MFU denominator (H200 measured bf16 peak)")
     ap.add_argument("--writer-paths", default="zero_copy,safetensors",
-                    help="writer paths of the full writer runs: zero_copy (new), safetensors (the former one)")
+                    help="writer paths of the full writer runs: zero_copy (new), safetensors (the former one, "
+                         "tests/reference_paths.py)")
     ap.add_argument("--micro-only", action="store_true", help="only the synthetic writer micro-benchmark")
     args = ap.parse_args()
 
@@ -275,13 +280,13 @@ def main() -> None:
                 if len(written) > 2:                                    # keep the disk from filling
                     written[-3][0].unlink(missing_ok=True)
             with torch.no_grad():
-                zc = path == "zero_copy"
-                write_shards(ex, jobs[:1], fmt, args.batch * seq, args.writer_threads, lambda *a: None,
-                             zero_copy=zc)                              # warm-up
-                sync(device)
-                t0 = time.perf_counter()
-                n_tok = write_shards(ex, jobs, fmt, args.batch * seq, args.writer_threads, rotate, zero_copy=zc)
-                s = time.perf_counter() - t0
+                with concatenating_writer() if path == "safetensors" else contextlib.nullcontext():
+                    write_shards(ex, jobs[:1], fmt, args.batch * seq, args.writer_threads,
+                                 lambda *a: None)                       # warm-up
+                    sync(device)
+                    t0 = time.perf_counter()
+                    n_tok = write_shards(ex, jobs, fmt, args.batch * seq, args.writer_threads, rotate)
+                    s = time.perf_counter() - t0
             bpt[fmt] = sum(b for _, b, _ in written) / sum(t for _, _, t in written)
             tok_s = n_tok / s
             results[name] = tok_s

@@ -120,7 +120,7 @@ def train_specforge(cfg: PipelineConfig, n: int, seed: int, device: torch.device
     """SpecForge's TTT training on the study's subset of `n` samples; returns (our Eagle3Draft with its weights,
     seconds, step losses)."""
     from eagle3_core.scaling_study import nested_subset
-    from eagle3_core.stages import _fresh_draft, train_split
+    from eagle3_core.stages import fresh_draft, train_split
     from eagle3_core.trainer import epoch_batches, lr_lambda
     from eagle3_core.ttt import collate
     OnlineEagle3Model, _, _ = import_specforge()
@@ -129,7 +129,7 @@ def train_specforge(cfg: PipelineConfig, n: int, seed: int, device: torch.device
         raise ValueError("this comparison assumes train.grad_accum 1")
     train_all, _ = train_split(cfg)
     train_s = [train_all[i] for i in nested_subset(len(train_all), n, seed)]
-    ours, lm_head = _fresh_draft(cfg)
+    ours, lm_head = fresh_draft(cfg)
     model = specforge_draft(ours)
     first = collate([train_s[i] for i in epoch_batches(train_s, t, 0)[0]])
     log(f"specforge: step-0 logits equal ours on the first batch (max diff "

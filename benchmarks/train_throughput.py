@@ -32,10 +32,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))      # the former step: a test reference
 
-from eagle3_core.draft_model import DraftShape, Eagle3Draft
-from eagle3_core.trainer import compile_for_training
-from eagle3_core.ttt import ttt_loss
+from reference_paths import reference_ttt_loss  # noqa: E402
+
+from eagle3_core.draft_model import DraftShape, Eagle3Draft  # noqa: E402
+from eagle3_core.trainer import compile_for_training  # noqa: E402
+from eagle3_core.ttt import ttt_loss  # noqa: E402
 
 FULL = {"H": 4096, "nh": 32, "nkv": 8, "hd": 128, "I": 14336, "V": 128256, "N": 32000, "T": 2048}
 TINY = {"H": 64, "nh": 4, "nkv": 2, "hd": 16, "I": 128, "V": 512, "N": 256, "T": 64}
@@ -114,7 +117,8 @@ def timed(step, device: torch.device, warmup: int, iters: int) -> tuple[float, f
 
 def ours_step_fn(s: dict, inp: dict, device: torch.device, K: int, attention: str, compile_: bool,
                  fast: bool = True):
-    draft = make_draft(s, inp, device).set_attention(attention).set_fast_step(fast)
+    draft = make_draft(s, inp, device).set_attention(attention)
+    loss_fn = ttt_loss if fast else reference_ttt_loss
     if compile_:
         compile_for_training(draft)
     head_draft = inp["lm_head"][inp["vocab"]]                                  # [N, H_t] fp32
@@ -126,7 +130,7 @@ def ours_step_fn(s: dict, inp: dict, device: torch.device, K: int, attention: st
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, _ = ttt_loss(draft, batch, head_draft, K, 0.8)
+            loss, _ = loss_fn(draft, batch, head_draft, K, 0.8)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
@@ -209,9 +213,9 @@ def check_equivalence(s: dict, device: torch.device, K: int) -> None:
                                   (f"{impl} new step bf16", impl, True, True)):
         if amp and device.type != "cuda":
             continue
-        d = make_draft(small, inp, device).set_attention(attn).set_fast_step(fast)
+        d = make_draft(small, inp, device).set_attention(attn)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            loss, _ = ttt_loss(d, batch, inp["lm_head"][inp["vocab"]], K)
+            loss, _ = (ttt_loss if fast else reference_ttt_loss)(d, batch, inp["lm_head"][inp["vocab"]], K)
         loss.backward()
         out[name] = (loss.item(), torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None]))
     names = list(out)
@@ -254,8 +258,9 @@ def main() -> None:
                          "merged_flex on CUDA; merged_math on CPU, where flex has no backward)")
     ap.add_argument("--compile", default="off,on", help="our variants without/with torch.compile: off,on")
     ap.add_argument("--step", default="old,new",
-                    help="our TTT step paths: new (Eagle3Draft.set_fast_step(True): RoPE and weight casts once per "
-                         "batch, fused loss from teacher logits, compiled attention merge) and/or old (the former)")
+                    help="our TTT step paths: new (ttt.ttt_loss: RoPE and weight casts once per batch, fused loss "
+                         "from teacher logits) and/or old (the former step, tests/reference_paths.py; both with "
+                         "the attention merge compiled on CUDA)")
     ap.add_argument("--specforge", default="flex_attention",
                     help="SpecForge attention backends to measure, comma-separated ('' for none)")
     ap.add_argument("--check", action="store_true", help="first compare merged_flex with eager (loss, grads)")

@@ -47,12 +47,12 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, to
     """`messages` rendered as text by the target's chat template (reasoning given apart put back inline), with the
     row's `tools` and chat-template arguments (e.g. {'enable_thinking': False}); raises what the template raises
     (jinja2 TemplateError, transformers' ValueError for an empty conversation)."""
-    return tokenizer.apply_chat_template([_renderable(m) for m in messages], tokenize=False,
+    return tokenizer.apply_chat_template([renderable_message(m) for m in messages], tokenize=False,
                                          add_generation_prompt=add_generation_prompt, tools=tools or None,
                                          **(template_kwargs or {}))
 
 
-def _renderable(m: dict) -> dict:
+def renderable_message(m: dict) -> dict:
     """Reasoning given apart (`reasoning_content`) goes back inline as a <think> block: templates that know
     reasoning parse it out of the content, the others render it as it is instead of dropping it."""
     if m.get("role") == "assistant" and m.get("reasoning_content"):
@@ -90,7 +90,7 @@ def end_of_turn(tokenizer) -> tuple[int, str]:
     return first, tokenizer.convert_ids_to_tokens(first)
 
 
-def _split_reasoning(content: str) -> tuple[str, str]:
+def split_reasoning(content: str) -> tuple[str, str]:
     """(reasoning, visible answer) of an assistant text with an inline <think> block."""
     if THINK_CLOSE not in content:
         return "", content.strip()
@@ -133,7 +133,7 @@ def tokenize_chat(tokenizer, messages: list[dict], row_id: str, train: str = "al
         if end < 0 and not (last and truncated):
             raise MaskError(f"row {row_id}: assistant turn {i} has no end-of-turn token {eot!r} in the rendering")
         end = (len(full) if end < 0 else end) if last and truncated else end + len(eot)
-        reasoning, answer = _split_reasoning(_renderable(messages[i]).get("content") or "")
+        reasoning, answer = split_reasoning(renderable_message(messages[i]).get("content") or "")
         span = full[start:end]
         if answer not in span or (last and reasoning not in span):
             raise MaskError(f"row {row_id}: the chat template changes the assistant text it trains on in turn {i} "

@@ -111,7 +111,6 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(2 * s.hidden_size, s.num_key_value_heads * s.head_dim, bias=False)
         self.o_proj = nn.Linear(s.num_attention_heads * s.head_dim, s.hidden_size, bias=False)
         self.impl = "eager"                  # TTT attention implementation (Eagle3Draft.set_attention)
-        self.compile_merge = True            # merged impls on CUDA: compile the diagonal merge (set_fast_step)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: dict | None = None):
         """x [B, T, 2H] -> q [B, nh, T, hd], k/v [B, nkv, T, hd] with RoPE applied to q and k.
@@ -131,7 +130,8 @@ class DraftAttention(nn.Module):
         [B, nkv, Tq, hd] from step j (only the same index); query i is index T - Tq + i. Returns [B, Tq, nh*hd].
         """
         B, nh, Tq, hd = q.shape
-        out = ttt_attention(q, keys, values, self.impl, self.compile_merge)  # [B, nh, Tq, hd]
+        # merged impls on CUDA: the diagonal merge runs as one compiled graph (ttt_attention_merged)
+        out = ttt_attention(q, keys, values, self.impl, compile_merge=True)  # [B, nh, Tq, hd]
         return out.transpose(1, 2).reshape(B, Tq, nh * hd)
 
 
@@ -180,7 +180,6 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(s.hidden_size, s.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(s.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(s.vocab_size, dtype=torch.bool))
-        self.fast_step = True                # see set_fast_step
 
     def set_attention(self, impl: str) -> Eagle3Draft:
         """Choose the TTT attention implementation (eagle3_core.ttt_attention.IMPLEMENTATIONS); same results,
@@ -188,15 +187,6 @@ class Eagle3Draft(nn.Module):
         if impl not in IMPLEMENTATIONS:
             raise ValueError(f"unknown TTT attention {impl!r}; choose one of {IMPLEMENTATIONS}")
         self.midlayer.self_attn.impl = impl
-        return self
-
-    def set_fast_step(self, on: bool) -> Eagle3Draft:
-        """Switch the faster TTT step on (default) or off (the former path, kept measurable by
-        benchmarks/train_throughput.py): RoPE tables once per batch, matmul weights cast once per batch
-        (step_weights, under bf16/fp16 autocast), the loss from the teacher's logits by a fused kernel
-        (ttt.ttt_loss) and, on CUDA, the attention merge compiled. Same results up to rounding."""
-        self.fast_step = on
-        self.midlayer.self_attn.compile_merge = on
         return self
 
     def init_weights(self, seed: int) -> None:

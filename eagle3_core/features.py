@@ -47,12 +47,6 @@ def batches_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
     return batches
 
 
-def extract_batch(model, aux_layer_ids: list[int], seqs: list[list[int]], device: str = "cpu") -> list[dict]:
-    """Run the target on right-padded `seqs`; per sample {'aux' [T, 3H_t], 'final' [T, H_t], 'target_top1' [T]}
-    on the CPU in the model's dtype (HFExtractor)."""
-    return HFExtractor(model, aux_layer_ids)(seqs)
-
-
 # ---- verification -------------------------------------------------------------------------------------------
 
 def _shard_ok(store_dir: Path, entry: dict) -> bool:
@@ -91,28 +85,11 @@ def write_head(extractor, out_dir: Path, prev_target_id: str | None) -> str:
     return target_id
 
 
-def _shard_tensors(part: list[dict], pieces: list[tuple[HostCopy, list[int], list[int]]]) -> dict:
-    """Shard tensors in row order from per-batch host copies: pieces = (copy, indices into part, lengths)."""
-    rows_of: dict[int, tuple[dict, int, int]] = {}
-    for copy, idx, lens in pieces:
-        host = copy.wait()
-        for b, (i, n) in enumerate(zip(idx, lens)):
-            rows_of[i] = (host, b, n)
-    tensors = {}
-    if rows_of:
-        keys = next(iter(rows_of.values()))[0].keys()
-        tensors = {k: torch.cat([rows_of[i][0][k][rows_of[i][1], :rows_of[i][2]] for i in range(len(part))])
-                   for k in keys}
-    lengths = [len(r["input_ids"]) for r in part]
-    tensors["input_ids"] = torch.tensor([t for r in part for t in r["input_ids"]], dtype=torch.int32)
-    tensors["loss_mask"] = torch.tensor([m for r in part for m in r["loss_mask"]], dtype=torch.int8)
-    tensors["offsets"] = torch.tensor([0] + lengths, dtype=torch.long).cumsum(0)
-    return {k: v.contiguous() for k, v in tensors.items()}
-
-
-def _shard_parts(part: list[dict], pieces: list[tuple[HostCopy, list[int], list[int]]]) -> dict:
-    """As `_shard_tensors`, but each feature tensor as the list of its samples' row slices of the host copies (no
-    concatenation: shard_writer.write_shard_parts writes them to the file as they are)."""
+def shard_parts(part: list[dict], pieces: list[tuple[HostCopy, list[int], list[int]]]) -> dict:
+    """A shard's tensors in row order from per-batch host copies (pieces = (copy, indices into part, lengths)),
+    each feature tensor as the list of its samples' row slices of the host copies (no concatenation:
+    shard_writer.write_shard_parts writes them to the file as they are), plus input_ids int32 [sum T], loss_mask
+    int8 [sum T] and offsets int64 [S + 1] as one piece each."""
     rows_of: dict[int, tuple[dict, int, int]] = {}
     for copy, idx, lens in pieces:
         host = copy.wait()
@@ -130,14 +107,13 @@ def _shard_parts(part: list[dict], pieces: list[tuple[HostCopy, list[int], list[
 
 
 def write_shards(extractor, jobs: list[tuple[Path, list[dict]]], store_format: str, batch_tokens: int,
-                 writer_threads: int, on_written, zero_copy: bool = True) -> int:
+                 writer_threads: int, on_written) -> int:
     """The extraction loop: for each (shard path, rows) run the extractor on length-bucketed batches under
     `batch_tokens`, encode on the device, copy to pinned host memory, and hand the shard to the background writer,
     which checksums and writes it and then calls `on_written(path, sha256, nbytes, rows)` (from a writer thread).
-    The GPU never waits for the disk unless writer_threads + 1 shards are already queued. zero_copy: write the
-    samples' rows straight from the host copies (shard_writer.write_shard_parts); False: concatenate them and
-    serialize with safetensors.torch.save (the slower former path, kept for benchmarks/extract_throughput.py).
-    Returns the number of tokens extracted."""
+    The GPU never waits for the disk unless writer_threads + 1 shards are already queued; the samples' rows go
+    straight from the host copies to the file (shard_parts, shard_writer.write_shard_parts). Returns the number of
+    tokens extracted."""
     n_tokens = 0
     with ShardWriter(writer_threads) as writer:
         for path, part in jobs:
@@ -150,8 +126,7 @@ def write_shards(extractor, jobs: list[tuple[Path, list[dict]]], store_format: s
             n_tokens += sum(len(r["input_ids"]) for r in part)
 
             def build(part=part, pieces=pieces):
-                assemble = _shard_parts if zero_copy else _shard_tensors
-                return assemble(part, pieces), {"ids": json.dumps([r["id"] for r in part])}
+                return shard_parts(part, pieces), {"ids": json.dumps([r["id"] for r in part])}
 
             writer.submit(path, build, lambda p, sha, n, part=part: on_written(p, sha, n, part))
     return n_tokens
@@ -174,8 +149,7 @@ def content_key(part: list[dict], aux_layer_ids: list[int], store_format: str, t
 
 def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list[int] | None, shard_samples: int,
                      batch_tokens: int, store_format: str = "bf16", log=print, target: dict | None = None,
-                     writer_threads: int = 2, device: str | None = None,
-                     only_shards: set[int] | None = None) -> dict:
+                     writer_threads: int = 2, only_shards: set[int] | None = None) -> dict:
     """Extract and store features for tokenized `rows` ({id, input_ids, loss_mask}); resumable per shard.
 
     model: an HF causal LM (wrapped in HFExtractor) or an Extractor. aux_layer_ids None: the config's defaults.
@@ -187,8 +161,8 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     shards' files are left alone and their earlier manifest entries kept (unverified) while their content key still
     matches, and an incomplete store is no error (the caller finishes the others; the manifest says `complete`).
     Raises ValueError on an unknown format, an online store without `target` or an index in only_shards out of
-    range; RuntimeError if a full extraction (only_shards None) leaves shards missing. `device` is unused (the
-    model's).
+    range; RuntimeError if a full extraction (only_shards None) leaves shards missing. The model runs on its own
+    device.
     """
     ff.check_format(store_format)
     if store_format == "online" and target is None:

@@ -4,7 +4,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-STAGES = ["prompts", "generations", "tokenized", "features", "vocab", "draft", "eval", "deploy_llama_cpp"]
+from .pipeline.layout import RunLayout
+from .pipeline.table import STAGE_DIRS
+
+# directories of the stages a finished run has (deploy-sglang is optional: it runs on GPU hosts only)
+STAGES = [d for name, d in STAGE_DIRS.items() if name != "deploy-sglang"]
 
 
 def collect(run_dir: Path) -> dict:
@@ -27,7 +31,7 @@ def collect(run_dir: Path) -> dict:
         "stage_seconds": {s: round(m[s]["seconds"], 1) for s in STAGES},
         "eval": ev,
         "llama_cpp": m["deploy_llama_cpp"].get("summary"),
-        "sglang": _optional_manifest(Path(run_dir) / "deploy_sglang" / "manifest.json").get("verdict"),
+        "sglang": _optional_manifest(RunLayout(run_dir).manifest("deploy-sglang")).get("verdict"),
         "sampling": compare_sampling(m["generations"].get("sampling"), m["eval"].get("sampling")),
     }
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .config import PipelineConfig
 from .manifest import cached_manifest, write_manifest
+from .pipeline.layout import RunLayout
 
 
 def subset_sizes(n_train: int, fractions: list[float]) -> list[int]:
@@ -61,8 +62,9 @@ def predict(trend: dict, samples: int, measured_max: int) -> dict:
 def size_key(cfg: PipelineConfig, n: int, seed: int) -> str:
     """Inputs key of one size: the training stage's key (features, vocab, recipe), the size, the subset seed, the
     eval settings and the held-out prompts."""
-    from .stages import _key, _upstream, train_key
-    return _key(train_key(cfg), n, seed, cfg.eval, _upstream(cfg.run_dir, "prompts")["inputs_key"])
+    from .pipeline.keys import stage_key, upstream_manifest
+    from .pipeline.train import train_key
+    return stage_key(train_key(cfg), n, seed, cfg.eval, upstream_manifest(cfg.run_dir, "prompts")["inputs_key"])
 
 
 def measure_offline(cfg: PipelineConfig, draft) -> dict:
@@ -73,22 +75,22 @@ def measure_offline(cfg: PipelineConfig, draft) -> dict:
     from .evaluate import SpecRun, measure
     from .prompts import read_rows
     from .speculate import TargetRunner
-    from .stages import _category
+    from .pipeline.evaluate import category
     from .target import load_target, load_tokenizer
     tok = load_tokenizer(cfg.target)
-    rows = read_rows(cfg.run_dir / "prompts" / "eval.parquet")
+    rows = read_rows(RunLayout(cfg.run_dir).prompts_eval)
     prompts = [prompt_ids(tok, r["messages"]) for r in rows]
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     report = measure(TargetRunner(load_target(cfg.target), draft.shape.aux_layer_ids),
                      {"draft": SpecRun(draft.eval(), cfg.eval.num_draft_steps)}, prompts,
-                     [_category(r) for r in rows], cfg.eval.max_new_tokens, eos, cfg.eval.tie_gap)
+                     [category(r) for r in rows], cfg.eval.max_new_tokens, eos, cfg.eval.tie_gap)
     return report["draft"]
 
 
 def study_sizes(cfg: PipelineConfig, fractions: list[float]) -> list[int]:
     """subset_sizes of the train split of cfg.run_dir/features (sample count only; no shard is read)."""
     from .features import load_samples
-    n = len(load_samples(cfg.run_dir / "features", verify=False))
+    n = len(load_samples(RunLayout(cfg.run_dir).features, verify=False))
     return subset_sizes(n - int(n * cfg.train.eval_frac), fractions)
 
 
@@ -101,7 +103,7 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     paired comparisons), seconds}. Raises ValueError if `n`
     exceeds the training samples."""
     from .checkpoint import export_draft, load_draft
-    from .stages import _fresh_draft, claim_training_dir, train_split
+    from .pipeline.train import claim_training_dir, fresh_draft, train_split
     from .trainer import train
 
     out = cfg.run_dir / "scaling" / f"n_{n}"
@@ -113,7 +115,7 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     if n > len(train_all):
         raise ValueError(f"scaling size {n} > {len(train_all)} training samples in {cfg.run_dir / 'features'}")
     train_s = [train_all[i] for i in nested_subset(len(train_all), n, seed)]
-    draft, lm_head = _fresh_draft(cfg)
+    draft, lm_head = fresh_draft(cfg)
     claim_training_dir(out, key)
     summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log)
     export = export_draft(load_draft(out / "best"), out / "export")

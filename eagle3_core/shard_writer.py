@@ -1,13 +1,12 @@
 """Background shard writing: safetensors shards checksummed and written by worker threads while the extractor
 keeps the GPU busy.
 
-Two writers of the same format (safetensors, readable by `safetensors.safe_open`):
-- `write_shard_parts` (used by the extractor): the header is built by hand and each tensor's bytes go from the
-  pinned host buffers they were copied into straight to the file, piece by piece, hashed on the way. No copy of
-  the shard is made in memory, and the thread holds the GIL only for bookkeeping: the big operations (write,
-  sha256 update, fsync) release it, so the thread launching GPU kernels is never starved.
-- `write_shard`: `safetensors.torch.save` of whole tensors (two full in-memory copies, made holding the GIL);
-  kept for small files and as the baseline of benchmarks/extract_throughput.py.
+`write_shard_parts` writes the format safetensors reads (`safetensors.safe_open`) without serializing a copy: the
+header is built by hand and each tensor's bytes go from the pinned host buffers they were copied into straight to
+the file, piece by piece, hashed on the way. No copy of the shard is made in memory, and the thread holds the GIL
+only for bookkeeping: the big operations (write, sha256 update, fsync) release it, so the thread launching GPU
+kernels is never starved. (The former writer, `safetensors.torch.save` of concatenated tensors, is the reference
+of tests/test_features.py and benchmarks/extract_throughput.py: tests/reference_paths.py.)
 
 A shard becomes visible only complete: bytes go to a hidden temporary file, fsync, then rename to its final name;
 only after that is it reported (`on_written`) and listed in the store's manifest. A process killed at any moment
@@ -24,12 +23,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
-
-# Fault injection for tests only (tests/test_features.py, SIGKILL during a write): called with the shard path after
-# half of its bytes are written. None in normal use.
-_mid_write_hook: Callable[[Path], None] | None = None
-
 
 # safetensors dtype names (the format's spec, safetensors/src/tensor.rs `Dtype`)
 _DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -61,8 +54,9 @@ def safetensors_header(layout: list[tuple[str, torch.dtype, list[int], int]], me
     return len(text).to_bytes(8, "little") + text
 
 
-def _write_all(fd: int, view: memoryview) -> None:
-    while len(view):                                                   # write() may be partial (e.g. > 2 GiB)
+def write_all(fd: int, view: memoryview) -> None:
+    """Write all of `view` to file descriptor `fd` (os.write may write less, e.g. above 2 GiB)."""
+    while len(view):
         view = view[os.write(fd, view):]
 
 
@@ -70,8 +64,8 @@ def write_shard_parts(path: Path, parts: dict[str, list[torch.Tensor]], metadata
     """Write a safetensors shard atomically from pieces; returns (sha256 hex of its bytes, size in bytes).
 
     parts: name -> contiguous CPU tensors of one dtype and the same trailing shape, stored concatenated along
-    dim 0 (e.g. the row slices of each sample in pinned host buffers). Same file contract as `write_shard`:
-    temporary file, fsync, rename. Raises ValueError on pieces of mixed dtype or trailing shape."""
+    dim 0 (e.g. the row slices of each sample in pinned host buffers). Temporary file, fsync, rename (module
+    docstring). Raises ValueError on pieces of mixed dtype or trailing shape."""
     layout, views = [], []
     for name, pieces in parts.items():
         first = pieces[0]
@@ -87,17 +81,9 @@ def write_shard_parts(path: Path, parts: dict[str, list[torch.Tensor]], metadata
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{threading.get_ident()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        written, half = 0, total // 2
         for v in [memoryview(head), *views]:
-            at_half = _mid_write_hook is not None and written <= half < written + len(v)
-            cut = half - written if at_half else 0
-            if at_half:                                                # fault injection (tests) half-way
-                sha.update(v[:cut])
-                _write_all(fd, v[:cut])
-                _mid_write_hook(path)
-            sha.update(v[cut:])                                        # releases the GIL (large buffers)
-            _write_all(fd, v[cut:])
-            written += len(v)
+            sha.update(v)                                              # releases the GIL (large buffers)
+            write_all(fd, v)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -105,27 +91,10 @@ def write_shard_parts(path: Path, parts: dict[str, list[torch.Tensor]], metadata
     return sha.hexdigest(), total
 
 
-def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[str, int]:
-    """Write a safetensors shard atomically; returns (sha256 hex of its bytes, size in bytes)."""
-    data = save(tensors, metadata=metadata)
-    sha = hashlib.sha256(data).hexdigest()
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{threading.get_ident()}")
-    with open(tmp, "wb") as f:
-        view = memoryview(data)
-        f.write(view[:len(data) // 2])
-        if _mid_write_hook is not None:
-            _mid_write_hook(path)
-        f.write(view[len(data) // 2:])
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return sha, len(data)
-
-
 class ShardWriter:
-    """A pool of `threads` writer threads. `submit(path, build, on_written)` runs `build() -> (tensors, metadata)`
-    and writes the shard on a worker (`write_shard_parts` when the values of `tensors` are lists of pieces,
-    `write_shard` when they are tensors), then calls `on_written(path, sha256, nbytes)` there. At most threads + 1
+    """A pool of `threads` writer threads. `submit(path, build, on_written)` runs `build() -> (parts, metadata)`
+    and writes the shard on a worker (`write_shard_parts`: parts maps each name to a list of pieces), then calls
+    `on_written(path, sha256, nbytes)` there. At most threads + 1
     shards are in flight (bounding host memory): `submit` blocks beyond that. A worker's exception is raised in the
     caller at the next `submit` or at `close`."""
 
@@ -136,9 +105,8 @@ class ShardWriter:
 
     def _run(self, path: Path, build, on_written) -> None:
         try:
-            tensors, metadata = build()
-            pieces = tensors and isinstance(next(iter(tensors.values())), list)
-            sha, n = (write_shard_parts if pieces else write_shard)(path, tensors, metadata)
+            parts, metadata = build()
+            sha, n = write_shard_parts(path, parts, metadata)
             if on_written is not None:
                 on_written(path, sha, n)
         finally:

@@ -23,11 +23,11 @@ import json
 
 from .data import (
     MaskError,
-    render_chat,
-    _renderable,
-    _split_reasoning,
     assistant_content,
     end_of_turn,
+    render_chat,
+    renderable_message,
+    split_reasoning,
     tokenize_chat,
 )
 from .serving.client import TOKEN_ID_APIS
@@ -58,7 +58,7 @@ def strips_history_reasoning(tokenizer, messages: list[dict], tools=None, templa
     full = render_chat(tokenizer, messages, add_generation_prompt=False, tools=tools, template_kwargs=template_kwargs)
     turns = [m for m in messages if m.get("role") == "assistant"][:-1]
     for m in turns:
-        reasoning, _ = _split_reasoning(_renderable(m).get("content") or "")
+        reasoning, _ = split_reasoning(renderable_message(m).get("content") or "")
         if reasoning and reasoning not in full:
             return True
     return False

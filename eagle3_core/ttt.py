@@ -54,30 +54,6 @@ def trim_start(loss_mask: torch.Tensor, ttt_length: int) -> int:
     return max(0, int(first.min()) - ttt_length - 1)
 
 
-class SoftCrossEntropy(torch.autograd.Function):
-    """sum_rows weight * CE(p, softmax(logits)) with CE = logsumexp(logits) - sum_n p_n logits_n (equal to
-    -sum_n p_n log_softmax(logits)_n because every teacher row sums to 1, or is 0 where weight is 0).
-
-    Fused by hand: saves only the logits (their own dtype, bf16 under autocast) and the row log-sum-exp instead
-    of fp32 log-probabilities, and the backward is one expression, (softmax(logits) - p) * weight.
-    logits [..., N] any float dtype; p [..., N] fp32/fp64 (no gradient); weight [...] (no gradient). Scalar out.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, p, weight):
-        lf = logits.to(p.dtype)
-        lse = torch.logsumexp(lf, dim=-1)                                   # [...]
-        ce = lse - (p * lf).sum(-1)
-        ctx.save_for_backward(logits, p, weight, lse)
-        return (ce * weight).sum()
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, p, weight, lse = ctx.saved_tensors
-        g = (logits.to(p.dtype) - lse[..., None]).exp_().sub_(p).mul_((weight * grad)[..., None])
-        return g.to(logits.dtype), None, None
-
-
 def _ce_from_teacher_logits(logits, z, z_lse, weight):
     """Forward of SoftCrossEntropyFromLogits: (sum_rows weight * CE, row log-sum-exp of the draft logits)."""
     lf = logits.to(z_lse.dtype)
@@ -107,9 +83,12 @@ def _ce_kernels(cuda: bool):
 
 
 class SoftCrossEntropyFromLogits(torch.autograd.Function):
-    """As SoftCrossEntropy, with the teacher given by its logits z and their row log-sum-exp z_lse instead of
-    probabilities: p = exp(z - z_lse) is recomputed inside the fused forward and backward (bit-for-bit the fp32
-    softmax of z up to the last ulp), so no [.., N] fp32 teacher tensor is read or stored.
+    """sum_rows weight * CE(p, softmax(logits)) with CE = logsumexp(logits) - sum_n p_n logits_n (equal to
+    -sum_n p_n log_softmax(logits)_n because every teacher row sums to 1, or is 0 where weight is 0), the teacher
+    given by its logits z and their row log-sum-exp z_lse: p = exp(z - z_lse) is recomputed inside the fused
+    forward and backward (bit-for-bit the fp32 softmax of z up to the last ulp), so no [.., N] fp32 teacher tensor
+    is read or stored; the backward is one expression, (softmax(logits) - p) * weight. (The reference it is
+    checked against, the loss from teacher probabilities: tests/reference_paths.py.)
     logits [..., N] (bf16 under autocast); z [..., N] any float dtype (bf16 teacher logits); z_lse [...] fp32
     (fp64 in tests); weight [...] in z_lse's dtype. Scalar out in z_lse's dtype."""
 
@@ -124,16 +103,6 @@ class SoftCrossEntropyFromLogits(torch.autograd.Function):
     def backward(ctx, grad):
         _, bwd = _ce_kernels(grad.is_cuda)
         return bwd(*ctx.saved_tensors, grad), None, None, None
-
-
-def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over positions where `mask` of the soft cross-entropy -sum_n p_n log softmax(logits)_n (nats).
-
-    logits [B, T, N]; p [B, T, N] teacher probabilities (rows sum to 1 where mask); mask [B, T] bool.
-    Returns a scalar in p's dtype; 0 when the mask is empty.
-    """
-    weight = mask.to(p.dtype) / mask.sum().clamp(min=1)
-    return SoftCrossEntropy.apply(logits, p, weight)
 
 
 def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: int, step_weight: float = 0.8,
@@ -151,22 +120,16 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
     B, T = ids.shape
     positions = torch.arange(T, device=ids.device).expand(B, T)
     in_vocab = draft.t2d[top1]                                             # [B, T] target argmax in draft vocab
-    fast = getattr(draft, "fast_step", False)
     loss_dtype = _loss_dtype(batch["final"].dtype)
     with torch.no_grad():
         # the teacher once for all steps; padded so that step k's view is a slice
         z = batch["final"] @ target_head_draft.T                           # [B, T, N] z_t[draft vocab]
         z = torch.cat([z, z.new_zeros(B, ttt_length + 1, z.shape[-1])], dim=1)
-        if fast:                                                           # logits (bf16 on GPU) + row lse
-            z_lse = z.to(loss_dtype).logsumexp(-1)                         # [B, T + K + 1]
-        else:                                                              # probabilities, fp32 (fp64 in tests)
-            p_target = z.to(loss_dtype).softmax(-1)
-            p_target[:, T:] = 0
-    weights = None
-    if fast:
-        cos, sin = draft.rope(torch.arange(T + ttt_length, device=ids.device).expand(B, -1))  # once per batch
-        dt = torch.get_autocast_dtype(ids.device.type) if torch.is_autocast_enabled(ids.device.type) else None
-        weights = draft.step_weights(dt) if dt is not None else None      # cast once, not at every step
+        z_lse = z.to(loss_dtype).logsumexp(-1)                             # [B, T + K + 1] teacher row lse
+    # RoPE tables and the bf16/fp16 casts of the step's matmul weights once per batch, not at every step
+    cos, sin = draft.rope(torch.arange(T + ttt_length, device=ids.device).expand(B, -1))   # [B, T + K, hd]
+    dt = torch.get_autocast_dtype(ids.device.type) if torch.is_autocast_enabled(ids.device.type) else None
+    weights = draft.step_weights(dt) if dt is not None else None
     hidden = draft.fuse(batch["aux"])                                      # [B, T, H]
     start = trim_start(mask, ttt_length) if trim else 0
     cache_k, cache_v = [], []
@@ -178,19 +141,13 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
         if k == 1 and start:
             hidden, chain = hidden[:, start:], chain[:, start:]
         tokens = shift_left(ids, 1 + k)[:, s0:]                            # x_{t+1+k}
-        if fast:
-            hidden, logits = draft.step(tokens, hidden, (positions + k)[:, s0:], cache_k, cache_v,
-                                        rope=(cos[:, k + s0:k + T], sin[:, k + s0:k + T]), weights=weights)
-        else:
-            hidden, logits = draft.step(tokens, hidden, (positions + k)[:, s0:], cache_k, cache_v)
+        hidden, logits = draft.step(tokens, hidden, (positions + k)[:, s0:], cache_k, cache_v,
+                                    rope=(cos[:, k + s0:k + T], sin[:, k + s0:k + T]), weights=weights)
         m_step = supervised(mask, k)[:, s0:]                               # x_{t+2+k} is supervised
         m_loss = m_step & shift_left(in_vocab, 1 + k, False)[:, s0:]
-        if fast:                                                           # teacher z_{t+1+k}[draft vocab], views
-            weight = m_loss.to(loss_dtype) / m_loss.sum().clamp(min=1)
-            loss_k = SoftCrossEntropyFromLogits.apply(logits, z[:, 1 + k + s0:1 + k + T],
-                                                      z_lse[:, 1 + k + s0:1 + k + T], weight)
-        else:
-            loss_k = soft_cross_entropy(logits, p_target[:, 1 + k + s0:1 + k + T], m_loss)
+        weight = m_loss.to(loss_dtype) / m_loss.sum().clamp(min=1)         # mean over supervised positions
+        loss_k = SoftCrossEntropyFromLogits.apply(logits, z[:, 1 + k + s0:1 + k + T],    # teacher z_{t+1+k}: views
+                                                  z_lse[:, 1 + k + s0:1 + k + T], weight)
         total = total + (step_weight ** k) * loss_k
         with torch.no_grad():
             pred = draft.draft_to_target(logits.argmax(-1))                # [B, Tq] target ids

@@ -90,8 +90,3 @@ async def regenerate_row(messages: list[dict], max_turns: int | None, ask: Ask) 
             break
     return {**data, "messages": out, "completion_tokens": tokens_sum, "attempts": attempts_sum,
             "turn_requests": len(turns), "turns": json.dumps(turns), "server": turns[-1]["server"]}
-
-
-def regenerated_indices(row: dict) -> list[int]:
-    """Message indices the target wrote in a generation row of turn-by-turn mode ([] for other rows)."""
-    return [t["index"] for t in json.loads(row.get("turns") or "[]")]

@@ -20,6 +20,7 @@ from eagle3_core.distributed.extract_workers import run_features_distributed
 from eagle3_core.distributed.launch import run_torchrun
 from eagle3_core.distributed.tp_extract import run_features_tp
 from eagle3_core.manifest import read_manifest
+from eagle3_core.pipeline.layout import RunLayout
 
 
 @task(name="torchrun", cache_policy=NO_CACHE, tags=["gpu"])
@@ -34,7 +35,7 @@ def torchrun_task(args: list[str], nproc_per_node: int, log_file: str | None = N
 def train_ddp_task(config: PipelineConfig, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
                    rdzv_endpoint: str | None = None) -> dict:
     """The train stage on `nproc_per_node` GPUs (x `nnodes` hosts) with DDP; returns the draft manifest."""
-    out = config.run_dir / "draft"
+    out = RunLayout(config.run_dir).draft
     out.mkdir(parents=True, exist_ok=True)
     cfg_file = out / "ddp_config.json"
     cfg_file.write_text(config.model_dump_json())

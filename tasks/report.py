@@ -9,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3_core import report
 from eagle3_core.config import PipelineConfig
+from eagle3_core.pipeline.layout import RunLayout
 from tasks.artifacts import publish_report, run_key
 from tasks.logs import run_log
 
@@ -23,7 +24,7 @@ def report_task(config: PipelineConfig) -> dict:
         md = report.markdown(summary)
         (config.run_dir / "report.md").write_text(md)
         (config.run_dir / "report.json").write_text(json.dumps(summary, indent=2))
-        history = json.loads((config.run_dir / "draft" / "manifest.json").read_text())["history"]
+        history = json.loads((RunLayout(config.run_dir).manifest("train")).read_text())["history"]
         publish_report(summary, md, history, config.run_dir)
         create_markdown_artifact(report.plots_markdown_inline(summary["plots"], config.run_dir),
                                  key=run_key(config.run_dir, "eagle3-plots"),

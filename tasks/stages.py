@@ -14,7 +14,6 @@ from eagle3_core import report, stages
 from eagle3_core.config import PipelineConfig
 from tasks.artifacts import RequestProgress, progress_callback
 from tasks.cache import stage_cache
-from tasks.faults import maybe_fail
 from tasks.logs import run_log
 from tasks.retry import RETRY_OPTIONS, retry_if_transient
 
@@ -43,7 +42,6 @@ def generation_shard_task(config: PipelineConfig, shard: int, urls: list[str] | 
     """Regenerate one shard of train prompts on the servers at `urls` (run_generation_shard); a progress artifact
     `generation-shard-<k>-progress-<run>` moves every generation.progress_interval_s."""
     with run_log() as log:
-        maybe_fail("generation", shard)
         progress = RequestProgress(config.run_dir, f"generation-shard-{shard}")
         return stages.run_generation_shard(config, shard, log=log.info, urls=urls, on_progress=progress.update)
 
@@ -65,7 +63,6 @@ def tokenize_task(config: PipelineConfig) -> dict:
 def features_shard_task(config: PipelineConfig, shard: int) -> dict:
     """The target's aux hidden states for one shard of samples (run_features_shard)."""
     with run_log() as log:
-        maybe_fail("features", shard)
         return stages.run_features_shard(config, shard, log=log.info)
 
 

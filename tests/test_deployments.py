@@ -15,7 +15,7 @@ from prefect.states import State
 from deployments.limits import GPU_TAG, ensure_gpu_limit
 from deployments.serve import NIGHTLY_CRON, runner_deployments
 from prefect_api import states_by_name, task_runs
-from tasks.faults import FAULT_ENV
+from fault_site.fault_injection import FAULT_ENV, pythonpath_with_injector
 
 
 def _serve_once(deployments) -> None:
@@ -105,6 +105,7 @@ def test_failed_shard_reruns_alone_when_the_flow_run_is_retried(deployments, e2e
 
     # the same with a non-retryable fault in shard 1 (test-only fault injector): the flow run fails
     cfg = _features_cfg(e2e_run, tmp_path / "retried")
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with_injector())   # the served flow run loads the injector
     monkeypatch.setenv(FAULT_ENV, "features:1")
     run_id = asyncio.run(_trigger(features.id, {"config": cfg.model_dump(mode="json")}))
     _serve_once(deployments)

@@ -6,12 +6,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from eagle3_core.extract import HFExtractor
-from eagle3_core.features import extract_batch, extract_features, load_samples
+from eagle3_core.features import extract_features, load_samples
 from eagle3_core.manifest import sha256_file
 
 
@@ -55,7 +56,7 @@ def test_aux_layers_are_decoder_layer_outputs_exactly(target_model, tokenizer):
     # right padding in a batch does not change a shorter sample's features, up to fp32 rounding of other matmul
     # shapes: measured 1.5e-4 relative (3.9e-3 absolute on the first position's large values, layers 14 and 26;
     # transformers 5.24, torch 2.13 CPU), so a relative tolerance of 1e-3
-    alone = extract_batch(target_model, [1, 14, 26], [seqs[0]])[0]
+    alone = HFExtractor(target_model, [1, 14, 26])([seqs[0]])[0]
     assert torch.allclose(alone["aux"], out["aux"][0, :len(seqs[0])], rtol=1e-3, atol=1e-4)
 
 
@@ -169,8 +170,8 @@ KILL_SCRIPT = r"""
 import sys, time, torch
 from pathlib import Path
 from transformers import AutoModelForCausalLM
-from eagle3_core import shard_writer
 from eagle3_core.features import extract_features
+from fault_site.fault_injection import pause_mid_write
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
 out = Path(sys.argv[2])
 g = torch.Generator().manual_seed(0)
@@ -178,13 +179,12 @@ rows = [{"id": f"s{i}", "input_ids": torch.randint(0, 128, (12 + i,), generator=
          "loss_mask": [0] * 6 + [1] * (6 + i)} for i in range(6)]
 
 def pause(path):
-    # fault injection (a real writer is too quick to kill mid-write reliably): signal the test, then hang
-    # half-way through writing the second shard until the test SIGKILLs this process
-    if path.name == "shard_00001.safetensors":
-        (out / "KILL_ME").write_text("now")
-        time.sleep(120)
+    # signal the test, then hang half-way through writing the second shard until the test SIGKILLs this process
+    (out / "KILL_ME").write_text("now")
+    time.sleep(120)
 
-shard_writer._mid_write_hook = None if sys.argv[3] == "clean" else pause
+if sys.argv[3] != "clean":
+    pause_mid_write("shard_00001.safetensors", pause)          # test-only fault injection (tests/fault_site)
 m = extract_features(model, rows, out, [1, 3, 4], shard_samples=2, batch_tokens=64, writer_threads=1)
 print(m["shards_extracted"])
 """
@@ -195,7 +195,7 @@ def test_sigkill_during_a_shard_write_leaves_no_bad_shard_in_the_manifest(tmp_pa
     out = tmp_path / "store"
     script = tmp_path / "extract.py"
     script.write_text(KILL_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(os.getcwd())}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), str(Path(__file__).resolve().parent)])}
     proc = spawned(subprocess.Popen([sys.executable, str(script), str(tiny_llama_dir), str(out), "kill"], env=env))
     deadline = time.monotonic() + 120
     while not (out / "KILL_ME").exists():
@@ -223,10 +223,12 @@ def test_sigkill_during_a_shard_write_leaves_no_bad_shard_in_the_manifest(tmp_pa
 
 def test_zero_copy_shard_writer_matches_safetensors_save(tmp_path):
     """write_shard_parts (hand-built header, pieces written as they are) gives a file safetensors reads back to
-    the concatenated tensors and metadata, with the sha256 and size it reports; so does the former writer."""
+    the concatenated tensors and metadata, with the sha256 and size it reports; so does the former writer
+    (safetensors.torch.save of the concatenated tensors, tests/reference_paths.py)."""
+    from reference_paths import write_shard_concat
     from safetensors import safe_open
 
-    from eagle3_core.shard_writer import write_shard, write_shard_parts
+    from eagle3_core.shard_writer import write_shard_parts
     g = torch.Generator().manual_seed(0)
     lengths = (5, 1, 7)
     parts = {"aux": [torch.randn(n, 12, generator=g).bfloat16() for n in lengths],
@@ -237,7 +239,7 @@ def test_zero_copy_shard_writer_matches_safetensors_save(tmp_path):
     meta = {"ids": json.dumps(["a", "b", "c"])}
     whole = {k: torch.cat(v) for k, v in parts.items()}
     for name, write in (("new", lambda p: write_shard_parts(p, parts, meta)),
-                        ("old", lambda p: write_shard(p, whole, meta))):
+                        ("old", lambda p: write_shard_concat(p, parts, meta))):
         path = tmp_path / f"{name}.safetensors"
         sha, n = write(path)
         assert sha == sha256_file(path) and n == path.stat().st_size, name

@@ -57,7 +57,7 @@ def test_llama_cpp_feeds_the_draft_the_layers_it_was_trained_on(target_model, to
     from eagle3_core.draft_model import Eagle3Draft
     from eagle3_core.target import capture
     cfg = preset("debug_tiny", tmp_path)
-    draft = Eagle3Draft(stages._draft_shape(cfg))
+    draft = Eagle3Draft(stages.draft_shape(cfg))
     draft.init_weights(0)
     ours_ids = draft.shape.aux_layer_ids
     assert ours_ids == [1, 14, 26]
@@ -91,7 +91,7 @@ def test_trained_draft_is_accepted_and_lossless_on_llama_cpp(replay, tmp_path):
 
 def test_untrained_draft_gives_tau_one_on_llama_cpp(replay, tmp_path):
     cfg, _, rows, base = replay
-    untrained, _ = stages._fresh_draft(cfg)
+    untrained, _ = stages.fresh_draft(cfg)
     export = save_draft(untrained, tmp_path / "untrained")
     draft_gguf = convert_draft(export, Path(local_model_dir(cfg.target)), tmp_path / "u.gguf")
     s = summarize(base, _serve_draft(draft_gguf, rows, tmp_path / "u.log"), LLAMA_CPP_TIE_GAP)

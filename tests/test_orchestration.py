@@ -11,9 +11,9 @@ from prefect import flow, task
 
 from eagle3_core import stages
 from eagle3_core.report import embed_images
+from fault_site.fault_injection import InjectedFault
 from prefect_api import artifacts_of, logs_of, states_by_name, task_runs
 from tasks.artifacts import run_key
-from tasks.faults import InjectedFault
 from tasks.logs import run_log
 from tasks.retry import RETRY_OPTIONS, is_transient, retry_if_transient
 

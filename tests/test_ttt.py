@@ -1,13 +1,24 @@
-"""TTT loss and metrics on cases small enough to compute by hand (the numbers below are worked out in comments)."""
+"""TTT loss and metrics on cases small enough to compute by hand (the numbers below are worked out in comments),
+and the TTT step against its reference, the former step (tests/reference_paths.py)."""
 import math
 
+import pytest
 import torch
 from conftest import tiny_draft
+from reference_paths import reference_ttt_loss, soft_cross_entropy
 
-from eagle3_core.ttt import soft_cross_entropy, summarize, ttt_loss
+from eagle3_core.ttt import SoftCrossEntropyFromLogits, collate, summarize, ttt_loss
 
 
-def test_soft_cross_entropy_and_its_gradient_by_hand():
+def _from_teacher_logits(logits, p, mask):
+    """ttt_loss's loss (SoftCrossEntropyFromLogits: the teacher as logits z = log p) with soft_cross_entropy's
+    arguments."""
+    z = p.log()                                                            # -inf where p is 0: exp gives 0 back
+    return SoftCrossEntropyFromLogits.apply(logits, z, z.logsumexp(-1), mask.to(p.dtype) / mask.sum())
+
+
+@pytest.mark.parametrize("loss_fn", [soft_cross_entropy, _from_teacher_logits], ids=["probabilities", "logits"])
+def test_soft_cross_entropy_and_its_gradient_by_hand(loss_fn):
     # row 0: draft softmax(ln[1, 2, 1]) = [1/4, 1/2, 1/4] against teacher [1/4, 1/4, 1/2]:
     #        CE = -(1/4 ln 1/4 + 1/4 ln 1/2 + 1/2 ln 1/4) = (1/2 + 1/4 + 1) ln 2 = 1.75 ln 2
     # row 1: draft uniform over 3 against teacher [1, 0, 0]: CE = ln 3
@@ -16,7 +27,7 @@ def test_soft_cross_entropy_and_its_gradient_by_hand():
                           requires_grad=True)
     p = torch.tensor([[[0.25, 0.25, 0.5], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]], dtype=torch.float64)
     mask = torch.tensor([[True, True, False]])
-    loss = soft_cross_entropy(logits, p, mask)
+    loss = loss_fn(logits, p, mask)
     assert abs(loss.item() - (1.75 * math.log(2) + math.log(3)) / 2) < 1e-12
     loss.backward()
     # d loss / d logits = (softmax - teacher) / 2 on supervised rows, 0 elsewhere
@@ -58,3 +69,33 @@ def test_ttt_loss_acc_and_tau_by_hand():
     assert m["cond_acc"] == [3 / 5, 1 / 3, 0.0]
     assert abs(m["tau_sim"] - 2.14) < 1e-12
     assert all(abs(x - math.log(50)) < 1e-12 for x in m["loss"])
+
+
+@pytest.mark.parametrize("attention", ["eager", "merged_math"])
+def test_ttt_loss_equals_the_former_step(attention):
+    """The TTT step (RoPE and weight casts once per batch, the loss from the teacher's logits) gives the former
+    step's loss, metrics and gradients (fp64, a padded batch of three samples, 3 TTT steps)."""
+    g = torch.Generator().manual_seed(5)
+    samples = []
+    for T, first in ((20, 9), (14, 4), (17, 12)):
+        mask = torch.zeros(T, dtype=torch.bool)
+        mask[first:] = True
+        samples.append({"input_ids": torch.randint(0, 100, (T,), generator=g), "loss_mask": mask,
+                        "aux": torch.randn(T, 96, generator=g, dtype=torch.float64),
+                        "final": torch.randn(T, 32, generator=g, dtype=torch.float64),
+                        "target_top1": torch.randint(0, 100, (T,), generator=g)})
+    batch = collate(samples)
+    head = torch.randn(50, 32, generator=g, dtype=torch.float64)
+    results = []
+    for loss_fn in (ttt_loss, reference_ttt_loss):
+        d = tiny_draft().double().set_attention(attention)
+        loss, stats = loss_fn(d, batch, head, 3, step_weight=0.8)
+        loss.backward()
+        results.append((loss.detach(), stats, {n: p.grad.clone() for n, p in d.named_parameters()
+                                               if p.grad is not None}))
+    (l0, s0, g0), (l1, s1, g1) = results
+    assert torch.allclose(l0, l1, rtol=1e-12, atol=0)
+    assert all(torch.equal(s0[k], s1[k]) for k in ("n", "correct", "chain"))
+    assert torch.allclose(s0["loss"], s1["loss"], rtol=1e-12, atol=0)
+    assert g0.keys() == g1.keys() and g0
+    assert all(torch.allclose(g0[n], g1[n], rtol=1e-9, atol=1e-12) for n in g0)

@@ -8,9 +8,9 @@ import time
 
 import torch.distributed as dist
 
-from eagle3_core import shard_writer
 from eagle3_core.distributed import tp_extract
 from eagle3_core.extract import HFExtractor
+from fault_site.fault_injection import pause_mid_write
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--kill-at", type=int, required=True)
@@ -27,5 +27,5 @@ def dying_forward(self, seqs):
 
 
 HFExtractor.forward = dying_forward
-shard_writer._mid_write_hook = lambda path: time.sleep(0.5) if path.name == "shard_00001.safetensors" else None
+pause_mid_write("shard_00001.safetensors", lambda path: time.sleep(0.5))
 tp_extract.main(rest)

@@ -27,6 +27,7 @@ from ..config import PipelineConfig, load_config
 from ..extract import HFExtractor
 from ..features import STORE_VERSION, write_head, bad_shards, content_key, shard_entry, write_shards
 from ..manifest import read_manifest, write_manifest
+from ..pipeline.layout import RunLayout
 from .launch import die_with_parent, emit_line, run_torchrun
 
 PARTS = "parts"
@@ -132,11 +133,11 @@ def run_worker(cfg: PipelineConfig, log=print) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
-    out = cfg.run_dir / "features"
+    out = RunLayout(cfg.run_dir).features
     model = load_target(cfg.target, device)
     f = cfg.features
     extractor = HFExtractor(model, resolve_aux_ids(f.aux_layer_ids, num_layers(model.config)))
-    rows = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
+    rows = pq.read_table(RunLayout(cfg.run_dir).tokenized_train).to_pylist()
     box = [None]
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -158,12 +159,12 @@ def run_features_distributed(cfg: PipelineConfig, nproc_per_node: int, log=print
     node_rank, rdzv_endpoint for several hosts (node 0's call returns the manifest). Every line the workers print
     goes to `log`. Raises TorchrunError if a worker fails (finished shards are kept: rerun to finish)."""
     from ..manifest import cached_manifest
-    from ..stages import features_key
+    from ..pipeline.features import features_key
     if cfg.features.backend != "hf":
         raise ValueError(f"features.backend {cfg.features.backend!r}: its ranks share one sharded target "
                          f"(tp_extract.run_features_tp); these workers each load the whole target")
-    out = cfg.run_dir / "features"
-    key = features_key(cfg)                         # the stage's own key: one definition (stages.features_key)
+    out = RunLayout(cfg.run_dir).features
+    key = features_key(cfg)                         # the stage's own key: one definition (pipeline.features)
     if (m := cached_manifest(out / "manifest.json", key)) and not bad_shards(out, m["shards"]):
         return m
     out.mkdir(parents=True, exist_ok=True)

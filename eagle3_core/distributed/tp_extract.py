@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from ..config import PipelineConfig, load_config
 from ..extract import HFExtractor
 from ..manifest import read_manifest, write_manifest
+from ..pipeline.layout import RunLayout
 from .launch import die_with_parent, emit_line, run_torchrun
 
 _FORWARD, _HEAD, _STOP = "forward", "head", "stop"
@@ -119,8 +120,8 @@ def run_worker(cfg: PipelineConfig, log=print) -> dict | None:
         return None
     leader = Leader(inner)
     try:
-        rows = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
-        manifest = extract_features(leader, rows, cfg.run_dir / "features", inner.aux_layer_ids, f.shard_samples,
+        rows = pq.read_table(RunLayout(cfg.run_dir).tokenized_train).to_pylist()
+        manifest = extract_features(leader, rows, RunLayout(cfg.run_dir).features, inner.aux_layer_ids, f.shard_samples,
                                     f.batch_tokens, store_format=f.format, log=log, target=cfg.target.model_dump(),
                                     writer_threads=f.writer_threads)
     finally:
@@ -136,11 +137,11 @@ def run_features_tp(cfg: PipelineConfig, log=print, **rdzv) -> dict:
     against their sha256). Raises TorchrunError if a rank fails (finished shards are kept: rerun to finish)."""
     from ..features import bad_shards
     from ..manifest import cached_manifest
-    from ..stages import _mark_store, features_key
+    from ..pipeline.features import features_key, mark_store
     f = cfg.features
     if f.backend != "hf_tp":
         raise ValueError(f"run_features_tp needs features.backend 'hf_tp', got {f.backend!r}")
-    out, key = cfg.run_dir / "features", features_key(cfg)
+    out, key = RunLayout(cfg.run_dir).features, features_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)) and not bad_shards(out, m["shards"]):
         return m
     out.mkdir(parents=True, exist_ok=True)
@@ -152,7 +153,7 @@ def run_features_tp(cfg: PipelineConfig, log=print, **rdzv) -> dict:
     run_torchrun(["-m", "eagle3_core.distributed.tp_extract", "--config", str(config_file)], f.tp_size // nnodes,
                  on_line=log, log_path=out / "torchrun.log", **rdzv)
     manifest = read_manifest(out / "manifest.json")
-    _mark_store(cfg, manifest)
+    mark_store(cfg, manifest)
     log(f"features: {manifest['samples']} samples, {manifest['tokens']} tokens, target sharded over {f.tp_size} "
         f"ranks ({'expert' if f.expert_parallel else 'tensor'} parallel), format {manifest['format']}, "
         f"{manifest['bytes_per_token']:.0f} bytes/token")

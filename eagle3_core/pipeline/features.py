@@ -1,0 +1,168 @@
+"""Stage `features`: the target's aux hidden states at the aux layer ids for every tokenized sample, sharded
+safetensors (features/shard_NNNNN.safetensors, the store manifest, head.json), all at once or one shard per call."""
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+
+import pyarrow.parquet as pq
+import torch
+
+from ..config import PipelineConfig
+from ..manifest import cached_manifest, read_manifest, write_manifest
+from .keys import aux_ids, stage_key, target_key, upstream_manifest
+from .layout import RunLayout
+
+
+def run_features(cfg: PipelineConfig, log=print) -> dict:
+    """Aux hidden states of the target at the aux layer ids, sharded safetensors (features/), all shards in one
+    call (the Prefect flow runs them one task per shard instead: run_features_shard, finish_features). Backend
+    'hf_tp' (a target sharded over features.tp_size GPUs): one torchrun for all shards (tp_extract.run_features_tp)."""
+    if cfg.features.backend == "hf_tp":
+        from ..distributed.tp_extract import run_features_tp
+        return run_features_tp(cfg, log)
+    from ..features import bad_shards, extract_features
+    from ..target import load_target
+    from ..target_family import num_layers
+    out = RunLayout(cfg.run_dir).features
+    key = features_key(cfg)
+    if (m := cached_manifest(out / "manifest.json", key)):
+        if not (bad := bad_shards(out, m["shards"])):            # data on disk is the source of truth
+            return m
+        log(f"features: shard(s) {bad} missing or failing their sha256; extracting them again")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_target(cfg.target, device)
+    ids = aux_ids(cfg, num_layers(model.config))
+    f = cfg.features
+    manifest = extract_features(model, tokenized_rows(cfg), out, ids, f.shard_samples, f.batch_tokens,
+                                store_format=f.format, log=log, target=cfg.target.model_dump(),
+                                writer_threads=f.writer_threads)
+    mark_store(cfg, manifest)
+    log(f"features: {manifest['samples']} samples, {manifest['tokens']} tokens, aux layers {ids}, "
+        f"format {f.format}, {manifest['bytes_per_token']:.0f} bytes/token")
+    return write_manifest(out / "manifest.json", {**manifest, "inputs_key": key})
+
+
+# the feature settings that change what the store holds; batch_tokens (how samples are batched into forwards),
+# writer_threads, backend, tp_size and expert_parallel (how the same forwards are computed and written) do not
+FEATURE_RESULT_FIELDS = ("aux_layer_ids", "max_length", "shard_samples", "format")
+
+
+def features_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the features stage: the tokenized data, the feature settings that change the stored result
+    (FEATURE_RESULT_FIELDS) and the target."""
+    return stage_key(upstream_manifest(cfg.run_dir, "tokenized")["inputs_key"],
+                cfg.features.model_dump(mode="json", include=set(FEATURE_RESULT_FIELDS)), target_key(cfg))
+
+
+def feature_shards(cfg: PipelineConfig) -> list[int]:
+    """Shard ids of the features stage: shard i holds tokenized samples [i*S, (i+1)*S), S = features.shard_samples
+    (the plan of features.extract_features)."""
+    n = upstream_manifest(cfg.run_dir, "tokenized")["samples"]
+    return list(range(-(-n // cfg.features.shard_samples)))
+
+
+def tokenized_rows(cfg: PipelineConfig) -> list[dict]:
+    return pq.read_table(RunLayout(cfg.run_dir).tokenized_train).to_pylist()
+
+
+@lru_cache(maxsize=1)
+def loaded_target(target_json: str, device: str, dtype: torch.dtype | None = None):
+    """The target, loaded once per process for all feature shards (or in-process generation shards, fp32) of a run
+    (cleared by finish_features and finish_generation). dtype None: load_target's default."""
+    from ..config import TargetConfig
+    from ..target import load_target
+    return load_target(TargetConfig.model_validate_json(target_json), device, dtype)
+
+
+def mark_store(cfg: PipelineConfig, store: dict) -> None:
+    """features/head.json: the stage inputs key and the target id (features._write_head) the store in features/
+    was last written for, so that feature_shard_done can check a shard without loading the target."""
+    write_manifest(RunLayout(cfg.run_dir).features_head,
+                   {"inputs_key": features_key(cfg), "target_id": store["target_id"]})
+
+
+def _feature_shard_entry(cfg: PipelineConfig, shard: int, rows: list[dict] | None = None) -> dict | None:
+    """The store manifest's entry of feature shard `shard` if it is complete on disk for the current inputs:
+    listed with the content key of its samples, layers, format and target, and its bytes match its sha256."""
+    from ..features import bad_shards, content_key
+    out = RunLayout(cfg.run_dir).features
+    head, store = read_manifest(RunLayout(cfg.run_dir).features_head), read_manifest(out / "manifest.json")
+    if (head is None or store is None or head.get("inputs_key") != features_key(cfg)
+            or head.get("target_id") != store.get("target_id")):
+        return None
+    name = f"shard_{shard:05d}.safetensors"
+    entry = next((e for e in store.get("shards", []) if e["file"] == name), None)
+    if entry is None:
+        return None
+    S = cfg.features.shard_samples
+    part = (rows if rows is not None else tokenized_rows(cfg))[shard * S:(shard + 1) * S]
+    if entry.get("content_key") != content_key(part, store["aux_layer_ids"], store["format"], store["target_id"]):
+        return None
+    return None if bad_shards(out, [entry]) else entry
+
+
+def feature_shard_done(cfg: PipelineConfig, shard: int) -> bool:
+    """True if feature shard `shard` is complete on disk for the current inputs (content key and sha256 match)."""
+    return _feature_shard_entry(cfg, shard) is not None
+
+
+def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
+    """Aux hidden states of one shard of tokenized samples (features/shard_{shard:05d}.safetensors, listed in
+    features/manifest.json with its sha256 and content key) via features.extract_features(only_shards={shard}).
+    Idempotent: a shard complete for the same inputs and samples is not recomputed, and the target is loaded (once
+    per process) only when one is not. Shards must run one after another (each rewrites the store manifest).
+    Returns the shard's manifest entry {shard, file, sha256, bytes, samples, tokens, ids, content_key, extracted,
+    inputs_key, seconds}. Raises ValueError for a shard id out of range, or for features.backend 'hf_tp' (its
+    ranks extract all shards in one torchrun: run_features)."""
+    from ..features import extract_features
+    if cfg.features.backend != "hf":
+        raise ValueError(f"features.backend {cfg.features.backend!r} extracts all shards in one torchrun "
+                         f"(stages.run_features / tasks.distributed.features_tp_task), not one shard per task")
+    from ..target_family import num_layers
+    want = feature_shards(cfg)
+    if shard not in want:
+        raise ValueError(f"feature shard {shard} is out of range: {cfg.run_dir}/tokenized has {len(want)} shards "
+                         f"of {cfg.features.shard_samples} samples")
+    out, key, t0 = RunLayout(cfg.run_dir).features, features_key(cfg), time.monotonic()
+    rows = tokenized_rows(cfg)
+    entry = _feature_shard_entry(cfg, shard, rows)
+    extracted = entry is None
+    if extracted:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = loaded_target(cfg.target.model_dump_json(), device)
+        f = cfg.features
+        store = extract_features(model, rows, out, aux_ids(cfg, num_layers(model.config)), f.shard_samples,
+                                 f.batch_tokens, store_format=f.format, log=log, target=cfg.target.model_dump(),
+                                 writer_threads=f.writer_threads, only_shards={shard})
+        mark_store(cfg, store)
+        entry = next(e for e in store["shards"] if e["file"] == f"shard_{shard:05d}.safetensors")
+        log(f"features: shard {shard}: {entry['samples']} samples, {entry['tokens']} tokens in "
+            f"{time.monotonic() - t0:.1f} s")
+    return {**entry, "shard": shard, "inputs_key": key, "extracted": extracted, "seconds": time.monotonic() - t0}
+
+
+def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print) -> dict:
+    """The features stage's manifest (the store manifest plus inputs_key, as run_features writes it) once every
+    shard of feature_shards has a manifest for the current inputs (any order) and is intact on disk; frees the
+    target loaded for the shards. Raises ValueError naming the shards that are missing, stale or corrupt (rerun
+    them with run_features_shard)."""
+    loaded_target.cache_clear()
+    key, want, out = features_key(cfg), feature_shards(cfg), RunLayout(cfg.run_dir).features
+    by_id = {m["shard"]: m for m in shard_manifests if m.get("inputs_key") == key}
+    rows = tokenized_rows(cfg)
+    # data on disk is the source of truth: each shard must be listed and intact for the current inputs
+    if (missing := [i for i in want if i not in by_id or _feature_shard_entry(cfg, i, rows) is None]):
+        raise ValueError(f"feature shards {missing} of {out} are missing, stale or corrupt: run them "
+                         f"(run_features_shard) before finish_features")
+    store = read_manifest(out / "manifest.json")
+    if not store.get("complete"):
+        raise ValueError(f"{out}/manifest.json does not list every shard: run the missing ones (run_features_shard)")
+    ran = [by_id[i] for i in want if by_id[i].get("extracted")]
+    seconds = sum(by_id[i]["seconds"] for i in want)
+    ran_s = sum(m["seconds"] for m in ran)
+    manifest = {**store, "shards_extracted": len(ran), "seconds": seconds,
+                "tokens_per_s": sum(m["tokens"] for m in ran) / ran_s if ran and ran_s > 0 else None}
+    log(f"features: {manifest['samples']} samples, {manifest['tokens']} tokens, aux layers "
+        f"{manifest['aux_layer_ids']}, format {manifest['format']}, {manifest['bytes_per_token']:.0f} bytes/token")
+    return write_manifest(out / "manifest.json", {**manifest, "inputs_key": key})

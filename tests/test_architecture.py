@@ -1,0 +1,109 @@
+"""The layer rules of docs/architecture.md, counted on the source (ast): small eagle3_core files, no module importing
+another module's `_private` name, no Prefect in eagle3_core, and the page's stage table equal to the code's."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from eagle3_core.pipeline.layout import RunLayout
+from eagle3_core.pipeline.table import STAGE_DIRS, STAGES
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_LINES = 400
+
+
+def _py_files(*packages: str) -> list[Path]:
+    return sorted(p for pkg in packages for p in (ROOT / pkg).rglob("*.py"))
+
+
+def _imports(path: Path) -> list[tuple[int, str, str | None]]:
+    """(line, module, imported name or None for `import module`) of every import in `path`."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            out += [(node.lineno, "." * node.level + (node.module or ""), a.name) for a in node.names]
+    return out
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_eagle3_core_file_is_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in _py_files("eagle3_core")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"eagle3_core files over {MAX_LINES} lines (split them by responsibility): {long}"
+
+
+def test_no_module_imports_another_modules_private_name():
+    found = []
+    for path in _py_files("eagle3_core", "benchmarks", "tasks", "flows"):
+        for line, module, name in _imports(path):
+            parts = module.lstrip(".").split(".") + ([name] if name else [])
+            if any(_private(p) for p in parts if p):
+                found.append(f"{path.relative_to(ROOT)}:{line}: {module} {name or ''}".strip())
+    assert not found, "imports of another module's private name (make the helper public): " + "; ".join(found)
+
+
+def test_eagle3_core_imports_no_prefect():
+    found = [f"{p.relative_to(ROOT)}:{line}" for p in _py_files("eagle3_core") for line, module, _ in _imports(p)
+             if module.split(".")[0] == "prefect"]
+    assert not found, f"eagle3_core must not import prefect (DESIGN.md layers): {found}"
+
+
+def _doc_stage_table() -> list[tuple[str, str]]:
+    """(stage, directory) of each row of docs/architecture.md's '## Stage table'."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Stage table", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    header = [c.strip().lower() for c in rows[0].strip("|").split("|")]
+    assert header[:2] == ["stage", "directory"], header
+    assert re.fullmatch(r"[|\- :]+", rows[1]), rows[1]
+    out = []
+    for line in rows[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        out.append((cells[0].strip("`"), cells[1].strip("`").rstrip("/")))
+    return out
+
+
+def test_the_architecture_pages_stage_table_is_the_codes():
+    assert _doc_stage_table() == [(s.name, s.directory) for s in STAGES.values()]
+
+
+def test_the_run_layout_and_stage_dirs_read_the_stage_table(tmp_path):
+    run = RunLayout(tmp_path)
+    assert STAGE_DIRS == {name: s.directory for name, s in STAGES.items()}
+    for name, d in STAGE_DIRS.items():
+        assert run.stage_dir(name) == tmp_path / d
+    assert [run.prompts, run.generations, run.tokenized, run.features, run.vocab, run.draft, run.eval,
+            run.deploy_llama_cpp, run.deploy_sglang] == [tmp_path / d for d in STAGE_DIRS.values()]
+    for s in STAGES.values():
+        assert set(s.upstream) <= set(STAGES), (s.name, s.upstream)
+
+
+def test_fault_injection_lives_with_the_tests():
+    """Faults are injected by tests/fault_site (sitecustomize on a subprocess's PYTHONPATH, or a call of the killed
+    script), never by production code: no fault variable, injector or hook in eagle3_core/ or tasks/."""
+    words = ("EAGLE3_FAULT_INJECT", "FAULT_INJECT", "maybe_fail", "tasks.faults", "InjectedFault", "_mid_write_hook",
+             "fault_site", "fault_injection")
+    found = [f"{p.relative_to(ROOT)}: {word}" for p in _py_files("eagle3_core", "tasks")
+             for word in words if word in p.read_text()]
+    assert not found, found
+    assert not (ROOT / "tasks" / "faults.py").exists()
+
+
+def test_one_path_per_computation():
+    """No runtime switch to a former implementation in eagle3_core/ or tasks/: the former TTT step and shard
+    writer are references in tests/reference_paths.py, imported only by tests and benchmarks (the equivalence tests
+    test_ttt.test_ttt_loss_equals_the_former_step and test_features.test_zero_copy_shard_writer_matches_...)."""
+    words = ("set_fast_step", "fast_step", "zero_copy", "compile_merge = ", "reference_ttt_loss",
+             "write_shard_concat", "extract_batch")
+    found = [f"{p.relative_to(ROOT)}: {word}" for p in _py_files("eagle3_core", "tasks", "flows", "deployments")
+             for word in words if word in p.read_text()]
+    assert not found, found
+    importers = {p.parent.name for p in _py_files("eagle3_core", "tasks", "flows", "benchmarks", "tests")
+                 for _, module, _ in _imports(p) if module == "reference_paths"}
+    assert importers == {"tests", "benchmarks"}, importers
