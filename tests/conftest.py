@@ -90,6 +90,21 @@ def tiny_shape(**kw):
     return DraftShape(**base)
 
 
+def random_ttt_samples(g: torch.Generator, spans, aux: int = 96, final: int = 32, vocab: int = 100) -> list[dict]:
+    """Training samples of random features for TTT tests, one per (T, first supervised position) in `spans`:
+    input_ids and target_top1 [T] int64 below `vocab`, loss_mask [T] bool (True from `first` on), aux [T, aux] and
+    final [T, final] fp64."""
+    samples = []
+    for T, first in spans:
+        mask = torch.zeros(T, dtype=torch.bool)
+        mask[first:] = True
+        samples.append({"input_ids": torch.randint(0, vocab, (T,), generator=g), "loss_mask": mask,
+                        "aux": torch.randn(T, aux, generator=g, dtype=torch.float64),
+                        "final": torch.randn(T, final, generator=g, dtype=torch.float64),
+                        "target_top1": torch.randint(0, vocab, (T,), generator=g)})
+    return samples
+
+
 def tiny_draft(seed: int = 0, **kw):
     from eagle3_core.draft_model import Eagle3Draft
     torch.manual_seed(seed)

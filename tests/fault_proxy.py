@@ -43,6 +43,28 @@ class LoopbackProxy:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
+    @staticmethod
+    async def read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict, bytes] | None:
+        """The next HTTP/1.1 request on the connection: (method, path, lower-cased headers, body); None when the
+        client hung up."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+        lines = head.decode().split("\r\n")
+        method, path, _ = lines[0].split(" ", 2)
+        headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
+        return method, path, headers, await reader.readexactly(int(headers.get("content-length", 0)))
+
+    async def forward(self, method: str, path: str, headers: dict, body: bytes) -> tuple[httpx.Response, bytes]:
+        """The request sent on to the upstream server: its response and the HTTP/1.1 status line and headers to
+        write back before `response.content`."""
+        resp = await self._client.request(method, f"{self.upstream}{path}", content=body,
+                                          headers={"content-type": headers.get("content-type", "")})
+        return resp, (f"HTTP/1.1 {resp.status_code} {resp.reason_phrase}\r\nContent-Type: "
+                      f"{resp.headers.get('content-type', 'application/json')}\r\nContent-Length: "
+                      f"{len(resp.content)}\r\n\r\n").encode()
+
 
 class FaultProxy(LoopbackProxy):
     def __init__(self, upstream: str, every: int = 5, kinds: tuple[str, ...] = KINDS):
@@ -63,16 +85,8 @@ class FaultProxy(LoopbackProxy):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                lines = head.decode().split("\r\n")
-                method, path, _ = lines[0].split(" ", 2)
-                headers = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
-                headers = {k.strip().lower(): v.strip() for k, v in headers.items()}
-                body = await reader.readexactly(int(headers.get("content-length", 0)))
+            while (request := await self.read_request(reader)) is not None:
+                method = request[0]
                 fault = self._fault(method)
                 if fault == "503":
                     msg = b'{"error": {"message": "injected 503"}}'
@@ -85,12 +99,8 @@ class FaultProxy(LoopbackProxy):
                     return
                 if fault == "drop":
                     return
-                resp = await self._client.request(method, f"{self.upstream}{path}", content=body,
-                                                  headers={"content-type": headers.get("content-type", "")})
+                resp, head = await self.forward(*request)
                 data = resp.content
-                head = (f"HTTP/1.1 {resp.status_code} {resp.reason_phrase}\r\nContent-Type: "
-                        f"{resp.headers.get('content-type', 'application/json')}\r\nContent-Length: {len(data)}"
-                        f"\r\n\r\n").encode()
                 if fault == "drop_mid":
                     writer.write(head + data[:len(data) // 2])
                     await writer.drain()

@@ -21,30 +21,18 @@ class RecordingProxy(LoopbackProxy):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                lines = head.decode().split("\r\n")
-                method, path, _ = lines[0].split(" ", 2)
-                headers = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
-                headers = {k.strip().lower(): v.strip() for k, v in headers.items()}
-                body = await reader.readexactly(int(headers.get("content-length", 0)))
+            while (request := await self.read_request(reader)) is not None:
+                method, path, _, body = request
                 entry = {"path": path, "body": json.loads(body)} if method == "POST" else None
                 if entry is not None:
                     self.posts.append(entry)                      # arrival order, before the answer
                 try:
-                    resp = await self._client.request(method, f"{self.upstream}{path}", content=body,
-                                                      headers={"content-type": headers.get("content-type", "")})
+                    resp, head = await self.forward(*request)
                 except httpx.HTTPError:                           # the client hung up (e.g. a cancelled request)
                     return
                 if entry is not None:
                     entry["answer"] = resp.json()
-                data = resp.content
-                writer.write((f"HTTP/1.1 {resp.status_code} {resp.reason_phrase}\r\nContent-Type: "
-                              f"{resp.headers.get('content-type', 'application/json')}\r\nContent-Length: "
-                              f"{len(data)}\r\n\r\n").encode() + data)
+                writer.write(head + resp.content)
                 await writer.drain()
         finally:
             writer.close()

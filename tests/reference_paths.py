@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
-import threading
 from pathlib import Path
 
 import torch
 from safetensors.torch import save
 
 from eagle3_core import shard_writer
+from eagle3_core.manifest import write_atomic
 from eagle3_core.ttt import shift_left, supervised, trim_start
 
 
@@ -100,12 +99,7 @@ def write_shard_concat(path: Path, parts: dict[str, list[torch.Tensor]], metadat
     reads back to the same tensors and metadata; returns (sha256 hex of its bytes, size in bytes)."""
     data = save({k: torch.cat(v) for k, v in parts.items()}, metadata=metadata)
     sha = hashlib.sha256(data).hexdigest()
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{threading.get_ident()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, data)
     return sha, len(data)
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_draft
+from conftest import random_ttt_samples, tiny_draft
 
 from eagle3_core.ttt import shift_left, supervised
 from eagle3_core.ttt_attention import ttt_attention
@@ -156,14 +156,7 @@ def test_trimmed_ttt_loss_equals_full_loss_and_gradients():
     """Skipping the leading unsupervised region at steps >= 1 changes nothing but the compute."""
     from eagle3_core.ttt import collate, trim_start, ttt_loss
     g = torch.Generator().manual_seed(3)
-    samples = []
-    for T, first in ((30, 18), (24, 12), (28, 21)):
-        mask = torch.zeros(T, dtype=torch.bool)
-        mask[first:] = True
-        samples.append({"input_ids": torch.randint(0, 100, (T,), generator=g), "loss_mask": mask,
-                        "aux": torch.randn(T, 96, generator=g, dtype=torch.float64),
-                        "final": torch.randn(T, 32, generator=g, dtype=torch.float64),
-                        "target_top1": torch.randint(0, 100, (T,), generator=g)})
+    samples = random_ttt_samples(g, ((30, 18), (24, 12), (28, 21)))
     batch = collate(samples)
     batch["aux"], batch["final"] = batch["aux"].double(), batch["final"].double()
     assert trim_start(batch["loss_mask"], 3) == 12 - 3 - 1

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_draft
+from conftest import random_ttt_samples, tiny_draft
 from reference_paths import reference_ttt_loss, soft_cross_entropy
 
 from eagle3_core.ttt import SoftCrossEntropyFromLogits, collate, summarize, ttt_loss
@@ -76,14 +76,7 @@ def test_ttt_loss_equals_the_former_step(attention):
     """The TTT step (RoPE and weight casts once per batch, the loss from the teacher's logits) gives the former
     step's loss, metrics and gradients (fp64, a padded batch of three samples, 3 TTT steps)."""
     g = torch.Generator().manual_seed(5)
-    samples = []
-    for T, first in ((20, 9), (14, 4), (17, 12)):
-        mask = torch.zeros(T, dtype=torch.bool)
-        mask[first:] = True
-        samples.append({"input_ids": torch.randint(0, 100, (T,), generator=g), "loss_mask": mask,
-                        "aux": torch.randn(T, 96, generator=g, dtype=torch.float64),
-                        "final": torch.randn(T, 32, generator=g, dtype=torch.float64),
-                        "target_top1": torch.randint(0, 100, (T,), generator=g)})
+    samples = random_ttt_samples(g, ((20, 9), (14, 4), (17, 12)))
     batch = collate(samples)
     head = torch.randn(50, 32, generator=g, dtype=torch.float64)
     results = []
