@@ -391,7 +391,7 @@ def test_degenerate_answers_are_runaway_repetitions():
 
 def test_stage_seconds_count_shards_run_side_by_side_once():
     """finish_generation's stage time is the union of the shards' run intervals (manifest.busy_seconds), not their
-    sum: four shards sharing one server for the same 174 s were reported as 726 s."""
+    sum: four shards on one server, two at a time, ran for 368 s and were reported as 726 s."""
     from eagle3_core.manifest import busy_seconds
     side_by_side = [{"seconds": 10.0, "started_at": 100.0, "ended_at": 110.0},
                     {"seconds": 7.0, "started_at": 105.0, "ended_at": 112.0},

@@ -163,7 +163,7 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
     """Check every shard against its record on disk, run the quality gate and write generations/manifest.json
     (and quality.json). `shard_manifests`: the records `run_generation_shard` returned (each must match the
     record on disk); `seconds`: the stage's wall time (default: the time any shard ran, manifest.busy_seconds: the
-    shard tasks run side by side, and their sum overstated the demo's 174 s as 726 s).
+    shard tasks run side by side, and their sum overstated the demo's 368 s as 726 s).
 
     Raises RuntimeError naming a shard that has not finished, ValueError for a record that does not match the
     disk, QualityGateError (with counts, examples and the fix) when too many answers failed, are empty, truncated
