@@ -167,6 +167,20 @@ def check_or_raise(cfg: PipelineConfig, draft_dir: Path | None = None, log=print
     return facts
 
 
+def target_config_file(path: str | Path):
+    """The transformers config in a config.json file (any model_type transformers knows; a wrapper's text_config
+    becomes its config class), without weights or network. Raises OSError naming a missing file, ValueError for a
+    file that is no config."""
+    import json
+
+    from transformers import AutoConfig
+    path = Path(path)
+    data = json.loads(path.read_text())
+    if "model_type" not in data:
+        raise ValueError(f"{path}: no 'model_type': not a transformers config.json")
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
 def config_or_preset(arg: str) -> PipelineConfig:
     """A PipelineConfig from a JSON file path (config.load_config: errors name the file and each bad field) or a
     preset name. Raises ValueError for neither."""
@@ -179,12 +193,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Check a run's config against its target (no weights read).")
     p.add_argument("config", help="JSON file with a PipelineConfig, or a preset name (demo, debug_tiny)")
     p.add_argument("--draft", default=None, help="a draft directory to check too (warm start or deployment)")
+    p.add_argument("--target-config", default=None, metavar="CONFIG_JSON",
+                   help="the target's config.json, read instead of target.model's: check a run offline with only "
+                        "that file downloaded")
     a = p.parse_args(argv)
     try:
-        check_or_raise(config_or_preset(a.config), a.draft)
+        cfg = config_or_preset(a.config)
+        kw = {"target_config": target_config_file(a.target_config)} if a.target_config else {}
+        check_or_raise(cfg, a.draft, **kw)
     except ValueError as e:                       # CheckError, or a config that does not validate
         print(str(e), file=sys.stderr)
         return 1
+    except OSError as e:                          # the target's config is neither local nor reachable
+        print(f"check: cannot read the config of target {cfg.target.model!r}: {str(e).splitlines()[0]}\n"
+              f"Offline, download only its config.json (`hf download {cfg.target.model} config.json`) and pass "
+              f"--target-config PATH", file=sys.stderr)
+        return 2
     print("check: passed")
     return 0
 

@@ -89,3 +89,23 @@ def test_check_reads_the_reference_config_offline_and_names_what_one_node_cannot
     assert facts["draft_geometry"]["num_attention_heads"] == 64 and facts["draft_geometry"]["head_dim"] == 128
     assert [f for f, _ in problems] == ["features.tp_size", "target.model"]
     assert "needs hf_tp with tp_size >= 32" in problems[0][1] and "evaluate" in problems[1][1]
+
+
+def test_check_cli_reads_the_reference_config_offline_from_a_config_json(tmp_path, capsys):
+    """`check CONFIG --target-config config.json`: the reference config checked with only the target's config.json
+    on disk (written here from the config-only Kimi-K2.5 fixture); the same facts and refusals as check_run with
+    the fixture object. Without it and without network, a message naming the target and the way out, exit 2."""
+    import test_check
+
+    from eagle3_core.check import main, target_config_file
+    path = tmp_path / "config.json"
+    path.write_text(test_check.kimi_k25.__wrapped__().to_json_string())
+    read = target_config_file(path)
+    assert type(read).__name__ == "Kimi_K25Config" and read.text_config.hidden_size == 7168
+    assert read.text_config.num_hidden_layers == 61 and read.text_config.kv_lora_rank == 512
+    assert main([str(KIMI), "--target-config", str(path)]) == 1          # this host cannot hold it: refused
+    out, err = capsys.readouterr()
+    assert "config_class: Kimi_K25Config" in out and "family: mla" in out and "layers: 61" in out
+    assert "- target.model: ~2069 GB of bf16 weights" in err
+    assert main([str(KIMI)]) == 2                                          # no network, nothing cached
+    assert "cannot read the config of target 'moonshotai/Kimi-K2.5'" in capsys.readouterr().err
