@@ -50,7 +50,7 @@ def test_a_rate_without_a_source_or_status_is_refused_naming_it(tmp_path):
     path.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match=r"rates\.json: profile 'reference_kimi_k25' rate 'gpus_per_server'"):
         load_rates(path, "reference_kimi_k25")
-    with pytest.raises(ValueError, match=r"no profile 'nope'; profiles: \['reference_kimi_k25'\]"):
+    with pytest.raises(ValueError, match=r"no profile 'nope'; profiles: \['demo_cpu', 'reference_kimi_k25'\]"):
         load_rates(path, "nope")
 
 
