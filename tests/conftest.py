@@ -65,6 +65,18 @@ def leftover_children() -> list[psutil.Process]:
     return out
 
 
+def _sigterm_as_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum} (SIGTERM)")
+
+
+def pytest_configure(config):
+    """SIGTERM (a CI runner's stop, `kill`, `timeout`) ends pytest as Ctrl-C does: KeyboardInterrupt, so fixture
+    finalizers stop the servers and workers and pytest exits 2 (interrupted). Python's default SIGTERM action ends
+    the process at once with no finalizer; inside a flow run Prefect raises TerminationSignal instead and then
+    re-sends the signal to the handler installed before it (prefect/utilities/engine capture_sigterm), this one."""
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Backstop, also after Ctrl-C: a server or worker a test started and did not stop (a bug in that test) is
     stopped here and named, so that no llama-server or torchrun outlives pytest. Session fixtures (the Prefect

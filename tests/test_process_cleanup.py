@@ -61,3 +61,41 @@ def test_sigkilled_pytest_leaves_no_server(tmp_path, spawned):
     inner.kill()
     inner.wait()
     _assert_gone(pid, url)
+
+
+TORCHRUN_CASE = ROOT / "tests" / "cases" / "hold_torchrun.py"
+
+
+@pytest.mark.parametrize("signals,ignore_term", [([signal.SIGINT], False), ([signal.SIGTERM], False),
+                                                ([signal.SIGINT, signal.SIGINT], True)],
+                         ids=["SIGINT", "SIGTERM", "SIGINT-twice-stuck-workers"])
+def test_signalled_pytest_during_torchrun_ends_and_leaves_no_worker(signals, ignore_term, tmp_path, spawned):
+    """Ctrl-C or the SIGTERM a CI runner or `kill` sends, while a test waits on torchrun: pytest ends (exit 2,
+    interrupted, finalizers run), it does not carry on with the next test, and no torchrun worker is left. The
+    third case: workers that ignore SIGTERM (stuck in a collective) and a second Ctrl-C while the launcher waits
+    for them; the launcher holds the second signal until it has SIGKILLed them (launch.deferred_signals)."""
+    hold = tmp_path / "hold.txt"
+    env = {**os.environ, "HOLD_FILE": str(hold), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    if ignore_term:
+        env["HOLD_IGNORE_SIGTERM"] = "1"
+    inner = spawned(subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                                      f"{TORCHRUN_CASE}::test_hold_torchrun", f"{TORCHRUN_CASE}::test_hold_torchrun"],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + 120
+    while not hold.exists() or len(hold.read_text().split()) < 2:
+        assert inner.poll() is None, f"inner pytest ended early:\n{inner.stdout.read()}"
+        assert time.monotonic() < deadline, "torchrun's workers did not start in time"
+        time.sleep(0.2)
+    workers = [int(p) for p in hold.read_text().split()]
+    assert all(_alive(p) for p in workers)
+    for sig in signals:
+        inner.send_signal(sig)
+        time.sleep(1.0)
+    out, _ = inner.communicate(timeout=120)
+    assert inner.returncode == 2 and "KeyboardInterrupt" in out, out
+    assert len(hold.read_text().split()) == 2, f"pytest went on to the next test after {signals}:\n{out}"
+    assert "stopping leftover process" not in out, f"the launcher left workers to conftest's backstop:\n{out}"
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in workers):
+        assert time.monotonic() < deadline, f"torchrun workers {workers} outlived pytest\n{out}"
+        time.sleep(0.2)

@@ -16,9 +16,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
@@ -114,6 +116,27 @@ def stop_tree(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     proc.wait()
 
 
+@contextmanager
+def deferred_signals(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Hold `signals` while the block runs and deliver them (to the handlers in place before) when it ends.
+
+    For clean-up that must finish: a second Ctrl-C, or the runner's SIGTERM after a first Ctrl-C, arriving while
+    stop_tree waits would otherwise raise inside it and skip the SIGKILL of workers that ignore SIGTERM. Python runs
+    signal handlers in the main thread only (signal module docs), so elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum)) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(held):
+            signal.raise_signal(sig)
+
+
 def run_torchrun(args: list[str], nproc_per_node: int, on_line: Callable[[str], None] = print,
                  log_path: Path | None = None, env: dict[str, str] | None = None, grace_s: float = 30.0,
                  cwd: Path | None = None, **rdzv) -> None:
@@ -122,7 +145,8 @@ def run_torchrun(args: list[str], nproc_per_node: int, on_line: Callable[[str], 
     Every output line of torchrun and its workers (stdout and stderr, unbuffered) goes to `on_line` as it comes
     (without the newline) and to `log_path` if given. Whatever ends the wait (the run finishing, an exception in
     `on_line`, KeyboardInterrupt, Prefect's TerminationSignal) the process tree is stopped (stop_tree) before this
-    returns or raises. Raises TorchrunError (command, exit code, last 50 lines) on a non-zero exit.
+    returns or raises; a signal arriving during that stop is held until it is done (deferred_signals). Raises
+    TorchrunError (command, exit code, last 50 lines) on a non-zero exit.
 
     OMP_NUM_THREADS, unless the caller's environment sets it: the host's cores divided among the local workers
     (torchrun's own default is 1, which made the workers' CPU side, shard encoding, hashing and writing, the
@@ -149,7 +173,8 @@ def run_torchrun(args: list[str], nproc_per_node: int, on_line: Callable[[str], 
             on_line(line)
         proc.wait()
     finally:
-        stop_tree(proc, grace_s)
+        with deferred_signals():
+            stop_tree(proc, grace_s)
         proc.stdout.close()
         if log:
             log.close()
