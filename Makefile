@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 # not enough on 2 busy cores (make demo failed with 'Timed out while attempting to connect to ephemeral Prefect API')
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: setup demo test test-ui server deploy deploy-pools clean
+.PHONY: setup demo test test-ui verify server deploy deploy-pools clean
 
 setup: $(VENV)/.installed
 	PYTHON=$(PY) bash scripts/build_llama_server.sh
@@ -38,6 +38,11 @@ test: setup
 # the Prefect UI in a real browser: Debian's chromium (apt-get install chromium; .ci/run does it), Playwright
 test-ui: setup
 	$(PY) -m pytest -q -m ui tests/test_ui.py
+
+# read every feature and generation shard of a run in full against its sha256 (reruns check size and mtime only)
+RUN ?= runs/demo
+verify: $(VENV)/.installed
+	$(PY) -m eagle3_core.verify $(RUN)
 
 # Prefect's server and UI on http://127.0.0.1:4200 (state in $PREFECT_HOME, default ~/.prefect)
 server: $(VENV)/.installed

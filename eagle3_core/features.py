@@ -6,8 +6,8 @@ A shard `shard_{i:05d}.safetensors` holds S samples concatenated along T: the fo
 (feature_formats.py; e.g. bf16 aux [sum T, 3H_t], final [sum T, H_t], target_top1 int32 [sum T]) plus
 input_ids int32 [sum T], loss_mask int8 [sum T], offsets int64 [S + 1], and its sample ids in the metadata.
 `head.safetensors` holds the target's embedding and lm_head. `manifest.json` lists the finished shards only, each
-with its sha256, byte size, sample ids, token count and a content key (samples, tokens, layers, format, target); it
-is rewritten atomically after every shard, so it never names a shard that is not complete on disk.
+with its sha256, byte size, mtime, sample ids, token count and a content key (samples, tokens, loss masks, layers,
+format, target); it is rewritten atomically after every shard, so it never names a shard that is not complete on disk.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from . import feature_formats as ff
 from .extract import HFExtractor, HostCopy
-from .manifest import read_manifest, sha256_file, sha256_json, write_manifest
+from .manifest import file_intact, file_stamp, read_manifest, sha256_json, write_manifest
 from .shard_writer import ShardWriter
 
 STORE_VERSION = 2
@@ -49,16 +49,13 @@ def batches_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
 
 # ---- verification -------------------------------------------------------------------------------------------
 
-def _shard_ok(store_dir: Path, entry: dict) -> bool:
-    path = store_dir / entry["file"]
-    return path.exists() and path.stat().st_size == entry["bytes"] and sha256_file(path) == entry["sha256"]
-
-
-def bad_shards(store_dir: Path, entries: list[dict], threads: int = 4) -> list[str]:
-    """Files of `entries` (manifest shard records) that are missing, of another size or fail their sha256.
-    Shards are hashed in parallel (hashlib releases the GIL)."""
+def bad_shards(store_dir: Path, entries: list[dict], threads: int = 4, checksum: bool = False) -> list[str]:
+    """Files of `entries` (manifest shard records) that are missing, of another size, or changed since they were
+    written (manifest.file_intact: size and mtime against the record, sha256 only where those disagree or with
+    `checksum`, the full verification of `python -m eagle3_core.verify`). Shards needing a hash are hashed in
+    parallel (hashlib releases the GIL)."""
     with ThreadPoolExecutor(threads) as pool:
-        ok = list(pool.map(lambda e: _shard_ok(Path(store_dir), e), entries))
+        ok = list(pool.map(lambda e: file_intact(Path(store_dir) / e["file"], e, checksum), entries))
     return [e["file"] for e, good in zip(entries, ok) if not good]
 
 
@@ -133,18 +130,46 @@ def write_shards(extractor, jobs: list[tuple[Path, list[dict]]], store_format: s
 
 
 def shard_entry(path: Path, sha: str, nbytes: int, part: list[dict], content_key: str) -> dict:
-    """The manifest entry of one finished shard: file name, sha256, bytes, samples, tokens, sample ids and the
-    content key that says which samples, tokens, layers, format and target it holds."""
-    return {"file": path.name, "sha256": sha, "bytes": nbytes, "samples": len(part),
+    """The manifest entry of one finished shard: file name, sha256, bytes, mtime_ns (manifest.file_stamp, so that
+    done checks need no read), samples, tokens, sample ids and the content key that says which samples, tokens,
+    layers, format and target it holds."""
+    return {"file": path.name, "sha256": sha, "bytes": nbytes, "mtime_ns": path.stat().st_mtime_ns,
+            "samples": len(part),
             "tokens": sum(len(r["input_ids"]) for r in part), "ids": [r["id"] for r in part],
             "content_key": content_key}
 
 
 def content_key(part: list[dict], aux_layer_ids: list[int], store_format: str, target_id: str) -> str:
     """The key a shard of tokenized rows `part` is stored under: a shard is reused only for the same samples,
-    tokens, layers, format and target (target_id: see write_head)."""
+    tokens, loss masks (the shard stores them; training reads them from there), layers, format and target
+    (target_id: see write_head)."""
+    rows = [[r["id"], list(r["input_ids"]), [int(m) for m in r["loss_mask"]]] for r in part]
+    return sha256_json([STORE_VERSION, "loss_mask", rows, aux_layer_ids, store_format, target_id])
+
+
+def _key_without_loss_mask(part: list[dict], aux_layer_ids: list[int], store_format: str, target_id: str) -> str:
+    # the content key of shards written before loss masks were part of it
     return sha256_json([STORE_VERSION, [[r["id"], list(r["input_ids"])] for r in part], aux_layer_ids,
                         store_format, target_id])
+
+
+def entry_holds(store_dir: Path, entry: dict, part: list[dict], aux_layer_ids: list[int], store_format: str,
+                target_id: str, key: str | None = None) -> bool:
+    """Whether manifest entry `entry` was written for tokenized rows `part` with these layers, format and target:
+    its content key is content_key(...) (`key`, if already computed), or, for an entry written before loss masks
+    were in the key, it has that older key and the shard's stored loss_mask (int8 [sum T], one tensor: 1 byte per
+    token read, not the features) equals the rows' masks. False if the file cannot be read."""
+    key = key or content_key(part, aux_layer_ids, store_format, target_id)
+    if entry.get("content_key") == key:
+        return True
+    if entry.get("content_key") != _key_without_loss_mask(part, aux_layer_ids, store_format, target_id):
+        return False
+    try:
+        with safe_open(str(Path(store_dir) / entry["file"]), "pt") as f:
+            stored = f.get_tensor("loss_mask").tolist()
+    except (OSError, KeyError, RuntimeError):
+        return False
+    return stored == [int(m) for r in part for m in r["loss_mask"]]
 
 
 def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list[int] | None, shard_samples: int,
@@ -155,8 +180,8 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     model: an HF causal LM (wrapped in HFExtractor) or an Extractor. aux_layer_ids None: the config's defaults.
     store_format: one of feature_formats.FORMATS; 'online' stores only tokens and needs `target` (the TargetConfig
     as a dict) so that training can load the target. Shards listed in an earlier manifest for the same content
-    whose bytes still match their sha256 are kept; any other shard (missing, corrupt, other inputs) is extracted
-    again. Returns the manifest (also out_dir/manifest.json); when nothing was left to do it says so via `log`.
+    that are intact (bad_shards: size and mtime as recorded) are kept; any other shard (missing, corrupt, other
+    inputs) is extracted again. Returns the manifest (also out_dir/manifest.json); when nothing was left to do it says so via `log`.
     only_shards: extract just these plan indices (shard i holds rows [i*shard_samples, (i+1)*shard_samples)); other
     shards' files are left alone and their earlier manifest entries kept (unverified) while their content key still
     matches, and an incomplete store is no error (the caller finishes the others; the manifest says `complete`).
@@ -186,7 +211,8 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
                          f"shards of {shard_samples} samples")
     selected = {plan[i][0] for i in (range(len(plan)) if only_shards is None else only_shards)}
     prev = {s["file"]: s for s in previous.get("shards", [])}
-    candidates = [prev[f] for f, _, key in plan if f in prev and prev[f].get("content_key") == key]
+    candidates = [prev[f] for f, part, key in plan
+                  if f in prev and entry_holds(out_dir, prev[f], part, ids, store_format, target_id, key)]
     # shards outside only_shards keep their entries unverified: their own extraction (or a full run) checks them
     bad = set(bad_shards(out_dir, [e for e in candidates if e["file"] in selected]))
     done = {e["file"]: e for e in candidates if e["file"] not in bad}
@@ -311,7 +337,8 @@ def load_samples(store_dir: Path, verify: bool = True, target_model=None) -> lis
     """The samples of a feature store, in row order, whatever its format (feature_formats.FORMATS).
 
     Each is a FeatureSample (a read-only Mapping; see its docstring for keys, shapes and dtypes). verify: check
-    every shard's sha256 first (in parallel). Online stores run the target on access: `target_model` (an HF causal
+    every shard against its record first (bad_shards: size and mtime, the sha256 where those disagree; in
+    parallel). Online stores run the target on access: `target_model` (an HF causal
     LM) or the manifest's target config, loaded on CUDA if available. Raises FileNotFoundError if the store has no
     manifest, ValueError naming every shard that is missing or fails its checksum (rerunning the features stage
     extracts exactly those again) or if the store is incomplete.
@@ -325,8 +352,9 @@ def load_samples(store_dir: Path, verify: bool = True, target_model=None) -> lis
         raise ValueError(f"feature store {store_dir} is incomplete ({len(manifest['shards'])} shards listed); "
                          "rerun the features stage to finish it")
     if verify and (bad := bad_shards(store_dir, manifest["shards"])):
-        raise ValueError(f"feature shard(s) {[str(store_dir / b) for b in bad]} corrupt or missing (sha256 "
-                         "mismatch); rerun the features stage: it extracts exactly those shards again")
+        raise ValueError(f"feature shard(s) {[str(store_dir / b) for b in bad]} corrupt or missing (changed "
+                         "since written, sha256 mismatch); rerun the features stage: it extracts exactly those "
+                         "shards again")
     if fmt == "online":
         if target_model is None:
             from .config import TargetConfig

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 
 from .config import GenerationConfig
 from .generation_quality import shard_quality
-from .manifest import sha256_file, write_atomic, write_manifest
+from .manifest import file_intact, file_stamp, sha256_file, write_atomic, write_manifest
 from .serving.client import RetryableError
 
 KEY_META = b"eagle3_inputs_key"
@@ -42,9 +42,9 @@ def finished_record(out: Path, k: int, key: str) -> dict | None:
     if not path.exists():
         return None
     rec = json.loads(path.read_text())
-    if rec.get("inputs_key") != key or not rec.get("complete") or not (out / rec["file"]).exists():
+    if rec.get("inputs_key") != key or not rec.get("complete"):
         return None
-    return rec if sha256_file(out / rec["file"]) == rec["sha256"] else None
+    return rec if file_intact(out / rec["file"], rec) else None
 
 
 class ShardWriter:
@@ -119,6 +119,7 @@ class ShardWriter:
         requests = Counter(str(n if n is not None else 0 if api == "kept" else 1) for n, api in
                            zip(table["turn_requests"].to_pylist(), table["api"].to_pylist()))
         record = {"shard": self.k, "inputs_key": self.key, "file": self.path.name, "sha256": sha256_file(self.path),
+                  **file_stamp(self.path),
                   "prompts": self.prompts, "answered": table.num_rows, "failed": len(self.failures),
                   "failures": self.failures[:MAX_FAILURES_KEPT], "complete": not self.failures,
                   "generated": self.generated, "resumed": self.resumed, "retries": sum(self.retry_kinds.values()),

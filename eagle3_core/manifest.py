@@ -41,6 +41,35 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def file_stamp(path: Path) -> dict[str, int]:
+    """What a data file's record keeps besides its sha256, read when the file is written: {'bytes': size in bytes,
+    'mtime_ns': st_mtime_ns}, so that later done checks cost a stat() (file_intact), not a read."""
+    st = Path(path).stat()
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def file_intact(path: Path, record: dict[str, Any], checksum: bool = False) -> bool:
+    """Whether the data file at `path` still holds what `record` (its manifest entry: 'sha256', and 'bytes' and
+    'mtime_ns' from file_stamp) says was written.
+
+    The rule every done check uses (DESIGN.md: data on disk is the source of truth; 9 TB of features must not be
+    re-read to learn that nothing changed): the file exists, has the recorded size and the recorded modification
+    time -> intact, nothing read. Its sha256 is computed (the whole file read) only when `checksum` is True (the
+    explicit `python -m eagle3_core.verify`), when the record has no mtime_ns (written before this rule), or when
+    the mtime differs (a copy that kept the bytes passes, an edit does not). A change that keeps size and mtime
+    (a flipped bit with the timestamp put back) is found by verify only."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    if record.get("bytes") is not None and st.st_size != record["bytes"]:
+        return False
+    if not checksum and record.get("mtime_ns") == st.st_mtime_ns:
+        return True
+    return sha256_file(path) == record.get("sha256")
+
+
 def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 

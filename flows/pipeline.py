@@ -9,24 +9,25 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from prefect import flow, get_run_logger
+from prefect import flow
 
-from eagle3_core import report
-from eagle3_core.check import check_or_raise
 from eagle3_core.config import PipelineConfig, load_config, preset
-from eagle3_core.stages import STAGE_DIRS
 from flows import stages as s
+from tasks.control import ALL_STAGES, check_task
 from tasks.report import report_task
 
 
-@flow(name="eagle3-pipeline")
+@flow(name="eagle3-pipeline", flow_run_name=s.run_name("pipeline"))
 def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False) -> dict:
     """Run every stage on `config` (default: the embedded demo preset) and publish the report as artifacts.
     refresh=True recomputes every stage; otherwise finished stages and shards are reused. Holds the run
-    directory's lock throughout (a second run of the same directory is refused, naming this one)."""
-    check_or_raise(config, log=get_run_logger().info)   # config + target config files only: fails in seconds
+    directory's lock throughout (a second run of the same directory is refused, naming this one). The run is named
+    '<run>-pipeline' and its stage subflows '<run>-<stage>', tagged run:<run> and stage:<stage>; its log holds
+    every stage's summary line."""
+    s.label(config, "pipeline")
+    check_task(config)                # config + target config files only: fails in seconds
     with s.locked(config):
-        s.forget(config, refresh, *STAGE_DIRS)
+        s.forget(config, refresh, *ALL_STAGES)
         s.prompts_flow(config)
         s.generation_flow(config)
         s.features_flow(config)
@@ -49,8 +50,8 @@ def main() -> None:
         cfg = load_config(args.config)
     else:
         cfg = preset(args.preset, args.run_dir or f"runs/{args.preset}")
-    summary = eagle3_pipeline(cfg, refresh=args.refresh)
-    print(report.markdown(summary))
+    eagle3_pipeline(cfg, refresh=args.refresh)
+    print((cfg.run_dir / "report.md").read_text())
 
 
 if __name__ == "__main__":

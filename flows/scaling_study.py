@@ -7,47 +7,15 @@ table, the plot and the Markdown summary as artifacts. A retried flow run re-run
 from __future__ import annotations
 
 import argparse
-import base64
 from pathlib import Path
 
-from prefect import flow, task
-from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
+from prefect import flow
 
-from eagle3_core import scaling_study as study
 from eagle3_core.config import PipelineConfig, load_config, preset
 from flows import stages as s
-from tasks.artifacts import run_key
-from tasks.logs import run_log
-from tasks.retry import RETRY_OPTIONS, retry_if_transient
+from tasks.scaling_study import finish_task, size_task, sizes_task
 
 DEFAULT_FRACTIONS = [0.125, 0.25, 0.5, 1.0]
-
-
-# the size's manifest on disk (keyed by its inputs) is the cache: an equal rerun returns it at once
-@task(name="scaling-size", task_run_name="scaling-size-{n}", cache_policy=NO_CACHE, tags=["gpu"],
-      retry_condition_fn=retry_if_transient, **RETRY_OPTIONS)
-def size_task(config: PipelineConfig, n: int, seed: int) -> dict:
-    """Train on `n` samples and measure tau (scaling_study.train_and_measure)."""
-    with run_log() as log:
-        return study.train_and_measure(config, n, seed, log=log.info)
-
-
-@task(name="scaling-finish", cache_policy=NO_CACHE)
-def finish_task(config: PipelineConfig, sizes: list[dict], extrapolate_to: list[int]) -> dict:
-    """Fit the trend, write the plot and publish table, image and Markdown artifacts."""
-    res = study.finish_study(config, sizes, extrapolate_to)
-    create_table_artifact([{"samples": z["samples"], "tokens": z["tokens"], "tau": round(z["tau"], 3),
-                            "tau_ci95": f"{z['tau_ci95'][0]:.2f}-{z['tau_ci95'][1]:.2f}",
-                            "tau_sim": round(z["tau_sim"], 3), "acc_0": round(z["acc_k"][0], 3)}
-                           for z in res["sizes"]], key=run_key(config.run_dir, "scaling-study"),
-                          description="tau per training-set size")
-    url = "data:image/png;base64," + base64.b64encode(Path(res["plot"]).read_bytes()).decode()
-    create_image_artifact(url, key=run_key(config.run_dir, "scaling-study-plot"),
-                          description="tau and acc_k against training samples")
-    create_markdown_artifact(res["markdown"], key=run_key(config.run_dir, "scaling-study-summary"),
-                             description="scaling study")
-    return {k: v for k, v in res.items() if k != "markdown"}
 
 
 @flow(name="scaling-study")
@@ -62,7 +30,7 @@ def scaling_study_flow(config: PipelineConfig = s.DEMO, fractions: list[float] =
         s.features_flow(config)
         s.vocab_flow(config)
         # one size after another (each uses the whole GPU); a failed size does not stop the others
-        states = [size_task(config, n, seed, return_state=True) for n in study.study_sizes(config, fractions)]
+        states = [size_task(config, n, seed, return_state=True) for n in sizes_task(config, fractions)]
         sizes = [st.result() for st in states]                       # raises the first failed size
         return finish_task(config, sizes, extrapolate_to or [])
 

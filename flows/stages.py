@@ -1,190 +1,184 @@
 """One flow per pipeline stage, so that a user can run (or schedule) any stage alone from the UI. Parameters: the
-run config (a pydantic model: a form in the UI) and `refresh`.
+run config (a pydantic model: a form in the UI) and `refresh`. Flows call tasks only (and the task-level contexts
+of tasks/control.py); each reads like its box in the pipeline diagram.
 
 Generation and features run as shard tasks: a failed shard fails the flow run after its siblings finish, and a
 retry of the flow run re-runs only what failed (finished shards come back Cached). A task may use Prefect's cache
-only while its output on disk is intact for its inputs; otherwise it runs with refresh_cache (DESIGN.md: data on
-disk is the source of truth).
+only while its output on disk is intact for its inputs (tasks/control.py: run_stage, run_shards; DESIGN.md: data
+on disk is the source of truth).
 """
 from __future__ import annotations
 
 import logging
-import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
+from pathlib import Path
 
-from prefect import flow, get_run_logger
+from prefect import flow
 from prefect.context import FlowRunContext
-from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from eagle3_core import stages
 from eagle3_core.config import PipelineConfig, preset
-from eagle3_core.run_lock import run_lock
 from tasks import stages as t
-from tasks.artifacts import ShardProgress, shard_table
+from tasks.control import (  # noqa: F401 (locked, first_attempt: re-exported for callers of flows.stages)
+    first_attempt,
+    forget,
+    inference_servers,
+    locked,
+    log_in_parent_runs,
+    plan_features_task,
+    plan_generation_task,
+    run_shards,
+    run_stage,
+)
 
 DEMO = preset("demo")
 
 
-@contextmanager
-def locked(cfg: PipelineConfig):
-    """Hold cfg.run_dir's lock (eagle3_core.run_lock) for the current flow run: its subflows, shard threads and the
-    processes its tasks start pass; another run of the same run directory is refused with RunDirBusy naming this
-    one (flow run id and name, pid, start time)."""
+def run_label(config) -> str:
+    """The run directory's name (runs/demo -> 'demo'; presets default to runs/<preset>), from a PipelineConfig or
+    its JSON form (a deployment's stored parameters)."""
+    run_dir = config.run_dir if hasattr(config, "run_dir") else (config or {}).get("run_dir", "")
+    return Path(str(run_dir)).name or "run"
+
+
+def run_name(stage: str):
+    """flow_run_name for the flow of `stage`: '<run>-<stage>' (e.g. 'demo-features'), not Prefect's random name,
+    so the Runs page says which run and which stage each flow run is. A run a deployment started keeps the name it
+    was created with (the UI's Custom run form shows and lets the user pick it; the run's link carries it)."""
+    def name() -> str:
+        ctx = FlowRunContext.get()
+        run = ctx.flow_run if ctx else None
+        if run is not None and run.deployment_id is not None and run.parent_task_run_id is None:
+            return run.name
+        return f"{run_label((ctx.parameters if ctx else {}).get('config'))}-{stage}"
+    return name
+
+
+def label(config: PipelineConfig, stage: str) -> None:
+    """Tag the current flow run `run:<run>` and `stage:<stage>` (filterable on the Runs page; tags cannot be set
+    on a @flow, so every stage flow adds its own, whether the pipeline, a deployment or a user started it)."""
+    from prefect.client.orchestration import get_client
     ctx = FlowRunContext.get()
-    run = ctx.flow_run if ctx else None
-    with run_lock(cfg.run_dir, str(run.id) if run else None, run.name if run else None):
+    if ctx is None or ctx.flow_run is None:
+        return
+    tags = sorted({*ctx.flow_run.tags, f"run:{run_label(config)}", f"stage:{stage}"})
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(ctx.flow_run.id, tags=tags)
+
+
+# what each stage's summary line names, from its manifest (scalars only; a key a manifest lacks is left out)
+SUMMARY_FIELDS = {
+    "prompts": ("train_ids", "eval_ids"), "generation": ("samples", "completion_tokens", "server"),
+    "features": ("samples", "tokens", "format", "bytes_per_token", "shards_extracted"),
+    "vocab": ("draft_vocab_size", "coverage"), "train": ("epochs", "best_epoch", "draft_dir"),
+    "evaluate": (), "deploy-llama-cpp": ("tokens_per_s", "baseline_tokens_per_s", "speedup"),
+    "deploy-sglang": ("skipped",),
+}
+
+
+def summary_line(stage: str, manifest: dict) -> str:
+    """One line saying what stage `stage` produced (its manifest's SUMMARY_FIELDS, counts for lists, tau for
+    evaluate) and how long it took (the manifest's seconds: 0 when every piece was already done)."""
+    parts = []
+    for key in SUMMARY_FIELDS.get(stage, ()):
+        value = manifest.get(key)
+        if isinstance(value, list):
+            value = len(value)
+        if isinstance(value, float):
+            value = f"{value:.3g}"
+        if value is not None and not isinstance(value, dict):
+            parts.append(f"{key} {value}")
+    ev = manifest.get("summary") or {}
+    for name in ("trained", "trained_tree", "untrained"):
+        if isinstance(ev.get(name), dict) and "tau" in ev[name]:
+            parts.append(f"tau {name} {ev[name]['tau']:.3f}")
+    seconds = manifest.get("seconds")
+    took = f" in {seconds:.1f} s" if isinstance(seconds, (int, float)) else ""
+    return f"{stage}: done{took}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def summarize(stage: str, manifest: dict) -> dict:
+    """Log stage `stage`'s summary line in its flow run and every run above it (the pipeline run's log then holds
+    one line per stage); returns `manifest`."""
+    log_in_parent_runs(logging.INFO, "%s", summary_line(stage, manifest))
+    return manifest
+
+
+@contextmanager
+def stage_run(config: PipelineConfig, stage: str, refresh: bool, *forgotten: str):
+    """The frame of every stage flow: tags (label), the run directory's lock (locked), and refresh=True forgetting
+    `forgotten` (default: `stage`) on the first attempt (forget)."""
+    label(config, stage)
+    with locked(config):
+        forget(config, refresh, *(forgotten or (stage,)))
         yield
 
 
-def first_attempt() -> bool:
-    """False when the current flow run is being retried (run_count > 1)."""
-    ctx = FlowRunContext.get()
-    return ctx is None or ctx.flow_run is None or ctx.flow_run.run_count <= 1
-
-
-def forget(cfg: PipelineConfig, refresh: bool, *stage_names: str) -> None:
-    """refresh=True: the stages recompute their outputs. Only on a flow run's first attempt: a retry keeps what
-    the failed attempt finished."""
-    if refresh and first_attempt():
-        for name in stage_names:
-            stages.invalidate_stage(cfg, name)
-
-
-def log_in_parent_runs(level: int, msg: str, *args) -> None:
-    """Log to the current flow run and to every flow run above it (a stage flow called by the pipeline flow), so
-    that what a user must act on shows on the run page they opened."""
-    from prefect.client.orchestration import get_client
-    from prefect.logging.loggers import flow_run_logger
-    get_run_logger().log(level, msg, *args)
-    ctx = FlowRunContext.get()
-    run = ctx.flow_run if ctx else None
-    if run is None or run.parent_task_run_id is None:
-        return
-    with get_client(sync_client=True) as client:
-        while run.parent_task_run_id is not None:
-            run = client.read_flow_run(client.read_task_run(run.parent_task_run_id).flow_run_id)
-            flow_run_logger(flow_run=run).log(level, msg, *args)
-
-
-def run_stage(task, cfg: PipelineConfig, stage: str, *args):
-    """Run a stage task; Prefect's cache may answer only if the stage's manifest on disk matches its inputs."""
-    return task.with_options(refresh_cache=not stages.stage_done(cfg, stage))(cfg, *args)
-
-
-def run_shards(task, cfg: PipelineConfig, stage: str, shard_ids: list[int], done, *args,
-               parallel: bool = False) -> list[dict]:
-    """Run one task per shard, let every shard finish, then fail if any failed (naming them). `done(cfg, i)`
-    tells whether shard i is intact on disk (else the task ignores Prefect's cache). parallel=False runs them one
-    after another in the flow's thread, where a task timeout can interrupt a hung shard; parallel=True submits
-    them to the flow's task runner."""
-    progress = ShardProgress(cfg.run_dir, stage, len(shard_ids))
-    log, t0 = get_run_logger(), time.monotonic()
-
-    def step(shard: int, state) -> None:
-        progress.step()
-        n, N = progress.done, progress.total
-        eta = f", ETA {(time.monotonic() - t0) / n * (N - n) / 60:.1f} min" if n < N else ""
-        log.info("%s: %s of %s shards done (shard %s: %s)%s", stage, n, N, shard, state.name, eta)
-
-    states = []
-    if parallel:
-        futures = {task.with_options(refresh_cache=not done(cfg, i)).submit(cfg, i, *args): i for i in shard_ids}
-        for fut in as_completed(list(futures)):
-            fut.wait()                     # keeps the final state on the future (the API's copy may lag)
-            step(futures[fut], fut.state)
-        states = [f.state for f in futures]
-    else:
-        for i in shard_ids:
-            states.append(task.with_options(refresh_cache=not done(cfg, i))(cfg, i, *args, return_state=True))
-            step(i, states[-1])
-    failed = [i for i, st in zip(shard_ids, states) if not st.is_completed()]
-    if failed:
-        first = next(st for st in states if not st.is_completed())
-        log_in_parent_runs(logging.ERROR, "%s: shards %s of %s failed (first error: %s); fix the cause and retry "
-                           "this flow run: only they will run again", stage, failed, len(shard_ids),
-                           (first.message or "")[:1500])
-    results = [st.result() for st in states]                  # raises the first failure
-    shard_table(cfg.run_dir, stage, results)
-    return results
-
-
-@flow(name="prompts")
+@flow(name="prompts", flow_run_name=run_name("prompts"))
 def prompts_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Load, dedupe and split prompts into train and held-out sets."""
-    with locked(config):
-        forget(config, refresh, "prompts")
-        return run_stage(t.prompts_task, config, "prompts")
+    with stage_run(config, "prompts", refresh):
+        return summarize("prompts", run_stage(t.prompts_task, config, "prompts"))
 
 
-@flow(name="generation", task_runner=ThreadPoolTaskRunner(max_workers=2))
+@flow(name="generation", flow_run_name=run_name("generation"), task_runner=ThreadPoolTaskRunner(max_workers=2))
 def generation_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
-    """Regenerate responses with the target, one task per shard, against the inference servers (started here for
-    server.kind 'llama.cpp' / 'sglang', stopped after). Two shards are in flight, each with generation.concurrency
-    requests, so that no server slot idles at a shard's tail; shards whose rows are all kept start no server."""
-    with locked(config):
-        forget(config, refresh, "generation")
-        shard_ids = stages.generation_shards(config)
-        pending = [i for i in shard_ids if not stages.generation_shard_done(config, i)
-                   and stages.generation_shard_needs_server(config, i)]
-        with (stages.generation_servers(config) if pending else nullcontext(None)) as urls:
-            shards = run_shards(t.generation_shard_task, config, "generation", shard_ids,
-                                stages.generation_shard_done, urls, parallel=True)
-        return run_stage(t.finish_generation_task, config, "generation", shards)
+    """Regenerate responses with the target, one task per shard, against the inference servers (started by a task
+    for server.kind 'llama.cpp' / 'sglang', stopped by another after). Two shards are in flight, each with
+    generation.concurrency requests, so that no server slot idles at a shard's tail; shards whose rows are all
+    kept, or that are finished, start no server."""
+    with stage_run(config, "generation", refresh):
+        plan = plan_generation_task(config)
+        with inference_servers(config, plan["needs_server"]) as urls:
+            shards = run_shards(t.generation_shard_task, config, "generation", plan, urls, parallel=True)
+        return summarize("generation", run_stage(t.finish_generation_task, config, "generation", shards))
 
 
-@flow(name="features")
+@flow(name="features", flow_run_name=run_name("features"))
 def features_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Tokenize with loss masks, then extract the target's aux hidden states, one task per shard, one after
     another (the target stays loaded between them; more GPUs = more workers of the GPU pool). Backend 'hf_tp':
     one torchrun task whose features.tp_size ranks share the sharded target and extract every shard."""
-    with locked(config):
-        forget(config, refresh, "tokenize", "features")
+    with stage_run(config, "features", refresh, "tokenize", "features"):
         run_stage(t.tokenize_task, config, "tokenize")
         if config.features.backend == "hf_tp":
             from tasks.distributed import features_tp_task
-            return features_tp_task(config)
-        shards = run_shards(t.features_shard_task, config, "features", stages.feature_shards(config),
-                            stages.feature_shard_done)
-        return run_stage(t.finish_features_task, config, "features", shards)
+            return summarize("features", features_tp_task(config))
+        shards = run_shards(t.features_shard_task, config, "features", plan_features_task(config))
+        return summarize("features", run_stage(t.finish_features_task, config, "features", shards))
 
 
-@flow(name="vocab")
+@flow(name="vocab", flow_run_name=run_name("vocab"))
 def vocab_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Build the draft vocab map (d2t, t2d)."""
-    with locked(config):
-        forget(config, refresh, "vocab")
-        return run_stage(t.vocab_task, config, "vocab")
+    with stage_run(config, "vocab", refresh):
+        return summarize("vocab", run_stage(t.vocab_task, config, "vocab"))
 
 
-@flow(name="train")
+@flow(name="train", flow_run_name=run_name("train"))
 def train_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Train the EAGLE-3 draft with training-time test and export it for SGLang."""
-    with locked(config):
-        forget(config, refresh, "train")
-        return run_stage(t.train_task, config, "train")
+    with stage_run(config, "train", refresh):
+        return summarize("train", run_stage(t.train_task, config, "train"))
 
 
-@flow(name="evaluate")
+@flow(name="evaluate", flow_run_name=run_name("evaluate"))
 def evaluate_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Measure tau of the trained and an untrained draft on held-out prompts."""
-    with locked(config):
-        forget(config, refresh, "evaluate")
-        return run_stage(t.evaluate_task, config, "evaluate")
+    with stage_run(config, "evaluate", refresh):
+        return summarize("evaluate", run_stage(t.evaluate_task, config, "evaluate"))
 
 
-@flow(name="deploy-llama-cpp")
+@flow(name="deploy-llama-cpp", flow_run_name=run_name("deploy-llama-cpp"))
 def deploy_llama_cpp_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Serve the draft on llama.cpp's EAGLE-3 mode and benchmark it against the same server without a draft."""
-    with locked(config):
-        forget(config, refresh, "deploy-llama-cpp")
-        return run_stage(t.deploy_llama_cpp_task, config, "deploy-llama-cpp")
+    with stage_run(config, "deploy-llama-cpp", refresh):
+        return summarize("deploy-llama-cpp", run_stage(t.deploy_llama_cpp_task, config, "deploy-llama-cpp"))
 
 
-@flow(name="deploy-sglang")
+@flow(name="deploy-sglang", flow_run_name=run_name("deploy-sglang"))
 def deploy_sglang_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Serve the draft on SGLang (EAGLE3) against the same server without it: tau, tok/s, speed-up and break-even
     tau per concurrency; skipped, saying why, for GGUF targets and where SGLang is not installed."""
-    with locked(config):
-        forget(config, refresh, "deploy-sglang")
-        return run_stage(t.deploy_sglang_task, config, "deploy-sglang")
+    with stage_run(config, "deploy-sglang", refresh):
+        return summarize("deploy-sglang", run_stage(t.deploy_sglang_task, config, "deploy-sglang"))

@@ -93,6 +93,12 @@ def pytest_sessionfinish(session, exitstatus):
         child.kill()
 
 
+def written_bytes(entries: list[dict]) -> list[dict]:
+    """Shard records without their mtime_ns: what two runs that wrote the same bytes agree on (the mtime says when
+    each file was written)."""
+    return [{k: v for k, v in e.items() if k != "mtime_ns"} for e in entries]
+
+
 def tiny_shape(**kw):
     from eagle3_core.draft_model import DraftShape
     base = dict(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

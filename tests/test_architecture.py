@@ -107,3 +107,13 @@ def test_one_path_per_computation():
     importers = {p.parent.name for p in _py_files("eagle3_core", "tasks", "flows", "benchmarks", "tests")
                  for _, module, _ in _imports(p) if module == "reference_paths"}
     assert importers == {"tests", "benchmarks"}, importers
+
+
+def test_flows_call_no_eagle3_core_function_except_config_and_presets():
+    """Flows call tasks (and the task-level contexts of tasks/control.py) only: planning, server start and stop,
+    the config check and refresh are tasks with their own state and log. flows/ may import from eagle3_core only
+    its config module (PipelineConfig, load_config, preset)."""
+    found = [f"{p.relative_to(ROOT)}:{line}: {module} {name or ''}".strip() for p in _py_files("flows")
+             for line, module, name in _imports(p)
+             if module.split(".")[0] == "eagle3_core" and module != "eagle3_core.config"]
+    assert not found, f"flows/ reach past their tasks into eagle3_core: {found}"

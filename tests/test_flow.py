@@ -1,5 +1,6 @@
 """The end-to-end Prefect flow on a handful of prompts under prefect_test_harness, with the real llama.cpp server;
 and bad input failing the flow run with a message that names the file or URL, nothing earlier lost."""
+import asyncio
 import json
 
 import pytest
@@ -41,7 +42,6 @@ def test_pipeline_runs_end_to_end(e2e_run):
 def test_flow_runs_and_report_artifact_are_in_prefect(e2e_run):
     """The end-to-end run and its seven stage subflows are recorded by the Prefect server, completed, with the
     report artifact."""
-    import asyncio
     cfg, _ = e2e_run
 
     async def query():
@@ -57,6 +57,36 @@ def test_flow_runs_and_report_artifact_are_in_prefect(e2e_run):
     assert len(ours) == 8 and all(r.parent_task_run_id for r in subflows), [r.name for r in ours]
     assert all(r.state.is_completed() for r in ours), [(r.name, r.state.name) for r in ours]
     assert {run_key(cfg.run_dir, "eagle3-report"), run_key(cfg.run_dir, "eagle3-plots")} <= {a.key for a in arts}
+
+
+def test_the_pipeline_run_names_its_subflows_tags_them_and_logs_every_stage_summary(e2e_run):
+    """What a user sees on the Runs page and the pipeline run's log (read back through the API): '<run>-<stage>'
+    names instead of random ones, run:/stage: tags on every subflow, and one summary line per stage in the parent
+    run's own log (not only in the subflows')."""
+    from prefect_api import flow_run_log, flow_run_tree
+    cfg, _ = e2e_run
+    label = cfg.run_dir.name
+
+    async def query():
+        async with get_client() as client:
+            pipeline_id = (await client.read_flow_by_name("eagle3-pipeline")).id
+            return [r for r in await client.read_flow_runs() if r.flow_id == pipeline_id]
+    same_dir = [r for r in asyncio.run(query())
+                if str((r.parameters.get("config") or {}).get("run_dir")) == str(cfg.run_dir)]
+    first = min(same_dir, key=lambda r: r.created)
+    assert first.name == f"{label}-pipeline" and {f"run:{label}", "stage:pipeline"} <= set(first.tags)
+    subflows = [r for r in flow_run_tree(first.id) if r.id != first.id]
+    stages = ["prompts", "generation", "features", "vocab", "train", "evaluate", "deploy-llama-cpp", "deploy-sglang"]
+    assert sorted(r.name for r in subflows) == sorted(f"{label}-{s}" for s in stages)
+    for r in subflows:
+        stage = r.name.removeprefix(f"{label}-")
+        assert {f"run:{label}", f"stage:{stage}"} <= set(r.tags), (r.name, r.tags)
+    log = flow_run_log(first.id, "deploy-sglang: done")
+    for stage in stages:
+        assert any(m.startswith(f"{stage}: done") for m in log), (stage, log)
+    features = next(m for m in log if m.startswith("features: done"))
+    assert f"samples {json.loads((cfg.run_dir / 'features' / 'manifest.json').read_text())['samples']}" in features
+    assert "tau trained" in next(m for m in log if m.startswith("evaluate: done"))
 
 
 def test_missing_prompt_file_fails_the_run_naming_it(prefect_server, tmp_path):

@@ -207,7 +207,7 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
     from eagle3_core.serving import launcher
     from eagle3_core.serving.launcher import ServerExited
     from flows.stages import generation_flow
-    from prefect_api import flow_run_tree, states_by_name, task_runs
+    from prefect_api import flow_run_tree, logs_of, states_by_name, task_runs
 
     cfg = make_run(tmp_path / "run", 8, [], shard_size=2, concurrency=1, max_new_tokens=16)
     cfg.server = ServerConfig(kind="llama.cpp", parallel=1, ctx_per_slot=1024, extra_args=["-t", "1"],
@@ -264,7 +264,12 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
     assert rerun.is_completed()
     got = states_by_name(task_runs(rerun.state_details.flow_run_id))
     assert got == {**{f"generation-shard-{k}": "Cached" for k in finished},
-                   **{f"generation-shard-{k}": "Completed" for k in unfinished}, "finish-generation": "Completed"}
+                   **{f"generation-shard-{k}": "Completed" for k in unfinished}, "finish-generation": "Completed",
+                   "plan-generation": "Completed", "start-servers": "Completed", "stop-servers": "Completed"}
+    # the server's start is a task of its own, whose log names the pid, URL and log file
+    start = next(t for t in task_runs(rerun.state_details.flow_run_id) if t.name == "start-servers")
+    started = [m for m in logs_of(start.id, "started: pid") if "started: pid" in m]
+    assert len(started) == 1 and "http://127.0.0.1:" in started[0] and "server.attempt-2.log" in started[0]
     assert sorted(p.name for p in out.glob("server*.log")) == ["server.attempt-1.log", "server.attempt-2.log"]
     assert log1.read_bytes() == first_log and (out / "server.attempt-2.log").stat().st_size > 0
     assert_each_prompt_answered_once(cfg)

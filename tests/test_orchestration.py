@@ -20,6 +20,9 @@ from tasks.retry import RETRY_OPTIONS, is_transient, retry_if_transient
 STAGE_TASKS = {"prompts", "generation-shard-0", "generation-shard-1", "finish-generation", "tokenize",
                "features-shard-0", "features-shard-1", "finish-features", "vocab", "train", "evaluate",
                "deploy-llama-cpp", "deploy-sglang"}
+# tasks/control.py's tasks that read the run's state each time (never cached; metadata only): the config check and
+# the shard plans
+CONTROL_TASKS = {"check", "plan-generation", "plan-features"}
 
 
 def _manifests(run_dir):
@@ -33,10 +36,11 @@ def test_equal_rerun_recomputes_nothing_and_a_changed_parameter_exactly_the_stag
     state = eagle3_pipeline(cfg, return_state=True)          # a new flow run id, equal parameters
     assert state.is_completed()
     got = states_by_name(task_runs(state.state_details.flow_run_id))
-    assert set(got) == STAGE_TASKS | {"report"}
+    assert set(got) == STAGE_TASKS | CONTROL_TASKS | {"report"}
     # the report task computes nothing (it re-reads the manifests) and is never cached: every flow run gets its
-    # own report artifacts
-    assert {n: s for n, s in got.items() if n != "report"} == {n: "Cached" for n in STAGE_TASKS}
+    # own report artifacts; no server was started (start-servers did not run: every generation shard was done)
+    assert {n: s for n, s in got.items() if n in STAGE_TASKS} == {n: "Cached" for n in STAGE_TASKS}
+    assert {n: s for n, s in got.items() if n in CONTROL_TASKS} == {n: "Completed" for n in CONTROL_TASKS}
     assert _manifests(cfg.run_dir) == before                  # nothing on disk was rewritten
 
     changed = cfg.model_copy(deep=True)
@@ -44,7 +48,7 @@ def test_equal_rerun_recomputes_nothing_and_a_changed_parameter_exactly_the_stag
     state = eagle3_pipeline(changed, return_state=True)
     assert state.is_completed()
     got = states_by_name(task_runs(state.state_details.flow_run_id))
-    recomputed = {n for n, s in got.items() if s != "Cached"} - {"report"}
+    recomputed = {n for n, s in got.items() if s != "Cached"} - {"report"} - CONTROL_TASKS
     assert recomputed == {"evaluate", "deploy-llama-cpp"}, got
     after = _manifests(cfg.run_dir)
     assert {d for d in after if after[d] != before[d]} == {"eval", "deploy_llama_cpp"}
@@ -174,7 +178,8 @@ def test_refresh_recomputes_the_stage(e2e_run, tmp_path):
         "prompts": "Cached"}
     old = json.loads((copy.run_dir / "prompts" / "manifest.json").read_text())
     state = prompts_flow(copy, refresh=True, return_state=True)
-    assert states_by_name(task_runs(state.state_details.flow_run_id)) == {"prompts": "Completed"}
+    assert states_by_name(task_runs(state.state_details.flow_run_id)) == {"forget": "Completed",
+                                                                          "prompts": "Completed"}
     new = json.loads((copy.run_dir / "prompts" / "manifest.json").read_text())
     assert new["seconds"] != old["seconds"] and new["train_ids"] == old["train_ids"]
 
@@ -183,3 +188,37 @@ def test_refresh_recomputes_the_stage(e2e_run, tmp_path):
 def test_every_stage_has_an_inputs_key_once_the_run_is_done(e2e_run, stage):
     cfg, _ = e2e_run
     assert stages.stage_done(cfg, stage)
+
+
+def test_what_does_not_change_results_keeps_stages_done_and_aux_ids_redo_features_and_after(e2e_run, tmp_path):
+    """On a copy of the session's run (mtimes kept, so no shard is hashed): changing how features are computed
+    (writer threads, batch tokens) leaves every stage done and nothing is rewritten; a deleted feature shard is
+    extracted again alone; other aux layer ids redo features and the stages after it, nothing before."""
+    from flows.pipeline import eagle3_pipeline
+    cfg, _ = e2e_run
+    copy = cfg.model_copy(deep=True)
+    copy.run_dir = tmp_path / "run"
+    shutil.copytree(cfg.run_dir, copy.run_dir)
+    before = _manifests(copy.run_dir)
+    copy.features.writer_threads = cfg.features.writer_threads + 2
+    copy.features.batch_tokens = cfg.features.batch_tokens * 2
+    assert all(stages.stage_done(copy, s) for s in stages.STAGE_DIRS)
+    assert eagle3_pipeline(copy, return_state=True).is_completed()
+    assert _manifests(copy.run_dir) == before
+
+    features = copy.run_dir / "features"
+    victim = features / "shard_00001.safetensors"
+    kept = {p.name: p.stat().st_mtime_ns for p in features.glob("shard_*.safetensors") if p != victim}
+    victim.unlink()
+    assert eagle3_pipeline(copy, return_state=True).is_completed()
+    after = _manifests(copy.run_dir)
+    assert {d for d in after if after[d] != before[d]} == {"features"}
+    assert json.loads(after["features"])["shards_extracted"] == 1
+    assert {n: (features / n).stat().st_mtime_ns for n in kept} == kept
+
+    copy.features.aux_layer_ids = [2, 14, 26]
+    assert eagle3_pipeline(copy, return_state=True).is_completed()
+    final = _manifests(copy.run_dir)
+    assert {d for d in final if final[d] != after[d]} == {"features", "draft", "eval", "deploy_llama_cpp",
+                                                           "deploy_sglang"}
+    assert json.loads(final["features"])["aux_layer_ids"] == [2, 14, 26]

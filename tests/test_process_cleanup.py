@@ -20,12 +20,34 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _as_from_a_shell() -> None:
+    """preexec hook: the inner pytest starts as a shell starts one, SIGINT and SIGTERM at their defaults and
+    unblocked. Ignored and blocked signals are inherited through fork and exec, and the outer pytest's state after
+    hundreds of tests (libraries that block or ignore SIGINT around their own work) is not a user's shell's."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _signal_state(pid: int) -> str:
+    """The blocked and ignored signal masks of `pid` (/proc/PID/status), for failure messages."""
+    try:
+        lines = open(f"/proc/{pid}/status").read().splitlines()
+    except OSError:
+        return "gone"
+    return " ".join(line for line in lines if line.startswith(("SigBlk", "SigIgn")))
+
+
+def _pytest(args: list[str], env: dict, spawned) -> subprocess.Popen:
+    return spawned(subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT,
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    preexec_fn=_as_from_a_shell))  # noqa: PLW1509 (two signal calls, no imports)
+
+
 def _start_holding(case: str, tmp_path, spawned) -> tuple[subprocess.Popen, int, str]:
     hold = tmp_path / "hold.txt"
     env = {**os.environ, "HOLD_FILE": str(hold), "PYTHONPATH": str(ROOT)}
-    inner = spawned(subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                      f"{CASES}::{case}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True))
+    inner = _pytest([f"{CASES}::{case}"], env, spawned)
     deadline = time.monotonic() + 180
     while not hold.exists() or not hold.read_text():
         assert inner.poll() is None, f"inner pytest ended early:\n{inner.stdout.read()}"
@@ -49,8 +71,13 @@ def _assert_gone(pid: int, url: str, inner_output: str = "") -> None:
 @pytest.mark.parametrize("case", ["test_hold_in_a_launcher_fixture", "test_hold_spawned", "test_hold_untracked"])
 def test_ctrl_c_of_a_test_holding_a_server_leaves_no_server(case, tmp_path, spawned):
     inner, pid, url = _start_holding(case, tmp_path, spawned)
+    state = _signal_state(inner.pid)
     inner.send_signal(signal.SIGINT)
-    out, _ = inner.communicate(timeout=60)
+    try:
+        out, _ = inner.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the inner pytest did not end within 60 s of SIGINT (its signal masks before: {state}; now "
+                    f"{_signal_state(inner.pid)})")
     assert inner.returncode == 2 and "KeyboardInterrupt" in out, out     # pytest's "interrupted" exit code
     _assert_gone(pid, url, out)
 
@@ -78,9 +105,8 @@ def test_signalled_pytest_during_torchrun_ends_and_leaves_no_worker(signals, ign
     env = {**os.environ, "HOLD_FILE": str(hold), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     if ignore_term:
         env["HOLD_IGNORE_SIGTERM"] = "1"
-    inner = spawned(subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                                      f"{TORCHRUN_CASE}::test_hold_torchrun", f"{TORCHRUN_CASE}::test_hold_torchrun"],
-                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    inner = _pytest(["-s", f"{TORCHRUN_CASE}::test_hold_torchrun", f"{TORCHRUN_CASE}::test_hold_torchrun"], env,
+                    spawned)
     deadline = time.monotonic() + 120
     while not hold.exists() or len(hold.read_text().split()) < 2:
         assert inner.poll() is None, f"inner pytest ended early:\n{inner.stdout.read()}"
@@ -88,10 +114,14 @@ def test_signalled_pytest_during_torchrun_ends_and_leaves_no_worker(signals, ign
         time.sleep(0.2)
     workers = [int(p) for p in hold.read_text().split()]
     assert all(_alive(p) for p in workers)
+    state = _signal_state(inner.pid)
     for sig in signals:
         inner.send_signal(sig)
         time.sleep(1.0)
-    out, _ = inner.communicate(timeout=120)
+    try:
+        out, _ = inner.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the inner pytest did not end within 120 s of {signals} (its signal masks before: {state})")
     assert inner.returncode == 2 and "KeyboardInterrupt" in out, out
     assert len(hold.read_text().split()) == 2, f"pytest went on to the next test after {signals}:\n{out}"
     assert "stopping leftover process" not in out, f"the launcher left workers to conftest's backstop:\n{out}"

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..config import PipelineConfig, load_config
 from ..extract import HFExtractor
-from ..features import STORE_VERSION, write_head, bad_shards, content_key, shard_entry, write_shards
+from ..features import STORE_VERSION, bad_shards, content_key, entry_holds, shard_entry, write_head, write_shards
 from ..manifest import read_manifest, write_manifest
 from ..pipeline.layout import RunLayout
 from .launch import die_with_parent, emit_line, run_torchrun
@@ -60,7 +60,8 @@ def extract_owned(extractor, rows: list[dict], out_dir: Path, shard_samples: int
     plan = shard_plan(rows, shard_samples, extractor.aux_layer_ids, store_format, target_id)
     mine = plan[rank::world]
     known = _known_shards(out_dir)
-    candidates = [known[f] for f, _, key in mine if f in known and known[f].get("content_key") == key]
+    candidates = [known[f] for f, part, key in mine if f in known
+                  and entry_holds(out_dir, known[f], part, extractor.aux_layer_ids, store_format, target_id, key)]
     bad = set(bad_shards(out_dir, candidates))
     done = {e["file"]: e for e in candidates if e["file"] not in bad}
     for f, _, _ in mine:                                   # stale or half-written files of my shards only

@@ -29,7 +29,7 @@ def run_features(cfg: PipelineConfig, log=print) -> dict:
     if (m := cached_manifest(out / "manifest.json", key)):
         if not (bad := bad_shards(out, m["shards"])):            # data on disk is the source of truth
             return m
-        log(f"features: shard(s) {bad} missing or failing their sha256; extracting them again")
+        log(f"features: shard(s) {bad} missing or changed since written; extracting them again")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_target(cfg.target, device)
     ids = aux_ids(cfg, num_layers(model.config))
@@ -84,8 +84,9 @@ def mark_store(cfg: PipelineConfig, store: dict) -> None:
 
 def _feature_shard_entry(cfg: PipelineConfig, shard: int, rows: list[dict] | None = None) -> dict | None:
     """The store manifest's entry of feature shard `shard` if it is complete on disk for the current inputs:
-    listed with the content key of its samples, layers, format and target, and its bytes match its sha256."""
-    from ..features import bad_shards, content_key
+    listed with the content key of its samples, loss masks, layers, format and target (features.entry_holds), and
+    intact (manifest.file_intact: size and mtime as recorded, no read)."""
+    from ..features import bad_shards, entry_holds
     out = RunLayout(cfg.run_dir).features
     head, store = read_manifest(RunLayout(cfg.run_dir).features_head), read_manifest(out / "manifest.json")
     if (head is None or store is None or head.get("inputs_key") != features_key(cfg)
@@ -97,13 +98,14 @@ def _feature_shard_entry(cfg: PipelineConfig, shard: int, rows: list[dict] | Non
         return None
     S = cfg.features.shard_samples
     part = (rows if rows is not None else tokenized_rows(cfg))[shard * S:(shard + 1) * S]
-    if entry.get("content_key") != content_key(part, store["aux_layer_ids"], store["format"], store["target_id"]):
+    if not entry_holds(out, entry, part, store["aux_layer_ids"], store["format"], store["target_id"]):
         return None
     return None if bad_shards(out, [entry]) else entry
 
 
 def feature_shard_done(cfg: PipelineConfig, shard: int) -> bool:
-    """True if feature shard `shard` is complete on disk for the current inputs (content key and sha256 match)."""
+    """True if feature shard `shard` is complete on disk for the current inputs (content key matches, file intact:
+    manifest.file_intact)."""
     return _feature_shard_entry(cfg, shard) is not None
 
 
@@ -145,10 +147,15 @@ def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
 def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print) -> dict:
     """The features stage's manifest (the store manifest plus inputs_key, as run_features writes it) once every
     shard of feature_shards has a manifest for the current inputs (any order) and is intact on disk; frees the
-    target loaded for the shards. Raises ValueError naming the shards that are missing, stale or corrupt (rerun
-    them with run_features_shard)."""
+    target loaded for the shards. A stage already done for these inputs is returned as it is on disk. Raises
+    ValueError naming the shards that are missing, stale or corrupt (rerun them with run_features_shard)."""
+    from ..features import bad_shards
     loaded_target.cache_clear()
     key, want, out = features_key(cfg), feature_shards(cfg), RunLayout(cfg.run_dir).features
+    # done already (no shard was extracted since: extraction rewrites the store manifest without inputs_key) and
+    # intact: keep it as written, with the timing of the run that extracted the shards
+    if (m := cached_manifest(out / "manifest.json", key)) and not bad_shards(out, m["shards"]):
+        return m
     by_id = {m["shard"]: m for m in shard_manifests if m.get("inputs_key") == key}
     rows = tokenized_rows(cfg)
     # data on disk is the source of truth: each shard must be listed and intact for the current inputs

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ..config import PipelineConfig
-from ..manifest import busy_seconds, cached_manifest, sha256_file, write_manifest
+from ..manifest import busy_seconds, cached_manifest, file_intact, write_manifest
 from .features import loaded_target
 from .keys import stage_key, target_key, upstream_manifest
 from .layout import RunLayout
@@ -138,10 +138,10 @@ def run_generation_shard(cfg: PipelineConfig, shard: int, log=print, urls: list[
     """Regenerate the answers of one shard (generations/shard_{shard:05d}.parquet); returns its record (counts,
     failures with reasons, retries, finish reasons, quality counts: small and JSON-able).
 
-    Idempotent: a finished shard (record for the same inputs, matching sha256, no failures) is returned untouched;
-    otherwise only its unanswered prompts are sent. `urls`: running servers (e.g. from `generation_servers`, to
-    keep one server across shards); None starts the configured server for this shard alone. `on_progress`: see
-    `regenerate.regenerate`. Raises ValueError for a shard index out of range, ServerError when no server answers.
+    Idempotent: a finished shard (record for the same inputs, file intact by manifest.file_intact, no failures)
+    is returned untouched; otherwise only its unanswered prompts are sent. `urls`: running servers (e.g. from
+    `generation_servers`, to keep one server across shards); None starts the configured server for this shard
+    alone. `on_progress`: see `regenerate.regenerate`. Raises ValueError for a shard index out of range, ServerError when no server answers.
     """
     from ..regenerate import finished_record, num_shards
     out, key = RunLayout(cfg.run_dir).generations, generation_key(cfg)
@@ -180,7 +180,7 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
     for k in range(num_shards(RunLayout(cfg.run_dir).prompts_train, g.shard_size)):
         path = out / f"shard_{k:05d}.json"
         rec = json.loads(path.read_text()) if path.exists() else {}
-        if rec.get("inputs_key") != key or sha256_file(out / shard_name(k)) != rec.get("sha256"):
+        if rec.get("inputs_key") != key or not file_intact(out / shard_name(k), rec):
             raise RuntimeError(f"generation shard {k} has not finished for these inputs ({path}): run "
                                f"run_generation_shard(cfg, {k}) (or the generation stage) again")
         records.append(rec)

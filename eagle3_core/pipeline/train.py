@@ -35,7 +35,8 @@ def fresh_draft(cfg: PipelineConfig):
 
 def train_split(cfg: PipelineConfig, dp=None) -> tuple[list, list]:
     """(train, held-out) samples of cfg.run_dir/features: the first int(n * train.eval_frac) are held out. Every
-    shard's sha256 is checked first, 1/W of them on each rank of `dp` (a DataParallel; default one process).
+    shard is checked against its record first (features.bad_shards: size and mtime, sha256 where they differ), 1/W
+    of them on each rank of `dp` (a DataParallel; default one process).
     Raises ValueError on every rank, naming the bad shards this rank found, if any rank found one."""
     from ..distributed.data_parallel import DataParallel
     from ..features import bad_shards, load_samples
@@ -43,7 +44,7 @@ def train_split(cfg: PipelineConfig, dp=None) -> tuple[list, list]:
     shards = (read_manifest(store / "manifest.json") or {}).get("shards", [])   # none: load_samples says so
     bad = bad_shards(store, dp.shard(shards))
     if n_bad := dp.sum_int(len(bad)):
-        raise ValueError(f"{n_bad} feature shard(s) corrupt or missing (sha256 mismatch), here "
+        raise ValueError(f"{n_bad} feature shard(s) corrupt or missing (changed since written), here "
                          f"{[str(store / b) for b in bad]}; rerun the features stage: it extracts exactly those "
                          "shards again")
     samples = load_samples(store, verify=False)

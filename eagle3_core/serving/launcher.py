@@ -222,6 +222,13 @@ def launch(argv: list[str], url: str, log_path: Path, startup_timeout_s: float):
         _restore_sigterm_handler()
 
 
+def running_server(url: str) -> tuple[int, Path] | None:
+    """(pid, log path) of the server this process started at `url` and is running (inside `launch`'s block), else
+    None (an external server, or one that has stopped)."""
+    entry = _watched.get(url.rstrip("/"))
+    return (entry[0].pid, entry[1]) if entry else None
+
+
 def llama_server_argv(model: Path, host: str, port: int, parallel: int = 4, ctx_per_slot: int = 2048,
                       extra_args: list[str] | None = None) -> list[str]:
     """llama-server command: `-np parallel` slots sharing `-c parallel*ctx_per_slot` context; `--jinja` applies the

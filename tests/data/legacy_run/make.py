@@ -1,0 +1,46 @@
+"""Write the legacy-run fixture: the data stages (prompts, generation, tokenize, features, vocab) of a tiny run on
+the embedded target, 2 prompts in 2 generation and 2 feature shards, as a given checkout of this repository writes
+them. tests/test_verify.py checks that today's code recognises such a run as done (no stage recomputed, no shard
+redone). The target's head.safetensors (113 MB of embedding rows, read by training only) is left out.
+
+    cd <checkout of the commit to freeze> && .venv/bin/python /path/to/tests/data/legacy_run/make.py OUT_DIR
+
+OUT_DIR gets config.json (the run's PipelineConfig, run_dir relative) and run/ (the stage directories).
+"""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path.cwd()))
+
+from eagle3_core import stages  # noqa: E402
+from eagle3_core.config import preset  # noqa: E402
+
+
+def main(out: Path) -> None:
+    cfg = preset("debug_tiny", out / "run")
+    cfg.prompts.num_train, cfg.prompts.num_eval = 2, 1
+    cfg.generation.max_new_tokens, cfg.generation.shard_size = 16, 1
+    cfg.features.shard_samples = 1
+    stages.run_prompts(cfg)
+    with stages.generation_servers(cfg) as urls:
+        records = [stages.run_generation_shard(cfg, k, urls=urls) for k in stages.generation_shards(cfg)]
+    stages.finish_generation(cfg, records)
+    stages.run_tokenize(cfg)
+    stages.run_features(cfg)
+    stages.run_vocab(cfg)
+    (cfg.run_dir / "features" / "head.safetensors").unlink()
+    for junk in [*cfg.run_dir.rglob("*.log"), cfg.run_dir / ".eagle3-run.lock"]:
+        junk.unlink(missing_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    data = json.loads(cfg.model_dump_json())
+    data["run_dir"] = "run"
+    (out / "config.json").write_text(json.dumps(data, indent=2) + "\n")
+    (out / "COMMIT").write_text(commit + "\n")
+    shutil.rmtree(cfg.run_dir / ".prefect", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]).resolve())
