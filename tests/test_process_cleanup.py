@@ -129,3 +129,24 @@ def test_signalled_pytest_during_torchrun_ends_and_leaves_no_worker(signals, ign
     while any(_alive(p) for p in workers):
         assert time.monotonic() < deadline, f"torchrun workers {workers} outlived pytest\n{out}"
         time.sleep(0.2)
+
+
+def test_a_server_started_with_sigterm_blocked_has_it_unblocked(tmp_path, spawned):
+    """The fault seen once in a full run: llama-server inherited a blocked SIGTERM from the pytest thread that
+    started it (a signal mask passes through fork and exec), so neither the stop's SIGTERM nor the parent-death
+    signal reached it and it outlived its pytest. spawn_server's preexec hook unblocks SIGTERM and SIGINT."""
+    from eagle3_core.serving.launcher import free_port, llama_server_argv, spawn_server, stop, wait_healthy
+    from eagle3_core.target import embedded_gguf_path
+    port = free_port()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        proc = spawned(spawn_server(llama_server_argv(embedded_gguf_path(), "127.0.0.1", port, parallel=1),
+                                    tmp_path / "server.log"))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    wait_healthy(f"http://127.0.0.1:{port}", proc, 120)
+    blocked = int(_signal_state(proc.pid).split("SigBlk:")[1].split()[0], 16)
+    assert not blocked & ((1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1))), hex(blocked)
+    t0 = time.monotonic()
+    stop(proc, grace_s=30)
+    assert time.monotonic() - t0 < 25 and proc.returncode is not None   # SIGTERM did it, not the SIGKILL after

@@ -32,8 +32,11 @@ class TorchrunError(RuntimeError):
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask the kernel to send `sig` to this process when its parent dies (Linux; a no-op elsewhere). Called by
-    worker entry points at start, and (as a preexec hook) by `run_torchrun` for torchrun itself."""
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux; a no-op elsewhere), with `sig`
+    unblocked (a blocked signal mask is inherited through fork and exec, and a blocked SIGTERM would make the
+    request, and stop_tree's SIGTERM, do nothing). Called by worker entry points at start, and (as a preexec hook)
+    by `run_torchrun` for torchrun itself."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, int(sig))
 

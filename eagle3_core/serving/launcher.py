@@ -127,7 +127,13 @@ _PR_SET_PDEATHSIG = 1
 
 def _die_with_parent() -> None:
     """preexec hook: the kernel sends SIGTERM to the server if the thread that started it dies (Linux), so a
-    cancelled or killed flow run never leaves a server behind."""
+    cancelled or killed flow run never leaves a server behind. SIGTERM and SIGINT are unblocked and at their
+    defaults first: a blocked or ignored signal is inherited through fork and exec, and a server that inherited
+    a blocked SIGTERM (seen: a llama-server started from a pytest whose thread had it blocked) ignores both the
+    stop and the parent-death signal and outlives everything."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
