@@ -126,8 +126,11 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """preexec hook: the kernel sends SIGTERM to the server if the thread that started it dies (Linux), so a
-    cancelled or killed flow run never leaves a server behind. SIGTERM and SIGINT are unblocked and at their
+    """preexec hook: the kernel SIGKILLs the server if the thread that started it dies (Linux), so a cancelled or
+    killed flow run never leaves a server behind. SIGKILL, not SIGTERM: a server whose client is gone has nothing
+    to flush, and llama-server given SIGTERM this way was seen to stop answering HTTP yet hang in its own shutdown,
+    an orphan of init for good (SGLang's scheduler processes carry their own PDEATHSIG, SIGKILL, and follow it).
+    SIGTERM and SIGINT are unblocked and at their
     defaults first: a blocked or ignored signal is inherited through fork and exec, and a server that inherited
     a blocked SIGTERM (seen: a llama-server started from a pytest whose thread had it blocked) ignores both the
     stop and the parent-death signal and outlives everything."""
@@ -135,7 +138,7 @@ def _die_with_parent() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
 _running: list[subprocess.Popen] = []   # servers started by `launch` and not yet stopped
@@ -193,7 +196,7 @@ def _restore_sigterm_handler() -> None:
 
 def spawn_server(argv: list[str], log_path: Path) -> subprocess.Popen:
     """Start the server command `argv` in its own process group, appending its output to `log_path`, with
-    PR_SET_PDEATHSIG set (the kernel sends it SIGTERM when the starting thread dies, even by SIGKILL). The caller
+    PR_SET_PDEATHSIG set (the kernel SIGKILLs it when the starting thread dies, even by SIGKILL). The caller
     owns it: `stop(proc)` when done (`launch` does). Raises FileNotFoundError if the binary is missing."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
@@ -210,7 +213,7 @@ def launch(argv: list[str], url: str, log_path: Path, startup_timeout_s: float):
 
     The server runs in its own process group (so stopping it stops everything it spawned), logs to `log_path`, and
     is stopped on success, exception, Ctrl-C and SIGTERM (handler above); if this process dies without running any
-    of that (SIGKILL), the kernel sends the server SIGTERM (PR_SET_PDEATHSIG). Inside the block the server is on
+    of that (SIGKILL), the kernel SIGKILLs the server (PR_SET_PDEATHSIG). Inside the block the server is on
     the watch list of `exit_error`. Raises ServerError naming the URL and log if it is not healthy in time,
     ServerExited if it exits while starting.
     """
