@@ -210,6 +210,13 @@ class TrainConfig(StrictModel):
     attention: Literal["auto", "eager", "merged_math", "merged_flex"] = Field(
         "auto", description="TTT attention implementation; 'auto': merged_flex on CUDA, eager on CPU (same results)")
     compile: bool = Field(False, description="torch.compile the draft's dense parts and the loss (GPU)")
+    init_from: str | None = Field(None, description="warm start: an EAGLE-3 draft directory in SGLang's format "
+                                  "(ours, SpecForge's, a public one) or an earlier run directory (its draft/export); "
+                                  "None: a fresh draft (eagle3_core.warm_start)")
+    init_vocab: Literal["keep", "rebuild"] = Field(
+        "keep", description="with init_from: 'keep' the draft's d2t/t2d (the vocab stage reuses them; "
+        "draft.draft_vocab_size must equal its N) or 'rebuild' the map from this run's data (lm_head rows are then "
+        "carried by target token id)")
 
 
 class EvalConfig(StrictModel):

@@ -172,6 +172,28 @@ def entry_holds(store_dir: Path, entry: dict, part: list[dict], aux_layer_ids: l
     return stored == [int(m) for r in part for m in r["loss_mask"]]
 
 
+def plan_ranges(ids: list[str], shard_samples: int, previous: list[dict]) -> list[tuple[int, int]]:
+    """[(start, stop)] of every feature shard of samples with these `ids`: append-only (shard_plan), an earlier
+    store entry (manifest 'shards') whose sample ids are the ones now at its place keeps its range, the rest are
+    shard_samples each; growing a run keeps every finished shard, the last short one included."""
+    from .shard_plan import append_only_ranges
+    by_file = {e["file"]: e for e in previous}
+
+    def kept(k: int, start: int) -> int | None:
+        e = by_file.get(f"shard_{k:05d}.safetensors")
+        n = len(e.get("ids") or []) if e else 0
+        return n if n and e["ids"] == ids[start:start + n] else None
+
+    return append_only_ranges(len(ids), shard_samples, kept)
+
+
+def shard_plan(rows: list[dict], shard_samples: int, aux_layer_ids: list[int], store_format: str, target_id: str,
+               previous: list[dict]) -> list[tuple[str, list[dict], str]]:
+    """[(file name, rows, content key)] of every shard (ranges: plan_ranges over the earlier entries `previous`)."""
+    return [(f"shard_{k:05d}.safetensors", rows[a:b], content_key(rows[a:b], aux_layer_ids, store_format, target_id))
+            for k, (a, b) in enumerate(plan_ranges([r["id"] for r in rows], shard_samples, previous))]
+
+
 def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list[int] | None, shard_samples: int,
                      batch_tokens: int, store_format: str = "bf16", log=print, target: dict | None = None,
                      writer_threads: int = 2, only_shards: set[int] | None = None) -> dict:
@@ -182,7 +204,8 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     as a dict) so that training can load the target. Shards listed in an earlier manifest for the same content
     that are intact (bad_shards: size and mtime as recorded) are kept; any other shard (missing, corrupt, other
     inputs) is extracted again. Returns the manifest (also out_dir/manifest.json); when nothing was left to do it says so via `log`.
-    only_shards: extract just these plan indices (shard i holds rows [i*shard_samples, (i+1)*shard_samples)); other
+    only_shards: extract just these plan indices (shard i holds rows plan_ranges(...)[i], shard_samples each unless an
+    earlier entry keeps its own); other
     shards' files are left alone and their earlier manifest entries kept (unverified) while their content key still
     matches, and an incomplete store is no error (the caller finishes the others; the manifest says `complete`).
     Raises ValueError on an unknown format, an online store without `target` or an index in only_shards out of
@@ -201,11 +224,7 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     header = {"store_version": STORE_VERSION, "format": store_format, "aux_layer_ids": ids,
               "hidden_size": extractor.hidden_size, "target": target, "target_id": target_id,
               "samples": len(rows)}
-    plan = []
-    for start in range(0, len(rows), shard_samples):
-        part = rows[start:start + shard_samples]
-        plan.append((f"shard_{start // shard_samples:05d}.safetensors", part,
-                     content_key(part, ids, store_format, target_id)))
+    plan = shard_plan(rows, shard_samples, ids, store_format, target_id, previous.get("shards", []))
     if only_shards is not None and (outside := sorted(set(only_shards) - set(range(len(plan))))):
         raise ValueError(f"features: shard indices {outside} are out of range: {len(rows)} rows make {len(plan)} "
                          f"shards of {shard_samples} samples")

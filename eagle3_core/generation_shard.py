@@ -36,13 +36,16 @@ def _write_parquet(path: Path, table: pa.Table) -> None:
     write_atomic(path, sink.getvalue().to_pybytes())
 
 
-def finished_record(out: Path, k: int, key: str) -> dict | None:
-    """Shard k's record if the shard is finished for inputs `key` (record and file agree, no failed prompt)."""
+def finished_record(out: Path, k: int, key: str, rows_sha256: str | None = None) -> dict | None:
+    """Shard k's record if the shard is finished for inputs `key` (record and file agree, no failed prompt) and,
+    given `rows_sha256`, was written for exactly those rows (shard_plan.rows_digest)."""
     path = out / f"shard_{k:05d}.json"
     if not path.exists():
         return None
     rec = json.loads(path.read_text())
     if rec.get("inputs_key") != key or not rec.get("complete"):
+        return None
+    if rows_sha256 is not None and rec.get("rows_sha256") != rows_sha256:
         return None
     return rec if file_intact(out / rec["file"], rec) else None
 
@@ -50,17 +53,24 @@ def finished_record(out: Path, k: int, key: str) -> dict | None:
 class ShardWriter:
     """Answers of one shard: buffered, flushed to part files, merged into the shard file by `finalize`."""
 
-    def __init__(self, out: Path, k: int, key: str, schema: pa.Schema, prompts: int, gen: GenerationConfig):
-        self.out, self.k, self.key, self.schema, self.prompts, self.gen = out, k, key, schema, prompts, gen
+    def __init__(self, out: Path, k: int, key: str, schema: pa.Schema, rows: dict[str, tuple[int, str]],
+                 gen: GenerationConfig, rows_sha256: str | None = None):
+        """rows: the shard's prompt rows, id -> (row index in the prompt file, prompts.prompt_digest): answers in
+        the shard's files for other rows, or for an id whose prompt changed, are never counted or kept.
+        rows_sha256: the rows' digest, written into the record (shard_plan.rows_digest)."""
+        self.out, self.k, self.key, self.schema, self.gen = out, k, key, schema, gen
+        self.rows, self.prompts, self.rows_sha256 = rows, len(rows), rows_sha256
         self.path, self.record_path = out / shard_name(k), out / f"shard_{k:05d}.json"
         self.partial = out / "partial" / f"shard_{k:05d}"
         self.partial.mkdir(parents=True, exist_ok=True)
         self.done_ids: set[str] = set()
         for f in self._files():
-            if _file_key(f) != key:                       # written for other inputs: never mixed in
-                f.unlink()
+            if _file_key(f) != key or "prompt_sha256" not in pq.read_schema(f).names:
+                f.unlink()                                # written for other inputs: never mixed in
             else:
-                self.done_ids.update(pq.read_table(f, columns=["id"])["id"].to_pylist())
+                t = pq.read_table(f, columns=["id", "prompt_sha256"])
+                self.done_ids.update(i for i, d in zip(t["id"].to_pylist(), t["prompt_sha256"].to_pylist())
+                                     if i in rows and rows[i][1] == d)
         parts = [int(p.stem.split("_")[1]) for p in self.partial.glob("part_*.parquet")]
         self.next_part = max(parts, default=-1) + 1
         self.buffer: list[dict] = []
@@ -103,13 +113,18 @@ class ShardWriter:
         delete the parts. Returns the record (small, JSON-able)."""
         self.flush()
         files = self._files()
-        changed = any(f != self.path for f in files) or not self.path.exists()
+        changed = any(f != self.path for f in files) or not self.path.exists() or \
+            pq.read_table(self.path, columns=["id"])["id"].to_pylist() != sorted(self.done_ids,
+                                                                                 key=lambda i: self.rows[i][0])
         if changed:
             tables = [pq.read_table(f).cast(self.schema) for f in files]
             table = pa.concat_tables(tables) if tables else self.schema.empty_table()
-            ids = table["id"].to_pylist()
-            first = {i: n for n, i in reversed(list(enumerate(ids)))}        # first occurrence of each id
-            table = table.take(pa.array(sorted(first.values()))).sort_by("index")
+            ids, digests = table["id"].to_pylist(), table["prompt_sha256"].to_pylist()
+            first = {i: n for n, (i, d) in reversed(list(enumerate(zip(ids, digests))))
+                     if i in self.rows and self.rows[i][1] == d}              # first answer of each current row
+            table = table.take(pa.array(sorted(first.values(), key=lambda n: self.rows[ids[n]][0])))
+            table = table.set_column(table.schema.get_field_index("index"), "index",
+                                     pa.array([self.rows[i][0] for i in table["id"].to_pylist()], pa.int64()))
             assert len(set(table["id"].to_pylist())) == table.num_rows, f"shard {self.k}: duplicate ids"
             _write_parquet(self.path, table.replace_schema_metadata(self.schema.metadata))
         table = pq.read_table(self.path, columns=["id", "response", "reasoning", "finish_reason",
@@ -118,7 +133,9 @@ class ShardWriter:
         # requests per row: turn-by-turn rows say how many, kept rows had none, the others one
         requests = Counter(str(n if n is not None else 0 if api == "kept" else 1) for n, api in
                            zip(table["turn_requests"].to_pylist(), table["api"].to_pylist()))
-        record = {"shard": self.k, "inputs_key": self.key, "file": self.path.name, "sha256": sha256_file(self.path),
+        record = {"shard": self.k, "inputs_key": self.key, "rows_sha256": self.rows_sha256,
+                  "start": min((i for i, _ in self.rows.values()), default=0),
+                  "file": self.path.name, "sha256": sha256_file(self.path),
                   **file_stamp(self.path),
                   "prompts": self.prompts, "answered": table.num_rows, "failed": len(self.failures),
                   "failures": self.failures[:MAX_FAILURES_KEPT], "complete": not self.failures,

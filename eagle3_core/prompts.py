@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from pathlib import Path
 
 import pyarrow as pa
@@ -83,10 +82,17 @@ def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = No
     return out
 
 
-def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None) -> tuple[list[dict], list[dict], dict]:
+def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None,
+                  earlier: dict | None = None) -> tuple[list[dict], list[dict], dict]:
     """(train rows, eval rows, stats). Per source: read, reject bad rows, filter by length, drop exact duplicates
-    (first occurrence in source order wins); then sample counts / weights / the pool (see prompt_data.mix),
-    shuffle with `cfg.seed` and split off `num_eval` held-out rows (converted to prompt form).
+    (first occurrence in source order wins); then take counts / weights / the pool (see prompt_data.mix) as
+    prefixes of each source's stable order (sha256 of seed and id), so that a larger mix is a superset of a smaller
+    one, and split off `num_eval` held-out rows (converted to prompt form) from the front of each.
+
+    earlier: the prompts manifest of an earlier run of the same sources and seed ({train_ids, eval_ids}), or None.
+    Its rows stay in front (still chosen when they still exist), its held-out set stays held out while num_eval is
+    the same, and its train rows come first in the train file, in their order (growing a run: only the new rows are
+    regenerated and extracted).
 
     Writes every reject to `rejects_path` (JSONL: source, row, reason); if the stage fails, to
     `failed_rejects_path(rejects_path)` instead, so that a finished run's rejects stay as they are. Raises
@@ -118,21 +124,24 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None) -> tuple[
             seen.add(key)
             kept.append(r)
         st["available"] = len(kept)
+    first = [*(earlier or {}).get("eval_ids", []), *(earlier or {}).get("train_ids", [])]
     try:
         check_reject_limit(per, rejects, cfg.max_reject_frac, failed_rejects_path(rejects_path))
-        chosen = _sample(specs, avail, per, total, cfg.seed)
+        chosen = _sample(specs, avail, per, total, cfg.seed, first)
     except ValueError:
         write_rejects(rejects_path, rejects, failed=True)
         raise
     write_rejects(rejects_path, rejects, failed=False)
-    eval_rows = [{**r, "messages": to_prompt(r["messages"]), "mode": "prompt"} for r in chosen[:cfg.num_eval]]
-    train_rows = chosen[cfg.num_eval:total]
+    held, train_rows, how = _split(chosen, cfg.num_eval, cfg.seed, earlier)
+    eval_rows = [{**r, "messages": to_prompt(r["messages"]), "mode": "prompt"} for r in held]
+    kept = set((earlier or {}).get("train_ids") or [])
     for name, rows in (("eval", eval_rows), ("train", train_rows)):
         for r in rows:
             per[r["source"]][name] = per[r["source"]].get(name, 0) + 1
     stats = {"mix": cfg.mix.name if cfg.mix else "sources", "unique": sum(len(v) for v in avail.values()),
              "duplicates_dropped": sum(s["duplicates"] for s in per.values()), "rejected": len(rejects),
-             "train": len(train_rows), "eval": len(eval_rows), "per_source": per}
+             "train": len(train_rows), "eval": len(eval_rows), "per_source": per, "eval_chosen": how,
+             "train_from_earlier": sum(r["id"] in kept for r in train_rows)}
     return train_rows, eval_rows, stats
 
 
@@ -182,20 +191,40 @@ def finish_rejects(path: Path, rejects: list[dict], per: dict, max_frac: float) 
     write_rejects(path, rejects, failed=False)
 
 
-def _sample(specs: list[SourceSpec], avail: dict, per: dict, total: int, seed: int) -> list[dict]:
+def _order(rows: list[dict], seed: int, group: str, first: list[str]) -> list[dict]:
+    """A group's rows in its stable order: the ids of `first` (an earlier run's, in its order) that are present,
+    then the others by sha256(seed:group:id). Adding rows to a source or asking for more never reorders the rows
+    already in front: a larger sample is a superset of a smaller one."""
+    by_id = {r["id"]: r for r in rows}
+    head = [by_id[i] for i in dict.fromkeys(first) if i in by_id]
+    seen = {r["id"] for r in head}
+    rest = sorted((r for r in rows if r["id"] not in seen),
+                  key=lambda r: hashlib.sha256(f"{seed}:{group}:{r['id']}".encode()).hexdigest())
+    return head + rest
+
+
+def _largest_remainder(total: int, shares: dict[str, float]) -> dict[str, int]:
+    """`total` split into integers proportional to `shares` (largest-remainder rounding; ties by name)."""
+    w = sum(shares.values())
+    exact = {k: total * v / w if w else 0.0 for k, v in shares.items()}
+    out = {k: int(v) for k, v in exact.items()}
+    for k in sorted(exact, key=lambda k: (int(exact[k]) - exact[k], k))[:total - sum(out.values())]:
+        out[k] += 1
+    return out
+
+
+def _sample(specs: list[SourceSpec], avail: dict, per: dict, total: int, seed: int,
+            earlier: list[str]) -> dict[str, list[dict]]:
+    """The chosen rows per group (a counted or weighted source, or '*pool': every source with neither), each a
+    prefix of the group's stable order (_order; `earlier`: an earlier run's ids, kept in front)."""
     counted = [s for s in specs if s.count is not None]
     weighted = [s for s in specs if s.weight is not None]
     pooled = [s for s in specs if s.count is None and s.weight is None]
     rest = total - sum(s.count for s in counted)
     want = {s.label: s.count for s in counted}
-    if weighted:                                          # largest-remainder split of `rest` by weight
-        w = sum(s.weight for s in weighted)
-        exact = {s.label: rest * s.weight / w for s in weighted}
-        want.update({k: int(v) for k, v in exact.items()})
-        for k in sorted(exact, key=lambda k: exact[k] - int(exact[k]), reverse=True)[:rest - sum(
-                int(v) for v in exact.values())]:
-            want[k] += 1
-    chosen = []
+    if weighted:
+        want.update(_largest_remainder(rest, {s.label: s.weight for s in weighted}))
+    chosen = {}
     for s in counted + weighted:
         rows = avail[s.label]
         if len(rows) < want[s.label]:
@@ -203,21 +232,55 @@ def _sample(specs: list[SourceSpec], avail: dict, per: dict, total: int, seed: i
             raise ValueError(f"source {s.label!r} has {len(rows)} rows left ({st['read']} read, {st['rejected']} "
                              f"rejected, {st['length_filtered']} outside the length limits, {st['duplicates']} "
                              f"duplicates) but must give {want[s.label]}; lower its count or raise max_rows")
-        chosen += random.Random(f"{seed}:{s.label}").sample(rows, want[s.label])
+        chosen[s.label] = _order(rows, seed, s.label, earlier)[:want[s.label]]
         per[s.label]["selected"] = want[s.label]
     pool = [r for s in pooled for r in avail[s.label]]
     if pooled and len(pool) < rest:
         raise ValueError(f"sources {[s.path or s.hf for s in pooled]} give {len(pool)} unique prompts; "
                          f"num_train + num_eval = {total}")
-    if not counted and not weighted:                      # the plain sources list: one shuffle, eval first
-        random.Random(seed).shuffle(pool)
-        chosen = pool[:total]
-    else:
-        chosen += random.Random(seed).sample(pool, rest) if pooled else []
-        random.Random(seed).shuffle(chosen)
+    if pooled:
+        chosen["*pool"] = _order(pool, seed, "*pool", earlier)[:rest]
     for s in pooled:
-        per[s.label]["selected"] = sum(r["source"] == s.label for r in chosen)
+        per[s.label]["selected"] = sum(r["source"] == s.label for r in chosen["*pool"])
     return chosen
+
+
+def _split(chosen: dict[str, list[dict]], num_eval: int, seed: int, earlier: dict | None
+           ) -> tuple[list[dict], list[dict], str]:
+    """(held-out rows, train rows, how the held-out set was chosen). An earlier run's held-out set is kept as it
+    was when it is still the same size and every row is still chosen; otherwise each group gives the front of its
+    order, num_eval split by group size. Train rows: an earlier run's train ids first, in their order, then the
+    new ones by sha256(seed:train:id), so that a grown run's train file starts with the earlier one's (its shards
+    keep their rows)."""
+    rows = {r["id"]: r for group in chosen.values() for r in group}
+    before = list((earlier or {}).get("eval_ids") or [])
+    if before and len(before) == num_eval and all(i in rows for i in before):
+        held, how = [rows[i] for i in before], "kept from the earlier run"
+    else:
+        take = _largest_remainder(num_eval, {g: len(v) for g, v in chosen.items()})
+        held, how = [r for g, v in chosen.items() for r in v[:take[g]]], "front of each source's stable order"
+    held_ids = {r["id"] for r in held}
+    train = _order([r for r in rows.values() if r["id"] not in held_ids], seed, "train",
+                   list((earlier or {}).get("train_ids") or []))
+    return held, train, how
+
+
+def prompt_digest(row: dict) -> str:
+    """sha256 of what a prompt row asks the target (messages, tools, mode): a generation shard's record names the
+    digests of its rows, so that a shard is reused only for the same prompts. `messages` as a list or JSON text."""
+    messages = row["messages"] if isinstance(row["messages"], str) else json.dumps(row["messages"])
+    return hashlib.sha256(json.dumps([json.loads(messages), row.get("tools") or "", row.get("mode")],
+                                     sort_keys=True).encode()).hexdigest()
+
+
+def earlier_prompts(manifest: dict | None, cfg: PromptConfig) -> dict | None:
+    """The ids an earlier prompts run of `cfg`'s sources and seed chose ({train_ids, eval_ids}), from its manifest;
+    None if there is none or it was made from other sources or another seed (then nothing is kept)."""
+    if not manifest or manifest.get("seed", cfg.seed) != cfg.seed:
+        return None
+    if set((manifest.get("stats") or {}).get("per_source", {})) != {s.label for s in source_specs(cfg)}:
+        return None
+    return {"train_ids": manifest.get("train_ids") or [], "eval_ids": manifest.get("eval_ids") or []}
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:

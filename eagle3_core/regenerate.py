@@ -1,15 +1,18 @@
 """Regeneration: answer prompt rows with the target on inference servers, into resumable Parquet shards.
 
-Shard k holds the prompts at rows [k * shard_size, (k + 1) * shard_size) of the prompt file. In the output folder:
+Shard k holds the prompts at rows [start_k, stop_k) of the prompt file: gen.shard_size rows each, except that a
+shard finished for exactly its rows keeps them when the prompt file grows (pipeline.generation.generation_plan,
+shard_plan). In the output folder:
   shard_{k:05d}.parquet   the answered rows of shard k in prompt order (written atomically, once the shard is done)
-  shard_{k:05d}.json      its record: inputs key, sha256 of the Parquet file, counts, failures (id, reason),
-                          retries, quality counts with examples
+  shard_{k:05d}.json      its record: inputs key (sampling, target), digest of its rows (ids and prompt digests),
+                          sha256 of the Parquet file, counts, failures (id, reason), retries, quality counts
   partial/shard_{k:05d}/part_*.parquet   answers flushed while the shard runs (every flush_rows answers or
                           flush_s seconds), merged into the shard file when its last prompt has an outcome
-A shard is finished when its record names the current inputs key, the Parquet file's sha256 matches and no prompt
+A shard is finished when its record names the current inputs key and rows, the Parquet file is intact and no prompt
 failed. A rerun leaves finished shards untouched and sends, in the others, only the prompts not yet answered: a run
 killed at any moment ends, once rerun, with every prompt answered exactly once. Every file carries the inputs key in
-its Parquet metadata; files of other inputs are deleted, never mixed in.
+its Parquet metadata and every answer its prompt's digest; answers of other inputs, or to a prompt that has since
+changed, are deleted or left out, never mixed in.
 
 Memory: prompts stream from Parquet in batches through a queue of 2 x concurrency; only open shards keep state
 (their answered ids and unflushed rows), so memory does not grow with the number of prompts.
@@ -76,11 +79,29 @@ def num_shards(prompts_path: Path, shard_size: int) -> int:
 
 
 def output_schema(prompts_path: Path, key: str) -> pa.Schema:
-    """The prompt file's columns (`messages` as JSON text) followed by ANSWER_FIELDS; the inputs key as metadata."""
+    """The prompt file's columns (`messages` as JSON text, `prompt_sha256` added where the file lacks it) followed
+    by ANSWER_FIELDS; the inputs key as metadata."""
     names = {n for n, _ in ANSWER_FIELDS}
     fields = [pa.field("messages", pa.string()) if f.name == "messages" else f
               for f in pq.read_schema(prompts_path) if f.name not in names]
+    if "prompt_sha256" not in {f.name for f in fields}:
+        fields.append(pa.field("prompt_sha256", pa.string()))
     return pa.schema(fields + [pa.field(n, t) for n, t in ANSWER_FIELDS], metadata={KEY_META: key.encode()})
+
+
+def shard_rows(prompts_path: Path, ranges: dict[int, tuple[int, int]]) -> dict[int, dict[str, tuple[int, str]]]:
+    """Per shard, id -> (row index, prompts.prompt_digest) of its rows [start, stop) of the prompt file (digests
+    from its `prompt_sha256` column, computed for files written before it existed)."""
+    from .prompts import prompt_digest
+    cols = set(pq.read_schema(prompts_path).names)
+    if "prompt_sha256" in cols:
+        t = pq.read_table(prompts_path, columns=["id", "prompt_sha256"])
+        ids, digests = t["id"].to_pylist(), t["prompt_sha256"].to_pylist()
+    else:
+        rows = pq.read_table(prompts_path, columns=[c for c in ("id", "messages", "tools", "mode")
+                                                    if c in cols]).to_pylist()
+        ids, digests = [r["id"] for r in rows], [prompt_digest(r) for r in rows]
+    return {k: {ids[i]: (i, digests[i]) for i in range(a, b)} for k, (a, b) in ranges.items()}
 
 
 def iter_prompt_rows(path: Path, start: int, stop: int, batch_rows: int = 256) -> Iterator[tuple[int, dict]]:
@@ -121,11 +142,14 @@ def split_final_answer(messages: list[dict], mode: str | None, where: str) -> tu
     return prompt, None
 
 
-async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str, gen: GenerationConfig,
-                     server: ServerConfig, urls: list[str], tokenizer=None, log=print, on_progress=None,
-                     engine=None) -> list[dict]:
-    """Answer every prompt of `shards` (indices into the prompt file, shard_size rows each) on the servers `urls`
-    with `gen.concurrency` requests in flight; returns the shards' records, in order.
+async def regenerate(prompts_path: Path, out: Path, shards: list[int] | dict[int, tuple[int, int]], key: str,
+                     gen: GenerationConfig, server: ServerConfig, urls: list[str], tokenizer=None, log=print,
+                     on_progress=None, engine=None, rows_sha256: dict[int, str] | None = None) -> list[dict]:
+    """Answer every prompt of `shards` on the servers `urls` with `gen.concurrency` requests in flight; returns
+    the shards' records, in order.
+
+    shards: shard k -> its rows [start, stop) of the prompt file (pipeline.generation.generation_plan), or a list
+    of shard indices of gen.shard_size rows each. rows_sha256: shard k -> the digest of its rows, kept in its record.
 
     engine: an in-process generator instead of servers (`serving.hf_generate.BatchedGenerator`, server.kind
     'transformers'): prompts go to it as token ids (the tokenizer is then needed), `urls` is ignored.
@@ -146,7 +170,10 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
                          "tokenizer")
     n_rows = pq.ParquetFile(prompts_path).metadata.num_rows
     size = gen.shard_size
-    ranges = {k: (k * size, min((k + 1) * size, n_rows)) for k in sorted(shards)}
+    ranges = dict(sorted((shards if isinstance(shards, dict) else
+                          {k: (k * size, min((k + 1) * size, n_rows)) for k in shards}).items()))
+    rows_of = shard_rows(prompts_path, ranges)
+    shard_at = {i: k for k, (a, b) in ranges.items() for i in range(a, b)}
     schema = output_schema(prompts_path, key)
     progress = Progress(sum(b - a for a, b in ranges.values()))
     queue: asyncio.Queue = asyncio.Queue(maxsize=2 * gen.concurrency)
@@ -160,15 +187,18 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int], key: str,
 
     async def produce() -> None:
         current = None
-        for index, row in iter_prompt_rows(prompts_path, ranges[min(ranges)][0], ranges[max(ranges)][1]):
-            k = index // size
-            if k not in ranges:
+        for index, row in iter_prompt_rows(prompts_path, min(a for a, _ in ranges.values()),
+                                           max(b for _, b in ranges.values())):
+            k = shard_at.get(index)
+            if k is None:
                 continue
+            row.setdefault("prompt_sha256", rows_of[k][row["id"]][1])
             if current is None or current.k != k:
                 if current is not None:
                     current.input_done = True
                     maybe_finalize(current)
-                current = writers[k] = ShardWriter(out, k, key, schema, ranges[k][1] - ranges[k][0], gen)
+                current = writers[k] = ShardWriter(out, k, key, schema, rows_of[k], gen,
+                                                   (rows_sha256 or {}).get(k))
                 progress.resumed += current.resumed
             if row["id"] in current.done_ids:
                 continue

@@ -79,9 +79,9 @@ def run_stage(task_, cfg: PipelineConfig, stage: str, *args):
 def plan_generation_task(config: PipelineConfig) -> dict:
     """The generation stage's shards: {'shards': every id, 'done': finished ones (record and file intact for the
     current inputs), 'needs_server': whether any unfinished shard holds rows to regenerate}."""
-    ids = stages.generation_shards(config)
-    done = [i for i in ids if stages.generation_shard_done(config, i)]
-    needs = any(stages.generation_shard_needs_server(config, i) for i in ids if i not in done)
+    stages.generation_shards(config)                     # removes shards past the last one
+    status = stages.generation_status(config)
+    ids, done, needs = status["shards"], status["done"], status["needs_server"]
     get_run_logger().info("generation: %s shards, %s finished, %s to run; %s", len(ids), len(done),
                           len(ids) - len(done), "a server is needed" if needs else "no server needed")
     return {"shards": ids, "done": done, "needs_server": needs}
@@ -90,8 +90,8 @@ def plan_generation_task(config: PipelineConfig) -> dict:
 @task(name="plan-features", task_run_name="plan-features", cache_policy=NO_CACHE)
 def plan_features_task(config: PipelineConfig) -> dict:
     """The features stage's shards: {'shards': every id, 'done': those intact on disk for the current inputs}."""
-    ids = stages.feature_shards(config)
-    done = [i for i in ids if stages.feature_shard_done(config, i)]
+    status = stages.feature_status(config)
+    ids, done = status["shards"], status["done"]
     get_run_logger().info("features: %s shards, %s finished, %s to extract", len(ids), len(done),
                           len(ids) - len(done))
     return {"shards": ids, "done": done}

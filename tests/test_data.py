@@ -269,7 +269,8 @@ def test_stages_regenerate_prompt_rows_and_train_kept_rows_as_they_are(tmp_path,
                                      SourceSpec(name="regen", path=share, mode="prompt", count=4, min_chars=60)])
     cfg = PipelineConfig(run_dir=tmp_path / "run", prompts=PromptConfig(mix=mix, num_train=6, num_eval=2),
                          server=ServerConfig(parallel=2, ctx_per_slot=1024),
-                         generation=GenerationConfig(max_new_tokens=16, concurrency=2))
+                         # 16 tokens cut most answers: the gate (tested in test_generation.py) is not this test's
+                         generation=GenerationConfig(max_new_tokens=16, concurrency=2, max_truncated_frac=1.0))
     pm = stages.run_prompts(cfg, log=lambda *_: None)
     assert pm["stats"]["per_source"]["kept"]["selected"] == 4 and (cfg.run_dir / "prompts/rejects.jsonl").exists()
     # held-out rows are prompts only, kept ones too: the evaluator must not see the answer it measures

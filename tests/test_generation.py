@@ -203,7 +203,6 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
     import psutil
     from prefect import flow
 
-    from eagle3_core.regenerate import finished_record
     from eagle3_core.serving import launcher
     from eagle3_core.serving.launcher import ServerExited
     from flows.stages import generation_flow
@@ -242,7 +241,7 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
     with pytest.raises(ServerExited, match=rf"pid {server.pid}\) was killed by signal 9 \(SIGKILL\) while the "
                                            rf"stage was using it; its log {log1}, last lines:\n"):
         state.result()
-    finished = [k for k in range(4) if finished_record(out, k, stages.generation_key(cfg))]
+    finished = [k for k in range(4) if stages.generation_shard_done(cfg, k)]
     unfinished = [k for k in range(4) if k not in finished]
     assert finished and unfinished, finished
     # the line to act on is in the parent run's log, not only in the generation subflow's

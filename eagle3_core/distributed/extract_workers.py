@@ -25,23 +25,12 @@ import torch.distributed as dist
 
 from ..config import PipelineConfig, load_config
 from ..extract import HFExtractor
-from ..features import STORE_VERSION, bad_shards, content_key, entry_holds, shard_entry, write_head, write_shards
+from ..features import STORE_VERSION, bad_shards, entry_holds, shard_entry, shard_plan, write_head, write_shards
 from ..manifest import read_manifest, write_manifest
 from ..pipeline.layout import RunLayout
 from .launch import die_with_parent, emit_line, run_torchrun
 
 PARTS = "parts"
-
-
-def shard_plan(rows: list[dict], shard_samples: int, aux_layer_ids: list[int], store_format: str,
-               target_id: str) -> list[tuple[str, list[dict], str]]:
-    """[(file name, rows, content key)] of every shard: features.extract_features' plan and key."""
-    plan = []
-    for start in range(0, len(rows), shard_samples):
-        part = rows[start:start + shard_samples]
-        plan.append((f"shard_{start // shard_samples:05d}.safetensors", part,
-                     content_key(part, aux_layer_ids, store_format, target_id)))
-    return plan
 
 
 def _known_shards(out_dir: Path) -> dict[str, dict]:
@@ -57,7 +46,8 @@ def extract_owned(extractor, rows: list[dict], out_dir: Path, shard_samples: int
                   log=print) -> dict:
     """Extract the shards worker `rank` of `world` owns (plan[rank::world]) that are not already on disk with
     their checksum and content key; returns and writes its part manifest parts/rank_{rank:05d}.json."""
-    plan = shard_plan(rows, shard_samples, extractor.aux_layer_ids, store_format, target_id)
+    plan = shard_plan(rows, shard_samples, extractor.aux_layer_ids, store_format, target_id,
+                      (read_manifest(out_dir / "manifest.json") or {}).get("shards", []))
     mine = plan[rank::world]
     known = _known_shards(out_dir)
     candidates = [known[f] for f, part, key in mine if f in known

@@ -55,11 +55,27 @@ def features_key(cfg: PipelineConfig) -> str:
                 cfg.features.model_dump(mode="json", include=set(FEATURE_RESULT_FIELDS)), target_key(cfg))
 
 
+def store_key(cfg: PipelineConfig) -> str:
+    """Key of the feature store apart from its samples (the settings that change what a shard holds, the target):
+    features/head.json names it, and each shard's content key names its samples, so that a grown run keeps every
+    finished shard."""
+    return stage_key("store", cfg.features.model_dump(mode="json", include=set(FEATURE_RESULT_FIELDS) -
+                                                      {"shard_samples"}), target_key(cfg))
+
+
+def _ranges(cfg: PipelineConfig, ids: list[str] | None = None) -> list[tuple[int, int]]:
+    from ..features import plan_ranges
+    store = read_manifest(RunLayout(cfg.run_dir).features / "manifest.json") or {}
+    if ids is None:
+        ids = pq.read_table(RunLayout(cfg.run_dir).tokenized_train, columns=["id"])["id"].to_pylist()
+    return plan_ranges(ids, cfg.features.shard_samples, store.get("shards", []))
+
+
 def feature_shards(cfg: PipelineConfig) -> list[int]:
-    """Shard ids of the features stage: shard i holds tokenized samples [i*S, (i+1)*S), S = features.shard_samples
-    (the plan of features.extract_features)."""
-    n = upstream_manifest(cfg.run_dir, "tokenized")["samples"]
-    return list(range(-(-n // cfg.features.shard_samples)))
+    """Shard ids of the features stage: shard i holds the tokenized samples of features.plan_ranges (the plan of
+    features.extract_features: features.shard_samples each, a finished earlier shard keeping its own)."""
+    upstream_manifest(cfg.run_dir, "tokenized")
+    return list(range(len(_ranges(cfg))))
 
 
 def tokenized_rows(cfg: PipelineConfig) -> list[dict]:
@@ -79,28 +95,43 @@ def mark_store(cfg: PipelineConfig, store: dict) -> None:
     """features/head.json: the stage inputs key and the target id (features._write_head) the store in features/
     was last written for, so that feature_shard_done can check a shard without loading the target."""
     write_manifest(RunLayout(cfg.run_dir).features_head,
-                   {"inputs_key": features_key(cfg), "target_id": store["target_id"]})
+                   {"inputs_key": store_key(cfg), "target_id": store["target_id"]})
+
+
+def _finished_entries(cfg: PipelineConfig, rows: list[dict] | None = None,
+                      only: int | None = None) -> tuple[int, dict[int, dict]]:
+    """(number of shards in the plan, {shard: its store manifest entry} for every shard (or shard `only`) complete
+    on disk for the current inputs: listed with the content key of its samples, loss masks, layers, format and
+    target (features.entry_holds), and intact (manifest.file_intact: size and mtime as recorded, no read)). One
+    read of the tokenized rows and the manifests."""
+    from ..features import bad_shards, entry_holds, plan_ranges
+    out = RunLayout(cfg.run_dir).features
+    rows = rows if rows is not None else tokenized_rows(cfg)
+    head, store = read_manifest(RunLayout(cfg.run_dir).features_head), read_manifest(out / "manifest.json")
+    ranges = plan_ranges([r["id"] for r in rows], cfg.features.shard_samples, (store or {}).get("shards", []))
+    # head.json of stores written before it named store_key carries the stage key (the same data, not grown)
+    if (head is None or store is None or head.get("inputs_key") not in (store_key(cfg), features_key(cfg))
+            or head.get("target_id") != store.get("target_id")):
+        return len(ranges), {}
+    by_file, done = {e["file"]: e for e in store.get("shards", [])}, {}
+    for k, (a, b) in enumerate(ranges):
+        entry = by_file.get(f"shard_{k:05d}.safetensors")
+        if (only is None or k == only) and entry is not None and \
+                entry_holds(out, entry, rows[a:b], store["aux_layer_ids"], store["format"], store["target_id"]):
+            done[k] = entry
+    bad = set(bad_shards(out, list(done.values())))
+    return len(ranges), {k: e for k, e in done.items() if e["file"] not in bad}
 
 
 def _feature_shard_entry(cfg: PipelineConfig, shard: int, rows: list[dict] | None = None) -> dict | None:
-    """The store manifest's entry of feature shard `shard` if it is complete on disk for the current inputs:
-    listed with the content key of its samples, loss masks, layers, format and target (features.entry_holds), and
-    intact (manifest.file_intact: size and mtime as recorded, no read)."""
-    from ..features import bad_shards, entry_holds
-    out = RunLayout(cfg.run_dir).features
-    head, store = read_manifest(RunLayout(cfg.run_dir).features_head), read_manifest(out / "manifest.json")
-    if (head is None or store is None or head.get("inputs_key") != features_key(cfg)
-            or head.get("target_id") != store.get("target_id")):
-        return None
-    name = f"shard_{shard:05d}.safetensors"
-    entry = next((e for e in store.get("shards", []) if e["file"] == name), None)
-    if entry is None:
-        return None
-    S = cfg.features.shard_samples
-    part = (rows if rows is not None else tokenized_rows(cfg))[shard * S:(shard + 1) * S]
-    if not entry_holds(out, entry, part, store["aux_layer_ids"], store["format"], store["target_id"]):
-        return None
-    return None if bad_shards(out, [entry]) else entry
+    """The store manifest's entry of feature shard `shard` if it is complete on disk for the current inputs."""
+    return _finished_entries(cfg, rows, only=shard)[1].get(shard)
+
+
+def feature_status(cfg: PipelineConfig) -> dict:
+    """{shards, done} of the features stage from one read of the tokenized rows and the store manifest."""
+    n, done = _finished_entries(cfg)
+    return {"shards": list(range(n)), "done": sorted(done)}
 
 
 def feature_shard_done(cfg: PipelineConfig, shard: int) -> bool:
@@ -159,7 +190,8 @@ def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print)
     by_id = {m["shard"]: m for m in shard_manifests if m.get("inputs_key") == key}
     rows = tokenized_rows(cfg)
     # data on disk is the source of truth: each shard must be listed and intact for the current inputs
-    if (missing := [i for i in want if i not in by_id or _feature_shard_entry(cfg, i, rows) is None]):
+    finished = _finished_entries(cfg, rows)[1]
+    if (missing := [i for i in want if i not in by_id or i not in finished]):
         raise ValueError(f"feature shards {missing} of {out} are missing, stale or corrupt: run them "
                          f"(run_features_shard) before finish_features")
     store = read_manifest(out / "manifest.json")

@@ -6,25 +6,97 @@ import asyncio
 import json
 import time
 from contextlib import contextmanager, nullcontext
+from functools import lru_cache
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
 
 from ..config import PipelineConfig
-from ..manifest import busy_seconds, cached_manifest, file_intact, write_manifest
+from ..manifest import busy_seconds, cached_manifest, write_manifest
+from ..prompts import prompt_digest
 from .features import loaded_target
 from .keys import stage_key, target_key, upstream_manifest
 from .layout import RunLayout
 
 
-def generation_key(cfg: PipelineConfig) -> str:
-    """Key of the generation shards: what the answers depend on (sampling, the prompts, the target, the server kind;
-    not concurrency, retries or server addresses, so a rerun with other servers resumes)."""
+def _sampling(cfg: PipelineConfig) -> dict:
     g = cfg.generation
-    return stage_key({"api": g.api, "max_new_tokens": g.max_new_tokens, "temperature": g.temperature,
-                      "shard_size": g.shard_size, "server_kind": cfg.server.kind, "top_p": g.top_p,
-                      "chat_template_kwargs": g.chat_template_kwargs, "turns": g.turns, "max_turns": g.max_turns},
+    return {"api": g.api, "max_new_tokens": g.max_new_tokens, "temperature": g.temperature,
+            "server_kind": cfg.server.kind, "top_p": g.top_p, "chat_template_kwargs": g.chat_template_kwargs,
+            "turns": g.turns, "max_turns": g.max_turns}
+
+
+def generation_key(cfg: PipelineConfig) -> str:
+    """Key of the generation stage's answers as a whole: what they depend on (sampling, the prompts stage's key,
+    the target, the server kind; not concurrency, retries or server addresses, so a rerun with other servers
+    resumes). Shard records written before shards named their own rows carry it (accepted for the same prompts)."""
+    return stage_key({**_sampling(cfg), "shard_size": cfg.generation.shard_size},
                      upstream_manifest(cfg.run_dir, "prompts")["inputs_key"], target_key(cfg))
+
+
+def generation_shard_key(cfg: PipelineConfig) -> str:
+    """Key of one generation shard's answers apart from its rows (sampling, target, server kind): a shard record
+    names it and the digest of its rows (shard_plan.rows_digest), so that a shard is reused for the same rows
+    whatever else the prompt set holds (a grown run keeps every finished shard)."""
+    return stage_key(_sampling(cfg), target_key(cfg))
+
+
+@lru_cache(maxsize=4)
+def _row_digests(path: Path, size: int, mtime_ns: int) -> tuple[list[str], list[str], list[str]]:
+    cols = set(pq.read_schema(path).names)
+    if "prompt_sha256" in cols:                          # written by the prompts stage since shards name rows
+        t = pq.read_table(path, columns=["id", "prompt_sha256", "mode"])
+        digests = t["prompt_sha256"].to_pylist()
+    else:
+        t = pq.read_table(path, columns=[c for c in ("id", "messages", "tools", "mode") if c in cols])
+        digests = [prompt_digest(r) for r in t.to_pylist()]
+    return t["id"].to_pylist(), digests, t["mode"].to_pylist()
+
+
+def prompt_rows(cfg: PipelineConfig) -> tuple[list[str], list[str], list[str]]:
+    """(ids, prompt digests, modes) of the train prompts, read once per version of the file."""
+    path = RunLayout(cfg.run_dir).prompts_train
+    st = path.stat()
+    return _row_digests(path, st.st_size, st.st_mtime_ns)
+
+
+def generation_plan(cfg: PipelineConfig) -> list[tuple[int, int, str]]:
+    """[(start, stop, rows digest)] of every generation shard: append-only (shard_plan.append_only_ranges), a shard
+    whose record was written for exactly its rows keeps them, the rest are cut into generation.shard_size rows.
+    Raises FileNotFoundError if the prompts stage has not run."""
+    from ..shard_plan import append_only_ranges, rows_digest
+    upstream_manifest(cfg.run_dir, "prompts")
+    ids, digests, _ = prompt_rows(cfg)
+    out, key, legacy, S = RunLayout(cfg.run_dir).generations, generation_shard_key(cfg), generation_key(cfg), \
+        cfg.generation.shard_size
+
+    def kept(k: int, start: int) -> int | None:
+        path = out / f"shard_{k:05d}.json"
+        rec = json.loads(path.read_text()) if path.exists() else {}
+        n = rec.get("prompts") or 0
+        if rec.get("inputs_key") == key and rec.get("rows_sha256") == rows_digest(ids[start:start + n],
+                                                                                  digests[start:start + n]):
+            return n
+        return n if rec.get("inputs_key") == legacy and start == k * S else None
+
+    return [(a, b, rows_digest(ids[a:b], digests[a:b])) for a, b in append_only_ranges(len(ids), S, kept)]
+
+
+def _record_ok(out: Path, k: int, plan: list[tuple[int, int, str]], key: str, legacy: str) -> dict | None:
+    from ..regenerate import finished_record
+    return finished_record(out, k, key, plan[k][2]) or finished_record(out, k, legacy)
+
+
+def generation_status(cfg: PipelineConfig) -> dict:
+    """{shards, done, needs_server} of the generation stage from one read of the prompt file and the records:
+    shard ids, the finished ones, and whether an unfinished one holds a row to send (not every row 'keep')."""
+    plan, out = generation_plan(cfg), RunLayout(cfg.run_dir).generations
+    key, legacy = generation_shard_key(cfg), generation_key(cfg)
+    done = [k for k in range(len(plan)) if _record_ok(out, k, plan, key, legacy)]
+    modes = prompt_rows(cfg)[2]
+    needs = any(m != "keep" for k, (a, b, _) in enumerate(plan) if k not in done for m in modes[a:b])
+    return {"shards": list(range(len(plan))), "done": done, "needs_server": needs}
 
 
 def _gate_limits(g) -> dict:
@@ -38,16 +110,19 @@ def generation_stage_key(cfg: PipelineConfig) -> str:
 
 
 def generation_shard_done(cfg: PipelineConfig, shard: int) -> dict | None:
-    """Shard `shard`'s record if it is finished for the current inputs (record and file agree, no failed prompt)."""
-    from ..regenerate import finished_record
-    return finished_record(RunLayout(cfg.run_dir).generations, shard, generation_key(cfg))
+    """Shard `shard`'s record if it is finished for the current inputs (record and file agree, no failed prompt,
+    written for the shard's rows)."""
+    plan = generation_plan(cfg)
+    if not 0 <= shard < len(plan):
+        return None
+    return _record_ok(RunLayout(cfg.run_dir).generations, shard, plan, generation_shard_key(cfg),
+                      generation_key(cfg))
 
 
 def generation_shard_needs_server(cfg: PipelineConfig, shard: int) -> bool:
     """True if shard `shard` holds prompt rows to regenerate (rows in mode 'keep' are never sent)."""
-    S = cfg.generation.shard_size
-    rows = pq.read_table(RunLayout(cfg.run_dir).prompts_train, columns=["mode"]).column("mode").to_pylist()
-    return any(m != "keep" for m in rows[shard * S:(shard + 1) * S])
+    a, b, _ = generation_plan(cfg)[shard]
+    return any(m != "keep" for m in prompt_rows(cfg)[2][a:b])
 
 
 def _server_desc(cfg: PipelineConfig) -> str:
@@ -94,28 +169,30 @@ def generation_servers(cfg: PipelineConfig):
 
 
 def generation_shards(cfg: PipelineConfig) -> list[int]:
-    """Indices of this run's generation shards (`generation.shard_size` train prompts each), finished or not:
-    `run_generation_shard` returns a finished shard's record at once. Deletes shards past the last one (left by a
-    larger prompt set). Raises FileNotFoundError if the prompts stage has not run."""
-    from ..regenerate import num_shards, remove_shards_from
-    upstream_manifest(cfg.run_dir, "prompts")
-    n = num_shards(RunLayout(cfg.run_dir).prompts_train, cfg.generation.shard_size)
+    """Indices of this run's generation shards (generation_plan), finished or not: `run_generation_shard` returns a
+    finished shard's record at once. Deletes shards past the last one (left by a larger prompt set). Raises
+    FileNotFoundError if the prompts stage has not run."""
+    from ..regenerate import remove_shards_from
+    n = len(generation_plan(cfg))
     out = RunLayout(cfg.run_dir).generations
     out.mkdir(parents=True, exist_ok=True)
     remove_shards_from(out, n)
     return list(range(n))
 
 
-def _regenerate(cfg: PipelineConfig, shards: list[int], urls: list[str], key: str, log, on_progress) -> list[dict]:
+def _regenerate(cfg: PipelineConfig, shards: list[int], urls: list[str], log, on_progress) -> list[dict]:
     from ..regenerate import regenerate
     from ..serving.client import TOKEN_ID_APIS
     from ..target import load_tokenizer
+    plan = generation_plan(cfg)
+    ranges = {k: (plan[k][0], plan[k][1]) for k in shards}
     in_process = cfg.server.kind == "transformers"
     tok = load_tokenizer(cfg.target) if cfg.generation.api in TOKEN_ID_APIS or in_process else None
     engine = _generation_engine(cfg, tok, log) if in_process else None
     try:
         return asyncio.run(regenerate(RunLayout(cfg.run_dir).prompts_train, RunLayout(cfg.run_dir).generations,
-                                      shards, key, cfg.generation, cfg.server, urls, tok, log, on_progress, engine))
+                                      ranges, generation_shard_key(cfg), cfg.generation, cfg.server, urls, tok, log,
+                                      on_progress, engine, rows_sha256={k: plan[k][2] for k in shards}))
     finally:
         if engine is not None:
             engine.close()
@@ -143,20 +220,18 @@ def run_generation_shard(cfg: PipelineConfig, shard: int, log=print, urls: list[
     `generation_servers`, to keep one server across shards); None starts the configured server for this shard
     alone. `on_progress`: see `regenerate.regenerate`. Raises ValueError for a shard index out of range, ServerError when no server answers.
     """
-    from ..regenerate import finished_record, num_shards
-    out, key = RunLayout(cfg.run_dir).generations, generation_key(cfg)
-    if (rec := finished_record(out, shard, key)):
-        log(f"generation: shard {shard} already finished ({rec['answered']} answers)")
-        return rec
-    n = num_shards(RunLayout(cfg.run_dir).prompts_train, cfg.generation.shard_size)
+    n = len(generation_plan(cfg))
     if not 0 <= shard < n:
         raise ValueError(f"generation shard {shard} out of range: this run has shards 0..{n - 1}")
+    if (rec := generation_shard_done(cfg, shard)):
+        log(f"generation: shard {shard} already finished ({rec['answered']} answers)")
+        return rec
     if urls is None and not generation_shard_needs_server(cfg, shard):
         urls = []                                                     # every row kept as it is: no server
     if urls is None:
         with generation_servers(cfg) as started:
-            return _regenerate(cfg, [shard], started, key, log, on_progress)[0]
-    return _regenerate(cfg, [shard], urls, key, log, on_progress)[0]
+            return _regenerate(cfg, [shard], started, log, on_progress)[0]
+    return _regenerate(cfg, [shard], urls, log, on_progress)[0]
 
 
 def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds: float | None = None) -> dict:
@@ -169,20 +244,18 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
     disk, QualityGateError (with counts, examples and the fix) when too many answers failed, are empty, truncated
     or degenerate."""
     from ..generation_quality import check_quality, quality_report
-    from ..regenerate import num_shards, shard_name
     from ..serving.client import TOKEN_ID_APIS
     loaded_target.cache_clear()
-    out, key, g = RunLayout(cfg.run_dir).generations, generation_key(cfg), cfg.generation
+    out, key, g = RunLayout(cfg.run_dir).generations, generation_shard_key(cfg), cfg.generation
     manifest_key = generation_stage_key(cfg)
     if (m := cached_manifest(out / "manifest.json", manifest_key)):
         return m
-    records = []
-    for k in range(num_shards(RunLayout(cfg.run_dir).prompts_train, g.shard_size)):
-        path = out / f"shard_{k:05d}.json"
-        rec = json.loads(path.read_text()) if path.exists() else {}
-        if rec.get("inputs_key") != key or not file_intact(out / shard_name(k), rec):
-            raise RuntimeError(f"generation shard {k} has not finished for these inputs ({path}): run "
-                               f"run_generation_shard(cfg, {k}) (or the generation stage) again")
+    records, plan, legacy = [], generation_plan(cfg), generation_key(cfg)
+    for k in range(len(plan)):
+        rec = _record_ok(out, k, plan, key, legacy)
+        if rec is None:
+            raise RuntimeError(f"generation shard {k} has not finished for these inputs ({out}/shard_{k:05d}.json): "
+                               f"run run_generation_shard(cfg, {k}) (or the generation stage) again")
         records.append(rec)
     for m in shard_manifests:
         if m["sha256"] != records[m["shard"]]["sha256"]:
@@ -225,18 +298,16 @@ def run_generation(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     Resumable at any point: finished shards are kept untouched, answered prompts are not sent again. Returns the
     stage manifest; raises like `finish_generation` and ServerError when no server answers.
     """
-    from ..regenerate import finished_record
     out = RunLayout(cfg.run_dir).generations
-    key = generation_key(cfg)
     if (m := cached_manifest(out / "manifest.json", generation_stage_key(cfg))):
         return m
     t0 = time.monotonic()
     shards = generation_shards(cfg)
-    todo = [k for k in shards if finished_record(out, k, key) is None]
+    status = generation_status(cfg)
+    todo = [k for k in shards if k not in status["done"]]
     log(f"generation: {len(shards) - len(todo)} of {len(shards)} shards already finished")
     if todo:
         # no server when every pending row is kept as it is
-        needed = any(generation_shard_needs_server(cfg, k) for k in todo)
-        with generation_servers(cfg) if needed else nullcontext([]) as urls:
-            _regenerate(cfg, todo, urls, key, log, on_progress)
+        with generation_servers(cfg) if status["needs_server"] else nullcontext([]) as urls:
+            _regenerate(cfg, todo, urls, log, on_progress)
     return finish_generation(cfg, [], seconds=time.monotonic() - t0)

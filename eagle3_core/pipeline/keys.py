@@ -31,7 +31,7 @@ def target_key(cfg: PipelineConfig) -> dict:
     """What identifies the target in a key: its config, and the sha256 of its GGUF file if it is one."""
     from ..target import gguf_path
     gguf = gguf_path(cfg.target)
-    return {"target": cfg.target.model_dump(), "gguf_sha256": _sha256_unchanged_file(gguf) if gguf else None}
+    return {"target": cfg.target.model_dump(), "gguf_sha256": sha256_unchanged_file(gguf) if gguf else None}
 
 
 @lru_cache(maxsize=16)
@@ -39,8 +39,9 @@ def _sha256_cached(path: Path, size: int, mtime_ns: int) -> str:
     return sha256_file(path)
 
 
-def _sha256_unchanged_file(path: Path) -> str:
-    """sha256 of a large file that rarely changes (the target), hashed again only when its size or mtime does."""
+def sha256_unchanged_file(path: Path) -> str:
+    """sha256 of a large file that rarely changes (the target, a warm-start draft), hashed again only when its
+    size or mtime does."""
     st = path.stat()
     return _sha256_cached(path, st.st_size, st.st_mtime_ns)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .. import prompts as prompts_mod
 from ..config import PipelineConfig
+from ..manifest import read_manifest
 from .keys import stage_key, target_key
 from .layout import RunLayout
 from .run_stage import run_stage
@@ -31,7 +32,9 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
 
     def body() -> dict:
         out.mkdir(parents=True, exist_ok=True)
-        train, evals, stats = prompts_mod.build_prompts(cfg.prompts, rejects_path=out / "rejects.jsonl")
+        earlier = prompts_mod.earlier_prompts(read_manifest(out / "manifest.json"), cfg.prompts)
+        train, evals, stats = prompts_mod.build_prompts(cfg.prompts, rejects_path=out / "rejects.jsonl",
+                                                        earlier=earlier)
         train, budget = apply_budget(load_tokenizer(cfg.target), train, cfg.generation.max_new_tokens,
                                      cfg.features.max_length, cfg.prompts.over_budget,
                                      cfg.generation.chat_template_kwargs or None, str(run.prompts_train))
@@ -47,17 +50,22 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
         for r in train:
             st = stats["per_source"][r["source"]]
             st["train"] = st.get("train", 0) + 1
-        prompts_mod.write_rows(run.prompts_train, train)
+        prompts_mod.write_rows(run.prompts_train, [{**r, "prompt_sha256": prompts_mod.prompt_digest(r)}
+                                                   for r in train])
         # held-out rows are prompts: a kept conversation's final assistant turn is what the target must produce
         evals = [{**r, "messages": r["messages"][:-1]}
                  if r["messages"] and r["messages"][-1].get("role") == "assistant" else r for r in evals]
         prompts_mod.write_rows(run.prompts_eval, evals)
         kept = sum(r["mode"] == "keep" for r in train)
+        if earlier:
+            log(f"prompts: grown from the earlier run in {out}: {stats['train_from_earlier']} of its "
+                f"{len(earlier['train_ids'])} train prompts kept first, in their order, "
+                f"{len(train) - stats['train_from_earlier']} new; held-out set {stats['eval_chosen']}")
         log(f"prompts: {len(train)} train ({kept} with responses kept), {len(evals)} held-out, {stats['rejected']} "
             f"rejected, {stats['duplicates_dropped']} duplicates; per source: "
             + ", ".join(f"{k} {v.get('train', 0)}+{v.get('eval', 0)}" for k, v in stats["per_source"].items()))
         specs = prompts_mod.source_specs(cfg.prompts)
-        return {"stats": stats, "budget": budget, "train_ids": [r["id"] for r in train],
+        return {"stats": stats, "budget": budget, "seed": cfg.prompts.seed, "train_ids": [r["id"] for r in train],
                 "eval_ids": [r["id"] for r in evals],
                 "sources": [s.model_dump(exclude_defaults=True) for s in specs],
                 "unpinned": [s.label for s in specs if s.hf and not s.revision and s.hf not in ("json", "parquet")],

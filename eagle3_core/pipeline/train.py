@@ -23,14 +23,28 @@ def draft_shape(cfg: PipelineConfig):
                        overrides=cfg.draft.geometry())
 
 
-def fresh_draft(cfg: PipelineConfig):
-    """(an untrained draft, the target's lm_head): the draft built from draft_shape with the target's embedding
-    (features/head) and the vocab map (vocab/), seeded by draft.seed."""
+def fresh_draft(cfg: PipelineConfig, log=print):
+    """(the draft training starts from, the target's lm_head): the draft built from draft_shape with the target's
+    embedding (features/head) and the vocab map (vocab/), seeded by draft.seed; with train.init_from, carrying the
+    weights of that draft (warm_start.warm_draft: lm_head rows by target token id). Raises ValueError naming each
+    field in which the warm-start draft differs from this run (shape, aux layer ids of the feature store)."""
     from ..features import load_head
     from ..trainer import build_draft
     vocab = load_file(str(RunLayout(cfg.run_dir).vocab_map))
     emb, lm = load_head(RunLayout(cfg.run_dir).features)
-    return build_draft(draft_shape(cfg), emb, vocab["d2t"], vocab["t2d"], cfg.draft.seed), lm
+    shape = draft_shape(cfg)
+    store_ids = (read_manifest(RunLayout(cfg.run_dir).features / "manifest.json") or {}).get("aux_layer_ids")
+    if store_ids is not None and store_ids != shape.aux_layer_ids:
+        raise ValueError(f"features.aux_layer_ids resolves to {shape.aux_layer_ids} but the feature store "
+                         f"{RunLayout(cfg.run_dir).features} holds layers {store_ids}: rerun the features stage")
+    draft = build_draft(shape, emb, vocab["d2t"], vocab["t2d"], cfg.draft.seed)
+    if cfg.train.init_from is not None:
+        from ..warm_start import load_init, warm_draft
+        init = load_init(cfg.train.init_from, shape, keep_vocab=cfg.train.init_vocab == "keep")
+        draft, info = warm_draft(init, draft)
+        log(f"train: warm start from {cfg.train.init_from}: vocab map {info['vocab']}, "
+            f"{info['lm_head_rows_carried']} of {info['lm_head_rows']} lm_head rows carried by target token id")
+    return draft, lm
 
 
 def train_split(cfg: PipelineConfig, dp=None) -> tuple[list, list]:
@@ -62,9 +76,12 @@ def claim_training_dir(out: Path, key: str) -> None:
 
 
 def train_key(cfg: PipelineConfig) -> str:
-    """Inputs key of the training stage: features, vocab map, train and draft settings (any number of GPUs)."""
+    """Inputs key of the training stage: features, vocab map, train and draft settings (any number of GPUs), and
+    the warm-start draft's weights (train.init_from)."""
+    from .vocab import init_key
     return stage_key(upstream_manifest(cfg.run_dir, "features")["inputs_key"],
-                     upstream_manifest(cfg.run_dir, "vocab")["inputs_key"], cfg.train, cfg.draft)
+                     upstream_manifest(cfg.run_dir, "vocab")["inputs_key"], cfg.train, cfg.draft,
+                     *([init_key(cfg)] if cfg.train.init_from is not None else []))
 
 
 def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
@@ -82,7 +99,7 @@ def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
         return m
     t0 = time.monotonic()
     train_s, eval_s = train_split(cfg, dp)
-    draft, lm_head = fresh_draft(cfg)
+    draft, lm_head = fresh_draft(cfg, log)
     if dp.is_main:
         claim_training_dir(out, key)
     dp.barrier()                                   # no rank resumes from state of other inputs
