@@ -47,8 +47,9 @@ def one_at_a_time() -> ConcurrencyLimitConfig:
 
 
 def nightly(timezone: str) -> Cron:
-    # nightly runs are opt-in: the schedule is created inactive; switch it on in the UI (deployment page)
-    return Cron(NIGHTLY_CRON, timezone=timezone, active=False)
+    """The nightly schedule: opt-in (created inactive; switch it on in the UI, deployment page). Its runs pass
+    nightly=True: a night's work (eagle3_core.nightly), not a rerun that finds every stage done."""
+    return Cron(NIGHTLY_CRON, timezone=timezone, active=False, parameters={"nightly": True})
 
 
 def deployment_specs(run_root: Path, timezone: str) -> list[dict]:

@@ -139,6 +139,9 @@ class FeatureConfig(StrictModel):
         "bf16", description="feature storage: bf16; fp8 (e4m3, per-token scales, ~half the bytes); online (nothing "
                             "stored, training runs the target on the fly)")
     writer_threads: int = Field(2, ge=1, description="background threads serializing, hashing and writing shards")
+    import_from: str | None = Field(None, description="a directory of SpecForge offline features (*.ckpt from its "
+                                    "prepare_hidden_states.py): the stage imports them, checked against this run's "
+                                    "tokenization, instead of running the target (eagle3_core.feature_import)")
     backend: Literal["hf", "hf_tp"] = Field(
         "hf", description="'hf': the whole target in this process on one device (HFExtractor); 'hf_tp': "
                           "transformers' tensor-parallel plan over tp_size processes under torchrun, one per GPU "

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from . import feature_formats as ff
 from .extract import HFExtractor, HostCopy
 from .manifest import file_intact, file_stamp, read_manifest, sha256_json, write_manifest
+from .shard_plan import plan_ranges
 from .shard_writer import ShardWriter
 
 STORE_VERSION = 2
@@ -170,21 +171,6 @@ def entry_holds(store_dir: Path, entry: dict, part: list[dict], aux_layer_ids: l
     except (OSError, KeyError, RuntimeError):
         return False
     return stored == [int(m) for r in part for m in r["loss_mask"]]
-
-
-def plan_ranges(ids: list[str], shard_samples: int, previous: list[dict]) -> list[tuple[int, int]]:
-    """[(start, stop)] of every feature shard of samples with these `ids`: append-only (shard_plan), an earlier
-    store entry (manifest 'shards') whose sample ids are the ones now at its place keeps its range, the rest are
-    shard_samples each; growing a run keeps every finished shard, the last short one included."""
-    from .shard_plan import append_only_ranges
-    by_file = {e["file"]: e for e in previous}
-
-    def kept(k: int, start: int) -> int | None:
-        e = by_file.get(f"shard_{k:05d}.safetensors")
-        n = len(e.get("ids") or []) if e else 0
-        return n if n and e["ids"] == ids[start:start + n] else None
-
-    return append_only_ranges(len(ids), shard_samples, kept)
 
 
 def shard_plan(rows: list[dict], shard_samples: int, aux_layer_ids: list[int], store_format: str, target_id: str,

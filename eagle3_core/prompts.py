@@ -82,26 +82,9 @@ def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = No
     return out
 
 
-def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None,
-                  earlier: dict | None = None) -> tuple[list[dict], list[dict], dict]:
-    """(train rows, eval rows, stats). Per source: read, reject bad rows, filter by length, drop exact duplicates
-    (first occurrence in source order wins); then take counts / weights / the pool (see prompt_data.mix) as
-    prefixes of each source's stable order (sha256 of seed and id), so that a larger mix is a superset of a smaller
-    one, and split off `num_eval` held-out rows (converted to prompt form) from the front of each.
-
-    earlier: the prompts manifest of an earlier run of the same sources and seed ({train_ids, eval_ids}), or None.
-    Its rows stay in front (still chosen when they still exist), its held-out set stays held out while num_eval is
-    the same, and its train rows come first in the train file, in their order (growing a run: only the new rows are
-    regenerated and extracted).
-
-    Writes every reject to `rejects_path` (JSONL: source, row, reason); if the stage fails, to
-    `failed_rejects_path(rejects_path)` instead, so that a finished run's rejects stay as they are. Raises
-    RejectError naming the worst source if one rejects more than `cfg.max_reject_frac` of its rows, and
-    ValueError if a source has fewer rows left than it must give.
-    """
-    specs, total = source_specs(cfg), cfg.num_train + cfg.num_eval
-    if cfg.mix is not None:
-        cfg.mix.check_total(total)
+def _available(cfg: PromptConfig, specs: list[SourceSpec]) -> tuple[dict[str, list[dict]], dict, list[dict]]:
+    """({source: usable rows}, per-source counts, rejects): every source read, bad rows rejected, rows outside the
+    length limits and exact duplicates (first occurrence in source order wins) left out."""
     rejects: list[dict] = []
     seen: set[str] = set()
     avail: dict[str, list[dict]] = {}
@@ -124,6 +107,36 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None,
             seen.add(key)
             kept.append(r)
         st["available"] = len(kept)
+    return avail, per, rejects
+
+
+def available_prompts(cfg: PromptConfig) -> int:
+    """How many distinct usable prompts the sources hold (after rejects, length limits and dedupe): what a run
+    that reads its sources in full can split into num_eval held-out and the rest for training."""
+    return sum(len(v) for v in _available(cfg, source_specs(cfg))[0].values())
+
+
+def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None,
+                  earlier: dict | None = None) -> tuple[list[dict], list[dict], dict]:
+    """(train rows, eval rows, stats). Per source: read, reject bad rows, filter by length, drop exact duplicates
+    (first occurrence in source order wins); then take counts / weights / the pool (see prompt_data.mix) as
+    prefixes of each source's stable order (sha256 of seed and id), so that a larger mix is a superset of a smaller
+    one, and split off `num_eval` held-out rows (converted to prompt form) from the front of each.
+
+    earlier: the prompts manifest of an earlier run of the same sources and seed ({train_ids, eval_ids}), or None.
+    Its rows stay in front (still chosen when they still exist), its held-out set stays held out while num_eval is
+    the same, and its train rows come first in the train file, in their order (growing a run: only the new rows are
+    regenerated and extracted).
+
+    Writes every reject to `rejects_path` (JSONL: source, row, reason); if the stage fails, to
+    `failed_rejects_path(rejects_path)` instead, so that a finished run's rejects stay as they are. Raises
+    RejectError naming the worst source if one rejects more than `cfg.max_reject_frac` of its rows, and
+    ValueError if a source has fewer rows left than it must give.
+    """
+    specs, total = source_specs(cfg), cfg.num_train + cfg.num_eval
+    if cfg.mix is not None:
+        cfg.mix.check_total(total)
+    avail, per, rejects = _available(cfg, specs)
     first = [*(earlier or {}).get("eval_ids", []), *(earlier or {}).get("train_ids", [])]
     try:
         check_reject_limit(per, rejects, cfg.max_reject_frac, failed_rejects_path(rejects_path))

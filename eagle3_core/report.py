@@ -245,6 +245,8 @@ def markdown(r: dict) -> str:
         lines += [""] + [f"**Warning**: {w}." for w in warned]
     if r.get("sampling"):
         lines += sampling_markdown(r["sampling"])
+    from .nightly import nights_markdown
+    lines += nights_markdown(Path(r["run_dir"]))
     lines += ["", "## Wall time per stage (s)", "", "| " + " | ".join(r["stage_seconds"]) + " | total |",
               "|" + "---|" * (len(r["stage_seconds"]) + 1),
               "| " + " | ".join(str(v) for v in r["stage_seconds"].values())

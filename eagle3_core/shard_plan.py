@@ -28,3 +28,17 @@ def append_only_ranges(n_rows: int, size: int, kept: Callable[[int, int], int | 
 def rows_digest(ids: list[str], digests: list[str]) -> str:
     """sha256 naming an ordered list of rows by id and content digest (prompts.prompt_digest)."""
     return hashlib.sha256("\n".join(f"{i}\t{d}" for i, d in zip(ids, digests, strict=True)).encode()).hexdigest()
+
+
+def plan_ranges(ids: list[str], shard_samples: int, previous: list[dict]) -> list[tuple[int, int]]:
+    """[(start, stop)] of every feature shard of samples with these `ids`: append-only (shard_plan), an earlier
+    store entry (manifest 'shards') whose sample ids are the ones now at its place keeps its range, the rest are
+    shard_samples each; growing a run keeps every finished shard, the last short one included."""
+    by_file = {e["file"]: e for e in previous}
+
+    def kept(k: int, start: int) -> int | None:
+        e = by_file.get(f"shard_{k:05d}.safetensors")
+        n = len(e.get("ids") or []) if e else 0
+        return n if n and e["ids"] == ids[start:start + n] else None
+
+    return append_only_ranges(len(ids), shard_samples, kept)

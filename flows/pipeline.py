@@ -14,19 +14,24 @@ from prefect import flow
 from eagle3_core.config import PipelineConfig, load_config, preset
 from flows import stages as s
 from tasks.control import ALL_STAGES, check_task
+from tasks.nightly import finish_night_task, plan_night_task
 from tasks.report import report_task
 
 
 @flow(name="eagle3-pipeline", flow_run_name=s.run_name("pipeline"))
-def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False) -> dict:
+def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False, nightly: bool = False) -> dict:
     """Run every stage on `config` (default: the embedded demo preset) and publish the report as artifacts.
-    refresh=True recomputes every stage; otherwise finished stages and shards are reused. Holds the run
-    directory's lock throughout (a second run of the same directory is refused, naming this one). The run is named
-    '<run>-pipeline' and its stage subflows '<run>-<stage>', tagged run:<run> and stage:<stage>; its log holds
-    every stage's summary line."""
+    refresh=True recomputes every stage; otherwise finished stages and shards are reused. nightly=True (what the
+    nightly schedule passes) makes it a night's work (eagle3_core.nightly): every prompt of the sources, only the
+    new ones regenerated and extracted, a warm start from last night's draft, promoted/ updated only if tau is not
+    worse, and the report's table of nights. Holds the run directory's lock throughout (a second run of the same
+    directory is refused, naming this one). The run is named '<run>-pipeline' and its stage subflows
+    '<run>-<stage>', tagged run:<run> and stage:<stage>; its log holds every stage's summary line."""
     s.label(config, "pipeline")
     check_task(config)                # config + target config files only: fails in seconds
     with s.locked(config):
+        if nightly:
+            config, night = plan_night_task(config)
         s.forget(config, refresh, *ALL_STAGES)
         s.prompts_flow(config)
         s.generation_flow(config)
@@ -36,6 +41,8 @@ def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False) -> d
         s.evaluate_flow(config)
         s.deploy_llama_cpp_flow(config)
         s.deploy_sglang_flow(config)
+        if nightly:
+            finish_night_task(config, night)
         return report_task(config)
 
 

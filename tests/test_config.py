@@ -53,3 +53,4 @@ def test_deployments_build_with_an_inactive_nightly_schedule():
         mode="json")}, schedule=nightly("UTC"))
     (sched,) = d.schedules
     assert sched.schedule.cron == "0 2 * * *" and sched.schedule.timezone == "UTC" and sched.active is False
+    assert sched.parameters == {"nightly": True}                   # a scheduled run is a night's work

@@ -63,12 +63,14 @@ def test_deployments_register_with_schedule_schema_and_defaults(deployments):
     demo = asyncio.run(_read_deployment("eagle3-pipeline/demo"))
     (sched,) = demo.schedules
     assert (sched.schedule.cron, sched.schedule.timezone, sched.active) == (NIGHTLY_CRON, "Europe/Berlin", False)
+    assert sched.parameters == {"nightly": True}                  # scheduled runs do a night's work
     schema = demo.parameter_openapi_schema
-    assert set(schema["properties"]) == {"config", "refresh"}
+    assert set(schema["properties"]) == {"config", "refresh", "nightly"}
     defs = schema["definitions"]
     assert {"PipelineConfig", "TrainConfig", "GenerationConfig"} <= set(defs)
     assert defs["GenerationConfig"]["properties"]["shard_size"]["description"]
     assert demo.parameters["config"]["train"]["epochs"] == 6 and demo.parameters["refresh"] is False
+    assert "nightly" not in demo.parameters                       # a manual run is a plain run
     tiny = asyncio.run(_read_deployment("eagle3-pipeline/debug-tiny"))
     assert tiny.schedules == [] and tiny.parameters["config"]["prompts"]["num_train"] == 6
     for stage in ("prompts", "generation", "features", "vocab", "train", "evaluate", "deploy-llama-cpp",

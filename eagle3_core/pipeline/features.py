@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from functools import lru_cache
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
@@ -30,11 +31,14 @@ def run_features(cfg: PipelineConfig, log=print) -> dict:
         if not (bad := bad_shards(out, m["shards"])):            # data on disk is the source of truth
             return m
         log(f"features: shard(s) {bad} missing or changed since written; extracting them again")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if torch.cuda.is_available() and not cfg.features.import_from else "cpu"
     model = load_target(cfg.target, device)
     ids = aux_ids(cfg, num_layers(model.config))
     f = cfg.features
-    manifest = extract_features(model, tokenized_rows(cfg), out, ids, f.shard_samples, f.batch_tokens,
+    rows = tokenized_rows(cfg)
+    if f.import_from:
+        model = _imported(cfg, model, ids, rows)
+    manifest = extract_features(model, rows, out, ids, f.shard_samples, f.batch_tokens,
                                 store_format=f.format, log=log, target=cfg.target.model_dump(),
                                 writer_threads=f.writer_threads)
     mark_store(cfg, manifest)
@@ -52,7 +56,32 @@ def features_key(cfg: PipelineConfig) -> str:
     """Inputs key of the features stage: the tokenized data, the feature settings that change the stored result
     (FEATURE_RESULT_FIELDS) and the target."""
     return stage_key(upstream_manifest(cfg.run_dir, "tokenized")["inputs_key"],
-                cfg.features.model_dump(mode="json", include=set(FEATURE_RESULT_FIELDS)), target_key(cfg))
+                cfg.features.model_dump(mode="json", include=set(FEATURE_RESULT_FIELDS)), target_key(cfg),
+                *([import_key(cfg)] if cfg.features.import_from else []))
+
+
+def import_key(cfg: PipelineConfig) -> dict:
+    """What identifies an import (features.import_from) in a key: the directory and each file's name, size and
+    mtime (a stat per file, no read)."""
+    from ..feature_import import feature_files
+    src = Path(cfg.features.import_from)
+    return {"import_from": str(src), "files": [[str(p.relative_to(src)), p.stat().st_size, p.stat().st_mtime_ns]
+                                               for p in feature_files(src)]}
+
+
+_imports: dict[tuple, object] = {}
+
+
+def _imported(cfg: PipelineConfig, model, ids: list[int], rows: list[dict]):
+    """The ImportedExtractor of features.import_from for this run's tokenized rows, every file checked once per
+    process (the flow's shard tasks share it)."""
+    from ..feature_import import imported_extractor
+    path = RunLayout(cfg.run_dir).tokenized_train
+    key = (cfg.features.import_from, str(path), path.stat().st_mtime_ns, tuple(ids))
+    if key not in _imports:
+        _imports.clear()
+        _imports[key] = imported_extractor(Path(cfg.features.import_from), rows, model, ids, str(path))
+    return _imports[key]
 
 
 def store_key(cfg: PipelineConfig) -> str:
@@ -64,7 +93,7 @@ def store_key(cfg: PipelineConfig) -> str:
 
 
 def _ranges(cfg: PipelineConfig, ids: list[str] | None = None) -> list[tuple[int, int]]:
-    from ..features import plan_ranges
+    from ..shard_plan import plan_ranges
     store = read_manifest(RunLayout(cfg.run_dir).features / "manifest.json") or {}
     if ids is None:
         ids = pq.read_table(RunLayout(cfg.run_dir).tokenized_train, columns=["id"])["id"].to_pylist()
@@ -72,7 +101,7 @@ def _ranges(cfg: PipelineConfig, ids: list[str] | None = None) -> list[tuple[int
 
 
 def feature_shards(cfg: PipelineConfig) -> list[int]:
-    """Shard ids of the features stage: shard i holds the tokenized samples of features.plan_ranges (the plan of
+    """Shard ids of the features stage: shard i holds the tokenized samples of shard_plan.plan_ranges (the plan of
     features.extract_features: features.shard_samples each, a finished earlier shard keeping its own)."""
     upstream_manifest(cfg.run_dir, "tokenized")
     return list(range(len(_ranges(cfg))))
@@ -104,7 +133,8 @@ def _finished_entries(cfg: PipelineConfig, rows: list[dict] | None = None,
     on disk for the current inputs: listed with the content key of its samples, loss masks, layers, format and
     target (features.entry_holds), and intact (manifest.file_intact: size and mtime as recorded, no read)). One
     read of the tokenized rows and the manifests."""
-    from ..features import bad_shards, entry_holds, plan_ranges
+    from ..features import bad_shards, entry_holds
+    from ..shard_plan import plan_ranges
     out = RunLayout(cfg.run_dir).features
     rows = rows if rows is not None else tokenized_rows(cfg)
     head, store = read_manifest(RunLayout(cfg.run_dir).features_head), read_manifest(out / "manifest.json")
@@ -162,10 +192,13 @@ def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
     entry = _feature_shard_entry(cfg, shard, rows)
     extracted = entry is None
     if extracted:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = loaded_target(cfg.target.model_dump_json(), device)
         f = cfg.features
-        store = extract_features(model, rows, out, aux_ids(cfg, num_layers(model.config)), f.shard_samples,
+        device = "cuda" if torch.cuda.is_available() and not f.import_from else "cpu"
+        model = loaded_target(cfg.target.model_dump_json(), device)
+        ids = aux_ids(cfg, num_layers(model.config))
+        if f.import_from:
+            model = _imported(cfg, model, ids, rows)
+        store = extract_features(model, rows, out, ids, f.shard_samples,
                                  f.batch_tokens, store_format=f.format, log=log, target=cfg.target.model_dump(),
                                  writer_threads=f.writer_threads, only_shards={shard})
         mark_store(cfg, store)
@@ -182,6 +215,7 @@ def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print)
     ValueError naming the shards that are missing, stale or corrupt (rerun them with run_features_shard)."""
     from ..features import bad_shards
     loaded_target.cache_clear()
+    _imports.clear()
     key, want, out = features_key(cfg), feature_shards(cfg), RunLayout(cfg.run_dir).features
     # done already (no shard was extracted since: extraction rewrites the store manifest without inputs_key) and
     # intact: keep it as written, with the timing of the run that extracted the shards

@@ -61,6 +61,21 @@ def prompt_rows(cfg: PipelineConfig) -> tuple[list[str], list[str], list[str]]:
     return _row_digests(path, st.st_size, st.st_mtime_ns)
 
 
+def _record(path: Path) -> dict:
+    """A shard record ({} if there is none), parsed once per version of the file (a stat per call): the plan reads
+    every record, and every shard task asks for the plan."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return {}
+    return _parsed_record(path, st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=65536)
+def _parsed_record(path: Path, size: int, mtime_ns: int) -> dict:
+    return json.loads(path.read_text())
+
+
 def generation_plan(cfg: PipelineConfig) -> list[tuple[int, int, str]]:
     """[(start, stop, rows digest)] of every generation shard: append-only (shard_plan.append_only_ranges), a shard
     whose record was written for exactly its rows keeps them, the rest are cut into generation.shard_size rows.
@@ -72,8 +87,7 @@ def generation_plan(cfg: PipelineConfig) -> list[tuple[int, int, str]]:
         cfg.generation.shard_size
 
     def kept(k: int, start: int) -> int | None:
-        path = out / f"shard_{k:05d}.json"
-        rec = json.loads(path.read_text()) if path.exists() else {}
+        rec = _record(out / f"shard_{k:05d}.json")
         n = rec.get("prompts") or 0
         if rec.get("inputs_key") == key and rec.get("rows_sha256") == rows_digest(ids[start:start + n],
                                                                                   digests[start:start + n]):
