@@ -70,7 +70,7 @@ def label(config: PipelineConfig, stage: str) -> None:
 SUMMARY_FIELDS = {
     "prompts": ("train_ids", "eval_ids"), "generation": ("samples", "completion_tokens", "server"),
     "features": ("samples", "tokens", "format", "bytes_per_token", "shards_extracted"),
-    "vocab": ("draft_vocab_size", "coverage"), "train": ("epochs", "best_epoch", "draft_dir"),
+    "vocab": ("draft_vocab_size", "coverage"), "train": ("train_samples", "steps", "export_dir"),
     "evaluate": (), "deploy-llama-cpp": ("tokens_per_s", "baseline_tokens_per_s", "speedup"),
     "deploy-sglang": ("skipped",),
 }
@@ -80,15 +80,19 @@ def summary_line(stage: str, manifest: dict) -> str:
     """One line saying what stage `stage` produced (its manifest's SUMMARY_FIELDS, counts for lists, tau for
     evaluate) and how long it took (the manifest's seconds: 0 when every piece was already done)."""
     parts = []
+    inner = manifest.get("summary") if isinstance(manifest.get("summary"), dict) else {}
     for key in SUMMARY_FIELDS.get(stage, ()):
-        value = manifest.get(key)
+        value = manifest.get(key, inner.get(key))                 # deploy manifests keep theirs in 'summary'
         if isinstance(value, list):
             value = len(value)
         if isinstance(value, float):
             value = f"{value:.3g}"
         if value is not None and not isinstance(value, dict):
             parts.append(f"{key} {value}")
-    ev = manifest.get("summary") or {}
+    best = manifest.get("best")
+    if isinstance(best, dict) and "epoch" in best:
+        parts.append(f"best epoch {best['epoch']}" + (f" (tau_sim {best['tau_sim']:.3f})" if "tau_sim" in best else ""))
+    ev = inner
     for name in ("trained", "trained_tree", "untrained"):
         if isinstance(ev.get(name), dict) and "tau" in ev[name]:
             parts.append(f"tau {name} {ev[name]['tau']:.3f}")

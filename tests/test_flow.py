@@ -87,6 +87,10 @@ def test_the_pipeline_run_names_its_subflows_tags_them_and_logs_every_stage_summ
     features = next(m for m in log if m.startswith("features: done"))
     assert f"samples {json.loads((cfg.run_dir / 'features' / 'manifest.json').read_text())['samples']}" in features
     assert "tau trained" in next(m for m in log if m.startswith("evaluate: done"))
+    train = json.loads((cfg.run_dir / "draft" / "manifest.json").read_text())
+    assert f"best epoch {train['best']['epoch']}" in next(m for m in log if m.startswith("train: done"))
+    assert f"train_samples {train['train_samples']}" in next(m for m in log if m.startswith("train: done"))
+    assert "speedup" in next(m for m in log if m.startswith("deploy-llama-cpp: done"))
 
 
 def test_missing_prompt_file_fails_the_run_naming_it(prefect_server, tmp_path):
