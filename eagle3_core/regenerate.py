@@ -89,18 +89,24 @@ def output_schema(prompts_path: Path, key: str) -> pa.Schema:
     return pa.schema(fields + [pa.field(n, t) for n, t in ANSWER_FIELDS], metadata={KEY_META: key.encode()})
 
 
-def shard_rows(prompts_path: Path, ranges: dict[int, tuple[int, int]]) -> dict[int, dict[str, tuple[int, str]]]:
-    """Per shard, id -> (row index, prompts.prompt_digest) of its rows [start, stop) of the prompt file (digests
-    from its `prompt_sha256` column, computed for files written before it existed)."""
+def prompt_digests(prompts_path: Path) -> tuple[list[str], list[str], list[str]]:
+    """(ids, prompts.prompt_digest of each row, modes) of a prompt file, in row order: digests from its
+    `prompt_sha256` column, computed from messages, tools and mode for files written before it existed."""
     from .prompts import prompt_digest
     cols = set(pq.read_schema(prompts_path).names)
-    if "prompt_sha256" in cols:
-        t = pq.read_table(prompts_path, columns=["id", "prompt_sha256"])
-        ids, digests = t["id"].to_pylist(), t["prompt_sha256"].to_pylist()
+    if "prompt_sha256" in cols:                          # written by the prompts stage since shards name rows
+        t = pq.read_table(prompts_path, columns=["id", "prompt_sha256", "mode"])
+        digests = t["prompt_sha256"].to_pylist()
     else:
-        rows = pq.read_table(prompts_path, columns=[c for c in ("id", "messages", "tools", "mode")
-                                                    if c in cols]).to_pylist()
-        ids, digests = [r["id"] for r in rows], [prompt_digest(r) for r in rows]
+        t = pq.read_table(prompts_path, columns=[c for c in ("id", "messages", "tools", "mode") if c in cols])
+        digests = [prompt_digest(r) for r in t.to_pylist()]
+    return t["id"].to_pylist(), digests, t["mode"].to_pylist()
+
+
+def shard_rows(prompts_path: Path, ranges: dict[int, tuple[int, int]]) -> dict[int, dict[str, tuple[int, str]]]:
+    """Per shard, id -> (row index, prompts.prompt_digest) of its rows [start, stop) of the prompt file
+    (prompt_digests)."""
+    ids, digests, _ = prompt_digests(prompts_path)
     return {k: {ids[i]: (i, digests[i]) for i in range(a, b)} for k, (a, b) in ranges.items()}
 
 

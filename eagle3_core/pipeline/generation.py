@@ -14,7 +14,6 @@ import torch
 
 from ..config import PipelineConfig
 from ..manifest import busy_seconds, cached_manifest, write_manifest
-from ..prompts import prompt_digest
 from .features import loaded_target
 from .keys import stage_key, target_key, upstream_manifest
 from .layout import RunLayout
@@ -44,14 +43,8 @@ def generation_shard_key(cfg: PipelineConfig) -> str:
 
 @lru_cache(maxsize=4)
 def _row_digests(path: Path, size: int, mtime_ns: int) -> tuple[list[str], list[str], list[str]]:
-    cols = set(pq.read_schema(path).names)
-    if "prompt_sha256" in cols:                          # written by the prompts stage since shards name rows
-        t = pq.read_table(path, columns=["id", "prompt_sha256", "mode"])
-        digests = t["prompt_sha256"].to_pylist()
-    else:
-        t = pq.read_table(path, columns=[c for c in ("id", "messages", "tools", "mode") if c in cols])
-        digests = [prompt_digest(r) for r in t.to_pylist()]
-    return t["id"].to_pylist(), digests, t["mode"].to_pylist()
+    from ..regenerate import prompt_digests
+    return prompt_digests(path)
 
 
 def prompt_rows(cfg: PipelineConfig) -> tuple[list[str], list[str], list[str]]:
