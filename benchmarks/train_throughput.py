@@ -3,6 +3,16 @@
 GPU (the point of it): python benchmarks/train_throughput.py            Llama-3.1-8B-shaped draft, bf16, T=2048
 CPU smoke test:        python benchmarks/train_throughput.py --tiny     small shapes, checks the script runs
 
+Modes (--mode):
+  fixed  one batch of B x T tokens, every step the same (the numbers below).
+  real   variable-length batches drawn from a real length distribution (benchmarks/data/gsm8k_lengths.json:
+         GSM8K conversations under the embedded target's template; --lengths for another JSON list): ours packs
+         them into rows of --row-tokens tokens (train.batching 'packed', what the trainer does on CUDA),
+         SpecForge gets batches of whole sequences padded to their longest, as its collator does, with as many
+         sequences per batch as fill our rows on average. tok/s counts real tokens only, for both.
+  long   one sequence of each of --long-lengths tokens (8K, 16K, 32K): tok/s and peak memory.
+--repeats R runs each variant R times (fresh weights and compile caches kept) and prints the median, min and max.
+
 One measured step = TTT forward (ttt_length steps) + backward + grad clipping + AdamW step, on one batch of
 B x T tokens with random weights and random features (aux [B, T, 3H], target final hidden [B, T, H], target
 lm_head [V, H]), loss mask all ones. Prints tokens/s, MFU, peak memory per variant and the ratio of ours to
@@ -23,6 +33,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
+import json
+import statistics
 import sys
 import time
 import traceback
@@ -54,13 +67,15 @@ class Result:
     error: str = ""
 
 
-def flops_per_token(s: dict, K: int) -> float:
-    """Model FLOPs of one training step per token (module docstring)."""
+def flops_per_token(s: dict, K: int, context: float | None = None) -> float:
+    """Model FLOPs of one training step per token (module docstring); context: mean causal keys per token
+    ((T + 1) / 2 for one sequence of T; sum n(n+1)/2 / sum n for documents of lengths n)."""
     H, nh, nkv, hd, I, N, T = (s[k] for k in ("H", "nh", "nkv", "hd", "I", "N", "T"))
     dense = 2 * (2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I + H * N)
+    context = (T + 1) / 2 if context is None else context
     total = 0.0
     for k in range(K):
-        total += 3 * (dense + 4 * nh * hd * ((T + 1) / 2 + k))
+        total += 3 * (dense + 4 * nh * hd * (context + k))
     return total + 2 * 3 * H * H * 2 + 2 * H * N
 
 
@@ -98,25 +113,80 @@ def make_draft(s: dict, inp: dict, device: torch.device) -> Eagle3Draft:
 
 
 def timed(step, device: torch.device, warmup: int, iters: int) -> tuple[float, float, float]:
-    """(seconds per step, peak GiB, last loss) of `step()` after `warmup` untimed calls."""
+    """(real tokens per second, peak GiB, last loss) of `step()` (which returns (loss, real tokens)) after
+    `warmup` untimed calls."""
     loss = None
     for _ in range(warmup):
-        loss = step()
+        loss, _ = step()
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
+    t0, tokens = time.perf_counter(), 0
     for _ in range(iters):
-        loss = step()
+        loss, n = step()
+        tokens += n
     if device.type == "cuda":
         torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / iters
+    tok_s = tokens / (time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else float("nan")
-    return dt, peak, float(loss)
+    return tok_s, peak, float(loss)
+
+
+def packed_row(s: dict, lengths: list[int], row_len: int, device: torch.device, g: torch.Generator,
+               lm_head: torch.Tensor) -> dict:
+    """A packed row (eagle3_core.packing's layout: doc ids, per-document positions) of random features holding
+    documents of `lengths` (sum <= row_len); loss mask from 30% into each document (the prompt before it)."""
+    doc = torch.full((1, row_len), -1, dtype=torch.long)
+    position = torch.zeros(1, row_len, dtype=torch.long)
+    mask = torch.zeros(1, row_len, dtype=torch.bool)
+    at = 0
+    for d, n in enumerate(lengths):
+        doc[0, at:at + n], position[0, at:at + n] = d, torch.arange(n)
+        mask[0, at + int(0.3 * n):at + n] = True
+        at += n
+    return {**_features(s, 1, row_len, device, g, lm_head), "loss_mask": mask.to(device), "doc": doc.to(device),
+            "position": position.to(device), "tokens": at}
+
+
+def padded_batch(s: dict, lengths: list[int], device: torch.device, g: torch.Generator, lm_head: torch.Tensor) -> dict:
+    """Sequences of `lengths` padded to the longest (SpecForge's collator): attention_mask 0 on padding, loss mask
+    from 30% into each sequence."""
+    B, T = len(lengths), max(lengths)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        attn[b, :n] = 1
+        mask[b, int(0.3 * n):n] = True
+    return {**_features(s, B, T, device, g, lm_head), "loss_mask": mask.to(device),
+            "attention_mask": attn.to(device), "tokens": sum(lengths)}
+
+
+def _features(s: dict, B: int, T: int, device: torch.device, g: torch.Generator, lm_head: torch.Tensor) -> dict:
+    """Random token ids, aux [B, T, 3H] and final [B, T, H] bf16 on `device`, and the target's argmax of final."""
+    H = s["H"]
+    final = torch.randn(B, T, H, generator=g).to(device, torch.bfloat16)
+    top1 = torch.cat([(final[b].float() @ lm_head.T).argmax(-1)[None] for b in range(B)])
+    return {"input_ids": torch.randint(0, s["V"], (B, T), generator=g).to(device),
+            "aux": torch.randn(B, T, 3 * H, generator=g).to(device, torch.bfloat16), "final": final,
+            "target_top1": top1}
+
+
+def real_batches(s: dict, lengths: list[int], row_len: int, n: int, device, lm_head, seed: int = 0):
+    """n packed rows for ours and n padded batches for SpecForge drawn from `lengths` (a real distribution),
+    SpecForge's batches holding as many sequences as our rows do on average. Returns (ours, theirs, per_batch)."""
+    from eagle3_core.packing import pack_rows
+    rng = torch.Generator().manual_seed(seed)
+    draw = [min(lengths[int(i)], row_len) for i in torch.randint(0, len(lengths), (n * row_len,), generator=rng)]
+    rows = pack_rows([(i, 0, m) for i, m in enumerate(draw)], row_len, seed)[:n]
+    ours = [packed_row(s, [m for _, _, m in r], row_len, device, rng, lm_head) for r in rows]
+    per_batch = max(1, round(sum(len(r) for r in rows) / len(rows)))
+    theirs = [padded_batch(s, draw[j * per_batch:(j + 1) * per_batch], device, rng, lm_head) for j in range(n)]
+    return ours, theirs, per_batch
 
 
 def ours_step_fn(s: dict, inp: dict, device: torch.device, K: int, attention: str, compile_: bool,
-                 fast: bool = True):
+                 fast: bool = True, batches: list[dict] | None = None):
+    """A training step of ours: on the fixed batch of `inp`, or cycling through `batches` (packed rows)."""
     draft = make_draft(s, inp, device).set_attention(attention)
     loss_fn = ttt_loss if fast else reference_ttt_loss
     if compile_:
@@ -124,22 +194,28 @@ def ours_step_fn(s: dict, inp: dict, device: torch.device, K: int, attention: st
     head_draft = inp["lm_head"][inp["vocab"]]                                  # [N, H_t] fp32
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
-    batch = {k: inp[k] for k in ("input_ids", "loss_mask", "aux", "final", "target_top1")}
+    keys = ("input_ids", "loss_mask", "aux", "final", "target_top1", "doc", "position")
+    if batches is None:
+        batches = [{**inp, "tokens": inp["input_ids"].numel()}]
     if device.type != "cuda":                                              # fp32 on CPU, as the trainer does
-        batch = {k: v.float() if v.is_floating_point() else v for k, v in batch.items()}
+        batches = [{k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in b.items()}
+                   for b in batches]
+    it = itertools.cycle(batches)
 
     def step():
+        b = next(it)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, _ = loss_fn(draft, batch, head_draft, K, 0.8)
+            loss, _ = loss_fn(draft, {k: b[k] for k in keys if k in b}, head_draft, K, 0.8)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss.detach(), b["tokens"]
     return step
 
 
-def specforge_step_fn(s: dict, inp: dict, device: torch.device, K: int, backend: str):
+def specforge_step_fn(s: dict, inp: dict, device: torch.device, K: int, backend: str,
+                      batches: list[dict] | None = None):
     """SpecForge 0.2.0: OnlineEagle3Model around LlamaForCausalLMEagle3 (built from its config: under
     transformers 5.x from_pretrained leaves its rotary caches uninitialised), bf16 weights with its
     BF16Optimizer (fp32 master weights, AdamW, clip 0.5), loss sum_k 0.8**k ploss_k as SpecForge's trainer."""
@@ -167,26 +243,31 @@ def specforge_step_fn(s: dict, inp: dict, device: torch.device, K: int, backend:
     opt = BF16Optimizer(model, lr=1e-4, max_grad_norm=0.5, total_steps=1000)
     opt.configure_grad_norm_reduction(enabled=False)
     lm_head = inp["lm_head"].to(torch.bfloat16)
+    if batches is None:
+        batches = [{**inp, "attention_mask": torch.ones_like(inp["input_ids"]), "tokens": inp["input_ids"].numel()}]
+    it = itertools.cycle(batches)
 
     def step():
-        plosses, *_ = wrapper(input_ids=inp["input_ids"], attention_mask=torch.ones_like(inp["input_ids"]),
-                              target=None, loss_mask=inp["loss_mask"][..., None].long(), hidden_states=inp["aux"],
-                              target_hidden_for_compact=inp["final"], target_head_weight=lm_head)
+        b = next(it)
+        plosses, *_ = wrapper(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                              target=None, loss_mask=b["loss_mask"][..., None].long(), hidden_states=b["aux"],
+                              target_hidden_for_compact=b["final"], target_head_weight=lm_head)
         loss = sum(0.8 ** i * pl for i, pl in enumerate(plosses))
         loss.backward()
         opt.step()
-        return loss.detach()
+        return loss.detach(), b["tokens"]
     return step
 
 
-def measure(name: str, make_step, s: dict, B: int, K: int, device, warmup: int, iters: int, peak_tflops: float):
+def measure(name: str, make_step, s: dict, K: int, device, warmup: int, iters: int, peak_tflops: float,
+            context: float | None = None):
+    """One variant's Result; context: mean causal keys per real token (flops_per_token)."""
     res = Result(name)
     try:
         step = make_step()
-        dt, peak, loss = timed(step, device, warmup, iters)
-        tok_s = B * s["T"] / dt
+        tok_s, peak, loss = timed(step, device, warmup, iters)
         res.tok_s, res.peak_gib, res.loss = tok_s, peak, loss
-        res.mfu = tok_s * flops_per_token(s, K) / (peak_tflops * 1e12)
+        res.mfu = tok_s * flops_per_token(s, K, context) / (peak_tflops * 1e12)
     except Exception as e:  # noqa: BLE001 (a benchmark: report the failure, go on with the other variants)
         res.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         traceback.print_exc(limit=4)
@@ -243,12 +324,50 @@ def profile(make_step, device: torch.device, rows: int = 20) -> None:
     print(p.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
 
 
+def packed_check(s: dict, device: torch.device, K: int) -> None:
+    """Loss and gradients of a packed row (three documents): merged_flex (or merged_math on CPU) against eager."""
+    small = {**s, "T": 256}
+    inp = make_inputs(small, 1, device, seed=2)
+    row = packed_row(small, [100, 80, 60], 256, device, torch.Generator().manual_seed(3), inp["lm_head"])
+    row = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in row.items()}
+    impl = "merged_flex" if device.type == "cuda" else "merged_math"
+    out = {}
+    for attn in ("eager", impl):
+        d = make_draft(small, inp, device).set_attention(attn)
+        loss, _ = ttt_loss(d, {k: v for k, v in row.items() if k != "tokens"}, inp["lm_head"][inp["vocab"]], K)
+        loss.backward()
+        out[attn] = (loss.item(), torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None]))
+    (la, ga), (lb, gb) = out["eager"], out[impl]
+    print(f"check packed row (documents 100, 80, 60 in 256, fp32): loss eager {la:.6f}, {impl} {lb:.6f}; "
+          f"gradient max rel diff {((ga - gb).abs().max() / ga.abs().max()).item():.2e}")
+
+
+def summary_row(name: str, runs: list[Result]) -> Result:
+    """The median run (by tok/s) of `runs`, named with min and max; a failure if every run failed."""
+    ok = sorted((r for r in runs if not r.error), key=lambda r: r.tok_s)
+    if not ok:
+        return runs[0]
+    med = ok[len(ok) // 2] if len(ok) % 2 else Result(name, statistics.median(r.tok_s for r in ok),
+                                                      statistics.median(r.mfu for r in ok),
+                                                      max(r.peak_gib for r in ok), ok[0].loss)
+    spread = f" [min {ok[0].tok_s:,.0f}, max {ok[-1].tok_s:,.0f}, {len(ok)} runs]" if len(ok) > 1 else ""
+    return Result(name + spread, med.tok_s, med.mfu, med.peak_gib, med.loss)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="small shapes on CPU (smoke test of this script)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    ap.add_argument("--batch", type=int, default=1, help="sequences per step (B)")
-    ap.add_argument("--seq", type=int, default=None, help="sequence length T (default 2048; --tiny 64)")
+    ap.add_argument("--mode", choices=("fixed", "real", "long"), default="fixed", help="see the module docstring")
+    ap.add_argument("--batch", type=int, default=1, help="fixed: sequences per step (B)")
+    ap.add_argument("--seq", type=int, default=None, help="fixed: sequence length T (default 2048; --tiny 64)")
+    ap.add_argument("--row-tokens", type=int, default=None, help="real: tokens per packed row (default 8192; "
+                                                                 "--tiny 256)")
+    ap.add_argument("--lengths", default=str(Path(__file__).with_name("data") / "gsm8k_lengths.json"),
+                    help="real: JSON with a 'lengths' list (or a bare list) of sample token lengths")
+    ap.add_argument("--long-lengths", default=None, help="long: comma-separated sequence lengths (default "
+                                                         "8192,16384,32768; --tiny 128,256)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each variant: median, min and max printed")
     ap.add_argument("--ttt", type=int, default=7, help="TTT steps K")
     ap.add_argument("--iters", type=int, default=None, help="timed steps (default 10; --tiny 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")
@@ -258,12 +377,13 @@ def main() -> None:
                          "merged_flex on CUDA; merged_math on CPU, where flex has no backward)")
     ap.add_argument("--compile", default="off,on", help="our variants without/with torch.compile: off,on")
     ap.add_argument("--step", default="old,new",
-                    help="our TTT step paths: new (ttt.ttt_loss: RoPE and weight casts once per batch, fused loss "
-                         "from teacher logits) and/or old (the former step, tests/reference_paths.py; both with "
-                         "the attention merge compiled on CUDA)")
+                    help="fixed: our TTT step paths: new (ttt.ttt_loss: RoPE and weight casts once per batch, fused "
+                         "loss from teacher logits) and/or old (the former step, tests/reference_paths.py; both "
+                         "with the attention merge compiled on CUDA); real and long: new only")
     ap.add_argument("--specforge", default="flex_attention",
                     help="SpecForge attention backends to measure, comma-separated ('' for none)")
-    ap.add_argument("--check", action="store_true", help="first compare merged_flex with eager (loss, grads)")
+    ap.add_argument("--check", action="store_true", help="first compare merged_flex with eager (loss, grads), "
+                                                         "also on a packed row")
     ap.add_argument("--profile", default="", help="profile one step of this variant, e.g. "
                                                   "ours:merged_flex:on:new or specforge:flex_attention")
     args = ap.parse_args()
@@ -275,38 +395,70 @@ def main() -> None:
     iters = args.iters or (2 if args.tiny else 10)
     warmup = args.warmup or (1 if args.tiny else 3)
     B, K = args.batch, args.ttt
-    print(f"shapes {s}, B {B}, TTT {K}, device {device} "
+    print(f"mode {args.mode}, shapes {s}, TTT {K}, device {device} "
           f"({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch {torch.__version__}")
-    print(f"model FLOPs per token per training step: {flops_per_token(s, K) / 1e9:.2f} GFLOP "
-          f"(formula in the module docstring); peak {args.peak_tflops:.0f} TFLOP/s")
     inp = make_inputs(s, B, device)
     if args.check:
-        try:
-            check_equivalence(s, device, K)
-        except Exception:  # noqa: BLE001 (report and go on to the timings)
-            traceback.print_exc(limit=4)
+        for check in (check_equivalence, packed_check):
+            try:
+                check(s, device, K)
+            except Exception:  # noqa: BLE001 (report and go on to the timings)
+                traceback.print_exc(limit=4)
+        torch._dynamo.reset()            # the checks' shapes and dtypes must not use up the timed runs' recompiles
+    attentions = list(filter(None, (args.attention or ("merged_flex" if device.type == "cuda"
+                                                       else "merged_math")).split(",")))
+    compiles = list(filter(None, args.compile.split(",")))
+    backends = list(filter(None, args.specforge.split(",")))
+    if args.mode == "fixed":
+        print(f"B {B}, T {s['T']}; model FLOPs per token per training step: {flops_per_token(s, K) / 1e9:.2f} GFLOP "
+              f"(formula in the module docstring); peak {args.peak_tflops:.0f} TFLOP/s")
+        cases = [("", s, None, None, None)]
+    elif args.mode == "real":
+        row = args.row_tokens or (256 if args.tiny else 8192)
+        data = json.loads(Path(args.lengths).read_text())
+        lengths = data["lengths"] if isinstance(data, dict) else data
+        ours_b, theirs_b, per = real_batches(s, lengths, row, 4, device, inp["lm_head"])
+        docs = [n for r in ours_b for n in torch.bincount(r["doc"][r["doc"] >= 0]).tolist()]
+        ctx = sum(n * (n + 1) / 2 for n in docs) / sum(docs)
+        fill = sum(r["tokens"] for r in ours_b) / (row * len(ours_b))
+        pad = sum(b["tokens"] for b in theirs_b) / sum(b["input_ids"].numel() for b in theirs_b)
+        print(f"{len(lengths)} real lengths ({Path(args.lengths).name}: mean {statistics.mean(lengths):.0f}, max "
+              f"{max(lengths)}); ours: rows of {row} tokens, {fill:.1%} real; SpecForge: {per} sequences per batch "
+              f"padded to the longest, {pad:.1%} real; tok/s counts real tokens")
+        cases = [("", s, ours_b, theirs_b, ctx)]
+    else:
+        lens = [int(x) for x in (args.long_lengths or ("128,256" if args.tiny else "8192,16384,32768")).split(",")]
+        cases = []
+        for T in lens:
+            sT = {**s, "T": T}
+            g = torch.Generator().manual_seed(T)
+            cases.append((f"T={T}:", sT, [packed_row(sT, [T], T, device, g, inp["lm_head"])],
+                          [padded_batch(sT, [T], device, g, inp["lm_head"])], None))
+    steps = list(filter(None, args.step.split(","))) if args.mode == "fixed" else ["new"]
 
     variants = []
-    attentions = args.attention or ("merged_flex" if device.type == "cuda" else "merged_math")
-    for attn in filter(None, attentions.split(",")):
-        for c in filter(None, args.compile.split(",")):
-            for st in filter(None, args.step.split(",")):
-                variants.append((f"ours:{attn}:{c}:{st}", lambda a=attn, c=c, st=st: ours_step_fn(
-                    s, inp, device, K, a, c == "on", st == "new")))
-    for backend in filter(None, args.specforge.split(",")):
-        variants.append((f"specforge:{backend}", lambda b=backend: specforge_step_fn(s, inp, device, K, b)))
+    for prefix, sc, ours_b, theirs_b, ctx in cases:
+        for attn in attentions:
+            for c in compiles:
+                for st in steps:
+                    variants.append((f"{prefix}ours:{attn}:{c}:{st}", sc, ctx, lambda a=attn, c=c, st=st, sc=sc,
+                                     ob=ours_b: ours_step_fn(sc, inp, device, K, a, c == "on", st == "new", ob)))
+        for backend in backends:
+            variants.append((f"{prefix}specforge:{backend}", sc, ctx, lambda b=backend, sc=sc, tb=theirs_b:
+                             specforge_step_fn(sc, inp, device, K, b, tb)))
 
     if args.profile:
-        make = dict(variants).get(args.profile)
+        make = {n: m for n, _, _, m in variants}.get(args.profile)
         if make is None:
-            print(f"--profile {args.profile!r}: not one of {[n for n, _ in variants]}")
+            print(f"--profile {args.profile!r}: not one of {[n for n, _, _, _ in variants]}")
         else:
             try:
                 profile(make, device)
             except Exception:  # noqa: BLE001 (report and go on to the timings)
                 traceback.print_exc(limit=4)
 
-    results = [measure(name, make, s, B, K, device, warmup, iters, args.peak_tflops) for name, make in variants]
+    results = [summary_row(name, [measure(name, make, sc, K, device, warmup, iters, args.peak_tflops, ctx)
+                                  for _ in range(args.repeats)]) for name, sc, ctx, make in variants]
 
     print("\n| variant | tok/s | MFU | peak GiB | loss |\n|---|---|---|---|---|")
     for r in results:
@@ -314,19 +466,22 @@ def main() -> None:
             print(f"| {r.name} | failed: {r.error[:120]} | | | |")
         else:
             print(f"| {r.name} | {r.tok_s:,.0f} | {r.mfu:.1%} | {r.peak_gib:.1f} | {r.loss:.4f} |")
-    by_name = {r.name: r for r in results if not r.error}
-    for r in results:
-        old = by_name.get(r.name[:-len(":new")] + ":old") if r.name.endswith(":new") else None
-        if old and r.name in by_name:
-            print(f"{r.name} / {old.name}: {r.tok_s / old.tok_s:.2f}x")
-    ours = [r for r in results if r.name.startswith("ours") and not r.error]
-    theirs = [r for r in results if r.name.startswith("specforge") and not r.error]
-    if ours and theirs:
-        a, b = max(ours, key=lambda r: r.tok_s), max(theirs, key=lambda r: r.tok_s)
-        print(f"\nbest ours {a.name} {a.tok_s:,.0f} tok/s / best SpecForge {b.name} {b.tok_s:,.0f} tok/s = "
-              f"{a.tok_s / b.tok_s:.2f}x (goal >= 1.5x)")
-    elif ours:
-        print("\nno SpecForge measurement succeeded: ratio not available (errors above)")
+    for prefix, *_ in cases:
+        ok = [r for r in results if not r.error and r.name.startswith(prefix)]
+        by_name = {r.name.split(" [")[0]: r for r in ok}
+        for r in ok:
+            base = r.name.split(" [")[0]
+            old = by_name.get(base[:-len(":new")] + ":old") if base.endswith(":new") else None
+            if old:
+                print(f"{base} / {old.name.split(' [')[0]}: {r.tok_s / old.tok_s:.2f}x")
+        ours = [r for r in ok if r.name[len(prefix):].startswith("ours")]
+        theirs = [r for r in ok if r.name[len(prefix):].startswith("specforge")]
+        if ours and theirs:
+            a, b = max(ours, key=lambda r: r.tok_s), max(theirs, key=lambda r: r.tok_s)
+            print(f"{prefix or args.mode}: best ours {a.name.split(' [')[0]} {a.tok_s:,.0f} tok/s / best SpecForge "
+                  f"{b.name.split(' [')[0]} {b.tok_s:,.0f} tok/s = {a.tok_s / b.tok_s:.2f}x (goal >= 1.5x)")
+        elif ours:
+            print(f"{prefix or args.mode}: no SpecForge measurement succeeded: ratio not available (errors above)")
 
 
 if __name__ == "__main__":

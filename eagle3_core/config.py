@@ -213,6 +213,14 @@ class TrainConfig(StrictModel):
     attention: Literal["auto", "eager", "merged_math", "merged_flex"] = Field(
         "auto", description="TTT attention implementation; 'auto': merged_flex on CUDA, eager on CPU (same results)")
     compile: bool = Field(False, description="torch.compile the draft's dense parts and the loss (GPU)")
+    batching: Literal["auto", "packed", "padded"] = Field(
+        "auto", description="'packed': samples (long ones cut into windows) packed into rows of batch_tokens "
+        "tokens, one shape for every batch (eagle3_core.packing); 'padded': length-bucketed batches padded to "
+        "their longest sample; 'auto': packed on CUDA (compiled kernels see one shape), padded on CPU")
+    window_context: int | None = Field(None, ge=1, description="packed: tokens of its own sample a window of a "
+                                       "sample longer than batch_tokens carries before its first trained token "
+                                       "(>= ttt_length + 1, < batch_tokens); None: min(1024, batch_tokens // 4), "
+                                       "at least ttt_length + 1")
     init_from: str | None = Field(None, description="warm start: an EAGLE-3 draft directory in SGLang's format "
                                   "(ours, SpecForge's, a public one) or an earlier run directory (its draft/export); "
                                   "None: a fresh draft (eagle3_core.warm_start)")
@@ -220,6 +228,20 @@ class TrainConfig(StrictModel):
         "keep", description="with init_from: 'keep' the draft's d2t/t2d (the vocab stage reuses them; "
         "draft.draft_vocab_size must equal its N) or 'rebuild' the map from this run's data (lm_head rows are then "
         "carried by target token id)")
+
+    def context_tokens(self) -> int:
+        """The window context in effect (window_context, or its default; eagle3_core.packing.windows)."""
+        if self.window_context is not None:
+            return self.window_context
+        return max(self.ttt_length + 1, min(1024, self.batch_tokens // 4))
+
+    @model_validator(mode="after")
+    def _windows_progress(self):
+        if self.batching != "padded" and not self.ttt_length + 1 <= self.context_tokens() < self.batch_tokens:
+            raise ValueError(f"train.window_context {self.context_tokens()} must be at least ttt_length + 1 = "
+                             f"{self.ttt_length + 1} (a window's first trained token is predicted from inside it) "
+                             f"and below batch_tokens {self.batch_tokens}; set train.window_context in between")
+        return self
 
 
 class EvalConfig(StrictModel):

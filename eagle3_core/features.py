@@ -28,24 +28,11 @@ from safetensors.torch import save_file
 from . import feature_formats as ff
 from .extract import HFExtractor, HostCopy
 from .manifest import file_intact, file_stamp, read_manifest, sha256_json, write_manifest
+from .packing import batches_by_tokens
 from .shard_plan import plan_ranges
 from .shard_writer import ShardWriter
 
 STORE_VERSION = 2
-
-
-def batches_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices grouped so that (batch size x longest sequence) stays within `budget` tokens; length-sorted."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[i] > budget:              # ascending: i is the longest so far
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
 
 
 # ---- verification -------------------------------------------------------------------------------------------

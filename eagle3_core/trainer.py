@@ -16,7 +16,9 @@ history and RNG states (rank 0's), and a fingerprint of the data and the global 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import math
 import random
@@ -36,8 +38,9 @@ from .checkpoint import (
 from .config import TrainConfig
 from .distributed.data_parallel import DataParallel
 from .draft_model import DraftShape, Eagle3Draft
-from .features import batches_by_tokens
+from .packing import batches_by_tokens, collate_packed, compiled, compiled_training, pack_rows, sample_pieces
 from .ttt import collate, summarize, ttt_loss
+from .ttt_attention import COMPILE
 
 
 def build_draft(shape: DraftShape, embed_tokens: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
@@ -58,8 +61,8 @@ def compile_for_training(draft: Eagle3Draft) -> Eagle3Draft:
     """torch.compile the parts of a TTT step that are the same graph at every step (dense layers before and after
     attention); attention (flex compiles its own kernel) and the step loop stay eager. State-dict names are
     unchanged (bound methods are replaced, modules are not wrapped)."""
-    draft.attention_inputs = torch.compile(draft.attention_inputs, dynamic=None)
-    draft.attention_outputs = torch.compile(draft.attention_outputs, dynamic=None)
+    draft.attention_inputs = torch.compile(draft.attention_inputs, dynamic=None, backend=COMPILE["backend"])
+    draft.attention_outputs = torch.compile(draft.attention_outputs, dynamic=None, backend=COMPILE["backend"])
     return draft
 
 
@@ -71,18 +74,41 @@ def lr_lambda(step: int, total: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def epoch_batches(samples: list[dict], cfg: TrainConfig, epoch: int) -> list[list[int]]:
-    """Epoch `epoch`'s batches: lists of sample indices, length-bucketed under cfg.batch_tokens tokens each, in an
-    order seeded by (cfg.seed, epoch); the same on every rank and every run (resume relies on it)."""
-    batches = batches_by_tokens([len(s["input_ids"]) for s in samples], cfg.batch_tokens)
+def packed(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether batches are packed rows (cfg.batching; 'auto': on CUDA)."""
+    return cfg.batching == "packed" or (cfg.batching == "auto" and device.type == "cuda")
+
+
+def epoch_batches(samples: list[dict], cfg: TrainConfig, epoch: int, pack: bool = False) -> list[list]:
+    """Epoch `epoch`'s batches in an order seeded by (cfg.seed, epoch); the same on every rank and every run
+    (resume relies on it). Padded: lists of sample indices, length-bucketed under cfg.batch_tokens tokens each.
+    pack: rows of cfg.batch_tokens tokens, each a list of windows (sample index, a, b, c) (eagle3_core.packing)."""
+    lengths = [len(s["input_ids"]) for s in samples]
+    if pack:
+        pieces = sample_pieces(lengths, cfg.batch_tokens, cfg.context_tokens())
+        return pack_rows(pieces, cfg.batch_tokens, cfg.seed * 1000 + epoch)
+    batches = batches_by_tokens(lengths, cfg.batch_tokens)
     random.Random(cfg.seed * 1000 + epoch).shuffle(batches)
     return batches
 
 
-def _data_fingerprint(samples: list[dict], cfg: TrainConfig, global_accum: int) -> str:
+def make_batch(samples: list[dict], item: list, cfg: TrainConfig, pack: bool) -> dict:
+    """The tensors of one epoch_batches item on the host (ttt.collate or packing.collate_packed)."""
+    return collate_packed(samples, item, cfg.batch_tokens) if pack else collate([samples[i] for i in item])
+
+
+def item_ids(samples: list[dict], item: list, pack: bool) -> list:
+    """Sample ids of one epoch_batches item (error messages)."""
+    return [samples[p[0] if pack else p]["id"] for p in item]
+
+
+def _data_fingerprint(samples: list[dict], cfg: TrainConfig, global_accum: int, pack: bool = False) -> str:
     """Identifies the batch orders and step groups a checkpoint's position refers to: sample ids and lengths,
-    budget, seed, and batches per optimizer step (W*G: the same for 2 ranks x 1 as for 1 process x 2)."""
+    budget, seed, batches per optimizer step (W*G: the same for 2 ranks x 1 as for 1 process x 2), and for packed
+    rows the window context."""
     key = [[s["id"], len(s["input_ids"])] for s in samples] + [cfg.batch_tokens, cfg.seed, global_accum]
+    if pack:
+        key += ["packed", cfg.context_tokens()]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
 
@@ -116,19 +142,30 @@ class TTTLoss(nn.Module):
         return ttt_loss(self.draft, batch, self.head_draft, self.cfg.ttt_length, self.cfg.step_weight)
 
 
-@torch.no_grad()
 def evaluate_ttt(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tensor, cfg: TrainConfig,
                  dp: DataParallel | None = None) -> dict:
     """TTT metrics over `samples` without gradients: ttt.summarize's {'acc', 'cond_acc', 'loss'} (K floats each)
     and 'tau_sim'. head_draft [N, H_t] on the draft's device. With `dp` (W ranks, every rank calling) the batches
-    are split round-robin over the ranks and the sums added over them; default: one process, every batch."""
-    dp = dp or DataParallel()
+    are split round-robin over the ranks and the sums added over them; default: one process, every batch. Where
+    kernels are compiled (CUDA) it runs in grad mode without a backward, so that it reuses the training graphs:
+    dynamo guards on grad mode, and a second set of graphs would double the compile time (the first epoch of
+    benchmarks/train_loop_real_lengths.py on an H200 took 76 s more than the next, eval graphs included)."""
+    with torch.set_grad_enabled(compiled(head_draft.device)):   # compiled: the training graphs (no 2nd compile)
+        return _evaluate(draft, samples, head_draft, cfg, dp or DataParallel())
+
+
+def _evaluate(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tensor, cfg: TrainConfig,
+              dp: DataParallel) -> dict:
     draft.eval()
     device = head_draft.device
+    pack = packed(cfg, device)
+    items = (pack_rows(sample_pieces([len(s["input_ids"]) for s in samples], cfg.batch_tokens, cfg.context_tokens()),
+                       cfg.batch_tokens, cfg.seed) if pack else
+             batches_by_tokens([len(s["input_ids"]) for s in samples], cfg.batch_tokens))
     total = None
-    for batch in dp.shard(batches_by_tokens([len(s["input_ids"]) for s in samples], cfg.batch_tokens)):
+    for item in dp.shard(items):
         with _autocast(device):
-            _, stats = ttt_loss(draft, _to(collate([samples[i] for i in batch]), device), head_draft,
+            _, stats = ttt_loss(draft, _to(make_batch(samples, item, cfg, pack), device), head_draft,
                                 cfg.ttt_length, cfg.step_weight)
         stats["loss"] = stats["loss"] * stats["n"]          # weight batch means by their counts
         total = stats if total is None else {k: total[k] + stats[k] for k in stats}
@@ -167,6 +204,21 @@ def restore_training_state(state: dict, draft, opt, sched, device: torch.device)
             json.loads(state["history"]))
 
 
+def _in_compile_scope(fn):
+    """Run train() inside packing.compiled_training (its compile policy, restored on return or error)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        cfg, log = bound.arguments["cfg"], bound.arguments["log"]
+        device = resolve_device(cfg)
+        quiet = not DataParallel.from_process_group().is_main
+        with compiled_training(cfg, device, packed(cfg, device), (lambda s: None) if quiet else log):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+@_in_compile_scope
 def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict], target_lm_head: torch.Tensor,
           cfg: TrainConfig, out_dir: Path, log=print, stop_after_epochs: int | None = None,
           stop_after_steps: int | None = None, on_step=None, tensorboard: bool = True, on_epoch=None) -> dict:
@@ -189,6 +241,8 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
     that many epochs / optimizer steps (time-boxed runs, resume tests); calling again resumes. `on_step(step, loss)`
     runs on every rank after each optimizer step (loss: the step's mean micro-batch loss over all ranks);
     `on_epoch(epochs_done, epochs)` on rank 0 after each epoch (e.g. to move a progress bar).
+    Batches: packed rows (cfg.batching; 'auto' on CUDA) or padded ones (epoch_batches); where kernels are compiled,
+    the run is inside packing.compiled_training (packed: dynamo fails rather than run flex attention unfused).
     Returns {'best', 'history', 'steps', 'step_losses' (each optimizer step of this call, as for on_step), 'tokens'
     (real tokens trained on by this rank in this call), 'best_dir', 'last_dir'}.
     """
@@ -197,12 +251,13 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
     ranks = f" on {dp.world} ranks" if dp.world > 1 else ""
     out_dir, device = Path(out_dir), resolve_device(cfg)
     head_draft, opt = prepare_training(draft, target_lm_head, cfg, device)
+    pack = packed(cfg, device)
     params = [p for p in draft.parameters() if p.requires_grad]
     group_size = cfg.grad_accum * dp.world                      # batches per optimizer step, over all ranks
-    total_steps = math.ceil(len(epoch_batches(train_samples, cfg, 0)) / group_size) * cfg.epochs
+    total_steps = math.ceil(len(epoch_batches(train_samples, cfg, 0, pack)) / group_size) * cfg.epochs
     warmup = max(1, int(cfg.warmup_frac * total_steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, total_steps, warmup))
-    fingerprint = _data_fingerprint(train_samples, cfg, group_size)
+    fingerprint = _data_fingerprint(train_samples, cfg, group_size, pack)
 
     # --- resume: the newest complete checkpoint, or a fresh start
     state, path = load_latest_training_state(out_dir, say)
@@ -249,14 +304,14 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
     end_epoch = cfg.epochs if stop_after_epochs is None else min(cfg.epochs, epoch0 + stop_after_epochs)
     for epoch in range(epoch0, end_epoch):
         draft.train()
-        batches = epoch_batches(train_samples, cfg, epoch)
+        batches = epoch_batches(train_samples, cfg, epoch, pack)
         for g0 in range(batch0 if epoch == epoch0 else 0, len(batches), group_size):   # one optimizer step
             group = batches[g0:g0 + group_size]
             micro = dp.micro_batches(group, cfg.grad_accum)
             loss_sum = torch.zeros(2, dtype=torch.float64, device=device)      # [sum of micro-batch losses, count]
             for m, batch_ids in enumerate(micro):
                 real = batch_ids is not None                               # None: a zero-weight pad (W > 1)
-                batch = _to(collate([train_samples[i] for i in (batch_ids if real else group[0])]), device)
+                batch = _to(make_batch(train_samples, batch_ids if real else group[0], cfg, pack), device)
                 with dp.sync_gradients(model, last=m + 1 == len(micro)):   # all-reduce on the last one only
                     with _autocast(device):
                         loss, stats = model(batch)
@@ -264,7 +319,7 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                     if not dp.all_true(finite):                            # every rank stops at this step
                         where = (f"epoch {epoch}, step {step}, batch {g0 + dp.rank * cfg.grad_accum + m}"
                                  + (f", rank {dp.rank}" if dp.world > 1 else "")
-                                 + f" (samples {[train_samples[i]['id'] for i in batch_ids or []][:4]}...)")
+                                 + f" (samples {item_ids(train_samples, batch_ids or [], pack)[:4]}...)")
                         raise FloatingPointError(
                             f"non-finite loss {loss.item()} at {where}; lower train.lr or check the features of "
                             f"these samples" if not finite else

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .ttt_attention import COMPILE
+
 
 def shift_left(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
     """x[:, t] <- x[:, t + s] along dim 1, padded with `fill` at the end. x [B, T, ...]."""
@@ -73,12 +75,13 @@ _COMPILED_CE: dict = {}
 
 
 def _ce_kernels(cuda: bool):
-    """The forward/backward bodies, each compiled into a few fused reductions on CUDA (eager elsewhere)."""
-    if not cuda:
+    """The forward/backward bodies, each compiled into a few fused reductions on CUDA (eager elsewhere, unless
+    ttt_attention.COMPILE['everywhere'], tests)."""
+    if not (cuda or COMPILE["everywhere"]):
         return _ce_from_teacher_logits, _ce_from_teacher_logits_grad
     if not _COMPILED_CE:
-        _COMPILED_CE["fwd"] = torch.compile(_ce_from_teacher_logits, dynamic=None)
-        _COMPILED_CE["bwd"] = torch.compile(_ce_from_teacher_logits_grad, dynamic=None)
+        _COMPILED_CE["fwd"] = torch.compile(_ce_from_teacher_logits, dynamic=None, backend=COMPILE["backend"])
+        _COMPILED_CE["bwd"] = torch.compile(_ce_from_teacher_logits_grad, dynamic=None, backend=COMPILE["backend"])
     return _COMPILED_CE["fwd"], _COMPILED_CE["bwd"]
 
 
@@ -113,12 +116,20 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
     Loss = sum_k step_weight**k * loss_k, loss_k the soft cross-entropy against softmax(z_{t+1+k}[draft vocab])
     averaged over positions supervised at step k whose target argmax is in the draft vocab (module docstring).
     trim: skip the leading unsupervised region at steps >= 1 (same loss and metrics, less compute; trim_start).
+    Packed rows (eagle3_core.packing.collate_packed: 'doc' and 'position' in the batch) are never trimmed (one
+    shape per row); attention stays within a document, RoPE positions are the batch's, and a position is
+    supervised only where the token it predicts is in its own document.
     Returns (loss scalar, stats) where stats holds per-step tensors 'n' (supervised positions), 'correct',
     'chain' (positions right at every step so far) and 'loss'. Callers check finiteness.
     """
     ids, mask, top1 = batch["input_ids"], batch["loss_mask"], batch["target_top1"]
     B, T = ids.shape
-    positions = torch.arange(T, device=ids.device).expand(B, T)
+    doc = batch.get("doc")                                                 # packed rows: [B, T] document ids
+    if doc is not None:
+        positions, trim = batch["position"], False                         # one shape per row: never trimmed
+        same_doc = [shift_left(doc, 2 + k, -2) == doc for k in range(ttt_length)]  # target in t's document
+    else:
+        positions = torch.arange(T, device=ids.device).expand(B, T)
     in_vocab = draft.t2d[top1]                                             # [B, T] target argmax in draft vocab
     loss_dtype = _loss_dtype(batch["final"].dtype)
     with torch.no_grad():
@@ -127,7 +138,8 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
         z = torch.cat([z, z.new_zeros(B, ttt_length + 1, z.shape[-1])], dim=1)
         z_lse = z.to(loss_dtype).logsumexp(-1)                             # [B, T + K + 1] teacher row lse
     # RoPE tables and the bf16/fp16 casts of the step's matmul weights once per batch, not at every step
-    cos, sin = draft.rope(torch.arange(T + ttt_length, device=ids.device).expand(B, -1))   # [B, T + K, hd]
+    if doc is None:
+        cos, sin = draft.rope(torch.arange(T + ttt_length, device=ids.device).expand(B, -1))   # [B, T + K, hd]
     dt = torch.get_autocast_dtype(ids.device.type) if torch.is_autocast_enabled(ids.device.type) else None
     weights = draft.step_weights(dt) if dt is not None else None
     hidden = draft.fuse(batch["aux"])                                      # [B, T, H]
@@ -141,9 +153,12 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
         if k == 1 and start:
             hidden, chain = hidden[:, start:], chain[:, start:]
         tokens = shift_left(ids, 1 + k)[:, s0:]                            # x_{t+1+k}
+        rope = (cos[:, k + s0:k + T], sin[:, k + s0:k + T]) if doc is None else draft.rope(positions + k)
         hidden, logits = draft.step(tokens, hidden, (positions + k)[:, s0:], cache_k, cache_v,
-                                    rope=(cos[:, k + s0:k + T], sin[:, k + s0:k + T]), weights=weights)
+                                    rope=rope, weights=weights, doc=doc)
         m_step = supervised(mask, k)[:, s0:]                               # x_{t+2+k} is supervised
+        if doc is not None:
+            m_step = m_step & same_doc[k]                                  # ... and in the same document
         m_loss = m_step & shift_left(in_vocab, 1 + k, False)[:, s0:]
         weight = m_loss.to(loss_dtype) / m_loss.sum().clamp(min=1)         # mean over supervised positions
         loss_k = SoftCrossEntropyFromLogits.apply(logits, z[:, 1 + k + s0:1 + k + T],    # teacher z_{t+1+k}: views

