@@ -29,7 +29,7 @@ import torch
 
 from .ttt_attention import COMPILE
 
-OPEN_ROWS = 8          # rows being filled at once by pack_rows (denser with more; 8 gives > 95% on real lengths)
+OPEN_ROWS = 8          # rows filled at once by pack_rows (8: 8192-token rows of GSM8K lengths 99.9% full)
 
 
 def batches_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:

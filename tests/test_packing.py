@@ -204,3 +204,27 @@ def test_eval_reuses_the_training_graphs_and_the_compile_policy_is_restored(comp
     assert counts[0] > 0 and counts[1] == counts[0], counts
     assert any("dynamo fails past 32 graphs" in line for line in lines), lines   # max(limit, 2K + 2)
     assert torch._dynamo.config.recompile_limit == 32 and not torch._dynamo.config.fail_on_recompile_limit_hit
+
+
+def test_a_run_trained_before_packing_existed_stays_done(tmp_path):
+    """train_key leaves train.batching and train.window_context out while they are at their defaults: the key is
+    the one of the train settings as they were before (the 17 fields below), so a finished run is not retrained
+    after an upgrade; set either, and the key changes."""
+    import json
+
+    from eagle3_core.config import preset
+    from eagle3_core.pipeline.keys import stage_key
+    from eagle3_core.pipeline.train import train_key
+    before = ["epochs", "lr", "warmup_frac", "batch_tokens", "grad_accum", "grad_clip", "ttt_length", "step_weight",
+              "eval_frac", "seed", "checkpoint_every", "keep_checkpoints", "device", "attention", "compile",
+              "init_from", "init_vocab"]
+    for stage, key in (("features", "f"), ("vocab", "v")):
+        (tmp_path / stage).mkdir()
+        (tmp_path / stage / "manifest.json").write_text(json.dumps({"inputs_key": key}))
+    cfg = preset("demo", tmp_path)
+    old = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k in before}
+    assert len(old) == len(before) and train_key(cfg) == stage_key("f", "v", old, cfg.draft)
+    assert train_key(cfg.model_copy(update={"train": cfg.train.model_copy(update={"batching": "packed"})})) \
+        != train_key(cfg)
+    assert train_key(cfg.model_copy(update={"train": cfg.train.model_copy(update={"window_context": 64})})) \
+        != train_key(cfg)

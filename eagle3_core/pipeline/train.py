@@ -77,10 +77,14 @@ def claim_training_dir(out: Path, key: str) -> None:
 
 def train_key(cfg: PipelineConfig) -> str:
     """Inputs key of the training stage: features, vocab map, train and draft settings (any number of GPUs), and
-    the warm-start draft's weights (train.init_from)."""
+    the warm-start draft's weights (train.init_from). train.batching and train.window_context count only when set
+    away from their defaults, so that a run trained before they existed stays done."""
     from .vocab import init_key
+    new_defaults = {k for k in ("batching", "window_context")
+                    if getattr(cfg.train, k) == type(cfg.train).model_fields[k].default}
     return stage_key(upstream_manifest(cfg.run_dir, "features")["inputs_key"],
-                     upstream_manifest(cfg.run_dir, "vocab")["inputs_key"], cfg.train, cfg.draft,
+                     upstream_manifest(cfg.run_dir, "vocab")["inputs_key"],
+                     cfg.train.model_dump(mode="json", exclude=new_defaults), cfg.draft,
                      *([init_key(cfg)] if cfg.train.init_from is not None else []))
 
 
