@@ -14,7 +14,6 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-
 from .formats import RowReject
 
 HUMAN_EVAL = "human-eval"
