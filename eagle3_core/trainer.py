@@ -83,13 +83,19 @@ def epoch_batches(samples: list[dict], cfg: TrainConfig, epoch: int, pack: bool 
     """Epoch `epoch`'s batches in an order seeded by (cfg.seed, epoch); the same on every rank and every run
     (resume relies on it). Padded: lists of sample indices, length-bucketed under cfg.batch_tokens tokens each.
     pack: rows of cfg.batch_tokens tokens, each a list of windows (sample index, a, b, c) (eagle3_core.packing)."""
+    batches = batch_items(samples, cfg, pack, cfg.seed * 1000 + epoch)
+    if not pack:                                                # packed rows come out in a seeded order already
+        random.Random(cfg.seed * 1000 + epoch).shuffle(batches)
+    return batches
+
+
+def batch_items(samples: list[dict], cfg: TrainConfig, pack: bool, seed: int) -> list[list]:
+    """The batches of `samples` under cfg.batch_tokens, unshuffled: length-bucketed lists of sample indices, or
+    (pack) rows of windows packed in an order seeded by `seed`."""
     lengths = [len(s["input_ids"]) for s in samples]
     if pack:
-        pieces = sample_pieces(lengths, cfg.batch_tokens, cfg.context_tokens())
-        return pack_rows(pieces, cfg.batch_tokens, cfg.seed * 1000 + epoch)
-    batches = batches_by_tokens(lengths, cfg.batch_tokens)
-    random.Random(cfg.seed * 1000 + epoch).shuffle(batches)
-    return batches
+        return pack_rows(sample_pieces(lengths, cfg.batch_tokens, cfg.context_tokens()), cfg.batch_tokens, seed)
+    return batches_by_tokens(lengths, cfg.batch_tokens)
 
 
 def make_batch(samples: list[dict], item: list, cfg: TrainConfig, pack: bool) -> dict:
@@ -159,11 +165,8 @@ def _evaluate(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tensor,
     draft.eval()
     device = head_draft.device
     pack = packed(cfg, device)
-    items = (pack_rows(sample_pieces([len(s["input_ids"]) for s in samples], cfg.batch_tokens, cfg.context_tokens()),
-                       cfg.batch_tokens, cfg.seed) if pack else
-             batches_by_tokens([len(s["input_ids"]) for s in samples], cfg.batch_tokens))
     total = None
-    for item in dp.shard(items):
+    for item in dp.shard(batch_items(samples, cfg, pack, cfg.seed)):
         with _autocast(device):
             _, stats = ttt_loss(draft, _to(make_batch(samples, item, cfg, pack), device), head_draft,
                                 cfg.ttt_length, cfg.step_weight)
