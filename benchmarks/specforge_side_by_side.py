@@ -64,8 +64,9 @@ def import_specforge():
     return m.OnlineEagle3Model, LlamaForCausalLMEagle3, reference
 
 
-def specforge_draft(ours):
-    """SpecForge's LlamaForCausalLMEagle3 (sdpa) with our draft's shape and weights (same parameter names)."""
+def specforge_draft(ours, backend: str = "sdpa"):
+    """SpecForge's LlamaForCausalLMEagle3 (attention `backend`: 'sdpa', or 'flex_attention' on a GPU) with our
+    draft's shape and weights (same parameter names)."""
     from transformers.models.llama.configuration_llama import LlamaConfig
     _, LlamaForCausalLMEagle3, _ = import_specforge()
     sh = ours.shape
@@ -76,7 +77,7 @@ def specforge_draft(ours):
                        hidden_act="silu", rope_theta=sh.rope_theta, tie_word_embeddings=False, pretraining_tp=1)
     lcfg.draft_vocab_size = sh.draft_vocab_size
     lcfg.target_hidden_size = sh.target_hidden_size
-    model = LlamaForCausalLMEagle3(lcfg, attention_backend="sdpa")
+    model = LlamaForCausalLMEagle3(lcfg, attention_backend=backend)
     missing, unexpected = model.load_state_dict(ours.state_dict(), strict=False)
     assert not unexpected and all("rotary" in k or "inv_freq" in k for k in missing), (missing, unexpected)
     return model

@@ -51,7 +51,13 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batch-tokens", type=int, default=None, help="default 4608 (--tiny 256)")
     ap.add_argument("--lengths", default=str(Path(__file__).with_name("data") / "gsm8k_lengths.json"))
+    ap.add_argument("--kernels-only", action="store_true", help="compile only the kernels (flex attention, merge, "
+                    "loss) and run the TTT steps eagerly, as before packing.packed_ttt_loss (before/after runs)")
     args = ap.parse_args()
+    if args.kernels_only:
+        import eagle3_core.trainer as trainer_mod
+        from eagle3_core.ttt import ttt_loss
+        trainer_mod.packed_ttt_loss = ttt_loss
     H, N, V, nh, I = (64, 256, 512, 4, 128) if args.tiny else (576, 8192, 49152, 9, 1536)
     bt = args.batch_tokens or (256 if args.tiny else 4608)
     n = args.samples or (40 if args.tiny else 4000)
@@ -84,7 +90,8 @@ def main() -> None:
         dt = marks[e] - marks[e - 1]
         print(f"epoch {e}: {dt:.1f} s, {summary['history'][e - 1]['tokens'] / dt:,.0f} real tok/s (eval included)")
     stats = torch._dynamo.utils.counters["stats"]
-    print(f"dynamo: {stats['unique_graphs']} graphs compiled, frames {dict(torch._dynamo.utils.counters['frames'])}")
+    print(f"dynamo: {stats['unique_graphs']} graphs compiled, frames {dict(torch._dynamo.utils.counters['frames'])}"
+          f"{' (kernels only)' if args.kernels_only else ''}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from reference_paths import reference_ttt_loss  # noqa: E402
 
 from eagle3_core.draft_model import DraftShape, Eagle3Draft  # noqa: E402
 from eagle3_core.trainer import compile_for_training  # noqa: E402
+from eagle3_core.packing import packed_ttt_loss  # noqa: E402
 from eagle3_core.ttt import ttt_loss  # noqa: E402
 
 FULL = {"H": 4096, "nh": 32, "nkv": 8, "hd": 128, "I": 14336, "V": 128256, "N": 32000, "T": 2048}
@@ -185,10 +186,11 @@ def real_batches(s: dict, lengths: list[int], row_len: int, n: int, device, lm_h
 
 
 def ours_step_fn(s: dict, inp: dict, device: torch.device, K: int, attention: str, compile_: bool,
-                 fast: bool = True, batches: list[dict] | None = None):
-    """A training step of ours: on the fixed batch of `inp`, or cycling through `batches` (packed rows)."""
+                 fast: bool = True, batches: list[dict] | None = None, whole: bool = False):
+    """A training step of ours: on the fixed batch of `inp`, or cycling through `batches` (packed rows). whole:
+    packed rows through packing.packed_ttt_loss, the trainer's path (the whole TTT loss one compiled graph)."""
     draft = make_draft(s, inp, device).set_attention(attention)
-    loss_fn = ttt_loss if fast else reference_ttt_loss
+    loss_fn = packed_ttt_loss if whole else ttt_loss if fast else reference_ttt_loss
     if compile_:
         compile_for_training(draft)
     head_draft = inp["lm_head"][inp["vocab"]]                                  # [N, H_t] fp32
@@ -379,7 +381,9 @@ def main() -> None:
     ap.add_argument("--step", default="old,new",
                     help="fixed: our TTT step paths: new (ttt.ttt_loss: RoPE and weight casts once per batch, fused "
                          "loss from teacher logits) and/or old (the former step, tests/reference_paths.py; both "
-                         "with the attention merge compiled on CUDA); real and long: new only")
+                         "with the attention merge compiled on CUDA); real and long: new (kernels compiled, "
+                         "steps eager) and/or whole (packing.packed_ttt_loss, the trainer's path: the whole TTT "
+                         "loss one compiled graph)")
     ap.add_argument("--specforge", default="flex_attention",
                     help="SpecForge attention backends to measure, comma-separated ('' for none)")
     ap.add_argument("--check", action="store_true", help="first compare merged_flex with eager (loss, grads), "
@@ -434,7 +438,11 @@ def main() -> None:
             g = torch.Generator().manual_seed(T)
             cases.append((f"T={T}:", sT, [packed_row(sT, [T], T, device, g, inp["lm_head"])],
                           [padded_batch(sT, [T], device, g, inp["lm_head"])], None))
-    steps = list(filter(None, args.step.split(","))) if args.mode == "fixed" else ["new"]
+    steps = list(filter(None, args.step.split(",")))
+    if args.mode == "fixed" and "whole" in steps:
+        sys.exit("--step whole needs packed rows: --mode real or long")
+    if args.mode != "fixed":
+        steps = [x for x in steps if x != "old"] or ["new"]
 
     variants = []
     for prefix, sc, ours_b, theirs_b, ctx in cases:
@@ -442,7 +450,8 @@ def main() -> None:
             for c in compiles:
                 for st in steps:
                     variants.append((f"{prefix}ours:{attn}:{c}:{st}", sc, ctx, lambda a=attn, c=c, st=st, sc=sc,
-                                     ob=ours_b: ours_step_fn(sc, inp, device, K, a, c == "on", st == "new", ob)))
+                                     ob=ours_b: ours_step_fn(sc, inp, device, K, a, c == "on", st != "old", ob,
+                                                             st == "whole")))
         for backend in backends:
             variants.append((f"{prefix}specforge:{backend}", sc, ctx, lambda b=backend, sc=sc, tb=theirs_b:
                              specforge_step_fn(sc, inp, device, K, b, tb)))
@@ -480,7 +489,7 @@ def main() -> None:
             a, b = max(ours, key=lambda r: r.tok_s), max(theirs, key=lambda r: r.tok_s)
             print(f"{prefix or args.mode}: best ours {a.name.split(' [')[0]} {a.tok_s:,.0f} tok/s / best SpecForge "
                   f"{b.name.split(' [')[0]} {b.tok_s:,.0f} tok/s = {a.tok_s / b.tok_s:.2f}x (goal >= 1.5x)")
-        elif ours:
+        elif ours and backends:
             print(f"{prefix or args.mode}: no SpecForge measurement succeeded: ratio not available (errors above)")
 
 

@@ -123,16 +123,18 @@ class DraftAttention(nn.Module):
         v = F.linear(x, wv).view(B, T, s.num_key_value_heads, s.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def ttt_attend(self, q, keys: list, values: list, doc: torch.Tensor | None = None) -> torch.Tensor:
+    def ttt_attend(self, q, keys: list, values: list, doc: torch.Tensor | None = None,
+                   block_mask=None) -> torch.Tensor:
         """TTT attention at step k = len(keys) - 1 by `self.impl` (eagle3_core.ttt_attention states the rule).
 
         q [B, nh, Tq, hd]; keys/values: k+1 tensors, entry 0 [B, nkv, T, hd] from step 0 (causal), entries j>=1
         [B, nkv, Tq, hd] from step j (only the same index); query i is index T - Tq + i; doc: optional [B, T]
-        document ids of a packed row (causal within a document). Returns [B, Tq, nh*hd].
+        document ids of a packed row (causal within a document); block_mask: optional flex BlockMask of `doc`
+        (ttt_attention.document_block_mask). Returns [B, Tq, nh*hd].
         """
         B, nh, Tq, hd = q.shape
         # merged impls on CUDA: the diagonal merge runs as one compiled graph (ttt_attention_merged)
-        out = ttt_attention(q, keys, values, self.impl, compile_merge=True, doc=doc)  # [B, nh, Tq, hd]
+        out = ttt_attention(q, keys, values, self.impl, True, doc, block_mask)  # [B, nh, Tq, hd]
         return out.transpose(1, 2).reshape(B, Tq, nh * hd)
 
 
@@ -226,13 +228,13 @@ class Eagle3Draft(nn.Module):
         return rope_cos_sin(positions, s.head_dim, s.rope_theta, s.rope_scaling)
 
     def step(self, token_ids, hidden, positions, cache_k: list, cache_v: list, rope=None, weights: dict | None = None,
-             doc: torch.Tensor | None = None):
+             doc: torch.Tensor | None = None, block_mask=None):
         """One draft step with a TTT cache (training): appends this step's k/v to the cache lists.
 
         token_ids [B, Tq] int64 target ids; hidden [B, Tq, H]; positions [B, Tq] int64 RoPE positions; Tq may be
         shorter than step 0's T at later steps (see DraftAttention.ttt_attend). rope: optional (cos, sin)
         [B, Tq, hd] of `positions`, computed once per batch by the caller; weights: optional step_weights();
-        doc: optional [B, T] document ids of a packed row (eagle3_core.packing).
+        doc: optional [B, T] document ids of a packed row (eagle3_core.packing), block_mask its flex BlockMask.
         Returns (out [B, Tq, H] pre-norm hidden for the next step, logits [B, Tq, N]).
         """
         if weights is None:
@@ -241,7 +243,7 @@ class Eagle3Draft(nn.Module):
             q, k, v = self.attention_inputs(token_ids, hidden, positions, rope, weights)
         cache_k.append(k)
         cache_v.append(v)
-        attn = self.midlayer.self_attn.ttt_attend(q, cache_k, cache_v, doc)
+        attn = self.midlayer.self_attn.ttt_attend(q, cache_k, cache_v, doc, block_mask)
         if weights is None:
             return self.attention_outputs(hidden, attn)
         return self.attention_outputs(hidden, attn, weights)

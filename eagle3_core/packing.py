@@ -27,7 +27,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .ttt_attention import COMPILE
+from .ttt import ttt_loss
+from .ttt_attention import COMPILE, document_block_mask
 
 OPEN_ROWS = 8          # rows filled at once by pack_rows (8: 8192-token rows of GSM8K lengths 99.9% full)
 
@@ -127,13 +128,34 @@ def compiled(device: torch.device) -> bool:
     return device.type == "cuda" or COMPILE["everywhere"]
 
 
+_COMPILED_LOSS: dict = {}            # backend -> torch.compile'd ttt_loss (one graph per row shape)
+
+
+def packed_ttt_loss(draft, batch: dict, head_draft: torch.Tensor, ttt_length: int, step_weight: float = 0.8):
+    """ttt.ttt_loss of a packed row (collate_packed's batch, on the draft's device; same arguments and returns).
+    Where kernels are compiled (`compiled`), the whole TTT forward (K steps: layers, attention, loss, metrics) is one
+    torch.compile'd graph with one backward: rows have one shape, so it compiles once, and the thousand or so small
+    kernels a K = 7 step launches one by one eagerly (a 576-wide draft spends most of a step launching them) are
+    fused. merged_flex: the row's BlockMask (ttt_attention.document_block_mask) is built here, outside the graph.
+    Elsewhere ttt_loss runs as is."""
+    if not compiled(batch["input_ids"].device):
+        return ttt_loss(draft, batch, head_draft, ttt_length, step_weight)
+    if draft.midlayer.self_attn.impl == "merged_flex":
+        batch = {**batch, "block_mask": document_block_mask(batch["doc"])}
+    fn = _COMPILED_LOSS.get(COMPILE["backend"])
+    if fn is None:
+        fn = _COMPILED_LOSS[COMPILE["backend"]] = torch.compile(ttt_loss, dynamic=False, backend=COMPILE["backend"])
+    return fn(draft, batch, head_draft, ttt_length, step_weight)
+
+
 @contextmanager
 def compiled_training(cfg, device: torch.device, pack: bool, log):
     """The compile policy of one train() call (cfg: a TrainConfig). Compiled kernels must never fall back, unseen,
     to eager ones (flex attention's eager path materialises the [T, T] scores). Packed rows have one shape, so the
-    only graphs are one per TTT step count (the diagonal merge's list length) and grad mode: dynamo's caches are
-    reset (this run's graphs alone count), its recompile limit raised to 2K + 2 and set to fail past it instead of
-    running eagerly; both settings are restored on exit. Padded batches on CUDA recompile per shape: a warning
+    whole TTT loss is one graph (packed_ttt_loss; the held-out eval runs in grad mode and reuses it): dynamo's
+    caches are reset (this run's graphs alone count), its recompile limit raised to 2K + 2 (room for the kernel
+    graphs of ttt_loss called directly, one per TTT step count) and set to fail past it instead of running
+    eagerly; both settings are restored on exit. Padded batches on CUDA recompile per shape: a warning
     line says so. `log` gets one line either way."""
     if not compiled(device):
         log(f"train: {'packed rows' if pack else 'padded batches'} on {device.type}, kernels not compiled")

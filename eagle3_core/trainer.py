@@ -38,7 +38,8 @@ from .checkpoint import (
 from .config import TrainConfig
 from .distributed.data_parallel import DataParallel
 from .draft_model import DraftShape, Eagle3Draft
-from .packing import batches_by_tokens, collate_packed, compiled, compiled_training, pack_rows, sample_pieces
+from .packing import (batches_by_tokens, collate_packed, compiled, compiled_training, pack_rows, packed_ttt_loss,
+                      sample_pieces)
 from .ttt import collate, summarize, ttt_loss
 from .ttt_attention import COMPILE
 
@@ -145,7 +146,8 @@ class TTTLoss(nn.Module):
         self.draft, self.head_draft, self.cfg = draft, head_draft, cfg
 
     def forward(self, batch: dict):
-        return ttt_loss(self.draft, batch, self.head_draft, self.cfg.ttt_length, self.cfg.step_weight)
+        fn = packed_ttt_loss if "doc" in batch else ttt_loss          # packed rows: one compiled graph
+        return fn(self.draft, batch, self.head_draft, self.cfg.ttt_length, self.cfg.step_weight)
 
 
 def evaluate_ttt(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tensor, cfg: TrainConfig,
@@ -168,8 +170,7 @@ def _evaluate(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tensor,
     total = None
     for item in dp.shard(batch_items(samples, cfg, pack, cfg.seed)):
         with _autocast(device):
-            _, stats = ttt_loss(draft, _to(make_batch(samples, item, cfg, pack), device), head_draft,
-                                cfg.ttt_length, cfg.step_weight)
+            _, stats = TTTLoss(draft, head_draft, cfg)(_to(make_batch(samples, item, cfg, pack), device))
         stats["loss"] = stats["loss"] * stats["n"]          # weight batch means by their counts
         total = stats if total is None else {k: total[k] + stats[k] for k in stats}
     total = {k: v.cpu() for k, v in dp.sum_stats(total, cfg.ttt_length).items()}
@@ -314,7 +315,8 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
             loss_sum = torch.zeros(2, dtype=torch.float64, device=device)      # [sum of micro-batch losses, count]
             for m, batch_ids in enumerate(micro):
                 real = batch_ids is not None                               # None: a zero-weight pad (W > 1)
-                batch = _to(make_batch(train_samples, batch_ids if real else group[0], cfg, pack), device)
+                host = make_batch(train_samples, batch_ids if real else group[0], cfg, pack)
+                batch = _to(host, device)
                 with dp.sync_gradients(model, last=m + 1 == len(micro)):   # all-reduce on the last one only
                     with _autocast(device):
                         loss, stats = model(batch)
@@ -331,7 +333,7 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                 if real:
                     stats["loss"] = stats["loss"] * stats["n"]      # weight batch means by their counts
                     sums = stats if sums is None else {k: sums[k] + stats[k] for k in stats}
-                    tokens = int(batch["valid"].sum())
+                    tokens = int(host["valid"].sum())                 # on the host: no device sync
                     n_tokens, my_tokens = n_tokens + tokens, my_tokens + tokens
                     loss_sum += torch.stack([loss.detach().double(), loss.new_ones((), dtype=torch.float64)])
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)   # the same on every rank: grads synced

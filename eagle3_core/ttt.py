@@ -77,7 +77,7 @@ _COMPILED_CE: dict = {}
 def _ce_kernels(cuda: bool):
     """The forward/backward bodies, each compiled into a few fused reductions on CUDA (eager elsewhere, unless
     ttt_attention.COMPILE['everywhere'], tests)."""
-    if not (cuda or COMPILE["everywhere"]):
+    if not (cuda or COMPILE["everywhere"]) or torch.compiler.is_compiling():   # inside a compiled loss: traced
         return _ce_from_teacher_logits, _ce_from_teacher_logits_grad
     if not _COMPILED_CE:
         _COMPILED_CE["fwd"] = torch.compile(_ce_from_teacher_logits, dynamic=None, backend=COMPILE["backend"])
@@ -118,7 +118,8 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
     trim: skip the leading unsupervised region at steps >= 1 (same loss and metrics, less compute; trim_start).
     Packed rows (eagle3_core.packing.collate_packed: 'doc' and 'position' in the batch) are never trimmed (one
     shape per row); attention stays within a document, RoPE positions are the batch's, and a position is
-    supervised only where the token it predicts is in its own document.
+    supervised only where the token it predicts is in its own document; their flex BlockMask may come built in
+    batch['block_mask'] (packing.packed_ttt_loss, which compiles this whole function for packed rows).
     Returns (loss scalar, stats) where stats holds per-step tensors 'n' (supervised positions), 'correct',
     'chain' (positions right at every step so far) and 'loss'. Callers check finiteness.
     """
@@ -155,7 +156,7 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
         tokens = shift_left(ids, 1 + k)[:, s0:]                            # x_{t+1+k}
         rope = (cos[:, k + s0:k + T], sin[:, k + s0:k + T]) if doc is None else draft.rope(positions + k)
         hidden, logits = draft.step(tokens, hidden, (positions + k)[:, s0:], cache_k, cache_v,
-                                    rope=rope, weights=weights, doc=doc)
+                                    rope=rope, weights=weights, doc=doc, block_mask=batch.get("block_mask"))
         m_step = supervised(mask, k)[:, s0:]                               # x_{t+2+k} is supervised
         if doc is not None:
             m_step = m_step & same_doc[k]                                  # ... and in the same document

@@ -72,9 +72,11 @@ def ttt_attention_eager(q: torch.Tensor, keys: list, values: list, doc: torch.Te
     return out.reshape(B, nh, Tq, hd)
 
 
-def causal_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None = None):
+def causal_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None = None,
+                          block_mask=None):
     """Causal attention with its log-sum-exp, written out (CPU, tests). q [B, nh, Tq, hd], k/v [B, nkv, T, hd];
-    query i is index T - Tq + i; doc: optional [B, T] document ids (keys of other documents hidden). Returns
+    query i is index T - Tq + i; doc: optional [B, T] document ids (keys of other documents hidden); block_mask:
+    ignored (causal_attention_flex's signature). Returns
     (out [B, nh, Tq, hd] q's dtype, lse [B, nh, Tq] fp32 or fp64)."""
     B, nh, Tq, hd = q.shape
     nkv, T = k.shape[1], k.shape[2]
@@ -104,24 +106,34 @@ def _causal_block_mask(Tq: int, T: int, device: torch.device):
     return _BLOCK_MASKS[key]
 
 
+def document_block_mask(doc: torch.Tensor, Tq: int | None = None):
+    """Flex BlockMask of the causal rule within documents: doc [B, T] int64 document ids, queries at the last Tq
+    (default T) of the T indices. Built eagerly (outside any compiled region, where create_block_mask belongs:
+    torch.nn.attention.flex_attention's docs); packing.packed_ttt_loss builds one per packed row."""
+    B, T = doc.shape
+    offset = T - (Tq or T)
+
+    def causal_same_doc(b, h, q_idx, kv_idx):
+        return (q_idx + offset >= kv_idx) & (doc[b, q_idx + offset] == doc[b, kv_idx])
+
+    return create_block_mask(causal_same_doc, B, None, Tq or T, T, device=doc.device)
+
+
 def _document_block_mask(doc: torch.Tensor, Tq: int):
-    """Flex block mask of the causal rule within documents (doc [B, T]); rebuilt only when `doc` changes."""
+    """document_block_mask, rebuilt only when `doc` changes (the K steps of one batch share it)."""
     if _DOC_MASK[0] is not doc or _DOC_MASK[1] != Tq:     # the cache holds `doc` itself: its memory is not reused
-        B, T = doc.shape
-        offset = T - Tq
-
-        def causal_same_doc(b, h, q_idx, kv_idx):
-            return (q_idx + offset >= kv_idx) & (doc[b, q_idx + offset] == doc[b, kv_idx])
-
-        _DOC_MASK[:] = [doc, Tq, create_block_mask(causal_same_doc, B, None, Tq, T, device=doc.device)]
+        _DOC_MASK[:] = [doc, Tq, document_block_mask(doc, Tq)]
     return _DOC_MASK[2]
 
 
-def causal_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None = None):
+def causal_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None = None,
+                          block_mask=None):
     """As causal_attention_math, by flex attention (fused kernel; compiled on first use on CUDA, where it is
     meant to run: uncompiled flex materialises the scores, and its backward does not run on CPU). The compiled
     kernel is static in shape: packed rows (one shape) compile once; trainer.prepare_training makes dynamo fail,
-    not fall back to the uncompiled path, if shapes still vary past its recompile limit.
+    not fall back to the uncompiled path, if shapes still vary past its recompile limit. block_mask: the
+    BlockMask of `doc` built beforehand (document_block_mask; required inside a compiled region, where
+    create_block_mask cannot run), else built here.
     Returns (out [B, nh, Tq, hd] q's dtype, lse [B, nh, Tq] fp32)."""
     global _COMPILED_FLEX
     fn = flex_attention
@@ -130,7 +142,8 @@ def causal_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc
             _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
         fn = _COMPILED_FLEX
     Tq, T = q.shape[2], k.shape[2]
-    mask = _causal_block_mask(Tq, T, q.device) if doc is None else _document_block_mask(doc, Tq)
+    mask = block_mask if block_mask is not None else (
+        _causal_block_mask(Tq, T, q.device) if doc is None else _document_block_mask(doc, Tq))
     if AuxRequest is not None:
         out, aux = fn(q, k, v, block_mask=mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
         return out, aux.lse
@@ -143,14 +156,15 @@ COMPILE = {"backend": "inductor", "everywhere": False}   # tests: {"aot_eager", 
 
 
 def ttt_attention_merged(q: torch.Tensor, keys: list, values: list, causal=causal_attention_math,
-                         compile_merge: bool = False, doc: torch.Tensor | None = None) -> torch.Tensor:
+                         compile_merge: bool = False, doc: torch.Tensor | None = None,
+                         block_mask=None) -> torch.Tensor:
     """Same contract as ttt_attention_eager; the causal part by `causal` (causal_attention_math or
     causal_attention_flex), the diagonal terms merged by log-sum-exp in fp32 (fp64 for fp64 inputs).
     compile_merge: on CUDA (or anywhere under compile_everywhere, tests), run the merge (about 10 elementwise
     passes per diagonal key, forward and backward) as one torch.compile'd graph per step count (K - 1 graphs:
-    the list length is part of the graph)."""
+    the list length is part of the graph); block_mask: see causal_attention_flex."""
     global _COMPILED_MERGE
-    out0, lse0 = causal(q, keys[0], values[0], doc)                       # [B, nh, Tq, hd], [B, nh, Tq]
+    out0, lse0 = causal(q, keys[0], values[0], doc, block_mask)           # [B, nh, Tq, hd], [B, nh, Tq]
     if len(keys) == 1:
         return out0
     merge = _merge_diagonal
@@ -179,13 +193,14 @@ def _merge_diagonal(q, out0, lse0, keys: list, values: list) -> torch.Tensor:
 
 
 def ttt_attention(q: torch.Tensor, keys: list, values: list, impl: str = "eager",
-                  compile_merge: bool = False, doc: torch.Tensor | None = None) -> torch.Tensor:
+                  compile_merge: bool = False, doc: torch.Tensor | None = None, block_mask=None) -> torch.Tensor:
     """Dispatch to one implementation by name (IMPLEMENTATIONS); compile_merge: see ttt_attention_merged; doc:
-    optional [B, T] document ids of packed rows. Raises ValueError for an unknown name."""
+    optional [B, T] document ids of packed rows; block_mask: optional flex BlockMask of doc (merged_flex only,
+    see causal_attention_flex). Raises ValueError for an unknown name."""
     if impl == "eager":
         return ttt_attention_eager(q, keys, values, doc)
     if impl == "merged_math":
         return ttt_attention_merged(q, keys, values, causal_attention_math, compile_merge, doc)
     if impl == "merged_flex":
-        return ttt_attention_merged(q, keys, values, causal_attention_flex, compile_merge, doc)
+        return ttt_attention_merged(q, keys, values, causal_attention_flex, compile_merge, doc, block_mask)
     raise ValueError(f"unknown TTT attention {impl!r}; choose one of {IMPLEMENTATIONS}")
