@@ -83,17 +83,18 @@ def specforge_draft(ours, backend: str = "sdpa"):
     return model
 
 
-def specforge_inputs(b: dict, device: torch.device | str = "cpu") -> dict:
+def specforge_inputs(b: dict, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
     """OnlineEagle3Model's keyword arguments for a batch of ours (ttt.collate), made as SpecForge's own trainer
     makes them: TargetHead.preprocess (specforge/modeling/target/target_head.py, called by
     training/strategies/base.py) shifts input_ids and the teacher (here the target's final hidden states, its
     compact-teacher path) left by one, so that position t holds (aux f_t, token x_{t+1}) and the teacher's logits
     z_{t+1}, which predict x_{t+2}; the loss mask is not shifted (SpecForge's convention). Without this shift
-    SpecForge trains (f_t, x_t) -> z_t, a draft that the EAGLE-3 verify loop feeds (f_t, x_{t+1})."""
+    SpecForge trains (f_t, x_t) -> z_t, a draft that the EAGLE-3 verify loop feeds (f_t, x_{t+1}). The features
+    are handed over in `dtype` (fp32 here on CPU; bf16 for a bf16 SpecForge model on a GPU)."""
     from specforge.utils import padding
     kw = {"input_ids": padding(b["input_ids"], left=False), "attention_mask": b["valid"].long(),
-          "loss_mask": b["loss_mask"][..., None].long(), "hidden_states": b["aux"].float(),
-          "target_hidden_for_compact": padding(b["final"].float(), left=False)}
+          "loss_mask": b["loss_mask"][..., None].long(), "hidden_states": b["aux"].to(dtype),
+          "target_hidden_for_compact": padding(b["final"].to(dtype), left=False)}
     return {"target": None, **{k: v.to(device) for k, v in kw.items()}}
 
 

@@ -106,10 +106,9 @@ def specforge_online(cfg: PipelineConfig, device: torch.device) -> dict:
     """SpecForge's training loop with the target's forward per batch (module docstring); seconds and steps. On a
     CPU (a check that the script runs): sdpa attention, and specforge_side_by_side's PyTorch stand-in for its
     Triton loss."""
-    from specforge_side_by_side import import_specforge, specforge_draft
+    from specforge_side_by_side import import_specforge, specforge_draft, specforge_inputs
     OnlineEagle3Model, _, _ = import_specforge()
     from specforge.optimizer import BF16Optimizer
-    from specforge.utils import padding
 
     from eagle3_core.extract import HFExtractor
     from eagle3_core.pipeline.keys import aux_ids
@@ -120,7 +119,7 @@ def specforge_online(cfg: PipelineConfig, device: torch.device) -> dict:
     t = cfg.train
     backend = "flex_attention" if device.type == "cuda" else "sdpa"
     train_s, _ = train_split(cfg)
-    seqs = [(list(map(int, s["input_ids"])), torch.as_tensor(s["loss_mask"]).bool()) for s in train_s]
+    seqs = [(torch.as_tensor(s["input_ids"]).long(), torch.as_tensor(s["loss_mask"]).bool()) for s in train_s]
     init, lm_head = fresh_draft(cfg)
     t0 = time.monotonic()
     target = load_target(cfg.target, str(device))
@@ -137,21 +136,14 @@ def specforge_online(cfg: PipelineConfig, device: torch.device) -> dict:
     for epoch in range(t.epochs):
         for ids in epoch_batches(train_s, t, epoch):
             out = extractor.forward([seqs[i][0] for i in ids])          # aux [B, T, 3H_t], final [B, T, H_t]
-            aux, final = out["aux"].to(torch.bfloat16), out["final"].to(torch.bfloat16)   # GPU: bf16 already
-            B, T = aux.shape[:2]
-            valid = (torch.arange(T)[None] < out["lengths"][:, None])
-            mask = torch.zeros(B, T, dtype=torch.long)
-            input_ids = torch.zeros(B, T, dtype=torch.long)
-            for b, i in enumerate(ids):
+            B, T = out["aux"].shape[:2]
+            b = {"input_ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+                 "valid": torch.arange(T)[None] < out["lengths"][:, None], "aux": out["aux"], "final": out["final"]}
+            for row, i in enumerate(ids):
                 n = len(seqs[i][0])
-                mask[b, :n], input_ids[b, :n] = seqs[i][1].long(), torch.tensor(seqs[i][0])
-            # SpecForge's TargetHead.preprocess: input_ids and the teacher shifted left by one (as in
-            # specforge_side_by_side.specforge_inputs), the loss mask not
-            plosses, *_ = wrapper(input_ids=padding(input_ids.to(device), left=False),
-                                  attention_mask=valid.long().to(device), target=None,
-                                  loss_mask=mask[..., None].to(device), hidden_states=aux,
-                                  target_hidden_for_compact=padding(final, left=False),
-                                  target_head_weight=head)
+                b["input_ids"][row, :n], b["loss_mask"][row, :n] = seqs[i]
+            # shifted as SpecForge's TargetHead.preprocess shifts them (specforge_side_by_side.specforge_inputs)
+            plosses, *_ = wrapper(**specforge_inputs(b, device, torch.bfloat16), target_head_weight=head)
             loss = sum(t.step_weight ** k * pl for k, pl in enumerate(plosses))
             loss.backward()
             opt.step()

@@ -167,10 +167,10 @@ def _evaluate(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tensor,
     draft.eval()
     device = head_draft.device
     pack = packed(cfg, device)
-    total = None
+    total, loss_of = None, TTTLoss(draft, head_draft, cfg)
     for item in dp.shard(batch_items(samples, cfg, pack, cfg.seed)):
         with _autocast(device):
-            _, stats = TTTLoss(draft, head_draft, cfg)(_to(make_batch(samples, item, cfg, pack), device))
+            _, stats = loss_of(_to(make_batch(samples, item, cfg, pack), device))
         stats["loss"] = stats["loss"] * stats["n"]          # weight batch means by their counts
         total = stats if total is None else {k: total[k] + stats[k] for k in stats}
     total = {k: v.cpu() for k, v in dp.sum_stats(total, cfg.ttt_length).items()}

@@ -111,12 +111,13 @@ def document_block_mask(doc: torch.Tensor, Tq: int | None = None):
     (default T) of the T indices. Built eagerly (outside any compiled region, where create_block_mask belongs:
     torch.nn.attention.flex_attention's docs); packing.packed_ttt_loss builds one per packed row."""
     B, T = doc.shape
-    offset = T - (Tq or T)
+    Tq = Tq or T
+    offset = T - Tq
 
     def causal_same_doc(b, h, q_idx, kv_idx):
         return (q_idx + offset >= kv_idx) & (doc[b, q_idx + offset] == doc[b, kv_idx])
 
-    return create_block_mask(causal_same_doc, B, None, Tq or T, T, device=doc.device)
+    return create_block_mask(causal_same_doc, B, None, Tq, T, device=doc.device)
 
 
 def _document_block_mask(doc: torch.Tensor, Tq: int):
