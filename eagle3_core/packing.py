@@ -27,8 +27,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .ttt import ttt_loss
-from .ttt_attention import COMPILE, document_block_mask
+from .ttt import SoftCrossEntropyFromLogits, loss_dtype_of, shift_left, supervised, ttt_loss
+from .ttt_attention import (COMPILE, causal_attention_flex, causal_attention_math, document_block_mask,
+                            merge_diagonal_slots)
 
 OPEN_ROWS = 8          # rows filled at once by pack_rows (8: 8192-token rows of GSM8K lengths 99.9% full)
 
@@ -128,24 +129,100 @@ def compiled(device: torch.device) -> bool:
     return device.type == "cuda" or COMPILE["everywhere"]
 
 
-_COMPILED_LOSS: dict = {}            # backend -> torch.compile'd ttt_loss (one graph per row shape)
+_COMPILED_STEPS: dict = {}           # backend -> (first, later): the torch.compile'd TTT steps of a packed row
+
+
+def _causal_part(draft):
+    """The attention kernel with log-sum-exp for the step-0 keys: flex on GPU (merged_flex), written out else."""
+    return causal_attention_flex if draft.midlayer.self_attn.impl == "merged_flex" else causal_attention_math
+
+
+def _step_end(draft, hidden, attn, weights, z, z_lse, weight, m_step, top1):
+    """The rest of a TTT step after attention: the layer's output, the soft CE against the teacher and the count
+    of positions where the draft's argmax is the target's. Returns (hidden, loss_k, right [B, L] bool, correct)."""
+    B, nh, L, hd = attn.shape
+    out, logits = draft.attention_outputs(hidden, attn.transpose(1, 2).reshape(B, L, nh * hd), weights)
+    loss = SoftCrossEntropyFromLogits.apply(logits, z, z_lse, weight)
+    right = (draft.draft_to_target(logits.argmax(-1)) == top1) & m_step
+    return out, loss, right, right.sum()
+
+
+def first_step(draft, aux, tokens, positions, weights, doc, block_mask, z, z_lse, weight, m_step, top1):
+    """TTT step 0 of a packed row: fc fusion of aux [B, L, 3H_t], the decoder layer attending causally within
+    documents, loss and count (tensors as in ttt.ttt_loss at k = 0, already shifted). Returns
+    (k0, v0 [B, nkv, L, hd] the step-0 keys/values, hidden [B, L, H], loss_k, right [B, L] bool, correct)."""
+    hidden = draft.fuse(aux)
+    q, k, v = draft.attention_inputs(tokens, hidden, positions, draft.rope(positions), weights)
+    attn, _ = _causal_part(draft)(q, k, v, doc, block_mask)
+    return (k, v, *_step_end(draft, hidden, attn, weights, z, z_lse, weight, m_step, top1))
+
+
+def later_step(draft, hidden, tokens, positions, weights, doc, block_mask, k0, v0, diag_k, diag_v, slot,
+               z, z_lse, weight, m_step, top1):
+    """TTT step k >= 1 of a packed row, one shape for every k (so one compiled graph): diag_k/diag_v
+    [K - 1, B, nkv, L, hd] hold the keys/values of steps 1..k-1 in slots 0..k-2 (the rest is ignored); slot, an
+    int64 scalar tensor k - 1, is where this step's own key goes (ttt_attention.merge_diagonal_slots). Returns
+    (k, v of this step, hidden, loss_k, right, correct)."""
+    q, k, v = draft.attention_inputs(tokens, hidden, positions, draft.rope(positions), weights)
+    out0, lse0 = _causal_part(draft)(q, k0, v0, doc, block_mask)
+    idx = torch.arange(diag_k.shape[0], device=slot.device)
+    own = (idx == slot).view(-1, 1, 1, 1, 1)
+    attn = merge_diagonal_slots(q, out0, lse0, torch.where(own, k[None], diag_k), torch.where(own, v[None], diag_v),
+                                idx <= slot)
+    return (k, v, *_step_end(draft, hidden, attn, weights, z, z_lse, weight, m_step, top1))
 
 
 def packed_ttt_loss(draft, batch: dict, head_draft: torch.Tensor, ttt_length: int, step_weight: float = 0.8):
-    """ttt.ttt_loss of a packed row (collate_packed's batch, on the draft's device; same arguments and returns).
-    Where kernels are compiled (`compiled`), the whole TTT forward (K steps: layers, attention, loss, metrics) is one
-    torch.compile'd graph with one backward: rows have one shape, so it compiles once, and the thousand or so small
-    kernels a K = 7 step launches one by one eagerly (a 576-wide draft spends most of a step launching them) are
-    fused. merged_flex: the row's BlockMask (ttt_attention.document_block_mask) is built here, outside the graph.
+    """ttt.ttt_loss of a packed row (collate_packed's batch, on the draft's device; same arguments and returns,
+    same rule: ttt module docstring). Where kernels are compiled (`compiled`), each TTT step is one
+    torch.compile'd graph with its backward: step 0 (`first_step`) and steps 1..K-1 (`later_step`, one graph for
+    all: the diagonal keys sit in K - 1 fixed slots), so a row compiles 2 graphs, not K, and each is a step's
+    layer, attention, loss and metrics fused (a 576-wide draft otherwise spends most of a step launching a
+    thousand small kernels one by one). The shifts of inputs, targets and masks by k, the teacher logits and the
+    row's flex BlockMask (ttt_attention.document_block_mask) are made here, outside the graphs.
     Elsewhere ttt_loss runs as is."""
     if not compiled(batch["input_ids"].device):
         return ttt_loss(draft, batch, head_draft, ttt_length, step_weight)
-    if draft.midlayer.self_attn.impl == "merged_flex":
-        batch = {**batch, "block_mask": document_block_mask(batch["doc"])}
-    fn = _COMPILED_LOSS.get(COMPILE["backend"])
-    if fn is None:
-        fn = _COMPILED_LOSS[COMPILE["backend"]] = torch.compile(ttt_loss, dynamic=False, backend=COMPILE["backend"])
-    return fn(draft, batch, head_draft, ttt_length, step_weight)
+    fns = _COMPILED_STEPS.get(COMPILE["backend"])
+    if fns is None:
+        fns = _COMPILED_STEPS[COMPILE["backend"]] = tuple(
+            torch.compile(f, dynamic=False, backend=COMPILE["backend"]) for f in (first_step, later_step))
+    ids, mask, top1, doc, pos = (batch[k] for k in ("input_ids", "loss_mask", "target_top1", "doc", "position"))
+    B, L = ids.shape
+    block_mask = document_block_mask(doc) if draft.midlayer.self_attn.impl == "merged_flex" else None
+    in_vocab = draft.t2d[top1]
+    ldt = loss_dtype_of(batch["final"].dtype)
+    with torch.no_grad():
+        z = batch["final"] @ head_draft.T                                  # [B, L, N] z_t[draft vocab]
+        z = torch.cat([z, z.new_zeros(B, ttt_length + 1, z.shape[-1])], dim=1)
+        z_lse = z.to(ldt).logsumexp(-1)
+    dt = torch.get_autocast_dtype(ids.device.type) if torch.is_autocast_enabled(ids.device.type) else None
+    weights = draft.step_weights(dt) if dt is not None else None
+    total, chain, keys, values = 0.0, None, [], []
+    stats = {"n": [], "correct": [], "chain": [], "loss": []}
+    for k in range(ttt_length):
+        m_step = supervised(mask, k) & (shift_left(doc, 2 + k, -2) == doc)  # x_{t+2+k} supervised, same document
+        m_loss = m_step & shift_left(in_vocab, 1 + k, False)
+        per_step = (shift_left(ids, 1 + k), pos + k, weights, doc, block_mask)
+        teacher = (z[:, 1 + k:1 + k + L], z_lse[:, 1 + k:1 + k + L], m_loss.to(ldt) / m_loss.sum().clamp(min=1),
+                   m_step, shift_left(top1, 1 + k))
+        if k == 0:
+            k0, v0, hidden, loss_k, right, correct = fns[0](draft, batch["aux"], *per_step, *teacher)
+        else:
+            if k == 1:             # requires grad like the slots of later steps (one graph); its grad is unused
+                empty = k0.new_zeros(k0.shape).requires_grad_(torch.is_grad_enabled())
+            slots = [torch.stack(c + [empty] * (ttt_length - 1 - len(c))) for c in (keys, values)]
+            kk, vv, hidden, loss_k, right, correct = fns[1](draft, hidden, *per_step, k0, v0, *slots,
+                                                            torch.full((), k - 1, device=ids.device), *teacher)
+            keys.append(kk)
+            values.append(vv)
+        total = total + (step_weight ** k) * loss_k
+        with torch.no_grad():
+            chain = right if chain is None else chain & right
+            for name, value in (("n", m_step.sum()), ("correct", correct), ("chain", chain.sum()),
+                                ("loss", loss_k.detach())):
+                stats[name].append(value)
+    return total, {k: torch.stack(v) for k, v in stats.items()}
 
 
 @contextmanager

@@ -132,7 +132,7 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
     else:
         positions = torch.arange(T, device=ids.device).expand(B, T)
     in_vocab = draft.t2d[top1]                                             # [B, T] target argmax in draft vocab
-    loss_dtype = _loss_dtype(batch["final"].dtype)
+    loss_dtype = loss_dtype_of(batch["final"].dtype)
     with torch.no_grad():
         # the teacher once for all steps; padded so that step k's view is a slice
         z = batch["final"] @ target_head_draft.T                           # [B, T, N] z_t[draft vocab]
@@ -176,7 +176,7 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
     return total, {k: torch.stack(v) for k, v in stats.items()}
 
 
-def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+def loss_dtype_of(dtype: torch.dtype) -> torch.dtype:
     """The loss is computed in fp32, or fp64 when the inputs are fp64 (exactness tests)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 

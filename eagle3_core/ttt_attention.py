@@ -193,6 +193,24 @@ def _merge_diagonal(q, out0, lse0, keys: list, values: list) -> torch.Tensor:
     return out.to(q.dtype)
 
 
+def merge_diagonal_slots(q, out0, lse0, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor):
+    """_merge_diagonal with the diagonal keys/values of steps 1..S in fixed slots, so that every TTT step >= 1 has
+    one shape (packing.packed_ttt_loss compiles one graph for all of them). q, out0 [B, nh, Tq, hd]; lse0
+    [B, nh, Tq]; keys/values [S, B, nkv, Tq, hd]; valid [S] bool: slots of steps not yet run are False and take
+    no weight (their contents are ignored). Returns [B, nh, Tq, hd] in q's dtype; fp32 (fp64) inside."""
+    B, nh, Tq, hd = q.shape
+    S, nkv = keys.shape[0], keys.shape[2]
+    acc = acc_dtype(q.dtype)
+    qa = _grouped(q, nkv).to(acc)                                         # [B, nkv, rep, Tq, hd]
+    s = (qa[None] * keys[:, :, :, None].to(acc)).sum(-1) / math.sqrt(hd)  # [S, B, nkv, rep, Tq]
+    s = s.masked_fill(~valid.view(S, 1, 1, 1, 1), float("-inf"))
+    l0 = lse0.to(acc).view(1, B, nkv, nh // nkv, Tq)
+    lse = torch.logsumexp(torch.cat([l0, s]), dim=0)                      # [B, nkv, rep, Tq], all visible keys
+    out = (l0[0] - lse).exp()[..., None] * _grouped(out0, nkv).to(acc)    # causal part, re-weighted
+    out = out + ((s - lse).exp()[..., None] * values[:, :, :, None].to(acc)).sum(0)
+    return out.reshape(B, nh, Tq, hd).to(q.dtype)
+
+
 def ttt_attention(q: torch.Tensor, keys: list, values: list, impl: str = "eager",
                   compile_merge: bool = False, doc: torch.Tensor | None = None, block_mask=None) -> torch.Tensor:
     """Dispatch to one implementation by name (IMPLEMENTATIONS); compile_merge: see ttt_attention_merged; doc:
