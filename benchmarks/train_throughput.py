@@ -51,6 +51,7 @@ from reference_paths import reference_ttt_loss  # noqa: E402
 
 from eagle3_core.draft_model import DraftShape, Eagle3Draft  # noqa: E402
 from eagle3_core.trainer import compile_for_training  # noqa: E402
+from eagle3_core import packing  # noqa: E402
 from eagle3_core.packing import packed_ttt_loss  # noqa: E402
 from eagle3_core.ttt import ttt_loss  # noqa: E402
 
@@ -188,7 +189,10 @@ def real_batches(s: dict, lengths: list[int], row_len: int, n: int, device, lm_h
 def ours_step_fn(s: dict, inp: dict, device: torch.device, K: int, attention: str, compile_: bool,
                  fast: bool = True, batches: list[dict] | None = None, whole: bool = False):
     """A training step of ours: on the fixed batch of `inp`, or cycling through `batches` (packed rows). whole:
-    packed rows through packing.packed_ttt_loss, the trainer's path (the whole TTT loss one compiled graph)."""
+    packed rows through packing.packed_ttt_loss, the trainer's path for runs of more than packing.ROW_GRAPH_TOKENS
+    tokens (the whole TTT loss one compiled graph: train.graph 'row')."""
+    if whole:
+        packing.GRAPH_SCOPE[0] = "row"
     draft = make_draft(s, inp, device).set_attention(attention)
     loss_fn = packed_ttt_loss if whole else ttt_loss if fast else reference_ttt_loss
     if compile_:
@@ -382,8 +386,8 @@ def main() -> None:
                     help="fixed: our TTT step paths: new (ttt.ttt_loss: RoPE and weight casts once per batch, fused "
                          "loss from teacher logits) and/or old (the former step, tests/reference_paths.py; both "
                          "with the attention merge compiled on CUDA); real and long: new (kernels compiled, "
-                         "steps eager) and/or whole (packing.packed_ttt_loss, the trainer's path: the whole TTT "
-                         "loss one compiled graph)")
+                         "steps eager) and/or whole (packing.packed_ttt_loss, the trainer's path for long runs: "
+                         "the whole TTT loss one compiled graph, train.graph 'row')")
     ap.add_argument("--specforge", default="flex_attention",
                     help="SpecForge attention backends to measure, comma-separated ('' for none)")
     ap.add_argument("--check", action="store_true", help="first compare merged_flex with eager (loss, grads), "

@@ -217,6 +217,10 @@ class TrainConfig(StrictModel):
         "auto", description="'packed': samples (long ones cut into windows) packed into rows of batch_tokens "
         "tokens, one shape for every batch (eagle3_core.packing); 'padded': length-bucketed batches padded to "
         "their longest sample; 'auto': packed on CUDA (compiled kernels see one shape), padded on CPU")
+    graph: Literal["auto", "step", "row"] = Field(
+        "auto", description="packed rows where compiled (GPU): 'step' compiles one graph per TTT step (2 graphs, "
+        "quicker to compile), 'row' the K steps of a row as one graph (faster per step, slower to compile); 'auto': "
+        "'row' when the run trains more than packing.ROW_GRAPH_TOKENS tokens (epochs x train tokens), else 'step'")
     window_context: int | None = Field(None, ge=1, description="packed: tokens of its own sample a window of a "
                                        "sample longer than batch_tokens carries before its first trained token "
                                        "(>= ttt_length + 1, < batch_tokens); None: min(1024, batch_tokens // 4), "

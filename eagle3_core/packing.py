@@ -130,6 +130,13 @@ def compiled(device: torch.device) -> bool:
 
 
 _COMPILED_STEPS: dict = {}           # backend -> (first, later): the torch.compile'd TTT steps of a packed row
+_COMPILED_ROWS: dict = {}            # backend -> torch.compile'd ttt_loss: the K steps of a row as one graph
+GRAPH_SCOPE = ["step"]               # 'step' or 'row': set by compiled_training for the length of a train() call
+# Above this many trained tokens (epochs x train tokens) train.graph 'auto' compiles a row as one graph. Measured on
+# an H200 (benchmarks/train_loop_real_lengths.py, 576-wide draft, N 8192, TTT 7, rows of 4608, 921K tokens per
+# epoch): first epoch 38.3 s per step graph against 59.7 s per row graph (compile), later epochs 9.8 s against
+# 6.7 s, so the row graph pays off after 21.4 / 3.1 epochs of 921K tokens.
+ROW_GRAPH_TOKENS = 6_400_000
 
 
 def _causal_part(draft):
@@ -179,10 +186,18 @@ def packed_ttt_loss(draft, batch: dict, head_draft: torch.Tensor, ttt_length: in
     all: the diagonal keys sit in K - 1 fixed slots), so a row compiles 2 graphs, not K, and each is a step's
     layer, attention, loss and metrics fused (a 576-wide draft otherwise spends most of a step launching a
     thousand small kernels one by one). The shifts of inputs, targets and masks by k, the teacher logits and the
-    row's flex BlockMask (ttt_attention.document_block_mask) are made here, outside the graphs.
-    Elsewhere ttt_loss runs as is."""
+    row's flex BlockMask (ttt_attention.document_block_mask) are made here, outside the graphs. Inside a train()
+    call whose train.graph resolves to 'row' (compiled_training), ttt_loss is compiled whole instead: one graph of
+    K steps, slower to compile, faster per row (ROW_GRAPH_TOKENS). Elsewhere ttt_loss runs as is."""
     if not compiled(batch["input_ids"].device):
         return ttt_loss(draft, batch, head_draft, ttt_length, step_weight)
+    if GRAPH_SCOPE[0] == "row":
+        if draft.midlayer.self_attn.impl == "merged_flex":
+            batch = {**batch, "block_mask": document_block_mask(batch["doc"])}
+        fn = _COMPILED_ROWS.get(COMPILE["backend"])
+        if fn is None:
+            fn = _COMPILED_ROWS[COMPILE["backend"]] = torch.compile(ttt_loss, dynamic=False, backend=COMPILE["backend"])
+        return fn(draft, batch, head_draft, ttt_length, step_weight)
     fns = _COMPILED_STEPS.get(COMPILE["backend"])
     if fns is None:
         fns = _COMPILED_STEPS[COMPILE["backend"]] = tuple(
@@ -225,14 +240,23 @@ def packed_ttt_loss(draft, batch: dict, head_draft: torch.Tensor, ttt_length: in
     return total, {k: torch.stack(v) for k, v in stats.items()}
 
 
+def graph_scope(cfg, tokens: int) -> str:
+    """'step' or 'row': cfg.graph (a TrainConfig's), 'auto' resolved by the trained tokens (epochs x train
+    tokens) against ROW_GRAPH_TOKENS (packed_ttt_loss)."""
+    if cfg.graph != "auto":
+        return cfg.graph
+    return "row" if tokens > ROW_GRAPH_TOKENS else "step"
+
+
 @contextmanager
-def compiled_training(cfg, device: torch.device, pack: bool, log):
-    """The compile policy of one train() call (cfg: a TrainConfig). Compiled kernels must never fall back, unseen,
-    to eager ones (flex attention's eager path materialises the [T, T] scores). Packed rows have one shape, so the
-    whole TTT loss is one graph (packed_ttt_loss; the held-out eval runs in grad mode and reuses it): dynamo's
-    caches are reset (this run's graphs alone count), its recompile limit raised to 2K + 2 (room for the kernel
-    graphs of ttt_loss called directly, one per TTT step count) and set to fail past it instead of running
-    eagerly; both settings are restored on exit. Padded batches on CUDA recompile per shape: a warning
+def compiled_training(cfg, device: torch.device, pack: bool, log, tokens: int = 0):
+    """The compile policy of one train() call (cfg: a TrainConfig; tokens: epochs x train tokens, for
+    graph_scope). Compiled kernels must never fall back, unseen, to eager ones (flex attention's eager path
+    materialises the [T, T] scores). Packed rows have one shape, so the TTT loss compiles once (packed_ttt_loss:
+    a graph per step or per row; the held-out eval runs in grad mode and reuses them): dynamo's caches are reset
+    (this run's graphs alone count), its recompile limit raised to 2K + 2 (room for the kernel graphs of
+    ttt_loss called directly, one per TTT step count) and set to fail past it instead of running eagerly; these
+    settings and the graph scope are restored on exit. Padded batches on CUDA recompile per shape: a warning
     line says so. `log` gets one line either way."""
     if not compiled(device):
         log(f"train: {'packed rows' if pack else 'padded batches'} on {device.type}, kernels not compiled")
@@ -247,7 +271,13 @@ def compiled_training(cfg, device: torch.device, pack: bool, log):
         return
     limit = max(dynamo.recompile_limit, 2 * cfg.ttt_length + 2)
     torch._dynamo.reset()
+    scope, before = graph_scope(cfg, tokens), GRAPH_SCOPE[0]
     log(f"train: packed rows of {cfg.batch_tokens} tokens (windows carry {cfg.context_tokens()} tokens of "
-        f"context); dynamo fails past {limit} graphs per function instead of running eagerly")
-    with dynamo.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
-        yield
+        f"context), one compiled graph per {'row' if scope == 'row' else 'TTT step'} ({tokens:,} tokens to "
+        f"train); dynamo fails past {limit} graphs per function instead of running eagerly")
+    GRAPH_SCOPE[0] = scope
+    try:
+        with dynamo.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+            yield
+    finally:
+        GRAPH_SCOPE[0] = before

@@ -146,7 +146,7 @@ class TTTLoss(nn.Module):
         self.draft, self.head_draft, self.cfg = draft, head_draft, cfg
 
     def forward(self, batch: dict):
-        fn = packed_ttt_loss if "doc" in batch else ttt_loss          # packed rows: one compiled graph
+        fn = packed_ttt_loss if "doc" in batch else ttt_loss          # packed rows: compiled graphs
         return fn(self.draft, batch, self.head_draft, self.cfg.ttt_length, self.cfg.step_weight)
 
 
@@ -217,7 +217,8 @@ def _in_compile_scope(fn):
         cfg, log = bound.arguments["cfg"], bound.arguments["log"]
         device = resolve_device(cfg)
         quiet = not DataParallel.from_process_group().is_main
-        with compiled_training(cfg, device, packed(cfg, device), (lambda s: None) if quiet else log):
+        tokens = cfg.epochs * sum(len(s["input_ids"]) for s in bound.arguments["train_samples"])
+        with compiled_training(cfg, device, packed(cfg, device), (lambda s: None) if quiet else log, tokens):
             return fn(*args, **kwargs)
     return wrapper
 

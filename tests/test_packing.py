@@ -125,6 +125,7 @@ def compiled_on_cpu(monkeypatch):
     monkeypatch.setattr(ttt_attention, "_COMPILED_MERGE", None)
     monkeypatch.setattr(ttt_mod, "_COMPILED_CE", {})
     monkeypatch.setattr(packing, "_COMPILED_STEPS", {})
+    monkeypatch.setattr(packing, "_COMPILED_ROWS", {})
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     with torch._dynamo.config.patch(recompile_limit=32):
@@ -159,11 +160,13 @@ def test_packed_rows_of_any_lengths_compile_once(compiled_on_cpu):
     assert padded[0] > counts[-1], (counts, padded)
 
 
-def test_the_packed_loss_is_two_step_graphs_equal_to_eager(compiled_on_cpu):
-    """packed_ttt_loss compiles TTT step 0 and steps 1..K-1 (one graph for all: fixed diagonal slots) where
-    kernels are compiled (here aot_eager on CPU): loss, every gradient and the per-step counts equal eager
-    ttt_loss's on the same rows; the K = 4 steps of a row make 2 graphs, and rows of other sample lengths (a long
-    sample's windows among them) add none after the first row."""
+@pytest.mark.parametrize("scope", ["step", "row"])
+def test_the_packed_loss_compiles_per_step_or_per_row_equal_to_eager(compiled_on_cpu, monkeypatch, scope):
+    """packed_ttt_loss where kernels are compiled (here aot_eager on CPU), per step (step 0 and steps 1..K-1, one
+    graph for all: fixed diagonal slots) or per row (the K steps one graph): loss, every gradient and the
+    per-step counts equal eager ttt_loss's on the same rows; the K = 4 steps of a row make 2 graphs (per row: 1),
+    and rows of other sample lengths (a long sample's windows among them) add none after the first row."""
+    monkeypatch.setattr(packing, "GRAPH_SCOPE", [scope])
     g = torch.Generator().manual_seed(3)
     samples = random_ttt_samples(g, [(n, 2) for n in (9, 23, 31, 14, 70, 12, 27, 5, 18, 33)])
     samples = [{k: v.float() if v.is_floating_point() else v for k, v in s.items()} for s in samples]
@@ -186,7 +189,17 @@ def test_the_packed_loss_is_two_step_graphs_equal_to_eager(compiled_on_cpu):
         assert torch.allclose(la, lb, rtol=1e-5, atol=1e-6), (la, lb)
         assert all(torch.equal(sa[k], sb[k]) for k in ("n", "correct", "chain")), (sa, sb)
         assert ga.keys() == gb.keys() and all(torch.allclose(ga[n], gb[n], rtol=1e-4, atol=1e-6) for n in ga)
-    assert added == [2, 0, 0, 0], added
+    assert added == [2 if scope == "step" else 1, 0, 0, 0], added
+
+
+def test_graph_scope_auto_picks_the_row_graph_for_long_runs_only():
+    """train.graph 'auto': one graph per TTT step up to ROW_GRAPH_TOKENS trained tokens, per row above; a set
+    value is kept."""
+    auto = TrainConfig()
+    assert packing.graph_scope(auto, packing.ROW_GRAPH_TOKENS) == "step"
+    assert packing.graph_scope(auto, packing.ROW_GRAPH_TOKENS + 1) == "row"
+    assert packing.graph_scope(TrainConfig(graph="step"), 10 ** 12) == "step"
+    assert packing.graph_scope(TrainConfig(graph="row"), 1) == "row"
 
 
 def test_packed_training_with_a_long_sample_learns_and_resumes_to_the_same_bits(tmp_path):

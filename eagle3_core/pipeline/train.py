@@ -77,10 +77,10 @@ def claim_training_dir(out: Path, key: str) -> None:
 
 def train_key(cfg: PipelineConfig) -> str:
     """Inputs key of the training stage: features, vocab map, train and draft settings (any number of GPUs), and
-    the warm-start draft's weights (train.init_from). train.batching and train.window_context count only when set
-    away from their defaults, so that a run trained before they existed stays done."""
+    the warm-start draft's weights (train.init_from). train.batching, train.window_context and train.graph count only
+    when set away from their defaults, so that a run trained before they existed stays done."""
     from .vocab import init_key
-    new_defaults = {k for k in ("batching", "window_context")
+    new_defaults = {k for k in ("batching", "window_context", "graph")
                     if getattr(cfg.train, k) == type(cfg.train).model_fields[k].default}
     return stage_key(upstream_manifest(cfg.run_dir, "features")["inputs_key"],
                      upstream_manifest(cfg.run_dir, "vocab")["inputs_key"],
