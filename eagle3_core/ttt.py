@@ -119,7 +119,8 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
     Packed rows (eagle3_core.packing.collate_packed: 'doc' and 'position' in the batch) are never trimmed (one
     shape per row); attention stays within a document, RoPE positions are the batch's, and a position is
     supervised only where the token it predicts is in its own document; their flex BlockMask may come built in
-    batch['block_mask'] (packing.packed_ttt_loss, which compiles this whole function for packed rows).
+    batch['block_mask'] (packing.packed_ttt_loss, which compiles this whole function for the packed rows of long
+    runs and otherwise runs the same steps as its own compiled graphs).
     Returns (loss scalar, stats) where stats holds per-step tensors 'n' (supervised positions), 'correct',
     'chain' (positions right at every step so far) and 'loss'. Callers check finiteness.
     """
