@@ -42,18 +42,6 @@ def samples(n: int, lengths: list[int], H: int, V: int, lm_head: torch.Tensor, g
     return out
 
 
-_WHOLE: list = []
-
-
-def whole_graph_loss(draft, batch, head, ttt_length, step_weight):
-    """The former packed path: ttt.ttt_loss of a row compiled whole, its BlockMask built outside."""
-    from eagle3_core.ttt import ttt_loss
-    from eagle3_core.ttt_attention import document_block_mask
-    if not _WHOLE:
-        _WHOLE.append(torch.compile(ttt_loss, dynamic=False))
-    return _WHOLE[0](draft, {**batch, "block_mask": document_block_mask(batch["doc"])}, head, ttt_length, step_weight)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true")
@@ -65,13 +53,13 @@ def main() -> None:
     ap.add_argument("--lengths", default=str(Path(__file__).with_name("data") / "gsm8k_lengths.json"))
     ap.add_argument("--kernels-only", action="store_true", help="compile only the kernels (flex attention, merge, "
                     "loss) and run the TTT steps eagerly, as before packing.packed_ttt_loss (before/after runs)")
-    ap.add_argument("--whole-graph", action="store_true", help="compile the whole TTT loss of a row (K steps) as one "
-                    "graph, as before packing.packed_ttt_loss compiled one graph per step (before/after runs)")
+    ap.add_argument("--whole-graph", action="store_true", help="train.graph 'row': the whole TTT loss of a row "
+                    "(K steps) one compiled graph (default: train.graph 'auto', per TTT step at these sizes)")
     args = ap.parse_args()
-    if args.kernels_only or args.whole_graph:
+    if args.kernels_only:
         import eagle3_core.trainer as trainer_mod
         from eagle3_core.ttt import ttt_loss
-        trainer_mod.packed_ttt_loss = whole_graph_loss if args.whole_graph else ttt_loss
+        trainer_mod.packed_ttt_loss = ttt_loss
     H, N, V, nh, I = (64, 256, 512, 4, 128) if args.tiny else (576, 8192, 49152, 9, 1536)
     bt = args.batch_tokens or (256 if args.tiny else 4608)
     n = args.samples or (40 if args.tiny else 4000)
@@ -91,7 +79,7 @@ def main() -> None:
     t2d[vocab] = True
     draft = build_draft(shape, torch.randn(V, H, generator=g) * 0.02, vocab - torch.arange(N), t2d, 0)
     cfg = TrainConfig(epochs=args.epochs, lr=3e-4, batch_tokens=bt, ttt_length=7, checkpoint_every=10 ** 6,
-                      batching="packed", eval_frac=0.0)
+                      batching="packed", eval_frac=0.0, graph="row" if args.whole_graph else "auto")
     tokens = sum(len(s["input_ids"]) for s in train_s)
     print(f"{len(train_s)} samples ({tokens:,} tokens, {args.long} of {long[0] if long else 0}), rows of {bt}, "
           f"draft H {H} N {N}, TTT 7, {args.epochs} epochs, device {'cuda' if torch.cuda.is_available() else 'cpu'}",
