@@ -73,8 +73,32 @@ def data_stages(cfg: PipelineConfig) -> dict:
     return out
 
 
-def ours(cfg: PipelineConfig) -> dict:
-    """Our features, vocab and train stages from scratch; seconds of each, train log and torch warnings."""
+def profiled(stage, name: str, where: Path | None):
+    """`stage` run under cProfile when `where` is a folder: the stats go to where/NAME.prof (and the top 30 by
+    cumulative time to where/NAME.txt); otherwise `stage` itself."""
+    if where is None:
+        return stage
+
+    def run(*args, **kwargs):
+        import cProfile
+        import io
+        import pstats
+        where.mkdir(parents=True, exist_ok=True)
+        prof = cProfile.Profile()
+        try:
+            return prof.runcall(stage, *args, **kwargs)
+        finally:
+            prof.dump_stats(str(where / f"{name}.prof"))
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            (where / f"{name}.txt").write_text(text.getvalue())
+    return run
+
+
+def ours(cfg: PipelineConfig, profile: Path | None = None) -> dict:
+    """Our features, vocab and train stages from scratch; seconds of each, train log and torch warnings.
+    profile: a folder for each stage's cProfile stats (`profiled`; the timings then include its overhead)."""
     from eagle3_core import stages
     from eagle3_core.pipeline.layout import RunLayout
     run = RunLayout(cfg.run_dir)
@@ -83,7 +107,7 @@ def ours(cfg: PipelineConfig) -> dict:
     res, lines = {}, []
     for name, stage in (("features", stages.run_features), ("vocab", stages.run_vocab)):
         t0 = time.monotonic()
-        stage(cfg)
+        profiled(stage, name, profile)(cfg)
         res[name] = time.monotonic() - t0
         print(f"== ours {name}: {res[name]:.1f} s", flush=True)
     if torch.cuda.is_available():
@@ -91,7 +115,7 @@ def ours(cfg: PipelineConfig) -> dict:
     torch._dynamo.utils.counters.clear()
     t0 = time.monotonic()
     with TorchWarnings() as warned:
-        m = stages.run_train(cfg, log=lambda s: (lines.append(s), print(s, flush=True)))
+        m = profiled(stages.run_train, "train", profile)(cfg, log=lambda s: (lines.append(s), print(s, flush=True)))
     res["train"] = time.monotonic() - t0
     res["train_log"], res["torch_warnings"] = lines, warned.lines
     res["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -167,6 +191,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="result JSON (default RUN_DIR/e2e.json)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="where SpecForge trains (ours: the stages' own choice)")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="folder for cProfile stats of our stages (NAME.prof, NAME.txt); timings include it")
     a = ap.parse_args()
     cfg = load_config(a.config)
     if a.target:
@@ -176,7 +202,7 @@ def main() -> None:
     skip = set(filter(None, a.skip.split(",")))
     res["data"] = data_stages(cfg)
     if "ours" not in skip:
-        res["ours"] = ours(cfg)
+        res["ours"] = ours(cfg, a.profile)
     if "specforge" not in skip:
         res["specforge"] = specforge_online(cfg, torch.device(a.device))
     out.parent.mkdir(parents=True, exist_ok=True)

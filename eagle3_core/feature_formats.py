@@ -67,12 +67,14 @@ def encode(name: str, aux: torch.Tensor, final: torch.Tensor, top1: torch.Tensor
     raise ValueError(f"unknown feature format {name!r}; choose one of {list(FORMATS)}")
 
 
-def decode(name: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fp32 aux [T, 3H_t], final [T, H_t] and int64 target_top1 [T] from the stored tensors of `encode`."""
+def decode(name: str, t: dict[str, torch.Tensor], widen: bool = True) -> dict[str, torch.Tensor]:
+    """fp32 aux [T, 3H_t], final [T, H_t] and int64 target_top1 [T] from the stored tensors of `encode`.
+    widen False: bf16 features stay bf16 (half the bytes to copy; widening later is exact), fp8 ones still come
+    out fp32 (scaled)."""
     if name == "fp8":
         aux, final = _unfp8(t["aux"], t["aux_scale"]), _unfp8(t["final"], t["final_scale"])
     elif name in ("bf16", "fp32"):
-        aux, final = t["aux"].float(), t["final"].float()
+        aux, final = (t["aux"].float(), t["final"].float()) if widen else (t["aux"], t["final"])
     else:
         raise ValueError(f"format {name!r} stores no features")
     return {"aux": aux, "final": final, "target_top1": t["target_top1"].long()}

@@ -254,8 +254,9 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
 
 class FeatureSample(Mapping):
     """One training sample: 'id', 'input_ids' int64 [T], 'loss_mask' bool [T] held in memory; 'aux' fp32
-    [T, 3H_t], 'final' fp32 [T, H_t], 'target_top1' int64 [T] produced on access by the sample's source (read from
-    a shard, or computed by the target in online mode) and kept only in a small cache."""
+    [T, 3H_t], 'final' fp32 [T, H_t] (bf16 from a bf16 store read with load_samples(keep_dtype=True)),
+    'target_top1' int64 [T] produced on access by the sample's source (read from a shard, or computed by the
+    target in online mode) and kept only in a small cache."""
 
     KEYS = ("id", "input_ids", "loss_mask", "aux", "final", "target_top1")
 
@@ -295,10 +296,11 @@ class _Cache:
 
 
 class _ShardSource:
-    """Features read from the shards (memory-mapped, only the sample's rows) and decoded to fp32."""
+    """Features read from the shards (memory-mapped, only the sample's rows) and decoded (feature_formats.decode;
+    widen: to fp32)."""
 
-    def __init__(self, store_dir: Path, fmt: str):
-        self.store_dir, self.fmt, self.cache = store_dir, fmt, _Cache()
+    def __init__(self, store_dir: Path, fmt: str, widen: bool = True):
+        self.store_dir, self.fmt, self.widen, self.cache = store_dir, fmt, widen, _Cache()
         self.open = lru_cache(maxsize=32)(lambda file: safe_open(str(self.store_dir / file), "pt"))
 
     def features(self, sid, where, input_ids):
@@ -307,7 +309,7 @@ class _ShardSource:
         def read():
             f = self.open(file)
             stored = {k: f.get_slice(k)[a:b] for k in f.keys() if k not in ("input_ids", "loss_mask", "offsets")}
-            return ff.decode(self.fmt, stored)
+            return ff.decode(self.fmt, stored, self.widen)
         return self.cache.get(sid, read)
 
 
@@ -325,13 +327,16 @@ class _OnlineSource:
         return self.cache.get(sid, run)
 
 
-def load_samples(store_dir: Path, verify: bool = True, target_model=None) -> list[FeatureSample]:
+def load_samples(store_dir: Path, verify: bool = True, target_model=None,
+                 keep_dtype: bool = False) -> list[FeatureSample]:
     """The samples of a feature store, in row order, whatever its format (feature_formats.FORMATS).
 
     Each is a FeatureSample (a read-only Mapping; see its docstring for keys, shapes and dtypes). verify: check
     every shard against its record first (bad_shards: size and mtime, the sha256 where those disagree; in
     parallel). Online stores run the target on access: `target_model` (an HF causal
-    LM) or the manifest's target config, loaded on CUDA if available. Raises FileNotFoundError if the store has no
+    LM) or the manifest's target config, loaded on CUDA if available. keep_dtype: a bf16 store's aux and final
+    come as stored, bf16 (for the trainer, which widens them on the device: half the host copying). Raises
+    FileNotFoundError if the store has no
     manifest, ValueError naming every shard that is missing or fails its checksum (rerunning the features stage
     extracts exactly those again) or if the store is incomplete.
     """
@@ -355,7 +360,7 @@ def load_samples(store_dir: Path, verify: bool = True, target_model=None) -> lis
                                        "cuda" if torch.cuda.is_available() else "cpu")
         source = _OnlineSource(HFExtractor(target_model, manifest["aux_layer_ids"]))
     else:
-        source = _ShardSource(store_dir, fmt)
+        source = _ShardSource(store_dir, fmt, widen=not keep_dtype)
     samples = []
     for shard in manifest["shards"]:
         with safe_open(str(store_dir / shard["file"]), "pt") as f:

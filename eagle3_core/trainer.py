@@ -21,7 +21,6 @@ import hashlib
 import inspect
 import json
 import math
-import random
 import time
 from pathlib import Path
 
@@ -36,11 +35,11 @@ from .checkpoint import (
     set_rng_states,
 )
 from .config import TrainConfig
+from .batch_feed import batch_items, epoch_batches, item_ids, make_batch, packed, prefetch, to_device
 from .distributed.data_parallel import DataParallel
 from .draft_model import DraftShape, Eagle3Draft
-from .packing import (batches_by_tokens, collate_packed, compiled, compiled_training, pack_rows, packed_ttt_loss,
-                      sample_pieces)
-from .ttt import collate, summarize, ttt_loss
+from .packing import compiled, compiled_training, packed_ttt_loss
+from .ttt import summarize, ttt_loss
 from .ttt_attention import COMPILE
 
 
@@ -75,40 +74,6 @@ def lr_lambda(step: int, total: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def packed(cfg: TrainConfig, device: torch.device) -> bool:
-    """Whether batches are packed rows (cfg.batching; 'auto': on CUDA)."""
-    return cfg.batching == "packed" or (cfg.batching == "auto" and device.type == "cuda")
-
-
-def epoch_batches(samples: list[dict], cfg: TrainConfig, epoch: int, pack: bool = False) -> list[list]:
-    """Epoch `epoch`'s batches in an order seeded by (cfg.seed, epoch); the same on every rank and every run
-    (resume relies on it). Padded: lists of sample indices, length-bucketed under cfg.batch_tokens tokens each.
-    pack: rows of cfg.batch_tokens tokens, each a list of windows (sample index, a, b, c) (eagle3_core.packing)."""
-    batches = batch_items(samples, cfg, pack, cfg.seed * 1000 + epoch)
-    if not pack:                                                # packed rows come out in a seeded order already
-        random.Random(cfg.seed * 1000 + epoch).shuffle(batches)
-    return batches
-
-
-def batch_items(samples: list[dict], cfg: TrainConfig, pack: bool, seed: int) -> list[list]:
-    """The batches of `samples` under cfg.batch_tokens, unshuffled: length-bucketed lists of sample indices, or
-    (pack) rows of windows packed in an order seeded by `seed`."""
-    lengths = [len(s["input_ids"]) for s in samples]
-    if pack:
-        return pack_rows(sample_pieces(lengths, cfg.batch_tokens, cfg.context_tokens()), cfg.batch_tokens, seed)
-    return batches_by_tokens(lengths, cfg.batch_tokens)
-
-
-def make_batch(samples: list[dict], item: list, cfg: TrainConfig, pack: bool) -> dict:
-    """The tensors of one epoch_batches item on the host (ttt.collate or packing.collate_packed)."""
-    return collate_packed(samples, item, cfg.batch_tokens) if pack else collate([samples[i] for i in item])
-
-
-def item_ids(samples: list[dict], item: list, pack: bool) -> list:
-    """Sample ids of one epoch_batches item (error messages)."""
-    return [samples[p[0] if pack else p]["id"] for p in item]
-
-
 def _data_fingerprint(samples: list[dict], cfg: TrainConfig, global_accum: int, pack: bool = False) -> str:
     """Identifies the batch orders and step groups a checkpoint's position refers to: sample ids and lengths,
     budget, seed, batches per optimizer step (W*G: the same for 2 ranks x 1 as for 1 process x 2), and for packed
@@ -125,10 +90,6 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
     train stage key, serves every rank."""
     name = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
-
-
-def _to(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def _autocast(device: torch.device):
@@ -168,9 +129,10 @@ def _evaluate(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tensor,
     device = head_draft.device
     pack = packed(cfg, device)
     total, loss_of = None, TTTLoss(draft, head_draft, cfg)
-    for item in dp.shard(batch_items(samples, cfg, pack, cfg.seed)):
+    for host in prefetch(lambda item: make_batch(samples, item, cfg, pack),
+                         dp.shard(batch_items(samples, cfg, pack, cfg.seed)), pin=device.type == "cuda"):
         with _autocast(device):
-            _, stats = loss_of(_to(make_batch(samples, item, cfg, pack), device))
+            _, stats = loss_of(to_device(host, device))
         stats["loss"] = stats["loss"] * stats["n"]          # weight batch means by their counts
         total = stats if total is None else {k: total[k] + stats[k] for k in stats}
     total = {k: v.cpu() for k, v in dp.sum_stats(total, cfg.ttt_length).items()}
@@ -310,14 +272,17 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
     for epoch in range(epoch0, end_epoch):
         draft.train()
         batches = epoch_batches(train_samples, cfg, epoch, pack)
-        for g0 in range(batch0 if epoch == epoch0 else 0, len(batches), group_size):   # one optimizer step
+        plan = [(g0, dp.micro_batches(batches[g0:g0 + group_size], cfg.grad_accum))       # one optimizer step each
+                for g0 in range(batch0 if epoch == epoch0 else 0, len(batches), group_size)]
+        feed = prefetch(lambda item: make_batch(train_samples, item, cfg, pack),    # made ahead in a thread
+                        [ids or batches[g0] for g0, micro in plan for ids in micro], pin=device.type == "cuda")
+        for g0, micro in plan:
             group = batches[g0:g0 + group_size]
-            micro = dp.micro_batches(group, cfg.grad_accum)
             loss_sum = torch.zeros(2, dtype=torch.float64, device=device)      # [sum of micro-batch losses, count]
             for m, batch_ids in enumerate(micro):
                 real = batch_ids is not None                               # None: a zero-weight pad (W > 1)
-                host = make_batch(train_samples, batch_ids if real else group[0], cfg, pack)
-                batch = _to(host, device)
+                host = next(feed)
+                batch = to_device(host, device)
                 with dp.sync_gradients(model, last=m + 1 == len(micro)):   # all-reduce on the last one only
                     with _autocast(device):
                         loss, stats = model(batch)
@@ -338,18 +303,19 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                     n_tokens, my_tokens = n_tokens + tokens, my_tokens + tokens
                     loss_sum += torch.stack([loss.detach().double(), loss.new_ones((), dtype=torch.float64)])
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)   # the same on every rank: grads synced
-            if not torch.isfinite(gnorm):
+            loss_sum = dp.sum(loss_sum)
+            gnorm, mean = torch.stack([gnorm.double(), loss_sum[0] / loss_sum[1]]).tolist()   # one host sync
+            if not math.isfinite(gnorm):
                 raise FloatingPointError(f"non-finite gradient norm at epoch {epoch}, step {step} (batches "
                                          f"{g0}..{g0 + len(group) - 1}); lower train.lr or check the features "
                                          f"of this step's samples")
-            opt.step()
+            opt.step()                                 # queued: the host goes on to the next batch meanwhile
             sched.step()
             opt.zero_grad(set_to_none=True)
-            loss_sum = dp.sum(loss_sum)
-            step_losses.append(float(loss_sum[0] / loss_sum[1]))
+            step_losses.append(mean)
             if tb:
                 tb.add_scalar("train/loss", step_losses[-1], step)
-                tb.add_scalar("train/grad_norm", float(gnorm), step)
+                tb.add_scalar("train/grad_norm", gnorm, step)
                 tb.add_scalar("train/lr", sched.get_last_lr()[0], step)
             step += 1
             steps_this_call += 1

@@ -138,7 +138,8 @@ def test_shards_of_other_samples_or_layers_are_not_reused(target_model, tokenize
 
 def test_formats_bytes_and_values(target_model, target_cfg, tokenizer, tmp_path):
     """fp32 (exact), bf16, fp8 and online stores of the same rows, read through load_samples: values against the
-    exact features, bytes per token, and online features equal to stored ones for the same (single-sample) batches."""
+    exact features, bytes per token, online features equal to stored ones for the same (single-sample) batches,
+    and keep_dtype reads equal to the widened ones."""
     rows = _rows(tokenizer, 4)
     kw = dict(shard_samples=2, batch_tokens=64)          # budget below every length: one sample per forward
     stores = {}
@@ -164,6 +165,12 @@ def test_formats_bytes_and_values(target_model, target_cfg, tokenizer, tmp_path)
     for s, e in zip(stores["online"][1], exact):
         for k in ("aux", "final", "target_top1"):
             assert torch.equal(s[k], e[k]), k
+    # keep_dtype (the trainer's reads): a bf16 store's features as stored, the same values as the widened ones;
+    # other formats unchanged (fp8 is scaled: fp32)
+    for fmt, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32), ("fp8", torch.float32)):
+        for s, w in zip(load_samples(tmp_path / fmt, keep_dtype=True), stores[fmt][1]):
+            for k in ("aux", "final"):
+                assert s[k].dtype == dt and torch.equal(s[k].float(), w[k]), (fmt, k)
     assert dict(stores["online"][1][0]).keys() == {"id", "input_ids", "loss_mask", "aux", "final", "target_top1"}
 
 

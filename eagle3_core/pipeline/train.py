@@ -61,7 +61,7 @@ def train_split(cfg: PipelineConfig, dp=None) -> tuple[list, list]:
         raise ValueError(f"{n_bad} feature shard(s) corrupt or missing (changed since written), here "
                          f"{[str(store / b) for b in bad]}; rerun the features stage: it extracts exactly those "
                          "shards again")
-    samples = load_samples(store, verify=False)
+    samples = load_samples(store, verify=False, keep_dtype=True)       # bf16 stays bf16: batch_feed.to_device widens
     n_eval = int(len(samples) * cfg.train.eval_frac)
     return samples[n_eval:], samples[:n_eval]
 
