@@ -96,9 +96,9 @@ def profiled(stage, name: str, where: Path | None):
     return run
 
 
-def ours(cfg: PipelineConfig, profile: Path | None = None) -> dict:
+def ours(cfg: PipelineConfig, profile: Path | None = None, profile_stages: set = frozenset()) -> dict:
     """Our features, vocab and train stages from scratch; seconds of each, train log and torch warnings.
-    profile: a folder for each stage's cProfile stats (`profiled`; the timings then include its overhead)."""
+    profile: a folder for the cProfile stats of profile_stages (`profiled`; their timings include its overhead)."""
     from eagle3_core import stages
     from eagle3_core.pipeline.layout import RunLayout
     run = RunLayout(cfg.run_dir)
@@ -107,7 +107,7 @@ def ours(cfg: PipelineConfig, profile: Path | None = None) -> dict:
     res, lines = {}, []
     for name, stage in (("features", stages.run_features), ("vocab", stages.run_vocab)):
         t0 = time.monotonic()
-        profiled(stage, name, profile)(cfg)
+        profiled(stage, name, profile if name in profile_stages else None)(cfg)
         res[name] = time.monotonic() - t0
         print(f"== ours {name}: {res[name]:.1f} s", flush=True)
     if torch.cuda.is_available():
@@ -115,7 +115,8 @@ def ours(cfg: PipelineConfig, profile: Path | None = None) -> dict:
     torch._dynamo.utils.counters.clear()
     t0 = time.monotonic()
     with TorchWarnings() as warned:
-        m = profiled(stages.run_train, "train", profile)(cfg, log=lambda s: (lines.append(s), print(s, flush=True)))
+        run_train = profiled(stages.run_train, "train", profile if "train" in profile_stages else None)
+        m = run_train(cfg, log=lambda s: (lines.append(s), print(s, flush=True)))
     res["train"] = time.monotonic() - t0
     res["train_log"], res["torch_warnings"] = lines, warned.lines
     res["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -193,6 +194,7 @@ def main() -> None:
                     help="where SpecForge trains (ours: the stages' own choice)")
     ap.add_argument("--profile", type=Path, default=None,
                     help="folder for cProfile stats of our stages (NAME.prof, NAME.txt); timings include it")
+    ap.add_argument("--profile-stages", default="features,vocab,train", help="which of our stages --profile covers")
     a = ap.parse_args()
     cfg = load_config(a.config)
     if a.target:
@@ -202,7 +204,7 @@ def main() -> None:
     skip = set(filter(None, a.skip.split(",")))
     res["data"] = data_stages(cfg)
     if "ours" not in skip:
-        res["ours"] = ours(cfg, a.profile)
+        res["ours"] = ours(cfg, a.profile, set(a.profile_stages.split(",")))
     if "specforge" not in skip:
         res["specforge"] = specforge_online(cfg, torch.device(a.device))
     out.parent.mkdir(parents=True, exist_ok=True)
