@@ -70,6 +70,9 @@ def data_stages(cfg: PipelineConfig) -> dict:
         stage(cfg)
         out[name] = time.monotonic() - t0
         print(f"== {name}: {out[name]:.1f} s", flush=True)
+    if torch.cuda.is_available():      # CUDA's and cuBLAS's start-up, paid here (e.g. with generation cached), not by
+        torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")      # whichever trainer comes first
+        torch.cuda.synchronize()
     return out
 
 
