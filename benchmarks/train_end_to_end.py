@@ -80,9 +80,9 @@ def warm_process() -> None:
     cached): CUDA's and cuBLAS's start-up and the imports both trainers use, transformers' model classes (with
     its optional scikit-learn) and torch._dynamo (flex attention, torch.compile): about 12 s on the H200 host,
     measured with cProfile in a cold features stage."""
-    import torch._dynamo  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
     from transformers.models.llama import modeling_llama  # noqa: F401
+    torch.compiler.reset()                                  # imports torch._dynamo; nothing is compiled yet
     if torch.cuda.is_available():
         torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")
         torch.cuda.synchronize()

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .ttt import SoftCrossEntropyFromLogits, loss_dtype_of, shift_left, supervised, ttt_loss
+from .ttt import SoftCrossEntropyFromLogits, loss_dtype_of, shift_left, step_masks, teacher, ttt_loss
 from .ttt_attention import (COMPILE, causal_attention_flex, causal_attention_math, document_block_mask,
                             merge_diagonal_slots)
 
@@ -207,28 +207,24 @@ def packed_ttt_loss(draft, batch: dict, head_draft: torch.Tensor, ttt_length: in
     block_mask = document_block_mask(doc) if draft.midlayer.self_attn.impl == "merged_flex" else None
     in_vocab = draft.t2d[top1]
     ldt = loss_dtype_of(batch["final"].dtype)
-    with torch.no_grad():
-        z = batch["final"] @ head_draft.T                                  # [B, L, N] z_t[draft vocab]
-        z = torch.cat([z, z.new_zeros(B, ttt_length + 1, z.shape[-1])], dim=1)
-        z_lse = z.to(ldt).logsumexp(-1)
+    z, z_lse = teacher(batch["final"], head_draft, ttt_length)            # [B, L + K + 1, N], [B, L + K + 1]
     dt = torch.get_autocast_dtype(ids.device.type) if torch.is_autocast_enabled(ids.device.type) else None
     weights = draft.step_weights(dt) if dt is not None else None
     total, chain, keys, values = 0.0, None, [], []
     stats = {"n": [], "correct": [], "chain": [], "loss": []}
     for k in range(ttt_length):
-        m_step = supervised(mask, k) & (shift_left(doc, 2 + k, -2) == doc)  # x_{t+2+k} supervised, same document
-        m_loss = m_step & shift_left(in_vocab, 1 + k, False)
+        m_step, m_loss = step_masks(mask, in_vocab, k, doc)              # x_{t+2+k} supervised, same document
         per_step = (shift_left(ids, 1 + k), pos + k, weights, doc, block_mask)
-        teacher = (z[:, 1 + k:1 + k + L], z_lse[:, 1 + k:1 + k + L], m_loss.to(ldt) / m_loss.sum().clamp(min=1),
-                   m_step, shift_left(top1, 1 + k))
+        step_teacher = (z[:, 1 + k:1 + k + L], z_lse[:, 1 + k:1 + k + L],
+                        m_loss.to(ldt) / m_loss.sum().clamp(min=1), m_step, shift_left(top1, 1 + k))
         if k == 0:
-            k0, v0, hidden, loss_k, right, correct = fns[0](draft, batch["aux"], *per_step, *teacher)
+            k0, v0, hidden, loss_k, right, correct = fns[0](draft, batch["aux"], *per_step, *step_teacher)
         else:
             if k == 1:             # requires grad like the slots of later steps (one graph); its grad is unused
                 empty = k0.new_zeros(k0.shape).requires_grad_(torch.is_grad_enabled())
             slots = [torch.stack(c + [empty] * (ttt_length - 1 - len(c))) for c in (keys, values)]
             kk, vv, hidden, loss_k, right, correct = fns[1](draft, hidden, *per_step, k0, v0, *slots,
-                                                            torch.full((), k - 1, device=ids.device), *teacher)
+                                                            torch.full((), k - 1, device=ids.device), *step_teacher)
             keys.append(kk)
             values.append(vv)
         total = total + (step_weight ** k) * loss_k

@@ -108,6 +108,27 @@ class SoftCrossEntropyFromLogits(torch.autograd.Function):
         return bwd(*ctx.saved_tensors, grad), None, None, None
 
 
+def teacher(final: torch.Tensor, target_head_draft: torch.Tensor, ttt_length: int):
+    """The teacher of every TTT step, without gradient: (z [B, T + K + 1, N] = final @ target_head_draft^T, the
+    target's logits over the draft vocab, zero-padded by K + 1 positions so that step k's teacher z_{t+1+k} is
+    the view z[:, 1 + k:1 + k + T]; z_lse [B, T + K + 1] their log-sum-exp in loss_dtype_of(final.dtype)).
+    final [B, T, H_t], target_head_draft [N, H_t]."""
+    with torch.no_grad():
+        z = final @ target_head_draft.T
+        z = torch.cat([z, z.new_zeros(z.shape[0], ttt_length + 1, z.shape[-1])], dim=1)
+        return z, z.to(loss_dtype_of(final.dtype)).logsumexp(-1)
+
+
+def step_masks(mask: torch.Tensor, in_vocab: torch.Tensor, k: int, doc: torch.Tensor | None = None):
+    """(m_step, m_loss), bool [B, T], of TTT step k: m_step where the target x_{t+2+k} is supervised (and, in a
+    packed row with document ids `doc` [B, T], in t's own document); m_loss where besides its target's argmax is
+    in the draft vocab (in_vocab [B, T], by position of that argmax, shifted here) (module docstring)."""
+    m_step = supervised(mask, k)
+    if doc is not None:
+        m_step = m_step & (shift_left(doc, 2 + k, -2) == doc)
+    return m_step, m_step & shift_left(in_vocab, 1 + k, False)
+
+
 def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: int, step_weight: float = 0.8,
              trim: bool = True):
     """Weighted TTT loss and per-step counts for one batch (tensors of `batch` on the draft's device).
@@ -129,16 +150,11 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
     doc = batch.get("doc")                                                 # packed rows: [B, T] document ids
     if doc is not None:
         positions, trim = batch["position"], False                         # one shape per row: never trimmed
-        same_doc = [shift_left(doc, 2 + k, -2) == doc for k in range(ttt_length)]  # target in t's document
     else:
         positions = torch.arange(T, device=ids.device).expand(B, T)
     in_vocab = draft.t2d[top1]                                             # [B, T] target argmax in draft vocab
     loss_dtype = loss_dtype_of(batch["final"].dtype)
-    with torch.no_grad():
-        # the teacher once for all steps; padded so that step k's view is a slice
-        z = batch["final"] @ target_head_draft.T                           # [B, T, N] z_t[draft vocab]
-        z = torch.cat([z, z.new_zeros(B, ttt_length + 1, z.shape[-1])], dim=1)
-        z_lse = z.to(loss_dtype).logsumexp(-1)                             # [B, T + K + 1] teacher row lse
+    z, z_lse = teacher(batch["final"], target_head_draft, ttt_length)     # once for all steps
     # RoPE tables and the bf16/fp16 casts of the step's matmul weights once per batch, not at every step
     if doc is None:
         cos, sin = draft.rope(torch.arange(T + ttt_length, device=ids.device).expand(B, -1))   # [B, T + K, hd]
@@ -158,10 +174,7 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
         rope = (cos[:, k + s0:k + T], sin[:, k + s0:k + T]) if doc is None else draft.rope(positions + k)
         hidden, logits = draft.step(tokens, hidden, (positions + k)[:, s0:], cache_k, cache_v,
                                     rope=rope, weights=weights, doc=doc, block_mask=batch.get("block_mask"))
-        m_step = supervised(mask, k)[:, s0:]                               # x_{t+2+k} is supervised
-        if doc is not None:
-            m_step = m_step & same_doc[k]                                  # ... and in the same document
-        m_loss = m_step & shift_left(in_vocab, 1 + k, False)[:, s0:]
+        m_step, m_loss = (m[:, s0:] for m in step_masks(mask, in_vocab, k, doc))
         weight = m_loss.to(loss_dtype) / m_loss.sum().clamp(min=1)         # mean over supervised positions
         loss_k = SoftCrossEntropyFromLogits.apply(logits, z[:, 1 + k + s0:1 + k + T],    # teacher z_{t+1+k}: views
                                                   z_lse[:, 1 + k + s0:1 + k + T], weight)
