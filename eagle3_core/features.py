@@ -336,9 +336,8 @@ def load_samples(store_dir: Path, verify: bool = True, target_model=None,
     parallel). Online stores run the target on access: `target_model` (an HF causal
     LM) or the manifest's target config, loaded on CUDA if available. keep_dtype: a bf16 store's aux and final
     come as stored, bf16 (for the trainer, which widens them on the device: half the host copying). Raises
-    FileNotFoundError if the store has no
-    manifest, ValueError naming every shard that is missing or fails its checksum (rerunning the features stage
-    extracts exactly those again) or if the store is incomplete.
+    FileNotFoundError if the store has no manifest, ValueError naming every shard that is missing or fails its
+    checksum (rerunning the features stage extracts exactly those again) or if the store is incomplete.
     """
     store_dir = Path(store_dir)
     manifest = read_manifest(store_dir / "manifest.json")

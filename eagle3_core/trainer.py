@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .batch_feed import batch_items, epoch_batches, item_ids, make_batch, packed, prefetch, to_device
 from .checkpoint import (
     load_latest_training_state,
     rng_states,
@@ -35,7 +36,6 @@ from .checkpoint import (
     set_rng_states,
 )
 from .config import TrainConfig
-from .batch_feed import batch_items, epoch_batches, item_ids, make_batch, packed, prefetch, to_device
 from .distributed.data_parallel import DataParallel
 from .draft_model import DraftShape, Eagle3Draft
 from .packing import compiled, compiled_training, packed_ttt_loss
