@@ -142,10 +142,11 @@ def ours(cfg: PipelineConfig, profile: Path | None = None, profile_stages: set =
     return res
 
 
-def specforge_online(cfg: PipelineConfig, device: torch.device) -> dict:
+def specforge_online(cfg: PipelineConfig, device: torch.device, on_epoch=None) -> dict:
     """SpecForge's training loop with the target's forward per batch (module docstring); seconds and steps. On a
     CPU (a check that the script runs): sdpa attention, and specforge_side_by_side's PyTorch stand-in for its
-    Triton loss."""
+    Triton loss. on_epoch(epochs_done, seconds, model): after each epoch, SpecForge's draft module; the time it
+    takes is left out of the clock."""
     from specforge_side_by_side import import_specforge, specforge_draft, specforge_inputs
     OnlineEagle3Model, _, _ = import_specforge()
     from specforge.optimizer import BF16Optimizer
@@ -192,6 +193,10 @@ def specforge_online(cfg: PipelineConfig, device: torch.device) -> dict:
             torch.cuda.synchronize()
         marks.append(time.monotonic() - t0)
         print(f"== specforge epoch {epoch + 1}: {marks[-1]:.1f} s, last loss {loss.detach().item():.3f}", flush=True)
+        if on_epoch is not None:
+            paused = time.monotonic()
+            on_epoch(epoch + 1, marks[-1], model)
+            t0 += time.monotonic() - paused
     seconds = time.monotonic() - t0
     return {"seconds": seconds, "epochs_at": marks, "steps": steps, "tokens": tokens,
             "final_loss": loss.detach().item(),

@@ -207,7 +207,7 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
     written for other data or another global batch. `stop_after_epochs` / `stop_after_steps` end this call after
     that many epochs / optimizer steps (time-boxed runs, resume tests); calling again resumes. `on_step(step, loss)`
     runs on every rank after each optimizer step (loss: the step's mean micro-batch loss over all ranks);
-    `on_epoch(epochs_done, epochs)` on rank 0 after each epoch (e.g. to move a progress bar).
+    `on_epoch(epochs_done, epochs)` on rank 0 after each epoch, its out_dir/last written (progress bars, snapshots).
     Batches: packed rows (cfg.batching; 'auto' on CUDA) or padded ones (epoch_batches); where kernels are compiled,
     the run is inside packing.compiled_training (packed: dynamo fails rather than run flex attention unfused).
     Returns {'best', 'history', 'steps', 'step_losses' (each optimizer step of this call, as for on_step), 'tokens'
@@ -343,9 +343,9 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
             + f" ({elapsed:.0f} s" + (f", ETA {eta / 60:.1f} min" if eta > 0 else "")
             + (f", {dp.world} ranks)" if dp.world > 1 else ")"))
         if dp.is_main:
+            save_draft(draft, out_dir / "last")
             if on_epoch is not None:
                 on_epoch(epoch + 1, cfg.epochs)
-            save_draft(draft, out_dir / "last")
         if score > best["tau_sim"]:
             best = {"tau_sim": score, "epoch": epoch}
             if dp.is_main:
