@@ -55,6 +55,14 @@ def item_ids(samples: list[dict], item: list, pack: bool) -> list:
     return [samples[p[0] if pack else p]["id"] for p in item]
 
 
+def device_feed(make: Callable, items: Iterable, device: torch.device) -> Iterator:
+    """The trainer's feed on `device`: on CUDA `prefetch` two ahead, pinned; elsewhere make(item) in the caller's
+    thread. On a CPU a second thread's torch calls bring their own OpenMP team onto the cores torch's training
+    threads use (and it spins there between regions): the demo's train stage on 2 cores took 256.9 s with the
+    thread against 216.8 s without (same store, same losses)."""
+    return prefetch(make, items, ahead=2, pin=True) if device.type == "cuda" else prefetch(make, items, ahead=0)
+
+
 def to_device(batch: dict, device: torch.device) -> dict:
     """batch (host tensors) on `device`, asynchronously from pinned memory; bf16/fp16 features widened to fp32
     there (the loss's input dtype; exact), so that the host copies half the bytes of fp32."""

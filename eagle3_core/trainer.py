@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .batch_feed import batch_items, epoch_batches, item_ids, make_batch, packed, prefetch, to_device
+from .batch_feed import batch_items, device_feed, epoch_batches, item_ids, make_batch, packed, to_device
 from .checkpoint import (
     load_latest_training_state,
     rng_states,
@@ -129,8 +129,8 @@ def _evaluate(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tensor,
     device = head_draft.device
     pack = packed(cfg, device)
     total, loss_of = None, TTTLoss(draft, head_draft, cfg)
-    for host in prefetch(lambda item: make_batch(samples, item, cfg, pack),
-                         dp.shard(batch_items(samples, cfg, pack, cfg.seed)), pin=device.type == "cuda"):
+    for host in device_feed(lambda item: make_batch(samples, item, cfg, pack),
+                            dp.shard(batch_items(samples, cfg, pack, cfg.seed)), device):
         with _autocast(device):
             _, stats = loss_of(to_device(host, device))
         stats["loss"] = stats["loss"] * stats["n"]          # weight batch means by their counts
@@ -274,8 +274,8 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
         batches = epoch_batches(train_samples, cfg, epoch, pack)
         plan = [(g0, dp.micro_batches(batches[g0:g0 + group_size], cfg.grad_accum))       # one optimizer step each
                 for g0 in range(batch0 if epoch == epoch0 else 0, len(batches), group_size)]
-        feed = prefetch(lambda item: make_batch(train_samples, item, cfg, pack),    # made ahead in a thread
-                        [ids or batches[g0] for g0, micro in plan for ids in micro], pin=device.type == "cuda")
+        feed = device_feed(lambda item: make_batch(train_samples, item, cfg, pack),   # CUDA: made ahead
+                           [ids or batches[g0] for g0, micro in plan for ids in micro], device)
         for g0, micro in plan:
             group = batches[g0:g0 + group_size]
             loss_sum = torch.zeros(2, dtype=torch.float64, device=device)      # [sum of micro-batch losses, count]
