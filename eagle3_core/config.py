@@ -43,6 +43,9 @@ class PromptConfig(StrictModel):
                                                   "name: 'reference_agentic_100k', 'eagle3_paper'")
     num_train: int = Field(120, ge=1, description="training prompts")
     num_eval: int = Field(16, ge=1, description="held-out prompts for the acceptance-length measurement")
+    eval_ids: list[str] | None = Field(None, description="the held-out prompts' ids, pinned (num_eval of them, "
+                                       "each a usable row of the sources); None: chosen from each source's stable "
+                                       "order (eagle3_core.prompts.build_prompts)")
     seed: int = Field(0, description="seed of the per-source samples and of the shuffle that splits train and eval")
     max_reject_frac: float = Field(0.05, ge=0, le=1, description="fail if a source rejects more than this fraction "
                                                                  "of its rows (rejects.jsonl lists them)")
@@ -65,6 +68,9 @@ class PromptConfig(StrictModel):
     def _counts_fit(self):
         if self.mix is not None:
             self.mix.check_total(self.num_train + self.num_eval)
+        if self.eval_ids is not None and not len(self.eval_ids) == len(set(self.eval_ids)) == self.num_eval:
+            raise ValueError(f"prompts.eval_ids holds {len(self.eval_ids)} ids ({len(set(self.eval_ids))} "
+                             f"distinct) but num_eval is {self.num_eval}: list exactly num_eval distinct ids, or leave it unset")
         return self
 
 

@@ -126,26 +126,31 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None,
     earlier: the prompts manifest of an earlier run of the same sources and seed ({train_ids, eval_ids}), or None.
     Its rows stay in front (still chosen when they still exist), its held-out set stays held out while num_eval is
     the same, and its train rows come first in the train file, in their order (growing a run: only the new rows are
-    regenerated and extracted).
+    regenerated and extracted). cfg.eval_ids, when set, is the held-out set whatever `earlier` says.
 
     Writes every reject to `rejects_path` (JSONL: source, row, reason); if the stage fails, to
     `failed_rejects_path(rejects_path)` instead, so that a finished run's rejects stay as they are. Raises
     RejectError naming the worst source if one rejects more than `cfg.max_reject_frac` of its rows, and
-    ValueError if a source has fewer rows left than it must give.
+    ValueError if a source has fewer rows left than it must give, or if an id of cfg.eval_ids is not among the
+    usable rows or not chosen (its source's count too small).
     """
     specs, total = source_specs(cfg), cfg.num_train + cfg.num_eval
     if cfg.mix is not None:
         cfg.mix.check_total(total)
     avail, per, rejects = _available(cfg, specs)
+    if cfg.eval_ids is not None:
+        earlier = {"train_ids": (earlier or {}).get("train_ids") or [], "eval_ids": list(cfg.eval_ids)}
     first = [*(earlier or {}).get("eval_ids", []), *(earlier or {}).get("train_ids", [])]
     try:
         check_reject_limit(per, rejects, cfg.max_reject_frac, failed_rejects_path(rejects_path))
         chosen = _sample(specs, avail, per, total, cfg.seed, first)
+        _check_pinned(cfg.eval_ids, avail, chosen)
     except ValueError:
         write_rejects(rejects_path, rejects, failed=True)
         raise
     write_rejects(rejects_path, rejects, failed=False)
     held, train_rows, how = _split(chosen, cfg.num_eval, cfg.seed, earlier)
+    how = "pinned by prompts.eval_ids" if cfg.eval_ids is not None else how
     eval_rows = [{**r, "messages": to_prompt(r["messages"]), "mode": "prompt"} for r in held]
     kept = set((earlier or {}).get("train_ids") or [])
     for name, rows in (("eval", eval_rows), ("train", train_rows)):
@@ -256,6 +261,22 @@ def _sample(specs: list[SourceSpec], avail: dict, per: dict, total: int, seed: i
     for s in pooled:
         per[s.label]["selected"] = sum(r["source"] == s.label for r in chosen["*pool"])
     return chosen
+
+
+def _check_pinned(eval_ids: list[str] | None, avail: dict, chosen: dict) -> None:
+    """Raise ValueError naming the ids of prompts.eval_ids that are not usable rows of the sources, or usable but not
+    chosen (their source gives fewer rows than it has pinned ids)."""
+    if eval_ids is None:
+        return
+    usable = {r["id"] for rows in avail.values() for r in rows}
+    picked = {r["id"] for rows in chosen.values() for r in rows}
+    if missing := [i for i in eval_ids if i not in usable]:
+        raise ValueError(f"prompts.eval_ids: {len(missing)} id(s) are not usable rows of the sources (missing, "
+                         f"rejected, outside the length limits or duplicates; prompts/rejects.jsonl lists rejects), "
+                         f"e.g. {missing[:5]}: fix the ids or the sources")
+    if left := [i for i in eval_ids if i not in picked]:
+        raise ValueError(f"prompts.eval_ids: {len(left)} id(s) are usable but their source gives fewer rows than "
+                         f"it has pinned ids, e.g. {left[:5]}: raise that source's count")
 
 
 def _split(chosen: dict[str, list[dict]], num_eval: int, seed: int, earlier: dict | None

@@ -239,6 +239,21 @@ def test_dedup_length_filters_counts_and_weights(tmp_path):
         build_prompts(PromptConfig(mix=short, num_train=23, num_eval=1))
 
 
+def test_pinned_eval_ids_are_the_held_out_set_and_bad_ones_are_named():
+    base = PromptConfig(num_train=120, num_eval=16, seed=3)
+    train0, chosen, _ = build_prompts(base)
+    pick = sorted(r["id"] for r in train0[:16])                           # 16 that the stable order puts in train
+    train, evals, stats = build_prompts(base.model_copy(update={"eval_ids": pick}))
+    assert [r["id"] for r in evals] == pick and stats["eval_chosen"] == "pinned by prompts.eval_ids"
+    assert len(train) == 120 and not {r["id"] for r in train} & set(pick)
+    assert {r["id"] for r in chosen} & {r["id"] for r in train}           # the unpinned held-out rows now train
+    with pytest.raises(ValueError, match=r"prompts.eval_ids holds 2 ids \(1 distinct\) but num_eval is 2"):
+        PromptConfig(num_train=4, num_eval=2, eval_ids=["human-eval/HumanEval/0"] * 2)
+    with pytest.raises(ValueError, match=r"1 id\(s\) are not usable rows.*'human-eval/HumanEval/9999'"):
+        build_prompts(PromptConfig(num_train=4, num_eval=2, eval_ids=["human-eval/HumanEval/0",
+                                                                       "human-eval/HumanEval/9999"]))
+
+
 def test_mix_definition_errors():
     with pytest.raises(ValueError, match="exactly one of `path`"):
         SourceSpec(path="a.jsonl", hf="x/y")

@@ -15,7 +15,9 @@ def prompts_key(cfg: PipelineConfig) -> str:
     (prompts.source_fingerprints: local files' sha256, Hugging Face data sets' name/split/revision) and what the
     token budget depends on (the target's template, max_length, max_new_tokens, chat-template arguments)."""
     g = cfg.generation
-    return stage_key(cfg.prompts, prompts_mod.source_fingerprints(cfg.prompts), target_key(cfg),
+    pinned = {"eval_ids"} if cfg.prompts.eval_ids is None else set()      # unset: the key of runs before it existed
+    return stage_key(cfg.prompts.model_dump(mode="json", exclude=pinned), prompts_mod.source_fingerprints(cfg.prompts),
+                     target_key(cfg),
                      {"max_length": cfg.features.max_length, "max_new_tokens": g.max_new_tokens,
                       "chat_template_kwargs": g.chat_template_kwargs})
 
