@@ -2,20 +2,27 @@
 regenerated data, every epoch's draft measured by one offline evaluator on the same held-out prompts.
 
   python benchmarks/recipe_tau_time.py --config configs/e2e_gsm8k.json --recipes configs/recipes_gsm8k.json \
-      [--target DIR] [--out DIR] [--plot docs/recipe_tau_time.png] [--skip specforge]
+      [--target DIR] [--out DIR] [--plot docs/recipe_tau_time.png] [--only NAME,...] [--workers W] \
+      [--measure-device cuda] [--no-specforge]
 
 Data: the config's prompts, regeneration and tokenization (train_end_to_end.data_stages, cached by their manifests).
-Ours: the features stage once (timed, from scratch), then each recipe of the --recipes file ({name: partial
-PipelineConfig, e.g. {"train": {"epochs": 5, "lr": 1e-3}, "draft": {"draft_vocab_size": 16384}}}, merged into the
-config) in a run folder of its own, RUN_DIR/recipes/NAME, that links the shared prompts, generations, tokenized rows
-and features: its vocab stage (a vocab size of its own) and train stage run there, every epoch's `last` draft kept.
+Ours: the features stage once (timed, from scratch, or its time read back from RUN_DIR/recipes/features.json when
+that store is still the one timed), then each recipe of the --recipes file ({name: partial PipelineConfig, e.g.
+{"train": {"epochs": 5, "lr": 1e-3}, "draft": {"draft_vocab_size": 16384}}, merged into the config) in a run folder
+of its own, RUN_DIR/recipes/NAME, that links the shared prompts, generations, tokenized rows and features: its vocab
+stage (a vocab size of its own) and train stage run there, every epoch's `last` draft kept. Two keys of a recipe are
+not config fields: "samples": N trains on the first N of the nested subsets of scaling_study (a second data size
+from the same store; its features time is counted as N / all train samples of the whole), "measure": "last" measures
+its final epoch only (default every epoch).
 A recipe's wall time at epoch e: features + its vocab + its train stage up to the end of epoch e (held-out TTT eval
-and checkpoints included; copying the snapshots is left out). SpecForge: train_end_to_end.specforge_online with the
+and checkpoints included; copying the snapshots is left out), compiled from a cold cache (cold_compile). SpecForge: train_end_to_end.specforge_online with the
 config's own recipe (its target forward in the loop, its BF16Optimizer), its weights at each epoch end loaded into
 our draft class (same parameter names); wall time from the target's load to that epoch's end.
-Measured: scaling_study.measure_offline (chain drafting with eval.num_draft_steps, greedy, eval.max_new_tokens, the
-run's held-out prompts, whose ids the result lists). A recipe that has its RUN_DIR/recipes/NAME/point.json for the
-same settings is not trained or measured again (a long search can go on over several calls).
+Measured after all training: scaling_study.measure_drafts (chain drafting with eval.num_draft_steps, greedy,
+eval.max_new_tokens, the run's held-out prompts, whose ids the result lists; target fp32), the drafts split over W
+processes (each with one target and one baseline; on a GPU they share it, the decode being launch-bound).
+Cached: a recipe whose RUN_DIR/recipes/NAME/trained.json holds the same settings is not trained again, a draft whose
+measured.json holds the same eval settings is not measured again (a long search can go on over several calls).
 
 Writes OUT/results.json (every point: trainer, recipe, epoch, seconds, tau, 95% CI, per-prompt counts), the plot
 (tau against seconds, both trainers) and prints, for each recipe, its best tau within SpecForge's wall time with
@@ -25,8 +32,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
+import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from eagle3_core.config import PipelineConfig, TargetConfig, load_config  # noqa: E402
 
 SHARED = ("prompts", "generations", "tokenized", "features")        # RunLayout folders every recipe reads
+NOT_CONFIG = ("samples", "measure")                                  # recipe keys this script reads itself
 
 
 def merged(base: dict, override: dict) -> dict:
@@ -50,10 +61,11 @@ def merged(base: dict, override: dict) -> dict:
 
 
 def recipe_config(base: PipelineConfig, name: str, recipe: dict) -> PipelineConfig:
-    """The config of one recipe: `recipe` merged into `base`, run_dir RUN_DIR/recipes/NAME with the SHARED folders
-    of base linked into it (created once). Raises pydantic's ValidationError naming a bad recipe field."""
+    """The config of one recipe: `recipe` (less NOT_CONFIG) merged into `base`, run_dir RUN_DIR/recipes/NAME with
+    the SHARED folders of base linked into it (created once). Raises pydantic's ValidationError naming a bad field."""
     from eagle3_core.pipeline.layout import RunLayout
-    cfg = PipelineConfig.model_validate(merged(base.model_dump(mode="json"), recipe) | {
+    fields = {k: v for k, v in recipe.items() if k not in NOT_CONFIG}
+    cfg = PipelineConfig.model_validate(merged(base.model_dump(mode="json"), fields) | {
         "run_dir": str(Path(base.run_dir) / "recipes" / name)})
     src, dst = RunLayout(base.run_dir), RunLayout(cfg.run_dir)
     dst.run_dir.mkdir(parents=True, exist_ok=True)
@@ -64,28 +76,53 @@ def recipe_config(base: PipelineConfig, name: str, recipe: dict) -> PipelineConf
     return cfg
 
 
-def measured(cfg: PipelineConfig, draft_dir: Path) -> dict:
-    """The offline evaluator's entry for the draft in draft_dir (tau, tau_ci95, per_prompt, ...)."""
-    from eagle3_core.checkpoint import load_draft
-    from eagle3_core.scaling_study import measure_offline
-    m = measure_offline(cfg, load_draft(draft_dir))
-    return {k: m[k] for k in ("tau", "tau_ci95", "accept_per_position", "per_prompt")}
+def cached(path: Path, settings: dict) -> dict | None:
+    """The JSON at path if it was written for these settings, else None."""
+    if path.exists() and (old := json.loads(path.read_text())).get("settings") == settings:
+        return old
+    return None
 
 
-def our_recipe(base: PipelineConfig, name: str, recipe: dict, features_seconds: float) -> dict:
-    """Train one recipe (module docstring) and measure each epoch's draft; cached in its point.json."""
+def subset_train(cfg: PipelineConfig, n: int, on_epoch, log) -> int:
+    """The train stage's trainer on the first n of scaling_study's nested subsets of the train split (the held-out
+    TTT eval split unchanged), into RUN_DIR/draft; returns how many train samples the store holds."""
+    from eagle3_core.pipeline.layout import RunLayout
+    from eagle3_core.pipeline.train import claim_training_dir, fresh_draft, train_key, train_split
+    from eagle3_core.scaling_study import nested_subset
+    from eagle3_core.trainer import train
+    train_all, eval_s = train_split(cfg)
+    if n > len(train_all):
+        raise ValueError(f"recipe samples {n} > {len(train_all)} train samples in {cfg.run_dir / 'features'}")
+    draft, lm_head = fresh_draft(cfg, log=lambda s: None)
+    out = RunLayout(cfg.run_dir).draft
+    claim_training_dir(out, f"{train_key(cfg)}-n{n}")
+    train(draft, [train_all[i] for i in nested_subset(len(train_all), n, 0)], eval_s, lm_head, cfg.train, out,
+          log=log, on_epoch=on_epoch, tensorboard=False)
+    return len(train_all)
+
+
+def cold_compile() -> None:
+    """Make the next training compile from nothing, as a run of its own would: dynamo's in-process caches
+    cleared and inductor pointed at an empty cache folder (otherwise a recipe after the first reuses its graphs)."""
+    torch.compiler.reset()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor_")
+
+
+def train_ours(base: PipelineConfig, name: str, recipe: dict, features_seconds: float) -> dict:
+    """Train one recipe (module docstring), every epoch's draft kept in RUN_DIR/recipes/NAME/epochs/epoch_E;
+    returns trained.json {settings, vocab_seconds, epochs: [{epoch, seconds, dir}]} (cached)."""
     from eagle3_core import stages
     from eagle3_core.pipeline.layout import RunLayout
     cfg = recipe_config(base, name, recipe)
     run = RunLayout(cfg.run_dir)
-    done = run.run_dir / "point.json"
     settings = {"recipe": recipe, "train": cfg.train.model_dump(mode="json"),
-                "draft": cfg.draft.model_dump(mode="json")}
-    if done.exists() and (old := json.loads(done.read_text()))["settings"] == settings:
-        print(f"== recipe {name}: measured before ({done})", flush=True)
+                "draft": cfg.draft.model_dump(mode="json"), "features_seconds": features_seconds}
+    if old := cached(run.run_dir / "trained.json", settings):
+        print(f"== recipe {name}: trained before", flush=True)
         return old
     for d in (run.vocab, run.draft, run.run_dir / "epochs"):
         shutil.rmtree(d, ignore_errors=True)
+    cold_compile()
     t0 = time.monotonic()
     stages.run_vocab(cfg, log=lambda s: None)
     vocab_seconds = time.monotonic() - t0
@@ -98,44 +135,100 @@ def our_recipe(base: PipelineConfig, name: str, recipe: dict, features_seconds: 
         shutil.copytree(run.draft / "last", run.run_dir / "epochs" / f"epoch_{epochs_done}")
         left_out[0] += time.monotonic() - paused
 
-    stages.run_train(cfg, log=lambda s: print(f"   [{name}] {s}", flush=True), on_epoch=snapshot)
-    points = []
-    for e, train_seconds in enumerate(marks, 1):
-        m = measured(cfg, run.run_dir / "epochs" / f"epoch_{e}")
-        points.append({"trainer": "ours", "recipe": name, "epoch": e,
-                       "seconds": features_seconds + vocab_seconds + train_seconds, **m})
-        print(f"== recipe {name} epoch {e}: {points[-1]['seconds']:.1f} s, tau {m['tau']:.3f}", flush=True)
-    out = {"settings": settings, "features_seconds": features_seconds, "vocab_seconds": vocab_seconds,
-           "points": points}
-    done.write_text(json.dumps(out, indent=2))
+    def log(s: str) -> None:
+        print(f"   [{name}] {s}", flush=True)
+
+    share = 1.0
+    if "samples" in recipe:
+        share = recipe["samples"] / subset_train(cfg, recipe["samples"], snapshot, log)
+    else:
+        stages.run_train(cfg, log=log, on_epoch=snapshot)
+    epochs = [{"epoch": e, "seconds": features_seconds * share + vocab_seconds + s,
+               "dir": str(run.run_dir / "epochs" / f"epoch_{e}")} for e, s in enumerate(marks, 1)]
+    out = {"settings": settings, "vocab_seconds": vocab_seconds, "features_share": share, "epochs": epochs}
+    (run.run_dir / "trained.json").write_text(json.dumps(out, indent=2))
     return out
 
 
-def specforge_recipe(base: PipelineConfig, device: torch.device) -> list[dict]:
-    """SpecForge's online run with the config's recipe, each epoch's draft measured (module docstring)."""
+def train_specforge(base: PipelineConfig, device: torch.device) -> dict:
+    """SpecForge's online run with the config's recipe (module docstring), each epoch's draft in our format in
+    RUN_DIR/recipes/specforge/epochs/epoch_E; returns trained.json (cached) as train_ours does."""
     from train_end_to_end import specforge_online
 
     from eagle3_core.checkpoint import save_draft
     from eagle3_core.pipeline.train import fresh_draft
-    keep = Path(base.run_dir) / "recipes" / "specforge" / "epochs"
-    shutil.rmtree(keep, ignore_errors=True)
-    marks = []
+    here = Path(base.run_dir) / "recipes" / "specforge"
+    settings = {"train": base.train.model_dump(mode="json"), "draft": base.draft.model_dump(mode="json")}
+    if old := cached(here / "trained.json", settings):
+        print("== specforge: trained before", flush=True)
+        return old
+    shutil.rmtree(here / "epochs", ignore_errors=True)
+    cold_compile()
+    epochs = []
 
     def snapshot(epochs_done: int, seconds: float, model) -> None:
         ours, _ = fresh_draft(base, log=lambda s: None)
         missing, unexpected = ours.load_state_dict(model.state_dict(), strict=False)
         if missing or not all("rotary" in k or "inv_freq" in k for k in unexpected):
             raise RuntimeError(f"SpecForge's draft does not map onto ours: missing {missing}, extra {unexpected}")
-        save_draft(ours.float(), keep / f"epoch_{epochs_done}")
-        marks.append(seconds)
+        save_draft(ours.float(), here / "epochs" / f"epoch_{epochs_done}")
+        epochs.append({"epoch": epochs_done, "seconds": seconds, "dir": str(here / "epochs" / f"epoch_{epochs_done}")})
 
     specforge_online(base, device, on_epoch=snapshot)
-    points = []
-    for e, seconds in enumerate(marks, 1):
-        m = measured(base, keep / f"epoch_{e}")
-        points.append({"trainer": "specforge", "recipe": "specforge", "epoch": e, "seconds": seconds, **m})
-        print(f"== specforge epoch {e}: {seconds:.1f} s, tau {m['tau']:.3f}", flush=True)
-    return points
+    out = {"settings": settings, "epochs": epochs}
+    (here / "trained.json").write_text(json.dumps(out, indent=2))
+    return out
+
+
+def eval_settings(cfg: PipelineConfig) -> dict:
+    """What a measurement depends on besides the draft: the eval settings and the held-out prompts."""
+    from eagle3_core.pipeline.layout import RunLayout
+    return {"eval": cfg.eval.model_dump(mode="json"),
+            "eval_ids": json.loads((RunLayout(cfg.run_dir).prompts / "manifest.json").read_text()).get("eval_ids")}
+
+
+def measure_worker(cfg_json: str, dirs: list[str], device: str) -> None:
+    """One process: scaling_study.measure_drafts on the drafts in `dirs`, each entry written to DIR/measured.json."""
+    from eagle3_core.checkpoint import load_draft
+    from eagle3_core.scaling_study import measure_drafts
+    torch.set_num_threads(2)
+    cfg = PipelineConfig.model_validate_json(cfg_json)
+    res = measure_drafts(cfg, {d: load_draft(Path(d)) for d in dirs}, device)
+    for d in dirs:
+        m = {k: res[d][k] for k in ("tau", "tau_ci95", "accept_per_position", "per_prompt", "lossless")}
+        (Path(d) / "measured.json").write_text(json.dumps({"settings": eval_settings(cfg), **m}))
+
+
+def measure_all(cfg: PipelineConfig, dirs: list[str], workers: int, device: str) -> None:
+    """Measure every draft dir without a measured.json for these eval settings, in `workers` processes (spawned:
+    CUDA does not survive a fork); a failed worker raises RuntimeError naming its drafts."""
+    todo = [d for d in dirs if not cached(Path(d) / "measured.json", eval_settings(cfg))]
+    if not todo:
+        return
+    workers = max(1, min(workers, len(todo)))
+    shares = [todo[i::workers] for i in range(workers)]
+    print(f"== measuring {len(todo)} drafts in {workers} processes on {device}", flush=True)
+    t0 = time.monotonic()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=measure_worker, args=(cfg.model_dump_json(), share, device)) for share in shares]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if bad := [s for p, s in zip(procs, shares, strict=True) if p.exitcode != 0]:
+        raise RuntimeError(f"measuring failed for {bad}: see the traceback above")
+    print(f"== measured in {time.monotonic() - t0:.0f} s", flush=True)
+
+
+def points_of(trainer: str, name: str, trained: dict) -> list[dict]:
+    """The measured epochs of one trained recipe as result points."""
+    out = []
+    for e in trained["epochs"]:
+        if (f := Path(e["dir"]) / "measured.json").exists():
+            m = json.loads(f.read_text())
+            m.pop("settings")
+            out.append({"trainer": trainer, "recipe": name, "epoch": e["epoch"], "seconds": e["seconds"], **m})
+    return out
 
 
 def plot(points: list[dict], path: Path, title: str) -> Path:
@@ -143,7 +236,7 @@ def plot(points: list[dict], path: Path, title: str) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for name in dict.fromkeys(p["recipe"] for p in points):
         pts = sorted((p for p in points if p["recipe"] == name), key=lambda p: p["seconds"])
         x, y = [p["seconds"] for p in pts], [p["tau"] for p in pts]
@@ -155,7 +248,7 @@ def plot(points: list[dict], path: Path, title: str) -> Path:
     ax.set_ylabel("acceptance length tau (offline, held-out)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -171,15 +264,37 @@ def summary(points: list[dict]) -> list[dict]:
     final = max(sf, key=lambda p: p["epoch"]) if sf else None
     rows = []
     for name in dict.fromkeys(p["recipe"] for p in points if p["trainer"] == "ours"):
-        pts = [p for p in points if p["recipe"] == name and (final is None or p["seconds"] <= final["seconds"])]
+        mine = [p for p in points if p["recipe"] == name]
+        pts = [p for p in mine if final is None or p["seconds"] <= final["seconds"]]
         best = max(pts, key=lambda p: p["tau"]) if pts else None
+        last = max(mine, key=lambda p: p["epoch"])
         row = {"recipe": name, "best_within_specforge_time": best and {k: best[k] for k in ("epoch", "seconds",
-                                                                                             "tau", "tau_ci95")}}
+                                                                                             "tau", "tau_ci95")},
+               "last": {k: last[k] for k in ("epoch", "seconds", "tau", "tau_ci95")}}
         if best and final:
             row["minus_specforge"] = {"tau": best["tau"] - final["tau"],
                                       "ci95_paired": paired_bootstrap_diff_ci(best["per_prompt"], final["per_prompt"])}
         rows.append(row)
     return rows
+
+
+def features_once(cfg: PipelineConfig, out: Path) -> float:
+    """The features stage from scratch, timed; its seconds are read back from OUT/features.json while the store's
+    manifest is the one timed (same inputs key)."""
+    from eagle3_core import stages
+    from eagle3_core.pipeline.layout import RunLayout
+    run = RunLayout(cfg.run_dir)
+    record = out / "features.json"
+    if record.exists() and (run.features / "manifest.json").exists():
+        old, key = json.loads(record.read_text()), json.loads((run.features / "manifest.json").read_text())
+        if old["inputs_key"] == key["inputs_key"]:
+            return old["seconds"]
+    shutil.rmtree(run.features, ignore_errors=True)
+    t0 = time.monotonic()
+    m = stages.run_features(cfg, log=lambda s: None)
+    seconds = time.monotonic() - t0
+    record.write_text(json.dumps({"inputs_key": m["inputs_key"], "seconds": seconds}))
+    return seconds
 
 
 def main() -> None:
@@ -189,51 +304,62 @@ def main() -> None:
     ap.add_argument("--target", default=None, help="target directory instead of the config's target.model")
     ap.add_argument("--out", type=Path, default=None, help="result folder (default RUN_DIR/recipes)")
     ap.add_argument("--plot", type=Path, default=None, help="also write the plot here (e.g. docs/recipe_tau_time.png)")
-    ap.add_argument("--skip", default="", help="comma-separated: specforge (reuse its points from OUT/results.json)")
+    ap.add_argument("--only", default="", help="comma-separated recipe names to train now (default all)")
+    ap.add_argument("--no-specforge", action="store_true", help="do not train SpecForge now (reuse its cache)")
+    ap.add_argument("--no-measure", action="store_true", help="train only; measure in a later call")
+    ap.add_argument("--workers", type=int, default=1, help="processes that measure drafts")
+    ap.add_argument("--measure-device", default="cpu", help="where the evaluator runs ('cpu', 'cuda')")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where SpecForge trains")
     a = ap.parse_args()
     from train_end_to_end import data_stages
 
     from eagle3_core import stages
-    from eagle3_core.pipeline.layout import RunLayout
     cfg = load_config(a.config)
     if a.target:
         cfg = cfg.model_copy(update={"target": TargetConfig(model=a.target)})
     recipes = json.loads(a.recipes.read_text())
+    only = set(filter(None, a.only.split(","))) or set(recipes)
+    if unknown := only - set(recipes):
+        raise SystemExit(f"--only {sorted(unknown)}: not in {a.recipes} (it has {sorted(recipes)})")
     out = a.out or Path(cfg.run_dir) / "recipes"
     out.mkdir(parents=True, exist_ok=True)
-    earlier = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
     data_stages(cfg)
-    run = RunLayout(cfg.run_dir)
-    shutil.rmtree(run.features, ignore_errors=True)
-    t0 = time.monotonic()
-    stages.run_features(cfg, log=lambda s: None)
-    features_seconds = time.monotonic() - t0
+    features_seconds = features_once(cfg, out)
     stages.run_vocab(cfg, log=lambda s: None)               # SpecForge's draft vocab: the config's own
     print(f"== features: {features_seconds:.1f} s", flush=True)
-    points = []
+    trained = {}
     for name, recipe in recipes.items():
-        points += our_recipe(cfg, name, recipe, features_seconds)["points"]
-    if "specforge" in set(filter(None, a.skip.split(","))):
-        points += [p for p in earlier.get("points", []) if p["trainer"] == "specforge"]
-    else:
-        points += specforge_recipe(cfg, torch.device(a.device))
-    prompts_manifest = json.loads((run.prompts / "manifest.json").read_text())
-    res = {"config": str(a.config), "recipes": recipes, "eval_ids": prompts_manifest.get("eval_ids"),
-           "eval": cfg.eval.model_dump(mode="json"), "features_seconds": features_seconds, "points": points,
-           "summary": summary(points)}
+        here = Path(cfg.run_dir) / "recipes" / name / "trained.json"
+        if name in only:
+            trained[name] = train_ours(cfg, name, recipe, features_seconds)
+        elif here.exists():
+            trained[name] = json.loads(here.read_text())
+    sf_file = Path(cfg.run_dir) / "recipes" / "specforge" / "trained.json"
+    sf = (json.loads(sf_file.read_text()) if sf_file.exists() else None) if a.no_specforge else \
+        train_specforge(cfg, torch.device(a.device))
+    dirs = [e["dir"] for name, t in trained.items()
+            for e in (t["epochs"][-1:] if recipes[name].get("measure") == "last" else t["epochs"])]
+    dirs += [e["dir"] for e in (sf or {}).get("epochs", [])]
+    if not a.no_measure:
+        measure_all(cfg, dirs, a.workers, a.measure_device)
+    points = [p for name, t in trained.items() for p in points_of("ours", name, t)]
+    points += points_of("specforge", "specforge", sf) if sf else []
+    res = {"config": str(a.config), "recipes": recipes, **eval_settings(cfg), "features_seconds": features_seconds,
+           "points": points, "summary": summary(points)}
     (out / "results.json").write_text(json.dumps(res, indent=2))
     title = (f"{Path(a.config).stem}: {len(res['eval_ids'] or [])} held-out prompts, chain of "
              f"{cfg.eval.num_draft_steps}, {cfg.eval.max_new_tokens} new tokens")
-    for path in filter(None, (out / "tau_time.png", a.plot)):
-        plot(points, path, title)
-    print("| recipe | best tau within SpecForge's time | at (s, epoch) | minus SpecForge (paired 95% CI) |\n"
-          "|---|---|---|---|")
+    if points:
+        for path in filter(None, (out / "tau_time.png", a.plot)):
+            plot(points, path, title)
+    print("| recipe | best tau within SpecForge's time | at (s, epoch) | minus SpecForge (paired 95% CI) | last |\n"
+          "|---|---|---|---|---|")
     for row in res["summary"]:
-        b, d = row["best_within_specforge_time"], row.get("minus_specforge")
+        b, d, last = row["best_within_specforge_time"], row.get("minus_specforge"), row["last"]
         print(f"| {row['recipe']} | " + (f"{b['tau']:.3f} ({b['tau_ci95'][0]:.2f}-{b['tau_ci95'][1]:.2f}) | "
                                          f"{b['seconds']:.0f} s, epoch {b['epoch']} | " if b else "none | - | ")
-              + (f"{d['tau']:+.3f} ({d['ci95_paired'][0]:+.3f} to {d['ci95_paired'][1]:+.3f}) |" if d else "- |"))
+              + (f"{d['tau']:+.3f} ({d['ci95_paired'][0]:+.3f} to {d['ci95_paired'][1]:+.3f}) |" if d else "- |")
+              + f" {last['tau']:.3f} at {last['seconds']:.0f} s, epoch {last['epoch']} |")
     print(f"written to {out / 'results.json'}")
 
 

@@ -105,8 +105,8 @@ def build_tree(draft, root_token: int, h: torch.Tensor, logits: torch.Tensor, dc
             # a fresh dict: decode extends it, the committed cache stays as it is
             cache = ({"k": dcache["k"], "v": dcache["v"]} if pk is None     # prefix + this node's ancestors
                      else {"k": torch.cat([dcache["k"], pk], 2), "v": torch.cat([dcache["v"], pv], 2)})
-            out, lg = draft.decode(torch.tensor([[cand_tok[node]]]), h_in, torch.tensor([[n_ctx + level - 1]]),
-                                   cache)
+            out, lg = draft.decode(torch.tensor([[cand_tok[node]]], device=h_in.device), h_in,
+                                   torch.tensor([[n_ctx + level - 1]], device=h_in.device), cache)
             state[node] = (out, cache["k"][:, :, n_ctx:], cache["v"][:, :, n_ctx:])
             expand(node, cand_score[node], lg[0, -1], level + 1)
         # the k best of this level's k*k candidates are expanded next (ties: lower index, as a stable sort)

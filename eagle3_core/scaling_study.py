@@ -13,6 +13,8 @@ import random
 import time
 from pathlib import Path
 
+import torch
+
 from .config import PipelineConfig
 from .manifest import cached_manifest, write_manifest
 from .pipeline.layout import RunLayout
@@ -67,10 +69,17 @@ def size_key(cfg: PipelineConfig, n: int, seed: int) -> str:
     return stage_key(train_key(cfg), n, seed, cfg.eval, upstream_manifest(cfg.run_dir, "prompts")["inputs_key"])
 
 
-def measure_offline(cfg: PipelineConfig, draft) -> dict:
-    """tau of `draft` by the offline evaluator on cfg.run_dir's held-out prompts: chain drafting with
-    cfg.eval.num_draft_steps, greedy, cfg.eval.max_new_tokens per prompt. Returns evaluate.measure's entry for the
-    draft (tau, tau_ci95, accept_per_position, lossless, prompts, ...)."""
+def measure_offline(cfg: PipelineConfig, draft, device: str = "cpu") -> dict:
+    """tau of `draft` by the offline evaluator on cfg.run_dir's held-out prompts (measure_drafts). Returns
+    evaluate.measure's entry for the draft (tau, tau_ci95, accept_per_position, lossless, prompts, ...)."""
+    return measure_drafts(cfg, {"draft": draft}, device)["draft"]
+
+
+def measure_drafts(cfg: PipelineConfig, drafts: dict, device: str = "cpu", on_prompt=None) -> dict:
+    """Each draft of {name: Eagle3Draft} by the offline evaluator on cfg.run_dir's held-out prompts: chain drafting
+    with cfg.eval.num_draft_steps, greedy, cfg.eval.max_new_tokens per prompt, against one target-only baseline;
+    the target in fp32 on `device` ('cpu', 'cuda', 'cuda:1'; each draft is moved there, its dtype kept).
+    Returns {name: evaluate.measure's entry}; on_prompt as evaluate.measure's."""
     from .data import prompt_ids
     from .evaluate import SpecRun, measure
     from .prompts import read_rows
@@ -81,10 +90,13 @@ def measure_offline(cfg: PipelineConfig, draft) -> dict:
     rows = read_rows(RunLayout(cfg.run_dir).prompts_eval)
     prompts = [prompt_ids(tok, r["messages"]) for r in rows]
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    report = measure(TargetRunner(load_target(cfg.target), draft.shape.aux_layer_ids),
-                     {"draft": SpecRun(draft.eval(), cfg.eval.num_draft_steps)}, prompts,
-                     [category(r) for r in rows], cfg.eval.max_new_tokens, eos, cfg.eval.tie_gap)
-    return report["draft"]
+    aux = {tuple(d.shape.aux_layer_ids) for d in drafts.values()}
+    if len(aux) != 1:
+        raise ValueError(f"measure_drafts: the drafts read different aux layers {sorted(aux)}; measure them apart")
+    report = measure(TargetRunner(load_target(cfg.target, device, torch.float32), list(aux.pop())),
+                     {k: SpecRun(d.to(device).eval(), cfg.eval.num_draft_steps) for k, d in drafts.items()}, prompts,
+                     [category(r) for r in rows], cfg.eval.max_new_tokens, eos, cfg.eval.tie_gap, on_prompt)
+    return {k: report[k] for k in drafts}
 
 
 def study_sizes(cfg: PipelineConfig, fractions: list[float]) -> list[int]:

@@ -92,9 +92,9 @@ def prefill(target: TargetRunner, draft, prompt: list[int]) -> SpecState:
     logits, aux = target.forward(prompt, cache)                          # [n, V], [n, 3H_t]
     tokens = [int(logits[-1].argmax())]
     n = len(prompt)
-    seq = prompt + tokens
-    out, dlogits = draft.decode(torch.tensor([seq[1:]]), draft.fuse(aux[None].to(draft.fc.weight.dtype)),
-                                torch.arange(n)[None], dcache)
+    seq, dev = prompt + tokens, draft.fc.weight.device
+    out, dlogits = draft.decode(torch.tensor([seq[1:]], device=dev), draft.fuse(aux[None].to(draft.fc.weight)),
+                                torch.arange(n, device=dev)[None], dcache)
     return SpecState(cache, dcache, out[:, -1:], dlogits[0, -1], n, tokens)
 
 
@@ -135,8 +135,9 @@ def commit(draft, state: SpecState, tree: DraftTree, path: list[int], bonus: int
             layer.keys = torch.cat([layer.keys[..., :P, :], layer.keys.index_select(-2, idx)], -2)
             layer.values = torch.cat([layer.values[..., :P, :], layer.values.index_select(-2, idx)], -2)
     new = [tree.tokens[j] for j in path] + [bonus]
-    out, dlogits = draft.decode(torch.tensor([new]), draft.fuse(aux[None, keep].to(draft.fc.weight.dtype)),
-                                torch.arange(P, P + len(keep))[None], state.dcache)
+    dev = draft.fc.weight.device
+    out, dlogits = draft.decode(torch.tensor([new], device=dev), draft.fuse(aux[None, keep].to(draft.fc.weight)),
+                                torch.arange(P, P + len(keep), device=dev)[None], state.dcache)
     state.h, state.logits, state.n_ctx = out[:, -1:], dlogits[0, -1], P + len(keep)
     return new
 
