@@ -1,0 +1,39 @@
+"""The replay evaluator against the decoding one: the trained draft of the end-to-end run, on the embedded target,
+replayed on recorded greedy output, takes the same verify steps and accepts the same tokens as
+speculate.speculative_generate running the target at every verify step."""
+from eagle3_core.data import prompt_ids
+from eagle3_core.evaluate import compare_outputs
+from eagle3_core.replay_eval import record_target, replay_chain, replay_measure
+from eagle3_core.speculate import TargetRunner, speculative_generate
+
+
+def test_replay_takes_the_verify_steps_of_real_decoding(e2e_run, target_model, tokenizer):
+    from eagle3_core.checkpoint import load_draft
+    from eagle3_core.pipeline.layout import RunLayout
+    from eagle3_core.prompts import read_rows
+    cfg, summary = e2e_run
+    draft = load_draft(summary["draft_dir"]).eval()
+    runner = TargetRunner(target_model, draft.shape.aux_layer_ids)
+    eos = {tokenizer.eos_token_id}
+    rows = read_rows(RunLayout(cfg.run_dir).prompts_train)[:3]           # memorised: long accepted runs
+    prompts = [prompt_ids(tokenizer, r["messages"]) for r in rows]
+    prompts += [prompt_ids(tokenizer, [{"role": "user", "content": t}])
+                for t in ["def add(a, b):", "Explain recursion in one sentence."]]
+    recs = record_target(runner, prompts, 40, eos)
+    assert [len(r["aux"]) for r in recs] == [len(p) + len(r["tokens"]) for p, r in zip(prompts, recs)]
+    assert recs[0]["aux"].shape[1] == 3 * target_model.config.hidden_size
+    for steps in (3, 4):
+        real, replay = [], []
+        for p, rec in zip(prompts, recs):
+            spec = speculative_generate(runner, draft, p, 40, eos, steps)
+            assert compare_outputs(spec["tokens"], rec["tokens"], [1.0] * 40, 1e-3) == "equal"
+            rep = replay_chain(draft, rec, steps)
+            assert rep["verify_steps"] == spec["verify_steps"] and rep["tokens_from_verify"] == spec["tokens_from_verify"]
+            assert rep["accepted"][:-1] == spec["accepted"][:-1]              # the last may run past the recording
+            real.append(spec)
+            replay.append(rep)
+        m = replay_measure(draft, recs, steps)
+        tau = sum(r["tokens_from_verify"] for r in real) / sum(r["verify_steps"] for r in real)
+        assert abs(m["tau"] - tau) < 1e-12 and m["tau"] > 1.5               # the memorised answers are accepted
+        assert m["per_prompt"] == [[r["tokens_from_verify"], r["verify_steps"]] for r in real]
+        assert m["tau_ci95"][0] <= m["tau"] <= m["tau_ci95"][1] and len(m["accept_per_position"]) == steps
