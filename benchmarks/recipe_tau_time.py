@@ -18,9 +18,11 @@ A recipe's wall time at epoch e: features + its vocab + its train stage up to th
 and checkpoints included; copying the snapshots is left out), compiled from a cold cache (cold_compile). SpecForge: train_end_to_end.specforge_online with the
 config's own recipe (its target forward in the loop, its BF16Optimizer), its weights at each epoch end loaded into
 our draft class (same parameter names); wall time from the target's load to that epoch's end.
-Measured after all training: scaling_study.measure_drafts (chain drafting with eval.num_draft_steps, greedy,
-eval.max_new_tokens, the run's held-out prompts, whose ids the result lists; target fp32), the drafts split over W
-processes (each with one target and one baseline; on a GPU they share it, the decode being launch-bound).
+Measured after all training, chain drafting with eval.num_draft_steps, greedy, eval.max_new_tokens, on the run's
+held-out prompts (their ids in the result), target fp32: --evaluator replay (default) records the target once
+(RUN_DIR/recipes/recording.pt) and replays every draft on it (eagle3_core.replay_eval: the same verify steps as
+decoding, without a target forward per step); --evaluator decode runs scaling_study.measure_drafts (speculative
+decoding, a baseline per process). The drafts are split over W processes (on a GPU they share it: launch-bound).
 Cached: a recipe whose RUN_DIR/recipes/NAME/trained.json holds the same settings is not trained again, a draft whose
 measured.json holds the same eval settings is not measured again (a long search can go on over several calls).
 
@@ -187,22 +189,54 @@ def eval_settings(cfg: PipelineConfig) -> dict:
             "eval_ids": json.loads((RunLayout(cfg.run_dir).prompts / "manifest.json").read_text()).get("eval_ids")}
 
 
-def measure_worker(cfg_json: str, dirs: list[str], device: str) -> None:
-    """One process: scaling_study.measure_drafts on the drafts in `dirs`, each entry written to DIR/measured.json."""
+def recording(cfg: PipelineConfig, device: str, path: Path) -> Path:
+    """The target's greedy output and aux hidden states on the held-out prompts (replay_eval.record_target, target
+    fp32 on `device`), saved at `path` (torch.save of tensors and lists) and reused while the eval settings, the
+    held-out prompts and the target are the same."""
+    from eagle3_core.pipeline.keys import aux_ids
+    from eagle3_core.replay_eval import record_target
+    from eagle3_core.scaling_study import held_out_prompts
+    from eagle3_core.speculate import TargetRunner
+    from eagle3_core.target import load_target
+    from eagle3_core.target_family import num_layers
+    settings = {**eval_settings(cfg), "target": cfg.target.model_dump(mode="json")}
+    if path.exists() and torch.load(path, weights_only=True)["settings"] == settings:
+        return path
+    t0 = time.monotonic()
+    _, prompts, eos = held_out_prompts(cfg)
+    target = load_target(cfg.target, device, torch.float32)
+    recs = record_target(TargetRunner(target, aux_ids(cfg, num_layers(target.config))), prompts,
+                         cfg.eval.max_new_tokens, eos)
+    torch.save({"settings": settings, "recordings": recs}, path)
+    print(f"== recorded the target on {len(prompts)} held-out prompts in {time.monotonic() - t0:.0f} s", flush=True)
+    return path
+
+
+def measure_worker(cfg_json: str, dirs: list[str], device: str, recorded: str | None) -> None:
+    """One process: the drafts in `dirs` measured, each entry written to DIR/measured.json; with `recorded` (a
+    recording's path) by replay_eval.replay_measure, else by scaling_study.measure_drafts (the decoding evaluator)."""
     from eagle3_core.checkpoint import load_draft
+    from eagle3_core.replay_eval import replay_measure
     from eagle3_core.scaling_study import measure_drafts
     torch.set_num_threads(2)
     cfg = PipelineConfig.model_validate_json(cfg_json)
-    res = measure_drafts(cfg, {d: load_draft(Path(d)) for d in dirs}, device)
+    keys = ("tau", "tau_ci95", "accept_per_position", "per_prompt")
+    if recorded:
+        recs = torch.load(recorded, weights_only=True)["recordings"]
+        res = {d: replay_measure(load_draft(Path(d)).to(device).eval(), recs, cfg.eval.num_draft_steps) for d in dirs}
+    else:
+        res = measure_drafts(cfg, {d: load_draft(Path(d)) for d in dirs}, device)
+        keys += ("lossless",)
     for d in dirs:
-        m = {k: res[d][k] for k in ("tau", "tau_ci95", "accept_per_position", "per_prompt", "lossless")}
-        (Path(d) / "measured.json").write_text(json.dumps({"settings": eval_settings(cfg), **m}))
+        settings = {**eval_settings(cfg), "evaluator": "replay" if recorded else "decode"}
+        (Path(d) / "measured.json").write_text(json.dumps({"settings": settings, **{k: res[d][k] for k in keys}}))
 
 
-def measure_all(cfg: PipelineConfig, dirs: list[str], workers: int, device: str) -> None:
+def measure_all(cfg: PipelineConfig, dirs: list[str], workers: int, device: str, recorded: Path | None) -> None:
     """Measure every draft dir without a measured.json for these eval settings, in `workers` processes (spawned:
     CUDA does not survive a fork); a failed worker raises RuntimeError naming its drafts."""
-    todo = [d for d in dirs if not cached(Path(d) / "measured.json", eval_settings(cfg))]
+    settings = {**eval_settings(cfg), "evaluator": "replay" if recorded else "decode"}
+    todo = [d for d in dirs if not cached(Path(d) / "measured.json", settings)]
     if not todo:
         return
     workers = max(1, min(workers, len(todo)))
@@ -210,7 +244,8 @@ def measure_all(cfg: PipelineConfig, dirs: list[str], workers: int, device: str)
     print(f"== measuring {len(todo)} drafts in {workers} processes on {device}", flush=True)
     t0 = time.monotonic()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=measure_worker, args=(cfg.model_dump_json(), share, device)) for share in shares]
+    procs = [ctx.Process(target=measure_worker, args=(cfg.model_dump_json(), share, device,
+                                                      recorded and str(recorded))) for share in shares]
     for p in procs:
         p.start()
     for p in procs:
@@ -309,6 +344,9 @@ def main() -> None:
     ap.add_argument("--no-measure", action="store_true", help="train only; measure in a later call")
     ap.add_argument("--workers", type=int, default=1, help="processes that measure drafts")
     ap.add_argument("--measure-device", default="cpu", help="where the evaluator runs ('cpu', 'cuda')")
+    ap.add_argument("--evaluator", choices=("replay", "decode"), default="replay",
+                    help="replay: the drafts against one recording of the target (replay_eval, fast); decode: "
+                         "speculative decoding with the target at every verify step (scaling_study.measure_drafts)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where SpecForge trains")
     a = ap.parse_args()
     from train_end_to_end import data_stages
@@ -341,7 +379,8 @@ def main() -> None:
             for e in (t["epochs"][-1:] if recipes[name].get("measure") == "last" else t["epochs"])]
     dirs += [e["dir"] for e in (sf or {}).get("epochs", [])]
     if not a.no_measure:
-        measure_all(cfg, dirs, a.workers, a.measure_device)
+        recorded = recording(cfg, a.measure_device, out / "recording.pt") if a.evaluator == "replay" else None
+        measure_all(cfg, dirs, a.workers, a.measure_device, recorded)
     points = [p for name, t in trained.items() for p in points_of("ours", name, t)]
     points += points_of("specforge", "specforge", sf) if sf else []
     res = {"config": str(a.config), "recipes": recipes, **eval_settings(cfg), "features_seconds": features_seconds,

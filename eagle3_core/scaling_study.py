@@ -75,21 +75,28 @@ def measure_offline(cfg: PipelineConfig, draft, device: str = "cpu") -> dict:
     return measure_drafts(cfg, {"draft": draft}, device)["draft"]
 
 
+def held_out_prompts(cfg: PipelineConfig) -> tuple[list[dict], list[list[int]], set[int]]:
+    """(rows of cfg.run_dir's prompts/eval.parquet, their token ids through the target's chat template, the
+    target tokenizer's EOS ids): what the offline evaluators decode from."""
+    from .data import prompt_ids
+    from .prompts import read_rows
+    from .target import load_tokenizer
+    tok = load_tokenizer(cfg.target)
+    rows = read_rows(RunLayout(cfg.run_dir).prompts_eval)
+    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    return rows, [prompt_ids(tok, r["messages"]) for r in rows], eos
+
+
 def measure_drafts(cfg: PipelineConfig, drafts: dict, device: str = "cpu", on_prompt=None) -> dict:
     """Each draft of {name: Eagle3Draft} by the offline evaluator on cfg.run_dir's held-out prompts: chain drafting
     with cfg.eval.num_draft_steps, greedy, cfg.eval.max_new_tokens per prompt, against one target-only baseline;
     the target in fp32 on `device` ('cpu', 'cuda', 'cuda:1'; each draft is moved there, its dtype kept).
     Returns {name: evaluate.measure's entry}; on_prompt as evaluate.measure's."""
-    from .data import prompt_ids
     from .evaluate import SpecRun, measure
-    from .prompts import read_rows
     from .speculate import TargetRunner
     from .pipeline.evaluate import category
-    from .target import load_target, load_tokenizer
-    tok = load_tokenizer(cfg.target)
-    rows = read_rows(RunLayout(cfg.run_dir).prompts_eval)
-    prompts = [prompt_ids(tok, r["messages"]) for r in rows]
-    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    from .target import load_target
+    rows, prompts, eos = held_out_prompts(cfg)
     aux = {tuple(d.shape.aux_layer_ids) for d in drafts.values()}
     if len(aux) != 1:
         raise ValueError(f"measure_drafts: the drafts read different aux layers {sorted(aux)}; measure them apart")
