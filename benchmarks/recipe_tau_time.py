@@ -15,9 +15,10 @@ not config fields: "samples": N trains on the first N of the nested subsets of s
 from the same store; its features time is counted as N / all train samples of the whole), "measure": "last" measures
 its final epoch only (default every epoch).
 A recipe's wall time at epoch e: features + its vocab + its train stage up to the end of epoch e (held-out TTT eval
-and checkpoints included; copying the snapshots is left out), compiled from a cold cache (cold_compile). SpecForge: train_end_to_end.specforge_online with the
-config's own recipe (its target forward in the loop, its BF16Optimizer), its weights at each epoch end loaded into
-our draft class (same parameter names); wall time from the target's load to that epoch's end.
+and checkpoints included; copying the snapshots is left out), compiled from a cold cache (cold_compile).
+SpecForge: train_end_to_end.specforge_online with the config's own recipe (its target forward in the loop, its
+BF16Optimizer), its weights at each epoch end loaded into our draft class (same parameter names); wall time from
+the target's load to that epoch's end.
 Measured after all training, chain drafting with eval.num_draft_steps, greedy, eval.max_new_tokens, on the run's
 held-out prompts (their ids in the result), target fp32: --evaluator replay (default) records the target once
 (RUN_DIR/recipes/recording.pt) and replays every draft on it (eagle3_core.replay_eval: the same verify steps as
