@@ -70,7 +70,8 @@ class PromptConfig(StrictModel):
             self.mix.check_total(self.num_train + self.num_eval)
         if self.eval_ids is not None and not len(self.eval_ids) == len(set(self.eval_ids)) == self.num_eval:
             raise ValueError(f"prompts.eval_ids holds {len(self.eval_ids)} ids ({len(set(self.eval_ids))} "
-                             f"distinct) but num_eval is {self.num_eval}: list exactly num_eval distinct ids, or leave it unset")
+                             f"distinct) but num_eval is {self.num_eval}: list exactly num_eval distinct ids, or "
+                             "leave it unset")
         return self
 
 
