@@ -2,8 +2,8 @@
 regenerated data, every epoch's draft measured by one offline evaluator on the same held-out prompts.
 
   python benchmarks/recipe_tau_time.py --config configs/e2e_gsm8k.json --recipes configs/recipes_gsm8k.json \
-      [--target DIR] [--out DIR] [--plot docs/recipe_tau_time.png] [--only NAME,...] [--workers W] \
-      [--measure-device cuda] [--no-specforge]
+      [--target DIR] [--out DIR] [--plot docs/img/recipe_tau_time.png] [--only NAME,...] [--workers W] \
+      [--measure-device cuda] [--record-batch 64] [--no-specforge]
 
 Data: the config's prompts, regeneration and tokenization (train_end_to_end.data_stages, cached by their manifests).
 Ours: the features stage once (timed, from scratch, or its time read back from RUN_DIR/recipes/features.json when
@@ -86,6 +86,15 @@ def cached(path: Path, settings: dict) -> dict | None:
     return None
 
 
+def epoch_tokens(cfg: PipelineConfig, n: int | None) -> int:
+    """Tokens an epoch trains on: the train split's (its first n of the nested subsets with n)."""
+    from eagle3_core.pipeline.train import train_split
+    from eagle3_core.scaling_study import nested_subset
+    train_all, _ = train_split(cfg)
+    keep = range(len(train_all)) if n is None else nested_subset(len(train_all), n, 0)
+    return sum(len(train_all[i]["input_ids"]) for i in keep)
+
+
 def subset_train(cfg: PipelineConfig, n: int, on_epoch, log) -> int:
     """The train stage's trainer on the first n of scaling_study's nested subsets of the train split (the held-out
     TTT eval split unchanged), into RUN_DIR/draft; returns how many train samples the store holds."""
@@ -148,7 +157,8 @@ def train_ours(base: PipelineConfig, name: str, recipe: dict, features_seconds: 
         stages.run_train(cfg, log=log, on_epoch=snapshot)
     epochs = [{"epoch": e, "seconds": features_seconds * share + vocab_seconds + s,
                "dir": str(run.run_dir / "epochs" / f"epoch_{e}")} for e, s in enumerate(marks, 1)]
-    out = {"settings": settings, "vocab_seconds": vocab_seconds, "features_share": share, "epochs": epochs}
+    out = {"settings": settings, "vocab_seconds": vocab_seconds, "features_share": share, "epochs": epochs,
+           "epoch_tokens": epoch_tokens(cfg, recipe.get("samples"))}
     (run.run_dir / "trained.json").write_text(json.dumps(out, indent=2))
     return out
 
@@ -190,24 +200,24 @@ def eval_settings(cfg: PipelineConfig) -> dict:
             "eval_ids": json.loads((RunLayout(cfg.run_dir).prompts / "manifest.json").read_text()).get("eval_ids")}
 
 
-def recording(cfg: PipelineConfig, device: str, path: Path) -> Path:
+def recording(cfg: PipelineConfig, device: str, path: Path, batch: int) -> Path:
     """The target's greedy output and aux hidden states on the held-out prompts (replay_eval.record_target, target
-    fp32 on `device`), saved at `path` (torch.save of tensors and lists) and reused while the eval settings, the
-    held-out prompts and the target are the same."""
+    fp32 on `device`, `batch` prompts per generate), saved at `path` (torch.save of tensors and lists) and reused
+    while the eval settings, the held-out prompts, the batch and the target are the same."""
     from eagle3_core.pipeline.keys import aux_ids
     from eagle3_core.replay_eval import record_target
     from eagle3_core.scaling_study import held_out_prompts
     from eagle3_core.speculate import TargetRunner
     from eagle3_core.target import load_target
     from eagle3_core.target_family import num_layers
-    settings = {**eval_settings(cfg), "target": cfg.target.model_dump(mode="json")}
+    settings = {**eval_settings(cfg), "target": cfg.target.model_dump(mode="json"), "batch": batch}
     if path.exists() and torch.load(path, weights_only=True)["settings"] == settings:
         return path
     t0 = time.monotonic()
     _, prompts, eos = held_out_prompts(cfg)
     target = load_target(cfg.target, device, torch.float32)
     recs = record_target(TargetRunner(target, aux_ids(cfg, num_layers(target.config))), prompts,
-                         cfg.eval.max_new_tokens, eos)
+                         cfg.eval.max_new_tokens, eos, batch=batch, pad_id=min(eos, default=0))
     torch.save({"settings": settings, "recordings": recs}, path)
     print(f"== recorded the target on {len(prompts)} held-out prompts in {time.monotonic() - t0:.0f} s", flush=True)
     return path
@@ -222,15 +232,19 @@ def measure_worker(cfg_json: str, dirs: list[str], device: str, recorded: str | 
     torch.set_num_threads(2)
     cfg = PipelineConfig.model_validate_json(cfg_json)
     keys = ("tau", "tau_ci95", "accept_per_position", "per_prompt")
-    if recorded:
+    settings = {**eval_settings(cfg), "evaluator": "replay" if recorded else "decode"}
+
+    def write(d: str, m: dict) -> None:
+        (Path(d) / "measured.json").write_text(json.dumps({"settings": settings, **{k: m[k] for k in keys}}))
+
+    if recorded:                                                     # each draft's result kept as soon as it is in
         recs = torch.load(recorded, weights_only=True)["recordings"]
-        res = {d: replay_measure(load_draft(Path(d)).to(device).eval(), recs, cfg.eval.num_draft_steps) for d in dirs}
+        for d in dirs:
+            write(d, replay_measure(load_draft(Path(d)).to(device).eval(), recs, cfg.eval.num_draft_steps))
     else:
-        res = measure_drafts(cfg, {d: load_draft(Path(d)) for d in dirs}, device)
         keys += ("lossless",)
-    for d in dirs:
-        settings = {**eval_settings(cfg), "evaluator": "replay" if recorded else "decode"}
-        (Path(d) / "measured.json").write_text(json.dumps({"settings": settings, **{k: res[d][k] for k in keys}}))
+        for d, m in measure_drafts(cfg, {d: load_draft(Path(d)) for d in dirs}, device).items():
+            write(d, m)
 
 
 def measure_all(cfg: PipelineConfig, dirs: list[str], workers: int, device: str, recorded: Path | None) -> None:
@@ -263,7 +277,8 @@ def points_of(trainer: str, name: str, trained: dict) -> list[dict]:
         if (f := Path(e["dir"]) / "measured.json").exists():
             m = json.loads(f.read_text())
             m.pop("settings")
-            out.append({"trainer": trainer, "recipe": name, "epoch": e["epoch"], "seconds": e["seconds"], **m})
+            out.append({"trainer": trainer, "recipe": name, "epoch": e["epoch"], "seconds": e["seconds"],
+                        "epoch_tokens": trained.get("epoch_tokens"), **m})
     return out
 
 
@@ -333,23 +348,54 @@ def features_once(cfg: PipelineConfig, out: Path) -> float:
     return seconds
 
 
+def report(res: dict, out: Path | None, plot_path: Path | None, title: str) -> None:
+    """The plot (OUT/tau_time.png unless out is None, and plot_path; skipped with a note where matplotlib is
+    missing: --replot draws it later from results.json) and the summary table, printed as markdown."""
+    if res["points"]:
+        try:
+            for path in filter(None, (out and out / "tau_time.png", plot_path)):
+                plot(res["points"], path, title)
+        except ImportError as e:
+            print(f"plot skipped ({e}): run --replot RESULTS.json where matplotlib is installed")
+    print("| recipe | best tau within SpecForge's time | at (s, epoch) | minus SpecForge (paired 95% CI) | last |\n"
+          "|---|---|---|---|---|")
+    for row in res["summary"]:
+        b, d, last = row["best_within_specforge_time"], row.get("minus_specforge"), row["last"]
+        print(f"| {row['recipe']} | " + (f"{b['tau']:.3f} ({b['tau_ci95'][0]:.2f}-{b['tau_ci95'][1]:.2f}) | "
+                                         f"{b['seconds']:.0f} s, epoch {b['epoch']} | " if b else "none | - | ")
+              + (f"{d['tau']:+.3f} ({d['ci95_paired'][0]:+.3f} to {d['ci95_paired'][1]:+.3f}) |" if d else "- |")
+              + f" {last['tau']:.3f} at {last['seconds']:.0f} s, epoch {last['epoch']} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True, type=Path, help="PipelineConfig JSON (configs/e2e_gsm8k.json)")
-    ap.add_argument("--recipes", required=True, type=Path, help="JSON {name: partial PipelineConfig}")
+    ap.add_argument("--config", type=Path, help="PipelineConfig JSON (configs/e2e_gsm8k.json)")
+    ap.add_argument("--recipes", type=Path, help="JSON {name: partial PipelineConfig}")
     ap.add_argument("--target", default=None, help="target directory instead of the config's target.model")
     ap.add_argument("--out", type=Path, default=None, help="result folder (default RUN_DIR/recipes)")
-    ap.add_argument("--plot", type=Path, default=None, help="also write the plot here (e.g. docs/recipe_tau_time.png)")
+    ap.add_argument("--plot", type=Path, default=None, help="also write the plot here (e.g. docs/img/recipe_tau_time.png)")
     ap.add_argument("--only", default="", help="comma-separated recipe names to train now (default all)")
     ap.add_argument("--no-specforge", action="store_true", help="do not train SpecForge now (reuse its cache)")
     ap.add_argument("--no-measure", action="store_true", help="train only; measure in a later call")
     ap.add_argument("--workers", type=int, default=1, help="processes that measure drafts")
     ap.add_argument("--measure-device", default="cpu", help="where the evaluator runs ('cpu', 'cuda')")
+    ap.add_argument("--record-batch", type=int, default=1,
+                    help="held-out prompts per batched greedy generate of the replay's recording (64 on a GPU: "
+                         "seconds instead of minutes; 1: one prompt at a time, the decoding evaluator's baseline)")
     ap.add_argument("--evaluator", choices=("replay", "decode"), default="replay",
                     help="replay: the drafts against one recording of the target (replay_eval, fast); decode: "
                          "speculative decoding with the target at every verify step (scaling_study.measure_drafts)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where SpecForge trains")
+    ap.add_argument("--replot", type=Path, default=None,
+                    help="only draw the plot and print the table of this results.json (e.g. one from a GPU host)")
     a = ap.parse_args()
+    if a.replot:
+        res = json.loads(a.replot.read_text())
+        res["summary"] = summary(res["points"])
+        report(res, None if a.plot else a.replot.parent, a.plot, res.get("title", a.replot.parent.name))
+        return
+    if not (a.config and a.recipes):
+        ap.error("--config and --recipes are needed (unless --replot)")
     from train_end_to_end import data_stages
 
     from eagle3_core import stages
@@ -380,26 +426,17 @@ def main() -> None:
             for e in (t["epochs"][-1:] if recipes[name].get("measure") == "last" else t["epochs"])]
     dirs += [e["dir"] for e in (sf or {}).get("epochs", [])]
     if not a.no_measure:
-        recorded = recording(cfg, a.measure_device, out / "recording.pt") if a.evaluator == "replay" else None
+        recorded = None if a.evaluator == "decode" else \
+            recording(cfg, a.measure_device, out / "recording.pt", a.record_batch)
         measure_all(cfg, dirs, a.workers, a.measure_device, recorded)
     points = [p for name, t in trained.items() for p in points_of("ours", name, t)]
     points += points_of("specforge", "specforge", sf) if sf else []
     res = {"config": str(a.config), "recipes": recipes, **eval_settings(cfg), "features_seconds": features_seconds,
            "points": points, "summary": summary(points)}
+    res["title"] = (f"{Path(a.config).stem}: {len(res['eval_ids'] or [])} held-out prompts, chain of "
+                    f"{cfg.eval.num_draft_steps}, {cfg.eval.max_new_tokens} new tokens")
     (out / "results.json").write_text(json.dumps(res, indent=2))
-    title = (f"{Path(a.config).stem}: {len(res['eval_ids'] or [])} held-out prompts, chain of "
-             f"{cfg.eval.num_draft_steps}, {cfg.eval.max_new_tokens} new tokens")
-    if points:
-        for path in filter(None, (out / "tau_time.png", a.plot)):
-            plot(points, path, title)
-    print("| recipe | best tau within SpecForge's time | at (s, epoch) | minus SpecForge (paired 95% CI) | last |\n"
-          "|---|---|---|---|---|")
-    for row in res["summary"]:
-        b, d, last = row["best_within_specforge_time"], row.get("minus_specforge"), row["last"]
-        print(f"| {row['recipe']} | " + (f"{b['tau']:.3f} ({b['tau_ci95'][0]:.2f}-{b['tau_ci95'][1]:.2f}) | "
-                                         f"{b['seconds']:.0f} s, epoch {b['epoch']} | " if b else "none | - | ")
-              + (f"{d['tau']:+.3f} ({d['ci95_paired'][0]:+.3f} to {d['ci95_paired'][1]:+.3f}) |" if d else "- |")
-              + f" {last['tau']:.3f} at {last['seconds']:.0f} s, epoch {last['epoch']} |")
+    report(res, out, a.plot, res["title"])
     print(f"written to {out / 'results.json'}")
 
 

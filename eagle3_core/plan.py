@@ -102,7 +102,7 @@ def plan_run(cfg: PipelineConfig, rates: dict, gpus: int, hidden_size: int | Non
         row("features", ext_h, ext_h * replicas * per_replica, ext, disk, note=f"{replicas} replica(s), {fmt}")
     tr = _rate(rates, "train_tok_s_per_gpu")
     eff = rates.get("ddp_efficiency", {"value": 1.0})["value"] if gpus > 1 else 1.0
-    E = cfg.train.epochs
+    E = cfg.train.epochs_for(w["samples"] * w["tokens"])
     h = E * w["samples"] * w["tokens"] / (tr[1]["value"] * gpus * eff) / 3600
     note = f"{E} epochs, DDP efficiency {eff:g}"
     if fmt == "online":

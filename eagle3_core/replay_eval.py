@@ -25,12 +25,45 @@ from .speculate import TargetRunner, greedy_generate
 
 
 @torch.no_grad()
-def record_target(target: TargetRunner, prompts: list[list[int]], max_new: int, eos_ids: set[int]) -> list[dict]:
-    """One recording per prompt: {prompt (ids), tokens (greedy g_1..g_M, speculate.greedy_generate: M = max_new or
-    up to EOS), aux (float32 [n + M, 3H_t] on CPU: the target's aux hidden states over prompt + g, one forward)}."""
+def batched_greedy(model, prompts: list[list[int]], max_new: int, eos_ids: set[int], pad_id: int,
+                   batch: int) -> list[list[int]]:
+    """Greedy continuations of `prompts`, `batch` at a time: left-padded, HF `generate` (do_sample False, one
+    beam). Each continuation is cut as speculate.greedy_generate stops (EOS kept, at most max_new). Float rounding
+    of a padded batch against one prompt alone can flip a near-tie (not seen in fp32: tests/test_replay_eval.py)."""
+    dev, out = model.device, []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for j, p in enumerate(chunk):
+            ids[j, width - len(p):], mask[j, width - len(p):] = torch.tensor(p), 1
+        gen = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new,
+                             do_sample=False, num_beams=1, eos_token_id=sorted(eos_ids) or None,
+                             pad_token_id=pad_id)
+        for row in gen[:, width:].tolist():
+            g = []
+            for t in row:
+                g.append(t)
+                if len(g) >= max_new or t in eos_ids:
+                    break
+            out.append(g)
+    return out
+
+
+@torch.no_grad()
+def record_target(target: TargetRunner, prompts: list[list[int]], max_new: int, eos_ids: set[int],
+                  batch: int = 1, pad_id: int = 0) -> list[dict]:
+    """One recording per prompt: {prompt (ids), tokens (greedy g_1..g_M: M = max_new or up to EOS), aux (float32
+    [n + M, 3H_t] on CPU: the target's aux hidden states over prompt + g, one forward)}. batch 1: g by
+    speculate.greedy_generate (the decoding evaluator's own baseline, one forward per token); batch > 1: by
+    batched_greedy (`batch` prompts per HF generate, padded with pad_id; what makes a recording fast on a GPU)."""
+    if batch > 1:
+        tokens = batched_greedy(target.model, prompts, max_new, eos_ids, pad_id, batch)
+    else:
+        tokens = [greedy_generate(target, p, max_new, eos_ids)["tokens"] for p in prompts]
     out = []
-    for p in prompts:
-        g = greedy_generate(target, p, max_new, eos_ids)["tokens"]
+    for p, g in zip(prompts, tokens, strict=True):
         _, aux = target.forward(p + g, DynamicCache())
         out.append({"prompt": list(p), "tokens": g, "aux": aux.float().cpu()})
     return out

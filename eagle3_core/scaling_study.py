@@ -198,7 +198,8 @@ def finish_study(cfg: PipelineConfig, sizes: list[dict], extrapolate_to: list[in
     out = cfg.run_dir / "scaling"
     plot = plot_study(sizes, trend, [p for p in preds if p["extrapolated"]], out / "tau_vs_samples.png")
     md = ["# tau against training data", "",
-          f"Recipe: {cfg.train.epochs} epochs, lr {cfg.train.lr}, TTT length {cfg.train.ttt_length}; offline "
+          f"Recipe: {cfg.train.epochs or 'rule-chosen (train.epochs_for)'} epochs, lr {cfg.train.lr}, TTT length "
+          f"{cfg.train.ttt_length}; offline "
           f"evaluator, {cfg.eval.num_draft_steps} draft steps, greedy, {sizes[0].get('eval_prompts', '?')} held-out "
           "prompts.", "",
           "| training samples | supervised tokens | tau | 95% CI | tau_sim (TTT) | acc_0 | best epoch |",

@@ -171,17 +171,22 @@ def restore_training_state(state: dict, draft, opt, sched, device: torch.device)
 
 
 def _in_compile_scope(fn):
-    """Run train() inside packing.compiled_training (its compile policy, restored on return or error)."""
+    """Run train() with cfg.epochs resolved (TrainConfig.epochs_for the train samples' tokens, when None) inside
+    packing.compiled_training (its compile policy, restored on return or error)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         bound = inspect.signature(fn).bind(*args, **kwargs)
         bound.apply_defaults()
         cfg, log = bound.arguments["cfg"], bound.arguments["log"]
+        epoch_tokens = sum(len(s["input_ids"]) for s in bound.arguments["train_samples"])
+        if cfg.epochs is None:
+            cfg = bound.arguments["cfg"] = cfg.model_copy(update={"epochs": cfg.epochs_for(epoch_tokens)})
+            log(f"train: {cfg.epochs} epochs by the default recipe's rule ({epoch_tokens:,} tokens an epoch)")
         device = resolve_device(cfg)
         quiet = not DataParallel.from_process_group().is_main
-        tokens = cfg.epochs * sum(len(s["input_ids"]) for s in bound.arguments["train_samples"])
-        with compiled_training(cfg, device, packed(cfg, device), (lambda s: None) if quiet else log, tokens):
-            return fn(*args, **kwargs)
+        with compiled_training(cfg, device, packed(cfg, device), (lambda s: None) if quiet else log,
+                               cfg.epochs * epoch_tokens):
+            return fn(*bound.args, **bound.kwargs)
     return wrapper
 
 

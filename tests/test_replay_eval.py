@@ -62,3 +62,22 @@ def test_replay_matches_decoding_exactly_for_a_draft_that_reads_no_features(targ
             assert rep["verify_steps"] == spec["verify_steps"] and rep["accepted"][:-1] == spec["accepted"][:-1]
             assert rep["tokens_from_verify"] == spec["tokens_from_verify"]
             assert min(spec["accepted"]) < steps and max(spec["accepted"]) >= 2   # rejections and long runs
+
+
+def test_batched_recording_is_the_one_prompt_recording(target_model, tokenizer):
+    """record_target with batch > 1 (left-padded HF generate, what the benchmark uses on a GPU) records the same
+    greedy tokens and aux hidden states as one prompt at a time (fp32, the embedded target; prompts of different
+    lengths so that padding is exercised, one stopped by max_new)."""
+    import torch
+    runner = TargetRunner(target_model, [1, 14, 27])
+    eos = {tokenizer.eos_token_id}
+    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": t}])
+               for t in ["Hi", "Explain recursion in one sentence.", "List three prime numbers, then say why each "
+                         "is prime, in a numbered list."]]
+    one = record_target(runner, prompts, 24, eos)
+    batched = record_target(runner, prompts, 24, eos, batch=3, pad_id=tokenizer.eos_token_id)
+    assert len({len(p) for p in prompts}) == 3
+    for a, b in zip(one, batched):
+        assert a["tokens"] == b["tokens"] and a["prompt"] == b["prompt"]
+        torch.testing.assert_close(a["aux"], b["aux"])
+    assert any(len(r["tokens"]) == 24 for r in one)
