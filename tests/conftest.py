@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -16,6 +17,11 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # task retry backoff base (tasks/retry.py), read when the tasks are defined: short in tests
 os.environ.setdefault("EAGLE3_RETRY_DELAY_S", "0.2")
+# task results and cache records of this session only: with Prefect's default (~/.prefect/storage) a record left by an
+# earlier session is read back as a cache hit when pytest hands out the same tmp path again (seen on a reused host:
+# "Cached" instead of "Completed", a generation record that is not the one on disk)
+if not {"PREFECT_RESULTS_LOCAL_STORAGE_PATH", "PREFECT_LOCAL_STORAGE_PATH"} & set(os.environ):
+    os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = tempfile.mkdtemp(prefix="eagle3-tests-results-")
 
 ROOT = Path(__file__).resolve().parents[1]
 # real data sets copied into the repository (tests/data/README.md: sources and licences): a plain clone passes
