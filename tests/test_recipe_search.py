@@ -32,6 +32,23 @@ def test_epochs_rule():
         TrainConfig(epochs=0)
 
 
+def test_train_without_epochs_runs_the_rules_epochs(tmp_path):
+    """train() with train.epochs unset trains TrainConfig.epochs_for(the train samples' tokens) epochs and says so."""
+    import torch
+    from conftest import tiny_draft
+    from train_worker import CFG, samples
+
+    from eagle3_core.trainer import train
+    data = samples(4)                                                    # 80 tokens an epoch: the cap, 12
+    cfg = CFG.model_copy(update={"epochs": None, "checkpoint_every": 1000})
+    lines = []
+    out = train(tiny_draft(), data, [], torch.randn(100, 32, generator=torch.Generator().manual_seed(5)), cfg,
+                tmp_path / "d", log=lines.append, tensorboard=False)
+    assert len(out["history"]) == cfg.epochs_for(80) == 12
+    assert any("12 epochs by the default recipe's rule (80 tokens an epoch)" in line for line in lines), lines
+    assert any(line.startswith("train: epoch 12 of 12") for line in lines)
+
+
 def test_default_recipe_is_the_measured_winner():
     res = json.loads(RESULTS.read_text())
     recipes = json.loads((ROOT / "configs" / "recipes_gsm8k.json").read_text())
