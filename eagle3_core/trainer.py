@@ -178,14 +178,13 @@ def _in_compile_scope(fn):
         bound = inspect.signature(fn).bind(*args, **kwargs)
         bound.apply_defaults()
         cfg, log = bound.arguments["cfg"], bound.arguments["log"]
+        say = log if DataParallel.from_process_group().is_main else (lambda s: None)
         epoch_tokens = sum(len(s["input_ids"]) for s in bound.arguments["train_samples"])
         if cfg.epochs is None:
             cfg = bound.arguments["cfg"] = cfg.model_copy(update={"epochs": cfg.epochs_for(epoch_tokens)})
-            log(f"train: {cfg.epochs} epochs by the default recipe's rule ({epoch_tokens:,} tokens an epoch)")
+            say(f"train: {cfg.epochs} epochs by the default recipe's rule ({epoch_tokens:,} tokens an epoch)")
         device = resolve_device(cfg)
-        quiet = not DataParallel.from_process_group().is_main
-        with compiled_training(cfg, device, packed(cfg, device), (lambda s: None) if quiet else log,
-                               cfg.epochs * epoch_tokens):
+        with compiled_training(cfg, device, packed(cfg, device), say, cfg.epochs * epoch_tokens):
             return fn(*bound.args, **bound.kwargs)
     return wrapper
 
