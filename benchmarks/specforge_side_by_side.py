@@ -142,7 +142,7 @@ def train_specforge(cfg: PipelineConfig, n: int, seed: int, device: torch.device
     params = [p for p in model.parameters() if p.requires_grad]
     torch.manual_seed(t.seed)
     opt = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    t = t.model_copy(update={"epochs": t.epochs_for(sum(len(s["input_ids"]) for s in train_s))})
+    t = t.resolved(sum(len(s["input_ids"]) for s in train_s))
     batches0 = epoch_batches(train_s, t, 0)
     total = math.ceil(len(batches0) / t.grad_accum) * t.epochs
     warmup = max(1, int(t.warmup_frac * total))

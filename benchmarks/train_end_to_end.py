@@ -160,7 +160,7 @@ def specforge_online(cfg: PipelineConfig, device: torch.device, on_epoch=None) -
     t = cfg.train
     backend = "flex_attention" if device.type == "cuda" else "sdpa"
     train_s, _ = train_split(cfg)
-    t = t.model_copy(update={"epochs": t.epochs_for(sum(len(s["input_ids"]) for s in train_s))})
+    t = t.resolved(sum(len(s["input_ids"]) for s in train_s))
     seqs = [(torch.as_tensor(s["input_ids"]).long(), torch.as_tensor(s["loss_mask"]).bool()) for s in train_s]
     init, lm_head = fresh_draft(cfg)
     t0 = time.monotonic()

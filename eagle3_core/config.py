@@ -258,6 +258,10 @@ class TrainConfig(StrictModel):
             return RECIPE_EPOCHS
         return min(RECIPE_MAX_EPOCHS, math.ceil(RECIPE_EPOCHS * RECIPE_EPOCH_TOKENS / max(epoch_tokens, 1)))
 
+    def resolved(self, epoch_tokens: int) -> TrainConfig:
+        """This config with `epochs` set: epochs_for(epoch_tokens) (itself when epochs is already set)."""
+        return self if self.epochs is not None else self.model_copy(update={"epochs": self.epochs_for(epoch_tokens)})
+
     def context_tokens(self) -> int:
         """The window context in effect (window_context, or its default; eagle3_core.packing.windows)."""
         if self.window_context is not None:

@@ -21,14 +21,14 @@ from transformers import DynamicCache
 
 from .draft_tree import build_tree
 from .evaluate import bootstrap_ci
-from .speculate import TargetRunner, greedy_generate
+from .speculate import TargetRunner, greedy_generate, stop_greedy
 
 
 @torch.no_grad()
 def batched_greedy(model, prompts: list[list[int]], max_new: int, eos_ids: set[int], pad_id: int,
                    batch: int) -> list[list[int]]:
     """Greedy continuations of `prompts`, `batch` at a time: left-padded, HF `generate` (do_sample False, one
-    beam). Each continuation is cut as speculate.greedy_generate stops (EOS kept, at most max_new). Float rounding
+    beam). Each continuation is cut by speculate.stop_greedy, as greedy_generate stops. Float rounding
     of a padded batch against one prompt alone can flip a near-tie (not seen in fp32: tests/test_replay_eval.py)."""
     dev, out = model.device, []
     for i in range(0, len(prompts), batch):
@@ -45,7 +45,7 @@ def batched_greedy(model, prompts: list[list[int]], max_new: int, eos_ids: set[i
             g = []
             for t in row:
                 g.append(t)
-                if len(g) >= max_new or t in eos_ids:
+                if stop_greedy(g, eos_ids, max_new):
                     break
             out.append(g)
     return out

@@ -47,7 +47,8 @@ class TargetRunner:
         return out.logits[0].float(), torch.cat(store["aux"], dim=-1)[0]
 
 
-def _stop(tokens: list[int], eos_ids: set[int], max_new: int) -> bool:
+def stop_greedy(tokens: list[int], eos_ids: set[int], max_new: int) -> bool:
+    """Whether greedy decoding stops after `tokens`: max_new of them, or the last one is an EOS id (kept)."""
     return len(tokens) >= max_new or (bool(tokens) and tokens[-1] in eos_ids)
 
 
@@ -65,7 +66,7 @@ def greedy_generate(target: TargetRunner, prompt: list[int], max_new: int, eos_i
         top2 = logits[-1].topk(2)
         tokens.append(int(top2.indices[0]))
         gaps.append(float(top2.values[0] - top2.values[1]))
-        if _stop(tokens, eos_ids, max_new):
+        if stop_greedy(tokens, eos_ids, max_new):
             break
         logits, _ = target.forward([tokens[-1]], cache)
     t1 = time.perf_counter()
@@ -158,7 +159,7 @@ def speculative_generate(target: TargetRunner, draft, prompt: list[int], max_new
     state = prefill(target, draft, prompt)
     t_prefill = clock()
     accepted, produced, draft_s, verify_s = [], 0, 0.0, 0.0
-    while not _stop(state.tokens, eos_ids, max_new):
+    while not stop_greedy(state.tokens, eos_ids, max_new):
         ta = clock()
         tree = propose(draft, state, num_steps, topk, num_draft_tokens)
         tb = clock()
@@ -168,7 +169,7 @@ def speculative_generate(target: TargetRunner, draft, prompt: list[int], max_new
         draft_s, verify_s = draft_s + (tb - ta) + (clock() - tc), verify_s + (tc - tb)
         accepted.append(len(path))
         for tok in new:
-            if _stop(state.tokens, eos_ids, max_new):
+            if stop_greedy(state.tokens, eos_ids, max_new):
                 break
             state.tokens.append(tok)
             produced += 1

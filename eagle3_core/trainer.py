@@ -181,7 +181,7 @@ def _in_compile_scope(fn):
         say = log if DataParallel.from_process_group().is_main else (lambda s: None)
         epoch_tokens = sum(len(s["input_ids"]) for s in bound.arguments["train_samples"])
         if cfg.epochs is None:
-            cfg = bound.arguments["cfg"] = cfg.model_copy(update={"epochs": cfg.epochs_for(epoch_tokens)})
+            cfg = bound.arguments["cfg"] = cfg.resolved(epoch_tokens)
             say(f"train: {cfg.epochs} epochs by the default recipe's rule ({epoch_tokens:,} tokens an epoch)")
         device = resolve_device(cfg)
         with compiled_training(cfg, device, packed(cfg, device), say, cfg.epochs * epoch_tokens):

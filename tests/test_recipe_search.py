@@ -76,7 +76,7 @@ def test_replot_redraws_the_docs_plot(tmp_path):
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "docs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "tau_time.png").exists()                      # --plot given: only there
-    winner, sf = point(json.loads(RESULTS.read_text()), "e6_lr1e-3"), point(json.loads(RESULTS.read_text()),
-                                                                             "specforge")
+    committed = json.loads(RESULTS.read_text())
+    winner, sf = point(committed, "e6_lr1e-3"), point(committed, "specforge")
     row = next(line for line in out.stdout.splitlines() if line.startswith("| e6_lr1e-3 |"))
     assert f"{winner['tau']:.3f}" in row and f"{winner['tau'] - sf['tau']:+.3f}" in row
