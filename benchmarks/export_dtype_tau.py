@@ -19,13 +19,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3_core import prompts as prompts_mod  # noqa: E402
-from eagle3_core.checkpoint import export_draft, load_draft  # noqa: E402
 from eagle3_core.config import PipelineConfig, load_config  # noqa: E402
-from eagle3_core.data import prompt_ids  # noqa: E402
-from eagle3_core.evaluate import SpecRun, measure, paired_bootstrap_diff_ci  # noqa: E402
-from eagle3_core.speculate import TargetRunner  # noqa: E402
-from eagle3_core.target import load_target, load_tokenizer  # noqa: E402
+from eagle3_core.data import prompt_set as prompts_mod  # noqa: E402
+from eagle3_core.data.chat import prompt_ids  # noqa: E402
+from eagle3_core.evaluation.acceptance import SpecRun, measure, paired_bootstrap_diff_ci  # noqa: E402
+from eagle3_core.evaluation.speculate import TargetRunner  # noqa: E402
+from eagle3_core.target.loading import load_target, load_tokenizer  # noqa: E402
+from eagle3_core.training.checkpoint import export_draft, load_draft  # noqa: E402
 
 
 def main() -> None:

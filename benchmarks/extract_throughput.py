@@ -35,11 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))      # the former writer: a test reference
 
+from eagle3_core.features import store_formats as ff  # noqa: E402
+from eagle3_core.features.extract import HFExtractor  # noqa: E402
+from eagle3_core.features.store import write_shards  # noqa: E402
 from reference_paths import concatenating_writer  # noqa: E402
-
-from eagle3_core import feature_formats as ff  # noqa: E402
-from eagle3_core.extract import HFExtractor  # noqa: E402
-from eagle3_core.features import write_shards  # noqa: E402
 
 LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
             "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
@@ -106,9 +105,9 @@ def writer_micro(out_dir: Path, seq: int, hidden: int, shard_seqs: int, shards: 
     launches `launches` tiny torch ops (standing in for a forward's kernel launches: they need the GIL) and hands
     bf16 rows of 8*hidden+9 bytes/token to the writer ('none': no writer, the producer's own speed). Measures how
     much the writer threads slow the thread that feeds the GPU."""
-    from eagle3_core.extract import HostCopy
-    from eagle3_core.features import shard_parts
-    from eagle3_core.shard_writer import ShardWriter
+    from eagle3_core.features.extract import HostCopy
+    from eagle3_core.features.shard_writer import ShardWriter
+    from eagle3_core.features.store import shard_parts
 
     g = torch.Generator().manual_seed(0)
     feats = {"aux": torch.randn(shard_seqs, seq, 3 * hidden, generator=g).bfloat16(),

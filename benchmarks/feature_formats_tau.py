@@ -25,16 +25,18 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from eagle3_core import prompts as prompts_mod  # noqa: E402
-from eagle3_core.checkpoint import load_draft  # noqa: E402
 from eagle3_core.config import default_aux_layer_ids, preset  # noqa: E402
-from eagle3_core.data import prompt_ids  # noqa: E402
-from eagle3_core.draft_model import DraftShape  # noqa: E402
-from eagle3_core.evaluate import measure  # noqa: E402
-from eagle3_core.features import extract_features, load_head, load_samples  # noqa: E402
-from eagle3_core.speculate import TargetRunner  # noqa: E402
-from eagle3_core.target import load_target, load_tokenizer  # noqa: E402
-from eagle3_core.trainer import build_draft, train  # noqa: E402
+from eagle3_core.data import prompt_set as prompts_mod  # noqa: E402
+from eagle3_core.data.chat import prompt_ids  # noqa: E402
+from eagle3_core.evaluation.acceptance import measure  # noqa: E402
+from eagle3_core.evaluation.speculate import TargetRunner  # noqa: E402
+from eagle3_core.features.store import extract_features  # noqa: E402
+from eagle3_core.features.reader import load_head, load_samples  # noqa: E402
+from eagle3_core.target.loading import load_target, load_tokenizer  # noqa: E402
+from eagle3_core.training.checkpoint import load_draft  # noqa: E402
+from eagle3_core.training.draft_geometry import draft_shape  # noqa: E402
+from eagle3_core.training.trainer import train  # noqa: E402
+from eagle3_core.training.setup import build_draft  # noqa: E402
 
 
 def run_format(fmt: str, cfg, model, cpu_model, rows, vocab, prompts, eos, out: Path, log) -> dict:
@@ -44,7 +46,7 @@ def run_format(fmt: str, cfg, model, cpu_model, rows, vocab, prompts, eos, out: 
                          store_format=fmt, log=log, target=cfg.target.model_dump())
     t_extract = time.monotonic() - t0
     samples = load_samples(out / "features", target_model=model)
-    shape = DraftShape.from_target_config(model.config, cfg.draft.draft_vocab_size, ids)
+    shape = draft_shape(model.config, cfg.draft.draft_vocab_size, ids)
     emb, lm = load_head(out / "features")
     draft = build_draft(shape, emb, vocab["d2t"], vocab["t2d"], cfg.draft.seed)
     n_eval = int(len(samples) * cfg.train.eval_frac)

@@ -33,14 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from eagle3_core.config import GenerationConfig, ServerConfig
-from eagle3_core.prompts import write_rows
-from eagle3_core.regenerate import regenerate
-from eagle3_core.serving.client import (
-    API_PATHS,
-    TOKEN_ID_APIS,
-    parse_response,
-    request_body,
-)
+from eagle3_core.data.prompt_set import write_rows
+from eagle3_core.generation.regenerate import regenerate
+from eagle3_core.serving.client import API_PATHS, TOKEN_ID_APIS, parse_response, request_body
 
 GSM8K = ROOT / "tests" / "data" / "gsm8k" / "train.jsonl"
 
@@ -89,9 +84,9 @@ def pipeline(url: str, api: str, prompts: Path, n: int, concurrency: int, max_ne
 def throughput(url: str | None, api: str, levels: list[int], max_new_tokens: int, work: Path,
                tokenizer=None, min_prompts: int = 16) -> list[dict]:
     """Token-id APIs render prompts with `tokenizer`; the raw loop gets the same ids, computed beforehand."""
-    from eagle3_core.data import prompt_ids
+    from eagle3_core.data.chat import prompt_ids
     from eagle3_core.serving.launcher import llama_server
-    from eagle3_core.target import embedded_gguf_path
+    from eagle3_core.target.loading import embedded_gguf_path
     rows = []
     for c in levels:
         n = max(min_prompts, 4 * c)
@@ -159,7 +154,7 @@ def rss_child(prompts: str, url: str, stop_after: int, out_dir: str) -> None:
 
 def memory(url: str | None, sizes: list[int], stop_after: int, work: Path) -> list[dict]:
     from eagle3_core.serving.launcher import llama_server
-    from eagle3_core.target import embedded_gguf_path
+    from eagle3_core.target.loading import embedded_gguf_path
     pool = questions(1000)
     rows = []
     server = nullcontext(url) if url else llama_server(embedded_gguf_path(), work / "server_rss.log", parallel=16,
@@ -201,7 +196,7 @@ def main() -> None:
         from transformers import AutoTokenizer
 
         from eagle3_core.config import TargetConfig
-        from eagle3_core.target import load_tokenizer
+        from eagle3_core.target.loading import load_tokenizer
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else load_tokenizer(TargetConfig())
     levels, sizes, stop_after = ([1, 2], [1000, 5000], 50) if args.tiny else ([1, 4, 16], [10_000, 100_000], 500)
     new_tokens, min_prompts = (4, 4) if args.tiny else (args.max_new_tokens, 16)

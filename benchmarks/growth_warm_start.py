@@ -22,8 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3_core import stages  # noqa: E402
 from eagle3_core.config import preset  # noqa: E402
+from eagle3_core.pipeline.evaluate_stage import run_evaluate  # noqa: E402
+from eagle3_core.pipeline.features_stage import run_features  # noqa: E402
+from eagle3_core.pipeline.generation_stage import run_generation  # noqa: E402
+from eagle3_core.pipeline.prompts_stage import run_prompts  # noqa: E402
+from eagle3_core.pipeline.tokenize_stage import run_tokenize  # noqa: E402
+from eagle3_core.pipeline.train_stage import run_train  # noqa: E402
+from eagle3_core.pipeline.vocab_stage import run_vocab  # noqa: E402
 
 DATA = ("prompts", "generations", "tokenized", "features")
 
@@ -33,9 +39,9 @@ def _files(d: Path) -> dict[str, bytes]:
 
 
 def _train_eval(cfg, log) -> dict:
-    stages.run_vocab(cfg, log=log)
-    train = stages.run_train(cfg, log=log)
-    ev = stages.run_evaluate(cfg, log=log)["summary"]["trained"]
+    run_vocab(cfg, log=log)
+    train = run_train(cfg, log=log)
+    ev = run_evaluate(cfg, log=log)["summary"]["trained"]
     return {"train_s": train["seconds"], "tau": ev["tau"], "tau_ci95": ev["tau_ci95"], "epochs": cfg.train.epochs}
 
 
@@ -56,11 +62,11 @@ def main() -> None:
     cfg.prompts.num_train, cfg.eval.tree_topk = args.grow_to, 1
     before = {s: _files(base / s) for s in ("generations", "features")}
     first = json.loads((base / "prompts" / "manifest.json").read_text())
-    stages.run_prompts(cfg, log=log)
+    run_prompts(cfg, log=log)
     t0 = time.time()
-    stages.run_generation(cfg, log=log)
-    stages.run_tokenize(cfg, log=log)
-    stages.run_features(cfg, log=log)
+    run_generation(cfg, log=log)
+    run_tokenize(cfg, log=log)
+    run_features(cfg, log=log)
     now = json.loads((grown / "prompts" / "manifest.json").read_text())
     records = [json.loads((grown / "generations" / f).read_text())
                for f in sorted(_files(grown / "generations")) if f.endswith(".json")]

@@ -21,9 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3_core import stages  # noqa: E402
 from eagle3_core.config import preset  # noqa: E402
-from eagle3_core.evaluate import paired_bootstrap_diff_ci  # noqa: E402
+from eagle3_core.evaluation.acceptance import paired_bootstrap_diff_ci  # noqa: E402
+from eagle3_core.pipeline.evaluate_stage import run_evaluate  # noqa: E402
+from eagle3_core.pipeline.train_stage import run_train  # noqa: E402
+from eagle3_core.pipeline.vocab_stage import run_vocab  # noqa: E402
 
 DATA = ("prompts", "generations", "tokenized", "features")
 
@@ -42,9 +44,9 @@ def main() -> None:
             shutil.copytree(base / s, run / s)
         cfg = preset("demo", run)
         cfg.train.batching, cfg.eval.tree_topk = mode, 1
-        stages.run_vocab(cfg, log=log)
-        train = stages.run_train(cfg, log=log)
-        ev = stages.run_evaluate(cfg, log=log)
+        run_vocab(cfg, log=log)
+        train = run_train(cfg, log=log)
+        ev = run_evaluate(cfg, log=log)
         report = json.loads((run / "eval" / "report.json").read_text())["trained"]
         out[mode] = {"tau": ev["summary"]["trained"]["tau"], "tau_ci95": ev["summary"]["trained"]["tau_ci95"],
                      "train_s": train["seconds"], "steps": train.get("steps"), "per_prompt": report["per_prompt"]}

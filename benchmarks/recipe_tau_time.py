@@ -21,8 +21,8 @@ BF16Optimizer), its weights at each epoch end loaded into our draft class (same 
 the target's load to that epoch's end.
 Measured after all training, chain drafting with eval.num_draft_steps, greedy, eval.max_new_tokens, on the run's
 held-out prompts (their ids in the result), target fp32: --evaluator replay (default) records the target once
-(RUN_DIR/recipes/recording.pt) and replays every draft on it (eagle3_core.replay_eval: the same verify steps as
-decoding, without a target forward per step); --evaluator decode runs scaling_study.measure_drafts (speculative
+(RUN_DIR/recipes/recording.pt) and replays every draft on it (eagle3_core.evaluation.replay_eval: the same verify steps
+as decoding, without a target forward per step); --evaluator decode runs scaling_study.measure_drafts (speculative
 decoding, a baseline per process). The drafts are split over W processes (on a GPU they share it: launch-bound).
 Cached: a recipe whose RUN_DIR/recipes/NAME/trained.json holds the same settings is not trained again, a draft whose
 measured.json holds the same eval settings is not measured again (a long search can go on over several calls).
@@ -66,7 +66,7 @@ def merged(base: dict, override: dict) -> dict:
 def recipe_config(base: PipelineConfig, name: str, recipe: dict) -> PipelineConfig:
     """The config of one recipe: `recipe` (less NOT_CONFIG) merged into `base`, run_dir RUN_DIR/recipes/NAME with
     the SHARED folders of base linked into it (created once). Raises pydantic's ValidationError naming a bad field."""
-    from eagle3_core.pipeline.layout import RunLayout
+    from eagle3_core.contract.layout import RunLayout
     fields = {k: v for k, v in recipe.items() if k not in NOT_CONFIG}
     cfg = PipelineConfig.model_validate(merged(base.model_dump(mode="json"), fields) | {
         "run_dir": str(Path(base.run_dir) / "recipes" / name)})
@@ -88,8 +88,8 @@ def cached(path: Path, settings: dict) -> dict | None:
 
 def epoch_tokens(cfg: PipelineConfig, n: int | None) -> int:
     """Tokens an epoch trains on: the train split's (its first n of the nested subsets with n)."""
-    from eagle3_core.pipeline.train import train_split
-    from eagle3_core.scaling_study import nested_subset
+    from eagle3_core.pipeline.train_stage import train_split
+    from eagle3_core.studies.scaling_study import nested_subset
     train_all, _ = train_split(cfg)
     keep = range(len(train_all)) if n is None else nested_subset(len(train_all), n, 0)
     return sum(len(train_all[i]["input_ids"]) for i in keep)
@@ -98,10 +98,10 @@ def epoch_tokens(cfg: PipelineConfig, n: int | None) -> int:
 def subset_train(cfg: PipelineConfig, n: int, on_epoch, log) -> int:
     """The train stage's trainer on the first n of scaling_study's nested subsets of the train split (the held-out
     TTT eval split unchanged), into RUN_DIR/draft; returns how many train samples the store holds."""
-    from eagle3_core.pipeline.layout import RunLayout
-    from eagle3_core.pipeline.train import claim_training_dir, fresh_draft, train_key, train_split
-    from eagle3_core.scaling_study import nested_subset
-    from eagle3_core.trainer import train
+    from eagle3_core.contract.layout import RunLayout
+    from eagle3_core.pipeline.train_stage import claim_training_dir, fresh_draft, train_key, train_split
+    from eagle3_core.studies.scaling_study import nested_subset
+    from eagle3_core.training.trainer import train
     train_all, eval_s = train_split(cfg)
     if n > len(train_all):
         raise ValueError(f"recipe samples {n} > {len(train_all)} train samples in {cfg.run_dir / 'features'}")
@@ -123,8 +123,9 @@ def cold_compile() -> None:
 def train_ours(base: PipelineConfig, name: str, recipe: dict, features_seconds: float) -> dict:
     """Train one recipe (module docstring), every epoch's draft kept in RUN_DIR/recipes/NAME/epochs/epoch_E;
     returns trained.json {settings, vocab_seconds, epochs: [{epoch, seconds, dir}]} (cached)."""
-    from eagle3_core import stages
-    from eagle3_core.pipeline.layout import RunLayout
+    from eagle3_core.contract.layout import RunLayout
+    from eagle3_core.pipeline.train_stage import run_train
+    from eagle3_core.pipeline.vocab_stage import run_vocab
     cfg = recipe_config(base, name, recipe)
     run = RunLayout(cfg.run_dir)
     settings = {"recipe": recipe, "train": cfg.train.model_dump(mode="json"),
@@ -136,7 +137,7 @@ def train_ours(base: PipelineConfig, name: str, recipe: dict, features_seconds: 
         shutil.rmtree(d, ignore_errors=True)
     cold_compile()
     t0 = time.monotonic()
-    stages.run_vocab(cfg, log=lambda s: None)
+    run_vocab(cfg, log=lambda s: None)
     vocab_seconds = time.monotonic() - t0
     marks, left_out = [], [0.0]
     t0 = time.monotonic()
@@ -154,7 +155,7 @@ def train_ours(base: PipelineConfig, name: str, recipe: dict, features_seconds: 
     if "samples" in recipe:
         share = recipe["samples"] / subset_train(cfg, recipe["samples"], snapshot, log)
     else:
-        stages.run_train(cfg, log=log, on_epoch=snapshot)
+        run_train(cfg, log=log, on_epoch=snapshot)
     epochs = [{"epoch": e, "seconds": features_seconds * share + vocab_seconds + s,
                "dir": str(run.run_dir / "epochs" / f"epoch_{e}")} for e, s in enumerate(marks, 1)]
     out = {"settings": settings, "vocab_seconds": vocab_seconds, "features_share": share, "epochs": epochs,
@@ -166,10 +167,9 @@ def train_ours(base: PipelineConfig, name: str, recipe: dict, features_seconds: 
 def train_specforge(base: PipelineConfig, device: torch.device) -> dict:
     """SpecForge's online run with the config's recipe (module docstring), each epoch's draft in our format in
     RUN_DIR/recipes/specforge/epochs/epoch_E; returns trained.json (cached) as train_ours does."""
+    from eagle3_core.pipeline.train_stage import fresh_draft
+    from eagle3_core.training.checkpoint import save_draft
     from train_end_to_end import specforge_online
-
-    from eagle3_core.checkpoint import save_draft
-    from eagle3_core.pipeline.train import fresh_draft
     here = Path(base.run_dir) / "recipes" / "specforge"
     settings = {"train": base.train.model_dump(mode="json"), "draft": base.draft.model_dump(mode="json")}
     if old := cached(here / "trained.json", settings):
@@ -195,7 +195,7 @@ def train_specforge(base: PipelineConfig, device: torch.device) -> dict:
 
 def eval_settings(cfg: PipelineConfig) -> dict:
     """What a measurement depends on besides the draft: the eval settings and the held-out prompts."""
-    from eagle3_core.pipeline.layout import RunLayout
+    from eagle3_core.contract.layout import RunLayout
     return {"eval": cfg.eval.model_dump(mode="json"),
             "eval_ids": json.loads((RunLayout(cfg.run_dir).prompts / "manifest.json").read_text()).get("eval_ids")}
 
@@ -204,12 +204,12 @@ def recording(cfg: PipelineConfig, device: str, path: Path, batch: int) -> Path:
     """The target's greedy output and aux hidden states on the held-out prompts (replay_eval.record_target, target
     fp32 on `device`, `batch` prompts per generate), saved at `path` (torch.save of tensors and lists) and reused
     while the eval settings, the held-out prompts, the batch and the target are the same."""
+    from eagle3_core.evaluation.replay_eval import record_target
+    from eagle3_core.evaluation.speculate import TargetRunner
     from eagle3_core.pipeline.keys import aux_ids
-    from eagle3_core.replay_eval import record_target
-    from eagle3_core.scaling_study import held_out_prompts
-    from eagle3_core.speculate import TargetRunner
-    from eagle3_core.target import load_target
-    from eagle3_core.target_family import num_layers
+    from eagle3_core.studies.scaling_study import held_out_prompts
+    from eagle3_core.target.family import num_layers
+    from eagle3_core.target.loading import load_target
     settings = {**eval_settings(cfg), "target": cfg.target.model_dump(mode="json"), "batch": batch}
     if path.exists() and torch.load(path, weights_only=True)["settings"] == settings:
         return path
@@ -226,9 +226,9 @@ def recording(cfg: PipelineConfig, device: str, path: Path, batch: int) -> Path:
 def measure_worker(cfg_json: str, dirs: list[str], device: str, recorded: str | None) -> None:
     """One process: the drafts in `dirs` measured, each entry written to DIR/measured.json; with `recorded` (a
     recording's path) by replay_eval.replay_measure, else by scaling_study.measure_drafts (the decoding evaluator)."""
-    from eagle3_core.checkpoint import load_draft
-    from eagle3_core.replay_eval import replay_measure
-    from eagle3_core.scaling_study import measure_drafts
+    from eagle3_core.evaluation.replay_eval import replay_measure
+    from eagle3_core.studies.scaling_study import measure_drafts
+    from eagle3_core.training.checkpoint import load_draft
     torch.set_num_threads(2)
     cfg = PipelineConfig.model_validate_json(cfg_json)
     keys = ("tau", "tau_ci95", "accept_per_position", "per_prompt")
@@ -310,7 +310,7 @@ def plot(points: list[dict], path: Path, title: str) -> Path:
 def summary(points: list[dict]) -> list[dict]:
     """Per recipe: its best point within SpecForge's final wall time and, against SpecForge's final draft, the
     difference in tau with its paired bootstrap 95% interval (evaluate.paired_bootstrap_diff_ci)."""
-    from eagle3_core.evaluate import paired_bootstrap_diff_ci
+    from eagle3_core.evaluation.acceptance import paired_bootstrap_diff_ci
     sf = [p for p in points if p["trainer"] == "specforge"]
     final = max(sf, key=lambda p: p["epoch"]) if sf else None
     rows = []
@@ -332,8 +332,8 @@ def summary(points: list[dict]) -> list[dict]:
 def features_once(cfg: PipelineConfig, out: Path) -> float:
     """The features stage from scratch, timed; its seconds are read back from OUT/features.json while the store's
     manifest is the one timed (same inputs key)."""
-    from eagle3_core import stages
-    from eagle3_core.pipeline.layout import RunLayout
+    from eagle3_core.contract.layout import RunLayout
+    from eagle3_core.pipeline.features_stage import run_features
     run = RunLayout(cfg.run_dir)
     record = out / "features.json"
     if record.exists() and (run.features / "manifest.json").exists():
@@ -342,7 +342,7 @@ def features_once(cfg: PipelineConfig, out: Path) -> float:
             return old["seconds"]
     shutil.rmtree(run.features, ignore_errors=True)
     t0 = time.monotonic()
-    m = stages.run_features(cfg, log=lambda s: None)
+    m = run_features(cfg, log=lambda s: None)
     seconds = time.monotonic() - t0
     record.write_text(json.dumps({"inputs_key": m["inputs_key"], "seconds": seconds}))
     return seconds
@@ -396,9 +396,8 @@ def main() -> None:
         return
     if not (a.config and a.recipes):
         ap.error("--config and --recipes are needed (unless --replot)")
+    from eagle3_core.pipeline.vocab_stage import run_vocab
     from train_end_to_end import data_stages
-
-    from eagle3_core import stages
     cfg = load_config(a.config)
     if a.target:
         cfg = cfg.model_copy(update={"target": TargetConfig(model=a.target)})
@@ -410,7 +409,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     data_stages(cfg)
     features_seconds = features_once(cfg, out)
-    stages.run_vocab(cfg, log=lambda s: None)               # SpecForge's draft vocab: the config's own
+    run_vocab(cfg, log=lambda s: None)               # SpecForge's draft vocab: the config's own
     print(f"== features: {features_seconds:.1f} s", flush=True)
     trained = {}
     for name, recipe in recipes.items():

@@ -30,13 +30,13 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="instead of eval.max_new_tokens")
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
-    from eagle3_core.checkpoint import load_draft
+    from eagle3_core.evaluation.replay_eval import record_target, replay_measure
+    from eagle3_core.evaluation.speculate import TargetRunner
     from eagle3_core.pipeline.keys import aux_ids
-    from eagle3_core.replay_eval import record_target, replay_measure
-    from eagle3_core.scaling_study import held_out_prompts, measure_drafts
-    from eagle3_core.speculate import TargetRunner
-    from eagle3_core.target import load_target
-    from eagle3_core.target_family import num_layers
+    from eagle3_core.studies.scaling_study import held_out_prompts, measure_drafts
+    from eagle3_core.target.family import num_layers
+    from eagle3_core.target.loading import load_target
+    from eagle3_core.training.checkpoint import load_draft
     cfg = load_config(a.config)
     if a.target:
         cfg = cfg.model_copy(update={"target": TargetConfig(model=a.target)})

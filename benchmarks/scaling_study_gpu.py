@@ -21,15 +21,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eagle3_core import scaling_study as study  # noqa: E402
-from eagle3_core import stages  # noqa: E402
 from eagle3_core.config import PipelineConfig, load_config  # noqa: E402
+from eagle3_core.pipeline.features_stage import run_features  # noqa: E402
+from eagle3_core.pipeline.generation_stage import run_generation  # noqa: E402
+from eagle3_core.pipeline.prompts_stage import run_prompts  # noqa: E402
+from eagle3_core.pipeline.tokenize_stage import run_tokenize  # noqa: E402
+from eagle3_core.pipeline.vocab_stage import run_vocab  # noqa: E402
+from eagle3_core.studies import scaling_study as study  # noqa: E402
 
 
 def data_stages(cfg: PipelineConfig) -> None:
-    for name, stage in [("prompts", stages.run_prompts), ("generation", stages.run_generation),
-                        ("tokenize", stages.run_tokenize), ("features", stages.run_features),
-                        ("vocab", stages.run_vocab)]:
+    for name, stage in [("prompts", run_prompts), ("generation", run_generation),
+                        ("tokenize", run_tokenize), ("features", run_features),
+                        ("vocab", run_vocab)]:
         t0 = time.monotonic()
         stage(cfg)
         print(f"== {name}: {time.monotonic() - t0:.0f} s", flush=True)

@@ -4,8 +4,8 @@ Both drafts start from the same initial weights (our fresh draft, loaded into Sp
 see the same samples (the scaling study's nested subset of `--samples` training samples of the run's feature store)
 in the same token-budget batches and order, for the same epochs, with AdamW (betas 0.9/0.95, no weight decay), the
 same warmup + cosine learning-rate schedule, gradient clipping and TTT length (step weights 0.8**k). Ours is the
-scaling study's draft of that size (eagle3_core/scaling_study.py: trained, or reused from its manifest); SpecForge's
-is trained here with its OnlineEagle3Model (its masks, teacher and loss; sdpa attention; inputs shifted as its
+scaling study's draft of that size (eagle3_core/studies/scaling_study.py: trained, or reused from its manifest);
+SpecForge's is trained here with its OnlineEagle3Model (its masks, teacher and loss; sdpa attention; inputs shifted as its
 pipeline shifts them, checked against our step-0 logits before training) and exported by
 loading its weights into our draft class (same parameter names). Both are measured with our offline evaluator
 (chain drafting, greedy, the run's held-out prompts and eval settings): tau with 95% bootstrap intervals, and the
@@ -105,7 +105,7 @@ def check_step0_alignment(model, ours, b: dict, kw: dict, atol: float = 1e-4) ->
     largest difference; raises AssertionError naming it when the inputs or weights are misaligned."""
     from specforge.modeling.draft.llama3_eagle import prepare_decoder_attention_mask
 
-    from eagle3_core.ttt import shift_left
+    from eagle3_core.training.ttt import shift_left
     T = int(b["valid"][0].sum())
     hs = model.project_hidden_states(kw["hidden_states"][:1, :T].cpu())
     mask = prepare_decoder_attention_mask(torch.ones(1, T, dtype=torch.bool), (1, T), hs, 0)
@@ -121,10 +121,11 @@ def check_step0_alignment(model, ours, b: dict, kw: dict, atol: float = 1e-4) ->
 def train_specforge(cfg: PipelineConfig, n: int, seed: int, device: torch.device, log=print):
     """SpecForge's TTT training on the study's subset of `n` samples; returns (our Eagle3Draft with its weights,
     seconds, step losses)."""
-    from eagle3_core.scaling_study import nested_subset
-    from eagle3_core.stages import fresh_draft, train_split
-    from eagle3_core.trainer import epoch_batches, lr_lambda
-    from eagle3_core.ttt import collate
+    from eagle3_core.pipeline.train_stage import fresh_draft, train_split
+    from eagle3_core.studies.scaling_study import nested_subset
+    from eagle3_core.training.batch_feed import epoch_batches
+    from eagle3_core.training.setup import lr_lambda
+    from eagle3_core.training.ttt import collate
     OnlineEagle3Model, _, _ = import_specforge()
     t = cfg.train
     if t.grad_accum != 1:
@@ -176,14 +177,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=None, help="result JSON (default: RUN_DIR/scaling/side_by_side.json)")
     a = ap.parse_args()
-    from eagle3_core.scaling_study import measure_offline, train_and_measure
+    from eagle3_core.studies.scaling_study import measure_offline, train_and_measure
     cfg = load_config(a.config)
     ours = train_and_measure(cfg, a.samples, a.seed)                      # trained, or reused from its manifest
     ours_seconds = ours["seconds"]
     draft, sf_seconds, losses = train_specforge(cfg, a.samples, a.seed, torch.device(a.device))
     sf = measure_offline(cfg, draft)                # the evaluator call of train_and_measure, on SpecForge's draft
     _, _, reference = import_specforge()
-    from eagle3_core.evaluate import paired_bootstrap_diff_ci
+    from eagle3_core.evaluation.acceptance import paired_bootstrap_diff_ci
     diff = (ours["tau"] - sf["tau"], paired_bootstrap_diff_ci(ours["per_prompt"], sf["per_prompt"]))
     res = {"samples": a.samples, "tokens": ours["tokens"], "epochs": cfg.train.epochs, "lr": cfg.train.lr,
            "ttt_length": cfg.train.ttt_length, "batch_tokens": cfg.train.batch_tokens,

@@ -4,7 +4,7 @@ random-weight target, sequences of 2048 tokens.
   python benchmarks/tp_extract_throughput.py            # H200 (about 4 minutes, 16 GB of weights + shards on disk)
   python benchmarks/tp_extract_throughput.py --tiny     # CPU smoke run with small shapes
 
-Every row is the features stage as the pipeline runs it (stages.run_features: target loaded from safetensors,
+Every row is the features stage as the pipeline runs it (run_features: target loaded from safetensors,
 aux hidden states extracted, shards written with their sha256, manifest), on the same tokenized rows, into a fresh
 features/ each time. `hf` runs in this process; `hf_tp` launches torchrun with one process whose rank 0 leads
 through tp_extract.Leader (the token ids of every forward broadcast over gloo first). At world size 1
@@ -30,10 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.extract_throughput import LLAMA_8B, TINY  # noqa: E402
-from eagle3_core import stages  # noqa: E402
 from eagle3_core.config import PipelineConfig  # noqa: E402
-from eagle3_core.manifest import write_manifest  # noqa: E402
-from eagle3_core.target import load_target  # noqa: E402
+from eagle3_core.contract.manifest import write_manifest  # noqa: E402
+from eagle3_core.pipeline.features_stage import run_features  # noqa: E402
+from eagle3_core.target.loading import load_target  # noqa: E402
 
 
 def make_target(path: Path, shape: dict, device: str) -> None:
@@ -65,7 +65,7 @@ def stage_seconds(cfg: PipelineConfig) -> float:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     t0 = time.perf_counter()
-    manifest = stages.run_features(cfg, log=lambda line: print("   ", line, flush=True))
+    manifest = run_features(cfg, log=lambda line: print("   ", line, flush=True))
     seconds = time.perf_counter() - t0
     assert manifest["samples"] > 0 and manifest["shards"], manifest
     return seconds

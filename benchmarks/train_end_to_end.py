@@ -63,10 +63,12 @@ class TorchWarnings(logging.Handler):
 
 
 def data_stages(cfg: PipelineConfig) -> dict:
-    from eagle3_core import stages
+    from eagle3_core.pipeline.generation_stage import run_generation
+    from eagle3_core.pipeline.prompts_stage import run_prompts
+    from eagle3_core.pipeline.tokenize_stage import run_tokenize
     out = {}
-    for name, stage in (("prompts", stages.run_prompts), ("generation", stages.run_generation),
-                        ("tokenize", stages.run_tokenize)):
+    for name, stage in (("prompts", run_prompts), ("generation", run_generation),
+                        ("tokenize", run_tokenize)):
         t0 = time.monotonic()
         stage(cfg)
         out[name] = time.monotonic() - t0
@@ -114,13 +116,15 @@ def profiled(stage, name: str, where: Path | None):
 def ours(cfg: PipelineConfig, profile: Path | None = None, profile_stages: set = frozenset()) -> dict:
     """Our features, vocab and train stages from scratch; seconds of each, train log and torch warnings.
     profile: a folder for the cProfile stats of profile_stages (`profiled`; their timings include its overhead)."""
-    from eagle3_core import stages
-    from eagle3_core.pipeline.layout import RunLayout
+    from eagle3_core.contract.layout import RunLayout
+    from eagle3_core.pipeline.features_stage import run_features
+    from eagle3_core.pipeline.train_stage import run_train
+    from eagle3_core.pipeline.vocab_stage import run_vocab
     run = RunLayout(cfg.run_dir)
     for d in (run.features, run.vocab, run.draft):
         shutil.rmtree(d, ignore_errors=True)
     res, lines = {}, []
-    for name, stage in (("features", stages.run_features), ("vocab", stages.run_vocab)):
+    for name, stage in (("features", run_features), ("vocab", run_vocab)):
         t0 = time.monotonic()
         profiled(stage, name, profile if name in profile_stages else None)(cfg)
         res[name] = time.monotonic() - t0
@@ -130,8 +134,8 @@ def ours(cfg: PipelineConfig, profile: Path | None = None, profile_stages: set =
     torch._dynamo.utils.counters.clear()
     t0 = time.monotonic()
     with TorchWarnings() as warned:
-        run_train = profiled(stages.run_train, "train", profile if "train" in profile_stages else None)
-        m = run_train(cfg, log=lambda s: (lines.append(s), print(s, flush=True)))
+        train_stage = profiled(run_train, "train", profile if "train" in profile_stages else None)
+        m = train_stage(cfg, log=lambda s: (lines.append(s), print(s, flush=True)))
     res["train"] = time.monotonic() - t0
     res["train_log"], res["torch_warnings"] = lines, warned.lines
     res["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -151,12 +155,12 @@ def specforge_online(cfg: PipelineConfig, device: torch.device, on_epoch=None) -
     OnlineEagle3Model, _, _ = import_specforge()
     from specforge.optimizer import BF16Optimizer
 
-    from eagle3_core.extract import HFExtractor
+    from eagle3_core.features.extract import HFExtractor
     from eagle3_core.pipeline.keys import aux_ids
-    from eagle3_core.pipeline.train import fresh_draft, train_split
-    from eagle3_core.target import load_target
-    from eagle3_core.target_family import num_layers
-    from eagle3_core.trainer import epoch_batches
+    from eagle3_core.pipeline.train_stage import fresh_draft, train_split
+    from eagle3_core.target.family import num_layers
+    from eagle3_core.target.loading import load_target
+    from eagle3_core.training.batch_feed import epoch_batches
     t = cfg.train
     backend = "flex_attention" if device.type == "cuda" else "sdpa"
     train_s, _ = train_split(cfg)

@@ -22,8 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3_core.config import TrainConfig  # noqa: E402
-from eagle3_core.draft_model import DraftShape  # noqa: E402
-from eagle3_core.trainer import build_draft, train  # noqa: E402
+from eagle3_core.training.draft_model import DraftShape  # noqa: E402
+from eagle3_core.training.trainer import train  # noqa: E402
+from eagle3_core.training.setup import build_draft  # noqa: E402
 
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float32     # as the feature store hands them over
 
@@ -57,8 +58,8 @@ def main() -> None:
                     "(K steps) one compiled graph (default: train.graph 'auto', per TTT step at these sizes)")
     args = ap.parse_args()
     if args.kernels_only:
-        import eagle3_core.trainer as trainer_mod
-        from eagle3_core.ttt import ttt_loss
+        import eagle3_core.training.trainer as trainer_mod
+        from eagle3_core.training.ttt import ttt_loss
         trainer_mod.packed_ttt_loss = ttt_loss
     H, N, V, nh, I = (64, 256, 512, 4, 128) if args.tiny else (576, 8192, 49152, 9, 1536)
     bt = args.batch_tokens or (256 if args.tiny else 4608)

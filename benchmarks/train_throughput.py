@@ -47,13 +47,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))      # the former step: a test reference
 
+from eagle3_core.training import packing  # noqa: E402
+from eagle3_core.training.draft_model import DraftShape, Eagle3Draft  # noqa: E402
+from eagle3_core.training.packing import packed_ttt_loss  # noqa: E402
+from eagle3_core.training.setup import compile_for_training  # noqa: E402
+from eagle3_core.training.ttt import ttt_loss  # noqa: E402
 from reference_paths import reference_ttt_loss  # noqa: E402
-
-from eagle3_core.draft_model import DraftShape, Eagle3Draft  # noqa: E402
-from eagle3_core.trainer import compile_for_training  # noqa: E402
-from eagle3_core import packing  # noqa: E402
-from eagle3_core.packing import packed_ttt_loss  # noqa: E402
-from eagle3_core.ttt import ttt_loss  # noqa: E402
 
 FULL = {"H": 4096, "nh": 32, "nkv": 8, "hd": 128, "I": 14336, "V": 128256, "N": 32000, "T": 2048}
 TINY = {"H": 64, "nh": 4, "nkv": 2, "hd": 16, "I": 128, "V": 512, "N": 256, "T": 64}
@@ -136,7 +135,7 @@ def timed(step, device: torch.device, warmup: int, iters: int) -> tuple[float, f
 
 def packed_row(s: dict, lengths: list[int], row_len: int, device: torch.device, g: torch.Generator,
                lm_head: torch.Tensor) -> dict:
-    """A packed row (eagle3_core.packing's layout: doc ids, per-document positions) of random features holding
+    """A packed row (eagle3_core.training.packing's layout: doc ids, per-document positions) of random features holding
     documents of `lengths` (sum <= row_len); loss mask from 30% into each document (the prompt before it)."""
     doc = torch.full((1, row_len), -1, dtype=torch.long)
     position = torch.zeros(1, row_len, dtype=torch.long)
@@ -176,7 +175,7 @@ def _features(s: dict, B: int, T: int, device: torch.device, g: torch.Generator,
 def real_batches(s: dict, lengths: list[int], row_len: int, n: int, device, lm_head, seed: int = 0):
     """n packed rows for ours and n padded batches for SpecForge drawn from `lengths` (a real distribution),
     SpecForge's batches holding as many sequences as our rows do on average. Returns (ours, theirs, per_batch)."""
-    from eagle3_core.packing import pack_rows
+    from eagle3_core.training.packing import pack_rows
     rng = torch.Generator().manual_seed(seed)
     draw = [min(lengths[int(i)], row_len) for i in torch.randint(0, len(lengths), (n * row_len,), generator=rng)]
     rows = pack_rows([(i, 0, m) for i, m in enumerate(draw)], row_len, seed)[:n]

@@ -8,7 +8,7 @@ Deployments: `eagle3-pipeline/demo` (nightly at 02:00, created switched off: swi
 default to runs/<preset> (EAGLE3_RUN_ROOT or --run-root to change).
 
 Each deployment runs one flow run at a time (a deployment concurrency limit of 1; more runs wait, ENQUEUE), and
-a flow run holds its run directory's lock (eagle3_core/run_lock.py): two deployments writing the same run
+a flow run holds its run directory's lock (eagle3_core/contract/run_lock.py): two deployments writing the same run
 directory (the demo run and the `train` stage deployment, say) are refused, naming the run that holds it.
 
 Work pools (--pools): `eagle3-cpu` for prompts, generation and vocab; `eagle3-gpu` for features, train, evaluate,
@@ -28,7 +28,7 @@ from prefect.schedules import Cron
 
 from deployments.limits import CPU_POOL, GPU_POOL, ensure_all
 from eagle3_core.config import preset
-from flows import stages
+from flows import stage_flows as stages
 from flows.pipeline import eagle3_pipeline
 from flows.scaling_study import DEFAULT_FRACTIONS, scaling_study_flow
 
@@ -48,7 +48,7 @@ def one_at_a_time() -> ConcurrencyLimitConfig:
 
 def nightly(timezone: str) -> Cron:
     """The nightly schedule: opt-in (created inactive; switch it on in the UI, deployment page). Its runs pass
-    nightly=True: a night's work (eagle3_core.nightly), not a rerun that finds every stage done."""
+    nightly=True: a night's work (eagle3_core.pipeline.nightly), not a rerun that finds every stage done."""
     return Cron(NIGHTLY_CRON, timezone=timezone, active=False, parameters={"nightly": True})
 
 

@@ -1,1 +1,3 @@
-"""EAGLE-3 draft training: model, data, features, training, evaluation. Never imports prefect (DESIGN.md)."""
+"""EAGLE-3 draft training for SGLang-served targets: data, generation, features, training, evaluation and the pipeline
+stages, as plain Python (no orchestrator: Prefect lives in tasks/ and flows/). docs/architecture.md maps the folders
+and their layer order."""

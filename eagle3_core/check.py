@@ -19,13 +19,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import PipelineConfig, load_config, preset
-from .feature_formats import FORMATS, bytes_per_token
-from .target_family import (
-    draft_geometry,
+from eagle3_core.config import PipelineConfig, config_or_preset
+from eagle3_core.features.store_formats import FORMATS, bytes_per_token
+from eagle3_core.target.family import (
     engine_readings,
     family,
-    geometry_problems,
     num_layers,
     resolve_aux_ids,
     rope_type,
@@ -33,6 +31,7 @@ from .target_family import (
     text_config,
     value,
 )
+from eagle3_core.training.draft_geometry import draft_geometry, geometry_problems
 
 IN_PROCESS_STAGES = "features (HFExtractor) and evaluate (offline tau)"
 DETECT = "detect"                                  # check_run(gpus=DETECT): this host's GPUs
@@ -84,9 +83,9 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     machine_memory_bytes()); gpus: (count, bytes per GPU) for the features backend's per-GPU check
     (parallel_fit.backend_facts; default: this host's, None: no GPU). Facts are JSON-able; problems are (field,
     message) pairs, empty when the run fits."""
-    from .parallel_fit import backend_facts, gpu_memory
-    from .preflight import check_draft
-    from .target import load_target_config
+    from eagle3_core.evaluation.preflight import check_draft
+    from eagle3_core.target.loading import load_target_config
+    from eagle3_core.target.memory import backend_facts, gpu_memory
     tcfg = target_config if target_config is not None else load_target_config(cfg.target)
     t = text_config(tcfg)
     problems: list[tuple[str, str]] = []
@@ -179,14 +178,6 @@ def target_config_file(path: str | Path):
     if "model_type" not in data:
         raise ValueError(f"{path}: no 'model_type': not a transformers config.json")
     return AutoConfig.for_model(data.pop("model_type"), **data)
-
-
-def config_or_preset(arg: str) -> PipelineConfig:
-    """A PipelineConfig from a JSON file path (config.load_config: errors name the file and each bad field) or a
-    preset name. Raises ValueError for neither."""
-    if Path(arg).is_file():
-        return load_config(arg)
-    return preset(arg)
 
 
 def main(argv: list[str] | None = None) -> int:

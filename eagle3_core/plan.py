@@ -24,8 +24,8 @@ import sys
 from datetime import date
 from pathlib import Path
 
-from .config import PipelineConfig
-from .feature_formats import bytes_per_token
+from eagle3_core.config import PipelineConfig
+from eagle3_core.features.store_formats import bytes_per_token
 
 STATUSES = ("measured", "given", "scaled")
 DEFAULT_RATES = Path(__file__).resolve().parents[1] / "configs" / "rates.json"
@@ -177,7 +177,7 @@ def compare(p: dict, run_dir: Path) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .check import config_or_preset
+    from eagle3_core.config import config_or_preset
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="a PipelineConfig JSON file or a preset name")
     p.add_argument("--profile", required=True, help="the rates profile to plan with (or to write, with --measure)")

@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .features import bad_shards
-from .manifest import read_manifest
-from .pipeline.layout import RunLayout
+from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.manifest import read_manifest
+from eagle3_core.features.store import bad_shards
 
 
 @dataclass

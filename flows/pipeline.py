@@ -1,4 +1,4 @@
-"""The end-to-end EAGLE-3 pipeline flow. Reads like the diagram in DESIGN.md:
+"""The end-to-end EAGLE-3 pipeline flow. Reads like the diagram in docs/architecture.md:
 
 prompts -> regenerate -> tokenize + loss masks -> aux hidden states -> vocab map -> train (TTT) + export
         -> offline tau (HF target verifies) -> deploy on llama.cpp's EAGLE-3 server (GGUF targets) or on SGLang
@@ -12,7 +12,7 @@ from pathlib import Path
 from prefect import flow
 
 from eagle3_core.config import PipelineConfig, load_config, preset
-from flows import stages as s
+from flows import stage_flows as s
 from tasks.control import ALL_STAGES, check_task
 from tasks.nightly import finish_night_task, plan_night_task
 from tasks.report import report_task
@@ -22,8 +22,8 @@ from tasks.report import report_task
 def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False, nightly: bool = False) -> dict:
     """Run every stage on `config` (default: the embedded demo preset) and publish the report as artifacts.
     refresh=True recomputes every stage; otherwise finished stages and shards are reused. nightly=True (what the
-    nightly schedule passes) makes it a night's work (eagle3_core.nightly): every prompt of the sources, only the
-    new ones regenerated and extracted, a warm start from last night's draft, promoted/ updated only if tau is not
+    nightly schedule passes) makes it a night's work (eagle3_core.pipeline.nightly): every prompt of the sources, only
+    the new ones regenerated and extracted, a warm start from last night's draft, promoted/ updated only if tau is not
     worse, and the report's table of nights. Holds the run directory's lock throughout (a second run of the same
     directory is refused, naming this one). The run is named '<run>-pipeline' and its stage subflows
     '<run>-<stage>', tagged run:<run> and stage:<stage>; its log holds every stage's summary line."""

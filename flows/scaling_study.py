@@ -1,4 +1,4 @@
-"""The scaling-study flow: tau against training-data size on the user's own target (eagle3_core/scaling_study.py).
+"""The scaling-study flow: tau against training-data size on the user's own target (studies/scaling_study.py).
 
 The data stages run (or come back from their manifests) as in the pipeline; then one task per size trains a draft
 on a nested subset with the same recipe and measures it offline; the last task fits the trend and publishes the
@@ -12,7 +12,7 @@ from pathlib import Path
 from prefect import flow
 
 from eagle3_core.config import PipelineConfig, load_config, preset
-from flows import stages as s
+from flows import stage_flows as s
 from tasks.scaling_study import finish_task, size_task, sizes_task
 
 DEFAULT_FRACTIONS = [0.125, 0.25, 0.5, 1.0]

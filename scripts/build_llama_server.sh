@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama.cpp's C++ llama-server (with EAGLE-3 speculative support) from the llama-cpp-python sdist on PyPI,
-# which vendors llama.cpp (REFERENCE.md section 5b), and keep its GGUF converter beside it. Cached: a second call
+# which vendors llama.cpp (its `vendor/llama.cpp`), and keep its GGUF converter beside it. Cached: a second call
 # returns at once. Output: $EAGLE3_CACHE/llama.cpp-$VERSION/{bin/llama-server, bin/llama-eagle3-layer-probe,
 # convert_hf_to_gguf.py, conversion/, gguf-py/}. The probe (scripts/llama_layer_probe/) is built in llama.cpp's tree
 # and dumps the target hidden states llama.cpp's EAGLE-3 decoder feeds a draft (tests check the layer convention).

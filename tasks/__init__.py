@@ -1,1 +1,1 @@
-"""Prefect tasks: thin wrappers around eagle3_core.stages, each returning the stage's small manifest."""
+"""Prefect tasks: thin wrappers around eagle3_core.pipeline, each returning the stage's small manifest."""

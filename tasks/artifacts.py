@@ -18,7 +18,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from eagle3_core.report import RUN_NAMES, embed_images
+from eagle3_core.pipeline.report import RUN_NAMES, embed_images
 
 
 def run_key(run_dir: Path | str, name: str) -> str:

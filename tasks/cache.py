@@ -1,10 +1,10 @@
 """Cache keys of the pipeline's tasks: what makes a result valid, never the run id.
 
-A task's key is its source code plus the inputs key its stage writes into its manifest (eagle3_core.stages
+A task's key is its source code plus the inputs key its stage writes into its manifest (eagle3_core.pipeline
 .inputs_key: the config fields the stage reads, the upstream data's keys, the target's hash, the code version),
 the run directory and the shard id. An equal rerun (any run id) hits the cache; a changed parameter changes the keys
 of exactly the stages that read it and of those downstream. Data on disk stays the source of truth: flows pass
-`refresh_cache=True` to a task whose output on disk is missing or stale (see flows/stages.py), so a cache hit never
+`refresh_cache=True` to a task whose output on disk is missing or stale (see flows/py), so a cache hit never
 stands for data that is gone.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from prefect.cache_policies import TASK_SOURCE, CachePolicy
 from prefect.utilities.hashing import hash_objects
 
-from eagle3_core import stages
+from eagle3_core.pipeline.table import inputs_key
 
 
 @dataclass
@@ -28,9 +28,9 @@ class StageInputs(CachePolicy):
     def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any],
                     **kwargs: Any) -> str | None:
         cfg = inputs["config"]
-        return hash_objects(self.stage, str(cfg.run_dir), stages.inputs_key(cfg, self.stage), inputs.get("shard"))
+        return hash_objects(self.stage, str(cfg.run_dir), inputs_key(cfg, self.stage), inputs.get("shard"))
 
 
 def stage_cache(stage: str) -> CachePolicy:
-    """The cache policy of a task of `stage` (a key of eagle3_core.stages.STAGE_DIRS)."""
+    """The cache policy of a task of `stage` (a key of eagle3_core.pipeline.table.STAGE_DIRS)."""
     return TASK_SOURCE + StageInputs(stage=stage)

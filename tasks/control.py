@@ -2,7 +2,7 @@
 task-level contexts, so that flows/ call no eagle3_core function except config and presets (tests/test_architecture.py):
 the config check, forgetting stages on refresh, planning shards (which are finished, whether a server is needed),
 starting and stopping the inference servers, the run directory's lock, and cache use derived from the records on
-disk (a task may answer from Prefect's cache only while its stage's or shard's output is intact: DESIGN.md, data on
+disk (a task may answer from Prefect's cache only while its stage's or shard's output is intact: docs/architecture.md, data on
 disk is the source of truth).
 """
 from __future__ import annotations
@@ -16,20 +16,23 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext
 from prefect.futures import as_completed
 
-from eagle3_core import stages
 from eagle3_core.check import check_or_raise
 from eagle3_core.config import PipelineConfig
-from eagle3_core.run_lock import run_lock
+from eagle3_core.contract.layout import STAGE_DIRS
+from eagle3_core.contract.run_lock import run_lock
+from eagle3_core.pipeline.features_stage import feature_status
+from eagle3_core.pipeline.generation_stage import generation_servers, generation_shards, generation_status
+from eagle3_core.pipeline.table import invalidate_stage, stage_done
 from eagle3_core.serving.launcher import running_server
 from tasks.artifacts import ShardProgress, shard_table
 from tasks.logs import run_log
 
-ALL_STAGES = tuple(stages.STAGE_DIRS)
+ALL_STAGES = tuple(STAGE_DIRS)
 
 
 @contextmanager
 def locked(cfg: PipelineConfig):
-    """Hold cfg.run_dir's lock (eagle3_core.run_lock) for the current flow run: its subflows, shard threads and the
+    """Hold cfg.run_dir's lock (contract.run_lock) for the current flow run: its subflows, shard threads and the
     processes its tasks start pass; another run of the same run directory is refused with RunDirBusy naming this
     one (flow run id and name, pid, start time)."""
     ctx = FlowRunContext.get()
@@ -55,10 +58,10 @@ def check_task(config: PipelineConfig) -> str:
 
 @task(name="forget", task_run_name="forget", cache_policy=NO_CACHE)
 def forget_task(config: PipelineConfig, stage_names: list[str]) -> list[str]:
-    """Forget that `stage_names` are done (stages.invalidate_stage: manifests and shard records; data files stay
+    """Forget that `stage_names` are done (invalidate_stage: manifests and shard records; data files stay
     until overwritten), so that they recompute."""
     for name in stage_names:
-        stages.invalidate_stage(config, name)
+        invalidate_stage(config, name)
     get_run_logger().info("refresh: %s will recompute", ", ".join(stage_names))
     return stage_names
 
@@ -72,15 +75,15 @@ def forget(cfg: PipelineConfig, refresh: bool, *stage_names: str) -> None:
 
 def run_stage(task_, cfg: PipelineConfig, stage: str, *args):
     """Run a stage task; Prefect's cache may answer only if the stage's manifest on disk matches its inputs."""
-    return task_.with_options(refresh_cache=not stages.stage_done(cfg, stage))(cfg, *args)
+    return task_.with_options(refresh_cache=not stage_done(cfg, stage))(cfg, *args)
 
 
 @task(name="plan-generation", task_run_name="plan-generation", cache_policy=NO_CACHE)
 def plan_generation_task(config: PipelineConfig) -> dict:
     """The generation stage's shards: {'shards': every id, 'done': finished ones (record and file intact for the
     current inputs), 'needs_server': whether any unfinished shard holds rows to regenerate}."""
-    stages.generation_shards(config)                     # removes shards past the last one
-    status = stages.generation_status(config)
+    generation_shards(config)                     # removes shards past the last one
+    status = generation_status(config)
     ids, done, needs = status["shards"], status["done"], status["needs_server"]
     get_run_logger().info("generation: %s shards, %s finished, %s to run; %s", len(ids), len(done),
                           len(ids) - len(done), "a server is needed" if needs else "no server needed")
@@ -90,7 +93,7 @@ def plan_generation_task(config: PipelineConfig) -> dict:
 @task(name="plan-features", task_run_name="plan-features", cache_policy=NO_CACHE)
 def plan_features_task(config: PipelineConfig) -> dict:
     """The features stage's shards: {'shards': every id, 'done': those intact on disk for the current inputs}."""
-    status = stages.feature_status(config)
+    status = feature_status(config)
     ids, done = status["shards"], status["done"]
     get_run_logger().info("features: %s shards, %s finished, %s to extract", len(ids), len(done),
                           len(ids) - len(done))
@@ -102,11 +105,11 @@ _servers: dict[str, ExitStack] = {}
 
 @task(name="start-servers", task_run_name="start-servers", cache_policy=NO_CACHE)
 def start_servers_task(config: PipelineConfig) -> dict:
-    """Start the generation stage's inference servers (stages.generation_servers; kinds 'external' and
+    """Start the generation stage's inference servers (generation_servers; kinds 'external' and
     'transformers' start nothing) and log each one's pid, URL and log file. Returns {'handle', 'urls'}; the
     servers run until stop_servers_task(handle) (inference_servers pairs them)."""
     stack = ExitStack()
-    urls = stack.enter_context(stages.generation_servers(config))
+    urls = stack.enter_context(generation_servers(config))
     handle = f"{config.run_dir}:{time.monotonic_ns()}"
     _servers[handle] = stack
     log = get_run_logger()

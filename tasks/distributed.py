@@ -16,11 +16,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from eagle3_core.config import PipelineConfig
-from eagle3_core.distributed.extract_workers import run_features_distributed
+from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.manifest import read_manifest
 from eagle3_core.distributed.launch import run_torchrun
-from eagle3_core.distributed.tp_extract import run_features_tp
-from eagle3_core.manifest import read_manifest
-from eagle3_core.pipeline.layout import RunLayout
+from eagle3_core.pipeline.features_stage import run_features_distributed, run_features_tp
 
 
 @task(name="torchrun", cache_policy=NO_CACHE, tags=["gpu"])
@@ -39,7 +38,7 @@ def train_ddp_task(config: PipelineConfig, nproc_per_node: int, nnodes: int = 1,
     out.mkdir(parents=True, exist_ok=True)
     cfg_file = out / "ddp_config.json"
     cfg_file.write_text(config.model_dump_json())
-    torchrun_task.fn(["-m", "eagle3_core.distributed.train_ddp", "--config", str(cfg_file)], nproc_per_node,
+    torchrun_task.fn(["-m", "eagle3_core.pipeline.train_ddp", "--config", str(cfg_file)], nproc_per_node,
                      str(out / "torchrun.log"), nnodes, node_rank, rdzv_endpoint)
     return read_manifest(out / "manifest.json")
 

@@ -1,12 +1,12 @@
-"""The nightly run's two steps as tasks (eagle3_core.nightly): plan the night before the stages, record and
+"""The nightly run's two steps as tasks (eagle3_core.pipeline.nightly): plan the night before the stages, record and
 promote after evaluation. Not cached: each night reads the sources and the run directory afresh."""
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from eagle3_core import nightly
 from eagle3_core.config import PipelineConfig
+from eagle3_core.pipeline import nightly
 from tasks.logs import run_log
 
 

@@ -7,9 +7,9 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from eagle3_core import report
 from eagle3_core.config import PipelineConfig
-from eagle3_core.pipeline.layout import RunLayout
+from eagle3_core.contract.layout import RunLayout
+from eagle3_core.pipeline import report
 from tasks.artifacts import publish_report, run_key
 from tasks.logs import run_log
 

@@ -8,8 +8,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from eagle3_core import scaling_study as study
 from eagle3_core.config import PipelineConfig
+from eagle3_core.studies import scaling_study as study
 from tasks.artifacts import run_key
 from tasks.logs import run_log
 from tasks.retry import RETRY_OPTIONS, retry_if_transient

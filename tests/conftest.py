@@ -15,6 +15,9 @@ import torch
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# tests never download: a hub lookup fails at once instead of retrying for ~20 s (huggingface_hub's HF_HUB_OFFLINE,
+# read when it is first imported, which is after this)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # task retry backoff base (tasks/retry.py), read when the tasks are defined: short in tests
 os.environ.setdefault("EAGLE3_RETRY_DELAY_S", "0.2")
 # task results and cache records of this session only: with Prefect's default (~/.prefect/storage) a record left by an
@@ -83,6 +86,32 @@ def pytest_configure(config):
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
 
 
+# `make test-fast` runs every test not marked slow or ui: an unmarked test must stay quick. The budget is for 2 cores;
+# on a machine loaded beyond its cores (a second test run beside this one) it grows with the load average.
+FAST_TEST_S = float(os.environ.get("EAGLE3_FAST_TEST_S", "10"))
+
+
+def fast_test_budget_s() -> float:
+    """Seconds an unmarked test's call may take here: FAST_TEST_S (2 cores) times how far the 1-minute load average
+    exceeds this machine's cores (at least 1)."""
+    return FAST_TEST_S * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Fail an unmarked test whose call phase ran past fast_test_budget_s (fixtures are not counted: a session
+    fixture is paid once): mark it `slow`, or make it quicker."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call" or not report.passed or item.get_closest_marker("slow") or item.get_closest_marker("ui"):
+        return
+    budget = fast_test_budget_s()
+    if call.duration > budget:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} took {call.duration:.1f} s, over the {budget:.0f} s an unmarked test may "
+                           f"take (conftest.FAST_TEST_S, scaled by load): mark it @pytest.mark.slow or make it quicker")
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Backstop, also after Ctrl-C: a server or worker a test started and did not stop (a bug in that test) is
     stopped here and named, so that no llama-server or torchrun outlives pytest. Session fixtures (the Prefect
@@ -106,7 +135,7 @@ def written_bytes(entries: list[dict]) -> list[dict]:
 
 
 def tiny_shape(**kw):
-    from eagle3_core.draft_model import DraftShape
+    from eagle3_core.training.draft_model import DraftShape
     base = dict(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                 intermediate_size=64, vocab_size=100, draft_vocab_size=50, rms_norm_eps=1e-6, rope_theta=10000.0,
                 max_position_embeddings=256, aux_layer_ids=[1, 2, 3])
@@ -130,7 +159,7 @@ def random_ttt_samples(g: torch.Generator, spans, aux: int = 96, final: int = 32
 
 
 def tiny_draft(seed: int = 0, **kw):
-    from eagle3_core.draft_model import Eagle3Draft
+    from eagle3_core.training.draft_model import Eagle3Draft
     torch.manual_seed(seed)
     d = Eagle3Draft(tiny_shape(**kw))
     d.init_weights(seed)
@@ -154,13 +183,13 @@ def target_cfg():
 
 @pytest.fixture(scope="session")
 def tokenizer(target_cfg):
-    from eagle3_core.target import load_tokenizer
+    from eagle3_core.target.loading import load_tokenizer
     return load_tokenizer(target_cfg)
 
 
 @pytest.fixture(scope="session")
 def target_model(target_cfg):
-    from eagle3_core.target import load_target
+    from eagle3_core.target.loading import load_target
     return load_target(target_cfg)
 
 

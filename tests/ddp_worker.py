@@ -18,11 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conftest import tiny_draft
-from train_worker import CFG, samples
-
 from eagle3_core.distributed.launch import emit_line
-from eagle3_core.distributed.train_ddp import init_distributed, shutdown_distributed
-from eagle3_core.trainer import train
+from eagle3_core.pipeline.train_ddp import init_distributed, shutdown_distributed
+from eagle3_core.training.trainer import train
+from train_worker import CFG, samples
 
 LM_HEAD_SEED = 5
 

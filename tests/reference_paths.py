@@ -1,4 +1,4 @@
-"""Reference implementations, kept only to check the fast ones (DESIGN.md: they live with the tests). Production
+"""Reference implementations, kept only to check the fast ones (docs/architecture.md: they live with the tests). Production
 code has one path per computation; these are the former paths, imported by the equivalence tests and by the
 benchmarks that measure the speed-up (benchmarks/ put tests/ on sys.path).
 
@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from eagle3_core import shard_writer
-from eagle3_core.manifest import write_atomic
-from eagle3_core.ttt import shift_left, supervised, trim_start
+from eagle3_core.contract.manifest import write_atomic
+from eagle3_core.features import shard_writer
+from eagle3_core.training.ttt import shift_left, supervised, trim_start
 
 
 class SoftCrossEntropy(torch.autograd.Function):

@@ -7,18 +7,20 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+
+from eagle3_core.config import FeatureConfig, GenerationConfig, PipelineConfig, PromptConfig, ServerConfig
+from eagle3_core.config.mix import DataMix, SourceSpec
+from eagle3_core.data import prompt_set as prompts_mod
+from eagle3_core.data.chat import prompt_ids
+from eagle3_core.data.samples import row_samples
+from eagle3_core.generation.quality import QualityGateError
+from eagle3_core.pipeline.generation_stage import run_generation
+from eagle3_core.pipeline.prompts_stage import run_prompts
+from eagle3_core.pipeline.tokenize_stage import run_tokenize
+from eagle3_core.serving.launcher import llama_server
+from eagle3_core.target.loading import embedded_gguf_path
 from recording_proxy import RecordingProxy
 from test_data import QWEN3, _with_template, masked_spans
-
-from eagle3_core import prompts as prompts_mod
-from eagle3_core import stages
-from eagle3_core.config import FeatureConfig, GenerationConfig, PipelineConfig, PromptConfig, ServerConfig
-from eagle3_core.data import prompt_ids
-from eagle3_core.generation_quality import QualityGateError
-from eagle3_core.prompt_data import DataMix, SourceSpec
-from eagle3_core.serving.launcher import llama_server
-from eagle3_core.target import embedded_gguf_path
-from eagle3_core.tokenize_rows import row_samples
 
 SYSTEM = {"role": "system", "content": "Answer in one short sentence."}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
@@ -76,7 +78,7 @@ def test_prompts_over_the_budget_are_measured_and_dropped_before_any_request(ser
         cfg = run_cfg(tmp_path / "run", proxy.url, PromptConfig(mix=mix, num_train=8, num_eval=1, seed=1),
                       max_new_tokens=8, max_length=512)
         lines = []
-        m = stages.run_prompts(cfg, log=lines.append)
+        m = run_prompts(cfg, log=lines.append)
         assert m["eval_ids"][0].startswith("short/")              # seed 1: the held-out row is a short one
         b = m["budget"]["per_source"]
         assert {k: b["long"][k] for k in ("rows", "over", "dropped", "last_turns", "long")} == \
@@ -90,7 +92,7 @@ def test_prompts_over_the_budget_are_measured_and_dropped_before_any_request(ser
         assert all(json.loads(r["meta"])["prompt_tokens"] < 40 for r in train)
         assert m["stats"]["train"] == 5 and m["stats"]["per_source"]["short"]["train"] == 5
         assert proxy.posts == []                                  # measured and dropped before any request
-        stages.run_generation(cfg, log=quiet)
+        run_generation(cfg, log=quiet)
         sent = proxy.bodies("/v1/chat/completions")
     assert len(sent) == 5
     assert not any("the cat sat" in json.dumps(body) for body in sent)
@@ -98,7 +100,7 @@ def test_prompts_over_the_budget_are_measured_and_dropped_before_any_request(ser
 
 def test_last_turns_and_long_policies(tokenizer):
     """'last_turns' keeps the system message and the last turns that fit; 'long' keeps the row whole, marked."""
-    from eagle3_core.budget import apply_budget
+    from eagle3_core.data.budget import apply_budget
     big = "word " * 300
     msgs = [SYSTEM, {"role": "user", "content": big}, {"role": "assistant", "content": big},
             {"role": "user", "content": "And now?"}]
@@ -126,9 +128,9 @@ def test_three_turns_are_regenerated_in_order_after_the_targets_own_answers(serv
     with RecordingProxy(server) as proxy:
         cfg = run_cfg(tmp_path / "run", proxy.url, PromptConfig(sources=[path], num_train=1, num_eval=1, seed=3),
                       turns="all")
-        stages.run_prompts(cfg, log=quiet)
+        run_prompts(cfg, log=quiet)
         assert prompts_mod.read_rows(cfg.run_dir / "prompts" / "train.parquet")[0]["id"].endswith("/c")
-        gm = stages.run_generation(cfg, log=quiet)
+        gm = run_generation(cfg, log=quiet)
         posts = list(proxy.posts)
     assert len(posts) == 3
     answers = [p["answer"]["choices"][0]["message"]["content"] for p in posts]
@@ -141,7 +143,7 @@ def test_three_turns_are_regenerated_in_order_after_the_targets_own_answers(serv
     assert row["messages"] == data[:2] + A[:1] + data[3:4] + A[1:2] + data[5:6] + A[2:]
     assert [t["index"] for t in json.loads(row["turns"])] == [2, 4, 6] and row["turn_requests"] == 3
     assert gm["turns"] == {"mode": "all", "max_turns": None, "requests": 3, "rows_by_requests": {"3": 1}}
-    tm = stages.run_tokenize(cfg, log=quiet)
+    tm = run_tokenize(cfg, log=quiet)
     (sample,) = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
     assert masked_spans(tokenizer, sample) == [a + "<|im_end|>" for a in answers]
     assert tm["token_sources"] == {"template": 1}
@@ -189,10 +191,10 @@ def test_a_kept_tool_call_turn_is_trained_as_rendered_and_requests_carry_the_too
             RecordingProxy(url) as proxy:
         cfg = run_cfg(tmp_path / "run", proxy.url, PromptConfig(sources=[path], num_train=1, num_eval=1, seed=3),
                       turns="all", concurrency=1)
-        stages.run_prompts(cfg, log=quiet)
+        run_prompts(cfg, log=quiet)
         train = prompts_mod.read_rows(cfg.run_dir / "prompts" / "train.parquet")
         assert train[0]["id"].endswith("/t") and json.loads(train[0]["tools"]) == TOOLS
-        stages.run_generation(cfg, log=quiet)
+        run_generation(cfg, log=quiet)
         bodies = proxy.bodies("/v1/chat/completions")
     assert len(bodies) == 2 and all(b["tools"] == TOOLS for b in bodies)
     assert [len(b["messages"]) for b in bodies] == [4, 6] and bodies[0]["messages"][2]["tool_calls"] == [CALL]
@@ -213,9 +215,9 @@ def test_token_id_api_trains_on_the_servers_own_ids(server, tmp_path, tokenizer)
     path = write_jsonl(tmp_path / "q.jsonl", [{"id": f"q{i}", "messages": [SYSTEM, {"role": "user", "content": q}]}
                                               for i, q in enumerate(qs)])
     cfg = run_cfg(tmp_path / "run", server, PromptConfig(sources=[path], num_train=4, num_eval=1), api="llama.cpp")
-    stages.run_prompts(cfg, log=quiet)
-    stages.run_generation(cfg, log=quiet)
-    tm = stages.run_tokenize(cfg, log=quiet)
+    run_prompts(cfg, log=quiet)
+    run_generation(cfg, log=quiet)
+    tm = run_tokenize(cfg, log=quiet)
     assert tm["token_sources"] == {"server": 4} and tm["token_source"].startswith("the server's own ids")
     assert tm["server_ids_check"]["checked"] == 4 and tm["server_ids_check"]["equal"] == 4
     by_id = {r["id"]: r for r in gen_rows(cfg)}
@@ -234,16 +236,16 @@ def test_early_gate_fails_fast_after_the_first_answers(server, tmp_path):
         cfg = run_cfg(tmp_path / "run", proxy.url, PromptConfig(sources=[str(SHARED_DATA / "gsm8k/train.jsonl")],
                                                                 num_train=16, num_eval=1),
                       max_new_tokens=2, max_truncated_frac=0.0, gate_after=4, concurrency=2)
-        stages.run_prompts(cfg, log=quiet)
+        run_prompts(cfg, log=quiet)
         with pytest.raises(QualityGateError, match=r"(?s)early gate: the first 4 answers.*truncated: 4 of 4 answers "
                                                    r"\(100\.0%, limit 0\.0%.*'tail'"):
-            stages.run_generation(cfg, log=quiet)
+            run_generation(cfg, log=quiet)
         n = len(proxy.posts)
     assert 4 <= n <= 4 + 2
 
 
 def test_report_shows_both_sampling_settings_and_flags_a_mismatch():
-    from eagle3_core.report import compare_sampling, sampling_markdown
+    from eagle3_core.pipeline.report import compare_sampling, sampling_markdown
     same = compare_sampling({"temperature": 0.0, "top_p": 1.0, "chat_template_kwargs": {}}, None)
     assert same["mismatch"] == [] and same["evaluation"] == {"temperature": 0.0, "top_p": 1.0,
                                                              "thinking": "template default"}
@@ -261,8 +263,7 @@ def test_tools_are_normalized_from_openai_tools_and_hermes_system_text(tmp_path)
     """The `tools` column: an OpenAI `tools` field (a list or JSON text) and a Hermes `<tools>` block (a Python
     literal inside the system text, which stays as it is) give the same OpenAI schema list."""
     from conftest import ROOT
-
-    from eagle3_core.prompts import load_source
+    from eagle3_core.data.prompt_set import load_source
     hermes = load_source(SourceSpec(path=str(ROOT / "tests/fixtures/prompt_formats/hermes_function_calling.json"),
                                     mode="keep"))[0]
     assert json.loads(hermes["tools"]) == [{"type": "function", "function": {

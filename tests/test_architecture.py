@@ -1,16 +1,18 @@
-"""The layer rules of docs/architecture.md, counted on the source (ast): small eagle3_core files, no module importing
-another module's `_private` name, no Prefect in eagle3_core, and the page's stage table equal to the code's."""
+"""The layer rules of docs/architecture.md, counted on the source (ast): the folder map and its layer order (no upward
+import, no import cycle), small eagle3_core files, no module importing another module's `_private` name, no Prefect
+in eagle3_core, and the page's stage table equal to the code's."""
 from __future__ import annotations
 
 import ast
 import re
 from pathlib import Path
 
-from eagle3_core.pipeline.layout import RunLayout
-from eagle3_core.pipeline.table import STAGE_DIRS, STAGES
+from eagle3_core.contract.layout import STAGE_DIRS, RunLayout
+from eagle3_core.pipeline.table import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 400
+LARGEST_LINES = 370
 
 
 def _py_files(*packages: str) -> list[Path]:
@@ -32,10 +34,107 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
-def test_no_eagle3_core_file_is_over_400_lines():
-    long = {str(p.relative_to(ROOT)): n for p in _py_files("eagle3_core")
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+def test_no_eagle3_core_file_is_over_400_lines_and_the_largest_keep_room():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _py_files("eagle3_core")}
+    long = {f: n for f, n in sizes.items() if n > MAX_LINES}
     assert not long, f"eagle3_core files over {MAX_LINES} lines (split them by responsibility): {long}"
+    largest = dict(sorted(sizes.items(), key=lambda kv: -kv[1])[:4])
+    assert max(largest.values()) <= LARGEST_LINES, f"the four largest files must keep room below {MAX_LINES}: {largest}"
+
+
+def _layer_table() -> dict[str, int]:
+    """{folder or root module: layer} of docs/architecture.md's '## Folders and layers' table (`config/` -> 'config',
+    `check.py` -> 'check')."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Folders and layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]
+    out = {}
+    for line in rows:
+        layer, names = [c.strip() for c in line.strip("|").split("|")][:2]
+        for name in re.findall(r"`([\w./]+)`", names):
+            out[name.removesuffix("/").removesuffix(".py")] = int(layer)
+    return out
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """{module: the eagle3_core modules it imports}, module level and inside functions alike; `from pkg import mod`
+    counts the module mod, `from mod import name` the module mod."""
+    files = {_module_of(p): p for p in _py_files("eagle3_core")}
+    edges = {m: set() for m in files}
+    for m, path in files.items():
+        package = m if path.name == "__init__.py" else m.rsplit(".", 1)[0]
+        for _, module, name in _imports(path):
+            if module.startswith("."):
+                level = len(module) - len(module.lstrip("."))
+                base = package.split(".")[: len(package.split(".")) - (level - 1)]
+                module = ".".join(base + ([module.lstrip(".")] if module.lstrip(".") else []))
+            if module.split(".")[0] != "eagle3_core":
+                continue
+            target = f"{module}.{name}" if name and f"{module}.{name}" in files else module
+            if target != m:
+                edges[m].add(target)
+    return edges
+
+
+def _group(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else "eagle3_core"
+
+
+def test_the_folder_map_is_the_packages():
+    code = {p.name for p in (ROOT / "eagle3_core").iterdir() if (p / "__init__.py").exists()}
+    code |= {p.stem for p in (ROOT / "eagle3_core").glob("*.py") if p.name != "__init__.py"}
+    assert set(_layer_table()) == code
+
+
+def test_no_module_name_is_used_twice():
+    names = {}
+    for p in _py_files("eagle3_core"):
+        name = p.parent.name if p.name == "__init__.py" else p.stem
+        names.setdefault(name, []).append(str(p.relative_to(ROOT)))
+    assert not {n: fs for n, fs in names.items() if len(fs) > 1}
+
+
+def test_no_import_cycle_and_no_import_against_the_layer_order():
+    edges = _package_imports()
+    # import cycles: strongly connected groups of two or more modules (Tarjan)
+    index, low, stack, on, groups = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert not groups, f"modules that import each other (directly or around a circle): {groups}"
+    layer = _layer_table()
+    against = sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
+                     if _group(a) != "eagle3_core" and _group(b) != "eagle3_core" and _group(a) != _group(b)
+                     and layer[_group(b)] >= layer[_group(a)])
+    assert not against, f"imports of a folder of the same or a higher layer (docs/architecture.md): {against}"
+    assert not [a for a, targets in edges.items() if "eagle3_core" in targets], "import the defining module"
 
 
 def test_no_module_imports_another_modules_private_name():
@@ -51,7 +150,7 @@ def test_no_module_imports_another_modules_private_name():
 def test_eagle3_core_imports_no_prefect():
     found = [f"{p.relative_to(ROOT)}:{line}" for p in _py_files("eagle3_core") for line, module, _ in _imports(p)
              if module.split(".")[0] == "prefect"]
-    assert not found, f"eagle3_core must not import prefect (DESIGN.md layers): {found}"
+    assert not found, f"eagle3_core must not import prefect (docs/architecture.md layers): {found}"
 
 
 def _doc_stage_table() -> list[tuple[str, str]]:

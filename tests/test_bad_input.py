@@ -7,10 +7,11 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from eagle3_core import stages
 from eagle3_core.config import PipelineConfig, PromptConfig
-from eagle3_core.manifest import write_manifest
-from eagle3_core.prompts import RejectError, write_rows
+from eagle3_core.contract.manifest import write_manifest
+from eagle3_core.data.prompt_set import RejectError, write_rows
+from eagle3_core.pipeline.prompts_stage import run_prompts
+from eagle3_core.pipeline.tokenize_stage import run_tokenize
 
 # (config dict with one mistyped field, the field, the suggested name): one per section of PipelineConfig
 MISTYPED = [
@@ -71,7 +72,7 @@ def test_assistant_first_and_empty_conversations_are_rejected_and_counted_good_r
     src = _prompt_file(tmp_path)
     cfg = PipelineConfig(run_dir=tmp_path / "run", prompts=PromptConfig(sources=[str(src)], num_train=6, num_eval=2,
                                                                        max_reject_frac=0.25))
-    m = stages.run_prompts(cfg, log=lambda *_: None)
+    m = run_prompts(cfg, log=lambda *_: None)
     rejects = [json.loads(x) for x in (cfg.run_dir / "prompts" / "rejects.jsonl").read_text().splitlines()]
     assert [(r["source"], r["row"]) for r in rejects] == [("chats", 8), ("chats", 9)]
     assert "starts with a assistant turn (message 0)" in rejects[0]["reason"] and str(src) in rejects[0]["reason"]
@@ -85,23 +86,23 @@ def test_a_failed_rerun_keeps_the_finished_rejects_byte_identical(tmp_path):
     src = _prompt_file(tmp_path)
     ok = PipelineConfig(run_dir=tmp_path / "run", prompts=PromptConfig(sources=[str(src)], num_train=6, num_eval=2,
                                                                       max_reject_frac=0.25))
-    stages.run_prompts(ok, log=lambda *_: None)
+    run_prompts(ok, log=lambda *_: None)
     out = ok.run_dir / "prompts"
     finished = {p.name: p.read_bytes() for p in out.iterdir()}
     for bad in (ok.prompts.model_copy(update={"max_reject_frac": 0.1}),     # the reject limit fails the stage
                 ok.prompts.model_copy(update={"num_train": 60})):           # too few rows left
         cfg = ok.model_copy(update={"prompts": bad})
         with pytest.raises(ValueError) as e:
-            stages.run_prompts(cfg, log=lambda *_: None)
+            run_prompts(cfg, log=lambda *_: None)
         assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "rejects.failed.jsonl"} == finished
         failed = [json.loads(x) for x in (out / "rejects.failed.jsonl").read_text().splitlines()]
         assert [r["row"] for r in failed] == [8, 9]
         if isinstance(e.value, RejectError):
             assert "rejects.failed.jsonl" in str(e.value) and "'chats'" in str(e.value)
-    assert stages.run_prompts(ok, log=lambda *_: None)["train_ids"] == json.loads(finished["manifest.json"])[
+    assert run_prompts(ok, log=lambda *_: None)["train_ids"] == json.loads(finished["manifest.json"])[
         "train_ids"]                                                        # the finished stage is still done
     ok.prompts.max_reject_frac = 0.3                                        # a successful rerun removes the file
-    stages.run_prompts(ok, log=lambda *_: None)
+    run_prompts(ok, log=lambda *_: None)
     assert not (out / "rejects.failed.jsonl").exists() and (out / "rejects.jsonl").read_bytes() == finished[
         "rejects.jsonl"]
 
@@ -129,7 +130,7 @@ def test_tokenize_rejects_bad_rows_with_file_row_and_reason_and_trains_the_rest(
     rows += [_gen_row(92 + i, "dump", user) for i in range(6)]
     cfg = PipelineConfig(run_dir=tmp_path / "run", prompts=PromptConfig(max_reject_frac=0.25))
     _generations(cfg, rows)
-    m = stages.run_tokenize(cfg, log=lambda *_: None)
+    m = run_tokenize(cfg, log=lambda *_: None)
     rejects = [json.loads(x) for x in (cfg.run_dir / "tokenized" / "rejects.jsonl").read_text().splitlines()]
     assert [(r["file"], r["row"], r["id"]) for r in rejects] == [("generations/shard_00000.parquet", 2, "dump/90"),
                                                                  ("generations/shard_00000.parquet", 4, "dump/91")]
@@ -146,7 +147,7 @@ def test_tokenize_fails_above_the_reject_limit_naming_the_worst_source(tmp_path)
     cfg = PipelineConfig(run_dir=tmp_path / "run", prompts=PromptConfig(max_reject_frac=0.25))
     _generations(cfg, rows)
     with pytest.raises(RejectError, match=r"source 'dump' rejected 1 of 2 rows \(50%\).*rejects\.failed\.jsonl"):
-        stages.run_tokenize(cfg, log=lambda *_: None)
+        run_tokenize(cfg, log=lambda *_: None)
     assert not (cfg.run_dir / "tokenized" / "manifest.json").exists()
     assert (cfg.run_dir / "tokenized" / "rejects.failed.jsonl").exists()
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from eagle3_core.batch_feed import prefetch, to_device
+from eagle3_core.training.batch_feed import prefetch, to_device
 
 
 def test_prefetch_yields_every_item_in_order_made_in_another_thread():

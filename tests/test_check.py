@@ -5,14 +5,14 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_draft
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, Kimi_K25Config, LlamaConfig
 
+from conftest import tiny_draft
 from eagle3_core.check import check_run, main
-from eagle3_core.checkpoint import save_draft
 from eagle3_core.config import DraftConfig, FeatureConfig, PipelineConfig
+from eagle3_core.training.checkpoint import save_draft
 
 TB = 1 << 40                                    # memory given to the fit check where the test is not about it
 
@@ -23,7 +23,7 @@ def kimi_k25():
     - text model (`kimi_k2`, read as DeepseekV3Config): hidden 7168, 61 layers, 64 heads, 64 KV heads, intermediate
       18432, vocab 163840, rope_theta 50000, yarn {factor 64, beta_fast 1, beta_slow 1, mscale 1, mscale_all_dim 1,
       original_max_position_embeddings 4096}: moonshotai/Kimi-K2-Instruct-0905 config (ParagEkbote/hf-model-
-      inspector `model_inspection_report.md`); 61 layers and hidden 7168 also REFERENCE.md section 0;
+      inspector `model_inspection_report.md`); 61 layers and hidden 7168 also docs/reference_case.md;
     - MLA and MoE: q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head_dim 128, moe_intermediate
       2048, 384 routed experts, 8 per token, 1 shared, first_k_dense_replace 1: the Kimi-K2.5-family `text_config`
       quoted in a public test (find_string '"model_type": "kimi_k25"');
@@ -117,8 +117,7 @@ def test_a_fitting_draft_passes_and_an_eagle2_draft_is_refused(tmp_path):
 def _draft_with_map(tmp_path, t2d_ids, d2t, N=50):
     """An export of the tiny draft whose t2d marks `t2d_ids` and whose d2t is `d2t` as given."""
     from conftest import tiny_shape
-
-    from eagle3_core.draft_model import Eagle3Draft
+    from eagle3_core.training.draft_model import Eagle3Draft
     draft = tiny_draft() if N == 50 else Eagle3Draft(tiny_shape(draft_vocab_size=N))
     with torch.no_grad():
         draft.t2d.zero_()

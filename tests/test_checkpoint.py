@@ -4,12 +4,12 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_draft
 from safetensors.torch import load_file, save_file
 
-from eagle3_core.checkpoint import CheckpointError, load_draft, save_draft
+from conftest import tiny_draft
+from eagle3_core.training.checkpoint import CheckpointError, load_draft, save_draft
 
-# REFERENCE.md section 2, for H = 32, 4 heads x 8, 2 kv heads, I = 64, V = 100, N = 50, H_t = 32
+# SGLang's EAGLE3 checkpoint names (models/llama_eagle3.py), for H = 32, 4 heads x 8, 2 kv heads, I = 64, V = 100, N = 50, H_t = 32
 REFERENCE_SHAPES = {
     "fc.weight": (32, 96), "midlayer.self_attn.q_proj.weight": (32, 64), "midlayer.self_attn.k_proj.weight": (16, 64),
     "midlayer.self_attn.v_proj.weight": (16, 64), "midlayer.self_attn.o_proj.weight": (32, 32),
@@ -46,11 +46,11 @@ def test_export_names_shapes_config_and_exact_reload(tmp_path):
 def test_tied_target_small_draft_vocab_exports_untied(tmp_path, target_model):
     """C6: SmolLM2 ties its embeddings; the draft (vocab 8192) must say false and reload with no key problems."""
     from eagle3_core.config import default_aux_layer_ids
-    from eagle3_core.draft_model import DraftShape
-    from eagle3_core.trainer import build_draft
-    from eagle3_core.vocab_map import build_vocab_map
+    from eagle3_core.data.vocab_map import build_vocab_map
+    from eagle3_core.training.draft_geometry import draft_shape
+    from eagle3_core.training.setup import build_draft
     assert target_model.config.tie_word_embeddings
-    shape = DraftShape.from_target_config(target_model.config, 8192, default_aux_layer_ids(30))
+    shape = draft_shape(target_model.config, 8192, default_aux_layer_ids(30))
     d2t, t2d = build_vocab_map(torch.arange(49152).flip(0), 8192)
     d = build_draft(shape, target_model.model.embed_tokens.weight.detach(), d2t, t2d, seed=0)
     out = save_draft(d, tmp_path / "c6")
@@ -82,6 +82,7 @@ def test_wrong_shape_is_an_error_naming_the_tensor(tmp_path):
         load_draft(out)
 
 
+@pytest.mark.slow
 def test_specforge_loads_the_export_and_gives_the_same_logits(tmp_path):
     """An independent loader: SpecForge's LlamaForCausalLMEagle3 (PyPI specforge, installed --no-deps)."""
     from specforge.modeling.draft.llama3_eagle import (
@@ -108,7 +109,7 @@ def test_specforge_loads_the_export_and_gives_the_same_logits(tmp_path):
 def test_draft_hidden_other_than_target_hidden_trains_its_embedding_and_round_trips(tmp_path):
     """H = 48 != H_t = 32: fc maps 3*H_t -> H, the draft's own embedding [V, H] is trainable and exported, the
     teacher stays in H_t; TTT runs and the export reloads to the same logits."""
-    from eagle3_core.ttt import ttt_loss
+    from eagle3_core.training.ttt import ttt_loss
     d = tiny_draft(hidden_size=48, intermediate_size=96)
     assert d.embed_tokens.weight.requires_grad and d.fc.weight.shape == (48, 96)
     g = torch.Generator().manual_seed(0)

@@ -5,7 +5,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from eagle3_core.config import default_aux_layer_ids, preset
-from eagle3_core.draft_model import DraftShape, rope_cos_sin
+from eagle3_core.training.draft_geometry import draft_shape
+from eagle3_core.training.draft_model import rope_cos_sin
 
 
 def test_default_aux_layer_ids():
@@ -33,7 +34,7 @@ def test_llama31_shape_and_rope_match_transformers():
                       rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                          "high_freq_factor": 4.0,
                                                          "original_max_position_embeddings": 8192})
-    s = DraftShape.from_target_config(cfg, 32000, default_aux_layer_ids(32))
+    s = draft_shape(cfg, 32000, default_aux_layer_ids(32))
     assert (s.hidden_size, s.head_dim, s.num_key_value_heads, s.draft_vocab_size) == (4096, 128, 8, 32000)
     assert s.max_position_embeddings == 131072 and s.rope_theta == 500000.0
     pos = torch.tensor([[0, 1, 7, 100, 5000, 20000]])

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from eagle3_core.data import MaskError, end_of_turn, prompt_ids, tokenize_chat, tokenize_conversation
+from eagle3_core.data.chat import MaskError, end_of_turn, prompt_ids, tokenize_chat, tokenize_conversation
 
 USER = [{"role": "user", "content": "What is 2+2?"}]
 MULTI = [{"role": "system", "content": "Be brief."},
@@ -135,7 +135,7 @@ def test_llama3_template_masks_each_turn_and_eot(llama3_tok, msgs):
 
 def test_qwen3_template_strips_earlier_reasoning_and_the_mask_follows_it(qwen3_tok):
     """The template keeps <think> only after the last user query: the earlier turn is trained as rendered (its
-    visible answer), the final turn with its reasoning (documented choice in eagle3_core/data.py)."""
+    visible answer), the final turn with its reasoning (documented choice in eagle3_core/data/chat.py)."""
     seq = tokenize_chat(qwen3_tok, MULTI, "q3", train="all")
     assert masked_spans(qwen3_tok, seq) == ["It is 4.<|im_end|>",
                                             "<think>\n3 plus 3 makes 6.\n</think>\n\nIt is 6.<|im_end|>"]
@@ -259,11 +259,12 @@ def test_stages_regenerate_prompt_rows_and_train_kept_rows_as_they_are(tmp_path,
     assistant turn regenerated after the dataset's earlier turns, and only that turn is trained; kept rows are not
     sent to the server and every assistant turn is trained."""
     from conftest import SHARED_DATA
-
-    from eagle3_core import prompts as prompts_mod
-    from eagle3_core import stages
     from eagle3_core.config import GenerationConfig, PipelineConfig, PromptConfig, ServerConfig
-    from eagle3_core.prompt_data import DataMix, SourceSpec
+    from eagle3_core.config.mix import DataMix, SourceSpec
+    from eagle3_core.data import prompt_set as prompts_mod
+    from eagle3_core.pipeline.generation_stage import run_generation
+    from eagle3_core.pipeline.prompts_stage import run_prompts
+    from eagle3_core.pipeline.tokenize_stage import run_tokenize
     share = str(SHARED_DATA / "sharegpt/dummy_conversation.json")
     mix = DataMix(name="t", sources=[SourceSpec(name="kept", path=share, mode="keep", count=4),
                                      SourceSpec(name="regen", path=share, mode="prompt", count=4, min_chars=60)])
@@ -271,19 +272,19 @@ def test_stages_regenerate_prompt_rows_and_train_kept_rows_as_they_are(tmp_path,
                          server=ServerConfig(parallel=2, ctx_per_slot=1024),
                          # 16 tokens cut most answers: the gate (tested in test_generation.py) is not this test's
                          generation=GenerationConfig(max_new_tokens=16, concurrency=2, max_truncated_frac=1.0))
-    pm = stages.run_prompts(cfg, log=lambda *_: None)
+    pm = run_prompts(cfg, log=lambda *_: None)
     assert pm["stats"]["per_source"]["kept"]["selected"] == 4 and (cfg.run_dir / "prompts/rejects.jsonl").exists()
     # held-out rows are prompts only, kept ones too: the evaluator must not see the answer it measures
     held_out = prompts_mod.read_rows(cfg.run_dir / "prompts" / "eval.parquet")
     assert len(held_out) == 2 and all(r["messages"][-1]["role"] == "user" for r in held_out)
-    gm = stages.run_generation(cfg, log=lambda *_: None)
+    gm = run_generation(cfg, log=lambda *_: None)
     rows = {r["id"]: r for s in gm["shards"] for r in prompts_mod.read_rows(cfg.run_dir / "generations" / s)}
     kept = [r for r in rows.values() if r["mode"] == "keep"]
     regen = [r for r in rows.values() if r["mode"] == "prompt"]
     assert kept and regen and gm["finish_reasons"]["kept"] == len(kept)
     assert all(r["response"] and r["messages"][-1]["role"] == "user" for r in regen)
     assert any(len(r["messages"]) > 1 for r in regen)                   # multi-turn prompts were sent whole
-    stages.run_tokenize(cfg, log=lambda *_: None)
+    run_tokenize(cfg, log=lambda *_: None)
     import pyarrow.parquet as pq
     for t in pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist():
         r = rows[t["id"]]
@@ -298,18 +299,18 @@ def test_kept_rows_only_need_no_server(tmp_path):
     """A mix whose rows are all kept as they are regenerates nothing: the generation stage runs without a server
     (kind 'external' with no URL would raise if one were asked for) and passes every conversation on whole."""
     from conftest import SHARED_DATA
-
-    from eagle3_core import prompts as prompts_mod
-    from eagle3_core import stages
     from eagle3_core.config import PipelineConfig, PromptConfig, ServerConfig
-    from eagle3_core.prompt_data import DataMix, SourceSpec
+    from eagle3_core.config.mix import DataMix, SourceSpec
+    from eagle3_core.data import prompt_set as prompts_mod
+    from eagle3_core.pipeline.generation_stage import run_generation
+    from eagle3_core.pipeline.prompts_stage import run_prompts
     share = str(SHARED_DATA / "sharegpt/dummy_conversation.json")
     mix = DataMix(name="t", sources=[SourceSpec(name="kept", path=share, mode="keep", count=6)])
     cfg = PipelineConfig(run_dir=tmp_path / "run", prompts=PromptConfig(mix=mix, num_train=4, num_eval=2),
                          server=ServerConfig(kind="external"))
-    stages.run_prompts(cfg, log=lambda *_: None)
+    run_prompts(cfg, log=lambda *_: None)
     train = {r["id"]: r for r in prompts_mod.read_rows(cfg.run_dir / "prompts" / "train.parquet")}
-    gm = stages.run_generation(cfg, log=lambda *_: None)
+    gm = run_generation(cfg, log=lambda *_: None)
     assert gm["finish_reasons"] == {"kept": 4}
     rows = [r for s in gm["shards"] for r in prompts_mod.read_rows(cfg.run_dir / "generations" / s)]
     assert {r["id"]: r["messages"] for r in rows} == {i: r["messages"] for i, r in train.items()}

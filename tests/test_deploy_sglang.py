@@ -11,12 +11,13 @@ import json
 
 import httpx
 import pytest
-from test_sglang_bench import PLAN, PROMPTS, SGLangStandIn
 
-from eagle3_core import report, stages
 from eagle3_core.config import PipelineConfig, SGLangDeployConfig, TargetConfig
-from eagle3_core.serving.sglang_bench import SpecArgs, server_command, target_server_args
-from eagle3_core.serving.sglang_deploy import markdown, run_benchmark
+from eagle3_core.evaluation.sglang_bench import SpecArgs, server_command, target_server_args
+from eagle3_core.evaluation.sglang_deploy import markdown, run_benchmark
+from eagle3_core.pipeline import report
+from eagle3_core.pipeline.deploy_stage import deploy_sglang_skip
+from test_sglang_bench import PLAN, PROMPTS, SGLangStandIn
 
 
 def test_big_target_servers_get_tp_ep_remote_code_and_revision_and_eagle_is_refused():
@@ -56,9 +57,9 @@ def test_running_servers_by_url_give_tau_speedup_and_break_even_per_concurrency(
 
 
 def test_break_even_of_the_reference_case():
-    """REFERENCE.md 0: baseline 90.0 tok/s, EAGLE-3 at tau 2.1 gave 82.3 tok/s: break-even tau 2.1 / (82.3 / 90)
+    """docs/reference_case.md, as given: baseline 90.0 tok/s, EAGLE-3 at tau 2.1 gave 82.3 tok/s: break-even tau 2.1 / (82.3 / 90)
     = 2.30, the team's 'break-even ~2.5' within their rounding."""
-    from eagle3_core.serving.sglang_bench import verdict
+    from eagle3_core.evaluation.sglang_bench import verdict
     lv = {"concurrency": 1, "completion_tokens": 210, "spec_verify_ct": 100}
     v = verdict([{**lv, "output_tokens_per_s": 90.0}], [{**lv, "output_tokens_per_s": 82.3, "tau": 2.1}])
     assert v["per_level"][0]["break_even_tau"] == pytest.approx(2.1 * 90.0 / 82.3) == pytest.approx(2.2965, 1e-4)
@@ -66,19 +67,20 @@ def test_break_even_of_the_reference_case():
 
 def test_the_stage_skips_saying_why_and_runs_where_it_can(tmp_path, tiny_target_dirs):
     gguf = PipelineConfig(run_dir=tmp_path / "a")                           # the embedded GGUF target
-    assert "llama.cpp deployment stage serves it" in stages.deploy_sglang_skip(gguf)
+    assert "llama.cpp deployment stage serves it" in deploy_sglang_skip(gguf)
     hf = PipelineConfig(run_dir=tmp_path / "b", target=TargetConfig(model=str(tiny_target_dirs["llama"])))
-    why = stages.deploy_sglang_skip(hf)
+    why = deploy_sglang_skip(hf)
     assert "SGLang is not installed here" in why and "deploy_sglang.baseline_url" in why
     off = hf.model_copy(update={"deploy_sglang": SGLangDeployConfig(enabled="off")})
-    assert stages.deploy_sglang_skip(off) == "deploy_sglang.enabled is 'off'"
+    assert deploy_sglang_skip(off) == "deploy_sglang.enabled is 'off'"
     with pytest.raises(RuntimeError, match="install SGLang or give both URLs"):
-        stages.deploy_sglang_skip(hf.model_copy(update={"deploy_sglang": SGLangDeployConfig(enabled="on")}))
+        deploy_sglang_skip(hf.model_copy(update={"deploy_sglang": SGLangDeployConfig(enabled="on")}))
     urls = hf.model_copy(update={"deploy_sglang": SGLangDeployConfig(baseline_url="http://a:1",
                                                                      eagle3_url="http://b:2")})
-    assert stages.deploy_sglang_skip(urls) is None
+    assert deploy_sglang_skip(urls) is None
 
 
+@pytest.mark.slow
 def test_the_report_shows_the_sglang_deployment(e2e_run):
     """The session's end-to-end run (a GGUF target) skipped the stage with a manifest saying so; a run whose
     deploy_sglang manifest holds a verdict shows its table."""

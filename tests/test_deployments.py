@@ -59,6 +59,7 @@ def deployments(prefect_server, tmp_path_factory):
     return deps
 
 
+@pytest.mark.slow
 def test_deployments_register_with_schedule_schema_and_defaults(deployments):
     demo = asyncio.run(_read_deployment("eagle3-pipeline/demo"))
     (sched,) = demo.schedules
@@ -98,6 +99,7 @@ def _features_cfg(e2e_run, run_dir):
     return new
 
 
+@pytest.mark.slow
 def test_failed_shard_reruns_alone_when_the_flow_run_is_retried(deployments, e2e_run, tmp_path, monkeypatch):
     features = asyncio.run(_read_deployment("features/features"))
     # an uninterrupted run, triggered through the API with parameters
@@ -144,6 +146,7 @@ def test_failed_shard_reruns_alone_when_the_flow_run_is_retried(deployments, e2e
     assert os.environ.get(FAULT_ENV) is None
 
 
+@pytest.mark.slow
 def test_work_pool_deployments_register_with_their_pools(deployments, tmp_path):
     """`make deploy-pools`: the same deployments on process work pools, CPU stages apart from GPU stages (runs
     last in this module: it re-registers the served deployments under the same names)."""

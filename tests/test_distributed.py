@@ -1,18 +1,18 @@
 """Data-parallel training under a real torchrun (gloo, 2 CPU processes), through the one trainer.train: the same
 weights as one process on the same global batch, resume of a 2-process run, the train stage's torchrun entry point
-(stages.run_train on every rank), and the launcher streaming lines and leaving no process behind."""
+(run_train on every rank), and the launcher streaming lines and leaving no process behind."""
 import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_draft
-from train_worker import CFG, samples
 
-from eagle3_core.checkpoint import load_latest_training_state
+from conftest import tiny_draft
 from eagle3_core.distributed.launch import TorchrunError, run_torchrun
-from eagle3_core.trainer import train
+from eagle3_core.training.checkpoint import load_latest_training_state
+from eagle3_core.training.trainer import train
+from train_worker import CFG, samples
 
 WORKER = str(Path(__file__).with_name("ddp_worker.py"))
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -37,6 +37,7 @@ def ddp_full(tmp_path_factory):
     return out, lines
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process_with_the_same_global_batch(ddp_full, tmp_path):
     out, lines = ddp_full
     ref = tmp_path / "one"
@@ -59,6 +60,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(ddp_full, tm
     assert any(line.startswith("train: epoch 3 of 3: loss") and "2 ranks" in line for line in lines)   # rank 0 logs
 
 
+@pytest.mark.slow
 def test_two_process_run_resumes_from_its_checkpoint(ddp_full, tmp_path):
     """Stopped after 3 of 6 optimizer steps (epoch 1, mid-epoch checkpoint), started again: the same weights and
     optimizer state as the uninterrupted 2-process run, bit for bit (same ranks, same reduction order)."""
@@ -108,8 +110,9 @@ def test_worker_lines_stay_whole_when_ranks_share_a_pipe():
     assert len(lines) == 6000 and all(re.fullmatch(r"rank [01] line \d+ ready", x) for x in lines)
 
 
+@pytest.mark.slow
 def test_train_stage_under_torchrun_equals_the_one_process_stage(tmp_path):
-    """`python -m eagle3_core.distributed.train_ddp --config run.json` is stages.run_train on every rank: 2 ranks
+    """`python -m eagle3_core.pipeline.train_ddp --config run.json` is run_train on every rank: 2 ranks
     x grad_accum 1 train the same draft (float tolerance) as the one-process stage with grad_accum 2, after the
     same steps, and export it; rank 0 alone writes the manifest (world_size 2); a corrupt shard stops every rank."""
     import random
@@ -117,13 +120,15 @@ def test_train_stage_under_torchrun_equals_the_one_process_stage(tmp_path):
 
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from conftest import ROOT
     from safetensors.torch import load_file
-    from tiny_targets import build
 
+    from conftest import ROOT
     from eagle3_core.config import DraftConfig, FeatureConfig, PipelineConfig, TargetConfig, TrainConfig
-    from eagle3_core.manifest import read_manifest, write_manifest
-    from eagle3_core.stages import run_features, run_train, run_vocab
+    from eagle3_core.contract.manifest import read_manifest, write_manifest
+    from eagle3_core.pipeline.features_stage import run_features
+    from eagle3_core.pipeline.train_stage import run_train
+    from eagle3_core.pipeline.vocab_stage import run_vocab
+    from tiny_targets import build
     rng = random.Random(0)
     rows = [{"id": f"r{i}", "input_ids": [rng.randrange(128) for _ in range(n)],
              "loss_mask": [int(t >= n // 3) for t in range(n)]} for i, n in enumerate(rng.randint(8, 30)
@@ -147,7 +152,7 @@ def test_train_stage_under_torchrun_equals_the_one_process_stage(tmp_path):
     config = tmp_path / "two.json"
     config.write_text(two.model_dump_json())
     lines = []
-    run_torchrun(["-m", "eagle3_core.distributed.train_ddp", "--config", str(config)], 2, on_line=lines.append,
+    run_torchrun(["-m", "eagle3_core.pipeline.train_ddp", "--config", str(config)], 2, on_line=lines.append,
                  env={**ENV, "PYTHONPATH": str(ROOT)}, grace_s=5, cwd=ROOT)
     m2 = read_manifest(two.run_dir / "draft" / "manifest.json")
     assert (m1["world_size"], m2["world_size"]) == (1, 2) and m1["steps"] == m2["steps"] >= 4
@@ -163,7 +168,7 @@ def test_train_stage_under_torchrun_equals_the_one_process_stage(tmp_path):
     shard = sorted((two.run_dir / "features").glob("shard_*.safetensors"))[-1]
     shard.write_bytes(shard.read_bytes()[:-10] + bytes(10))
     with pytest.raises(TorchrunError, match=r"1 feature shard\(s\) corrupt or missing"):
-        run_torchrun(["-m", "eagle3_core.distributed.train_ddp", "--config", str(config)], 2,
+        run_torchrun(["-m", "eagle3_core.pipeline.train_ddp", "--config", str(config)], 2,
                      env={**ENV, "PYTHONPATH": str(ROOT)}, grace_s=5, cwd=ROOT)
 
 

@@ -6,18 +6,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from tiny_targets import build
 
 from eagle3_core.config import FeatureConfig, PipelineConfig, TargetConfig
-from eagle3_core.distributed.extract_workers import (
-    extract_owned,
-    merge_parts,
-    run_features_distributed,
-)
-from eagle3_core.extract import HFExtractor
-from eagle3_core.manifest import read_manifest, sha256_file, write_manifest
-from eagle3_core.stages import run_features
-from eagle3_core.target import load_target
+from eagle3_core.contract.manifest import read_manifest, sha256_file, write_manifest
+from eagle3_core.features.extract import HFExtractor
+from eagle3_core.features.extract_workers import extract_owned, merge_parts
+from eagle3_core.pipeline.features_stage import run_features, run_features_distributed
+from eagle3_core.target.loading import load_target
+from tiny_targets import build
 
 SHARD_KEYS = ("file", "sha256", "bytes", "ids", "tokens", "samples", "content_key")
 
@@ -54,6 +50,7 @@ def stores(tmp_path_factory):
     return one, two, lines, rows
 
 
+@pytest.mark.slow
 def test_two_workers_write_the_same_shards_as_one_process(stores):
     one, two, lines, _ = stores
     m1, m2 = read_manifest(one.run_dir / "features" / "manifest.json"), read_manifest(two.run_dir / "features" /

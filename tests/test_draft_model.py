@@ -5,17 +5,17 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_ttt_samples, tiny_draft
 
-from eagle3_core.ttt import shift_left, supervised
-from eagle3_core.ttt_attention import ttt_attention
+from conftest import random_ttt_samples, tiny_draft
+from eagle3_core.training.ttt import shift_left, supervised
+from eagle3_core.training.ttt_attention import ttt_attention
 
 IMPLS = ("eager", "merged_math")     # "merged_flex" has no backward on CPU: checked forward-only below
 
 
 def naive_ttt_logits(d, aux, ids, K):
     """Per step k, recompute all steps 0..k from scratch and attend with an explicit [T, T*(k+1)] mask:
-    step-0 keys causal, step-j keys (j>=1) only at the same index (REFERENCE.md section 3)."""
+    step-0 keys causal, step-j keys (j>=1) only at the same index (EAGLE-3 paper section 3.2)."""
     B, T = ids.shape
     s = d.shape
     layer = d.midlayer
@@ -154,7 +154,7 @@ def test_rope_positions_advance_by_step():
 
 def test_trimmed_ttt_loss_equals_full_loss_and_gradients():
     """Skipping the leading unsupervised region at steps >= 1 changes nothing but the compute."""
-    from eagle3_core.ttt import collate, trim_start, ttt_loss
+    from eagle3_core.training.ttt import collate, trim_start, ttt_loss
     g = torch.Generator().manual_seed(3)
     samples = random_ttt_samples(g, ((30, 18), (24, 12), (28, 21)))
     batch = collate(samples)

@@ -1,18 +1,12 @@
 """Offline evaluation on the embedded target (chain, tree and a subset run; tau per category; matched baselines),
 simulated-vs-measured tau, and the report's Markdown and PNG plots."""
 import pytest
-from test_speculate import PROMPT, RankedDraft, ScriptedDraft
 
-from eagle3_core.data import prompt_ids
-from eagle3_core.evaluate import (
-    SpecRun,
-    bootstrap_ci,
-    measure,
-    paired_bootstrap_diff_ci,
-    tau_consistency,
-)
-from eagle3_core.report import embed_images, markdown, plots_markdown_inline, warnings, write_plots
-from eagle3_core.speculate import TargetRunner, greedy_generate
+from eagle3_core.data.chat import prompt_ids
+from eagle3_core.evaluation.acceptance import SpecRun, bootstrap_ci, measure, paired_bootstrap_diff_ci, tau_consistency
+from eagle3_core.evaluation.speculate import TargetRunner, greedy_generate
+from eagle3_core.pipeline.report import embed_images, markdown, plots_markdown_inline, warnings, write_plots
+from test_speculate import PROMPT, RankedDraft, ScriptedDraft
 
 N_NEW = 10
 
@@ -29,6 +23,7 @@ def measured(target_model, tokenizer):
     return measure(runner, runs, prompts, ["code", "chat"], N_NEW, set(), 1e-3)
 
 
+@pytest.mark.slow
 def test_measure_reports_runs_categories_and_matched_baselines(measured):
     rep = measured
     assert rep["baseline"]["prompts"] == 2 and rep["baseline"]["tokens"] == 2 * N_NEW

@@ -2,11 +2,12 @@
 SpecForge 0.2.0's installed reader, import into our shard store; a TTT step on the imported shards gives the loss
 it gives on the native ones; bad files are refused naming the file and the field, with nothing written."""
 import torch
-from test_features import _rows
 
-from eagle3_core.feature_import import FeatureImportError, imported_extractor
-from eagle3_core.features import extract_features, load_samples
-from eagle3_core.target import default_aux_ids
+from eagle3_core.features.specforge_import import FeatureImportError, imported_extractor
+from eagle3_core.features.store import extract_features
+from eagle3_core.features.reader import load_samples
+from eagle3_core.target.loading import default_aux_ids
+from test_features import _rows
 
 AUX = [1, 14, 26]
 
@@ -24,15 +25,15 @@ def _write_specforge(samples, out, change=None):
 
 
 def _loss(samples, target_model, draft_seed=0):
-    from eagle3_core.draft_model import DraftShape
-    from eagle3_core.trainer import build_draft
-    from eagle3_core.ttt import collate, ttt_loss
-    from eagle3_core.vocab_map import build_vocab_map, count_tokens, draft_to_target_ids
+    from eagle3_core.data.vocab_map import build_vocab_map, count_tokens, draft_to_target_ids
+    from eagle3_core.training.draft_geometry import draft_shape
+    from eagle3_core.training.setup import build_draft
+    from eagle3_core.training.ttt import collate, ttt_loss
     V = target_model.config.vocab_size
     d2t, t2d = build_vocab_map(count_tokens([s["input_ids"] for s in samples],
                                             [s["loss_mask"] for s in samples], V), 256)
     emb = target_model.get_input_embeddings().weight.detach().float()
-    draft = build_draft(DraftShape.from_target_config(target_model.config, 256, AUX), emb, d2t, t2d, draft_seed)
+    draft = build_draft(draft_shape(target_model.config, 256, AUX), emb, d2t, t2d, draft_seed)
     loss, _ = ttt_loss(draft, collate([dict(s) for s in samples]),
                        emb[draft_to_target_ids(d2t)], ttt_length=3)
     return float(loss)
@@ -114,8 +115,8 @@ def test_the_import_cli_fills_a_runs_feature_store(e2e_run, tmp_path):
     call imports nothing."""
     import shutil
 
-    from eagle3_core import stages
     from eagle3_core.feature_import import main
+    from eagle3_core.pipeline.table import stage_done
     cfg0, _ = e2e_run
     for stage in ("prompts", "generations", "tokenized"):
         shutil.copytree(cfg0.run_dir / stage, tmp_path / "run" / stage)
@@ -125,7 +126,7 @@ def test_the_import_cli_fills_a_runs_feature_store(e2e_run, tmp_path):
     src = _write_specforge(load_samples(cfg0.run_dir / "features"), tmp_path / "specforge")
     assert main([str(tmp_path / "config.json"), str(src)]) == 0
     cfg.features.import_from = str(src)
-    assert stages.stage_done(cfg, "features")
+    assert stage_done(cfg, "features")
     theirs, ours = load_manifest(cfg0.run_dir / "features"), load_manifest(cfg.run_dir / "features")
     assert [e["content_key"] for e in ours["shards"]] == [e["content_key"] for e in theirs["shards"]]
     before = (cfg.run_dir / "features" / "manifest.json").read_bytes()

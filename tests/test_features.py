@@ -10,15 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import written_bytes
 
-from eagle3_core.extract import HFExtractor
-from eagle3_core.features import extract_features, load_samples
-from eagle3_core.manifest import sha256_file
+from conftest import written_bytes
+from eagle3_core.contract.manifest import sha256_file
+from eagle3_core.features.extract import HFExtractor
+from eagle3_core.features.store import extract_features
+from eagle3_core.features.reader import load_samples
 
 
 def _rows(tokenizer, n):
-    from eagle3_core.data import tokenize_conversation
+    from eagle3_core.data.chat import tokenize_conversation
     rows = []
     for i in range(n):
         seq = tokenize_conversation(tokenizer, [{"role": "user", "content": f"Count to {i + 2}."}],
@@ -35,7 +36,7 @@ def _padded(seqs):
 
 
 def test_aux_layers_are_decoder_layer_outputs_exactly(target_model, tokenizer):
-    """Layer id i means the output of decoder layer i = HF output_hidden_states[i + 1] (REFERENCE.md 1): equal
+    """Layer id i means the output of decoder layer i = HF output_hidden_states[i + 1] (SGLang `models/llama.py`): equal
     bit for bit in fp32 on the CPU for the same batch; the default ids of the 30-layer target are [1, 14, 26]."""
     ex = HFExtractor(target_model)
     assert ex.aux_layer_ids == [1, 14, 26]
@@ -178,7 +179,7 @@ KILL_SCRIPT = r"""
 import sys, time, torch
 from pathlib import Path
 from transformers import AutoModelForCausalLM
-from eagle3_core.features import extract_features
+from eagle3_core.features.store import extract_features
 from fault_site.fault_injection import pause_mid_write
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
 out = Path(sys.argv[2])
@@ -198,6 +199,7 @@ print(m["shards_extracted"])
 """
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_shard_write_leaves_no_bad_shard_in_the_manifest(tmp_path, tiny_target_dirs, spawned):
     tiny_llama_dir = tiny_target_dirs["llama"]
     out = tmp_path / "store"
@@ -233,10 +235,10 @@ def test_zero_copy_shard_writer_matches_safetensors_save(tmp_path):
     """write_shard_parts (hand-built header, pieces written as they are) gives a file safetensors reads back to
     the concatenated tensors and metadata, with the sha256 and size it reports; so does the former writer
     (safetensors.torch.save of the concatenated tensors, tests/reference_paths.py)."""
-    from reference_paths import write_shard_concat
     from safetensors import safe_open
 
-    from eagle3_core.shard_writer import write_shard_parts
+    from eagle3_core.features.shard_writer import write_shard_parts
+    from reference_paths import write_shard_concat
     g = torch.Generator().manual_seed(0)
     lengths = (5, 1, 7)
     parts = {"aux": [torch.randn(n, 12, generator=g).bfloat16() for n in lengths],

@@ -6,8 +6,8 @@ import json
 import pytest
 from prefect.client.orchestration import get_client
 
-from eagle3_core.checkpoint import load_draft
 from eagle3_core.config import ServerConfig, preset
+from eagle3_core.training.checkpoint import load_draft
 from tasks.artifacts import run_key
 
 
@@ -111,6 +111,7 @@ def test_malformed_prompt_file_fails_the_run_naming_file_and_line(prefect_server
         eagle3_pipeline(cfg)
 
 
+@pytest.mark.slow
 def test_unreachable_server_fails_the_run_keeping_earlier_stages(prefect_server, tmp_path):
     from eagle3_core.serving.launcher import ServerError
     from flows.pipeline import eagle3_pipeline

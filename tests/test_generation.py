@@ -14,25 +14,21 @@ from pathlib import Path
 import httpx
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, SHARED_DATA
-from fault_proxy import FaultProxy
 
-from eagle3_core import stages
-from eagle3_core.config import (
-    GenerationConfig,
-    PipelineConfig,
-    PromptConfig,
-    ServerConfig,
+from conftest import ROOT, SHARED_DATA
+from eagle3_core.config import GenerationConfig, PipelineConfig, PromptConfig, ServerConfig
+from eagle3_core.data.chat import prompt_ids
+from eagle3_core.generation.quality import QualityGateError, is_degenerate
+from eagle3_core.generation.regenerate import split_final_answer
+from eagle3_core.pipeline.generation_stage import (
+    finish_generation,
+    generation_shard_done,
+    generation_shards,
+    run_generation,
+    run_generation_shard,
 )
-from eagle3_core.data import prompt_ids
-from eagle3_core.generation_quality import QualityGateError, is_degenerate
-from eagle3_core.regenerate import split_final_answer
-from eagle3_core.serving.client import (
-    RequestRejected,
-    parse_response,
-    request_body,
-    request_with_retries,
-)
+from eagle3_core.pipeline.prompts_stage import run_prompts
+from eagle3_core.serving.client import RequestRejected, parse_response, request_body, request_with_retries
 from eagle3_core.serving.launcher import (
     ServerError,
     free_port,
@@ -43,7 +39,8 @@ from eagle3_core.serving.launcher import (
     wait_healthy,
 )
 from eagle3_core.serving.pool import ServerPool
-from eagle3_core.target import embedded_gguf_path
+from eagle3_core.target.loading import embedded_gguf_path
+from fault_proxy import FaultProxy
 
 GSM8K = str(SHARED_DATA / "gsm8k" / "train.jsonl")
 SLOTS = 2
@@ -65,7 +62,7 @@ def make_run(run_dir: Path, n: int, urls: list[str], **gen) -> PipelineConfig:
                          generation=GenerationConfig(**{"max_new_tokens": 8, "concurrency": SLOTS, "shard_size": 4,
                                                         "flush_rows": 1, "retry_backoff_s": 0.2,
                                                         "max_truncated_frac": 1.0, **gen}))
-    stages.run_prompts(cfg, log=lambda *_: None)
+    run_prompts(cfg, log=lambda *_: None)
     return cfg
 
 
@@ -87,6 +84,7 @@ def assert_each_prompt_answered_once(cfg: PipelineConfig) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_token_ids_from_llama_cpp_completion_match_the_chat_api_and_the_gate(server, tmp_path, tokenizer):
     """api 'llama.cpp' (token ids in and out, like SGLang's /generate) gives the same greedy answer as
     /v1/chat/completions; the ids are the target's chat template and decode to the answer text. All answers are
@@ -95,8 +93,8 @@ def test_token_ids_from_llama_cpp_completion_match_the_chat_api_and_the_gate(ser
     chat_cfg = make_run(tmp_path / "chat", 4, [server], api="openai", concurrency=1)
     records = {}
     for cfg in (ids_cfg, chat_cfg):
-        records[cfg.generation.api] = [stages.run_generation_shard(cfg, k, urls=[server])
-                                       for k in stages.generation_shards(cfg)]
+        records[cfg.generation.api] = [run_generation_shard(cfg, k, urls=[server])
+                                       for k in generation_shards(cfg)]
     ids_rows, chat_rows = all_rows(ids_cfg), all_rows(chat_cfg)
     assert [r["id"] for r in ids_rows] == [r["id"] for r in chat_rows] == train_ids(ids_cfg)
     for a, b in zip(ids_rows, chat_rows):
@@ -108,11 +106,11 @@ def test_token_ids_from_llama_cpp_completion_match_the_chat_api_and_the_gate(ser
         assert b["output_ids"] == [] and b["completion_tokens"] == 8
     with pytest.raises(QualityGateError, match=r"truncated: 4 of 4 answers \(100\.0%, limit 20\.0%, "
                                                r"generation\.max_truncated_frac\).*max_new_tokens"):
-        stages.finish_generation(ids_cfg, records["llama.cpp"])
+        finish_generation(ids_cfg, records["llama.cpp"])
     shard = ids_cfg.run_dir / "generations" / "shard_00000.parquet"
     before = shard.stat().st_mtime_ns
     ids_cfg.generation.max_truncated_frac = 1.0
-    m = stages.run_generation(ids_cfg)                       # shards finished: only the gate runs again
+    m = run_generation(ids_cfg)                       # shards finished: only the gate runs again
     assert m["samples"] == 4 and m["failed"] == 0 and m["quality"]["counts"]["truncated"] == 4
     assert m["token_ids"] and shard.stat().st_mtime_ns == before
 
@@ -149,6 +147,7 @@ def test_sglang_generate_request_and_response_fields():
         parse_response("sglang", {"choices": []}, "http://h:30000")
 
 
+@pytest.mark.slow
 def test_server_killed_mid_run_and_restarted_every_prompt_answered_once(tmp_path, spawned):
     """Two servers share the load; one is SIGKILLed with a request in flight and restarted on its port. The run
     completes, every prompt answered exactly once, the lost request retried, the restarted server used again."""
@@ -166,7 +165,7 @@ def test_server_killed_mid_run_and_restarted_every_prompt_answered_once(tmp_path
     start(1)
     cfg = make_run(tmp_path / "run", 16, urls, progress_interval_s=0.05, max_new_tokens=24)
     snaps, result, lines = [], [], []
-    worker = threading.Thread(target=lambda: result.append(stages.run_generation(
+    worker = threading.Thread(target=lambda: result.append(run_generation(
         cfg, log=lines.append, on_progress=snaps.append)))
     try:
         worker.start()
@@ -193,6 +192,7 @@ def test_server_killed_mid_run_and_restarted_every_prompt_answered_once(tmp_path
     assert lines[-1].startswith("generation: 16 of 16 prompts (100.0%), ") and " retries" in lines[-1]
 
 
+@pytest.mark.slow
 def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_only_unfinished_shards(
         prefect_server, tmp_path):
     """The generation flow (called by a parent flow, as the pipeline does) starts llama-server itself; it is
@@ -205,7 +205,7 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
 
     from eagle3_core.serving import launcher
     from eagle3_core.serving.launcher import ServerExited
-    from flows.stages import generation_flow
+    from flows.stage_flows import generation_flow
     from prefect_api import flow_run_tree, logs_of, states_by_name, task_runs
 
     cfg = make_run(tmp_path / "run", 8, [], shard_size=2, concurrency=1, max_new_tokens=16)
@@ -241,7 +241,7 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
     with pytest.raises(ServerExited, match=rf"pid {server.pid}\) was killed by signal 9 \(SIGKILL\) while the "
                                            rf"stage was using it; its log {log1}, last lines:\n"):
         state.result()
-    finished = [k for k in range(4) if stages.generation_shard_done(cfg, k)]
+    finished = [k for k in range(4) if generation_shard_done(cfg, k)]
     unfinished = [k for k in range(4) if k not in finished]
     assert finished and unfinished, finished
     # the line to act on is in the parent run's log, not only in the generation subflow's
@@ -308,6 +308,7 @@ def test_advice_fits_the_server_kind(tmp_path):
         asyncio.run(use(["http://127.0.0.1:9"], 1.0))
 
 
+@pytest.mark.slow
 def test_fault_proxy_503_stalls_and_drops_every_prompt_completes(server, tmp_path):
     """20% of generation requests fail at a proxy in front of the real server (503, a stall past the request
     timeout, a dropped connection, a body cut in half); every prompt completes and each injected fault is one
@@ -317,7 +318,7 @@ def test_fault_proxy_503_stalls_and_drops_every_prompt_completes(server, tmp_pat
     timeout = max(10.0, 4 * (time.monotonic() - t0))
     with FaultProxy(server, every=5) as proxy:
         cfg = make_run(tmp_path, 16, [proxy.url], request_timeout_s=timeout, max_retries=4)
-        m = stages.run_generation(cfg, log=lambda *_: None)
+        m = run_generation(cfg, log=lambda *_: None)
     assert proxy.posts >= 20 and sum(proxy.injected.values()) == proxy.posts // 5 + (proxy.posts % 5 > 0)
     assert set(proxy.injected) == {"503", "stall", "drop", "drop_mid"}
     assert m["failed"] == 0 and m["retries"] == sum(proxy.injected.values())
@@ -326,6 +327,7 @@ def test_fault_proxy_503_stalls_and_drops_every_prompt_completes(server, tmp_pat
     assert_each_prompt_answered_once(cfg)
 
 
+@pytest.mark.slow
 def test_client_killed_mid_run_then_rerun_no_duplicates_no_losses(server, tmp_path, spawned):
     """The generating process is SIGKILLed with one shard finished and another partly flushed; rerunning through
     the shard contract leaves the finished shard's files untouched, keeps the flushed answers and answers every
@@ -334,7 +336,7 @@ def test_client_killed_mid_run_then_rerun_no_duplicates_no_losses(server, tmp_pa
     (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
     code = ("import sys; from pathlib import Path; from eagle3_core import stages; "
             "from eagle3_core.config import PipelineConfig; "
-            "stages.run_generation(PipelineConfig.model_validate_json(Path(sys.argv[1]).read_text()))")
+            "run_generation(PipelineConfig.model_validate_json(Path(sys.argv[1]).read_text()))")
     child = spawned(subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cfg.json")], cwd=ROOT,
                                      env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL))
     out = cfg.run_dir / "generations"
@@ -348,22 +350,22 @@ def test_client_killed_mid_run_then_rerun_no_duplicates_no_losses(server, tmp_pa
     flushed = {r["id"] for p in out.glob("partial/shard_00001/part_*.parquet") for r in pq.read_table(p).to_pylist()}
     assert not (out / "manifest.json").exists() and flushed
 
-    shards = stages.generation_shards(cfg)
+    shards = generation_shards(cfg)
     assert shards == [0, 1, 2]
-    records = [stages.run_generation_shard(cfg, k, urls=[server], log=lambda *_: None) for k in shards]
+    records = [run_generation_shard(cfg, k, urls=[server], log=lambda *_: None) for k in shards]
     assert {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in out.glob("shard_00000.*")} == finished
     assert records[1]["resumed"] >= len(flushed) and records[1]["resumed"] + records[1]["generated"] == 4
     assert not (out / "partial").exists()
-    m = stages.finish_generation(cfg, records)
+    m = finish_generation(cfg, records)
     assert m["samples"] == 12 and m["shards"] == ["shard_00000.parquet", "shard_00001.parquet", "shard_00002.parquet"]
     rows = assert_each_prompt_answered_once(cfg)
     assert [r["id"] for r in rows] == train_ids(cfg)                    # prompt order, shard by shard
-    assert stages.run_generation_shard(cfg, 1, urls=["http://127.0.0.1:9"]) == json.loads(
+    assert run_generation_shard(cfg, 1, urls=["http://127.0.0.1:9"]) == json.loads(
         (out / "shard_00001.json").read_text())                          # finished: returned, nothing sent
     with pytest.raises(ValueError, match="shard 5 out of range"):
-        stages.run_generation_shard(cfg, 5, urls=[server])
+        run_generation_shard(cfg, 5, urls=[server])
     with pytest.raises(ValueError, match="not the one on disk"):
-        stages.finish_generation(cfg.model_copy(update={"generation": cfg.generation.model_copy(
+        finish_generation(cfg.model_copy(update={"generation": cfg.generation.model_copy(
             update={"max_failed_frac": 0.5})}), [{**records[0], "sha256": "0" * 64}])
 
 
@@ -396,7 +398,7 @@ def test_degenerate_answers_are_runaway_repetitions():
 def test_stage_seconds_count_shards_run_side_by_side_once():
     """finish_generation's stage time is the union of the shards' run intervals (manifest.busy_seconds), not their
     sum: four shards on one server, two at a time, ran for 368 s and were reported as 726 s."""
-    from eagle3_core.manifest import busy_seconds
+    from eagle3_core.contract.manifest import busy_seconds
     side_by_side = [{"seconds": 10.0, "started_at": 100.0, "ended_at": 110.0},
                     {"seconds": 7.0, "started_at": 105.0, "ended_at": 112.0},
                     {"seconds": 1.0, "started_at": 106.0, "ended_at": 107.0},     # inside the others

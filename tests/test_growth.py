@@ -4,12 +4,16 @@ stay as they were."""
 import json
 
 import pyarrow.parquet as pq
-from conftest import SHARED_DATA
+import pytest
 
-from eagle3_core import prompts as prompts_mod
-from eagle3_core import stages
+from conftest import SHARED_DATA
 from eagle3_core.config import preset
-from eagle3_core.shard_plan import append_only_ranges
+from eagle3_core.contract.shard_plan import append_only_ranges
+from eagle3_core.data import prompt_set as prompts_mod
+from eagle3_core.pipeline.features_stage import feature_status, run_features
+from eagle3_core.pipeline.generation_stage import generation_status, run_generation
+from eagle3_core.pipeline.prompts_stage import run_prompts
+from eagle3_core.pipeline.tokenize_stage import run_tokenize
 
 GSM8K = str(SHARED_DATA / "gsm8k" / "train.jsonl")
 
@@ -30,10 +34,11 @@ def _bytes(folder, pattern):
 
 
 def _data_stages(cfg):
-    for run in (stages.run_prompts, stages.run_generation, stages.run_tokenize, stages.run_features):
+    for run in (run_prompts, run_generation, run_tokenize, run_features):
         run(cfg, log=lambda *_: None)
 
 
+@pytest.mark.slow
 def test_growing_debug_tiny_from_6_to_12_prompts_does_only_the_new_ones(tmp_path):
     cfg = preset("debug_tiny", run_dir=tmp_path / "run")
     cfg.prompts.sources = [GSM8K]
@@ -68,8 +73,8 @@ def test_growing_debug_tiny_from_6_to_12_prompts_does_only_the_new_ones(tmp_path
     assert [e["samples"] for e in store["shards"]] == [4, 2, 4, 2] and store["samples"] == 12
     assert store["shards_extracted"] == 2
     assert [i for e in store["shards"][2:] for i in e["ids"]] == grown["train_ids"][6:]
-    assert stages.feature_status(cfg) == {"shards": [0, 1, 2, 3], "done": [0, 1, 2, 3]}
-    assert stages.generation_status(cfg)["done"] == [0, 1, 2, 3]
+    assert feature_status(cfg) == {"shards": [0, 1, 2, 3], "done": [0, 1, 2, 3]}
+    assert generation_status(cfg)["done"] == [0, 1, 2, 3]
 
 
 def test_a_larger_sample_is_a_superset_with_the_same_held_out_set():

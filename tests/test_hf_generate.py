@@ -4,24 +4,22 @@ import asyncio
 import json
 
 import pyarrow.parquet as pq
-from conftest import SHARED_DATA
+import pytest
 
-from eagle3_core import stages
-from eagle3_core.config import (
-    GenerationConfig,
-    PipelineConfig,
-    PromptConfig,
-    ServerConfig,
-)
-from eagle3_core.data import prompt_ids
-from eagle3_core.evaluate import compare_outputs
+from conftest import SHARED_DATA
+from eagle3_core.config import GenerationConfig, PipelineConfig, PromptConfig, ServerConfig
+from eagle3_core.data.chat import prompt_ids
+from eagle3_core.evaluation.acceptance import compare_outputs
+from eagle3_core.evaluation.speculate import TargetRunner, greedy_generate
+from eagle3_core.pipeline.generation_stage import run_generation, run_generation_shard
+from eagle3_core.pipeline.prompts_stage import run_prompts
 from eagle3_core.serving.hf_generate import BatchedGenerator
-from eagle3_core.speculate import TargetRunner, greedy_generate
 
 GSM8K = str(SHARED_DATA / "gsm8k" / "train.jsonl")
 NEW = 12
 
 
+@pytest.mark.slow
 def test_batched_in_process_answers_equal_unbatched_greedy(tmp_path, target_model, tokenizer):
     """6 prompts of different lengths in 2 shards, batches of up to 4 rows (left-padded): every answer equals the
     target's own one-prompt greedy decoding (or first differs at a near-tie, top-2 gap < 1e-3), the ids are the
@@ -30,8 +28,8 @@ def test_batched_in_process_answers_equal_unbatched_greedy(tmp_path, target_mode
                          server=ServerConfig(kind="transformers"),
                          generation=GenerationConfig(max_new_tokens=NEW, concurrency=4, shard_size=3,
                                                      max_truncated_frac=1.0))
-    stages.run_prompts(cfg, log=lambda *_: None)
-    m = stages.run_generation(cfg, log=lambda *_: None)
+    run_prompts(cfg, log=lambda *_: None)
+    m = run_generation(cfg, log=lambda *_: None)
     assert m["samples"] == 6 and m["failed"] == 0 and m["server"].startswith("transformers in-process")
     rows = [r for f in m["shards"] for r in pq.read_table(tmp_path / "generations" / f).to_pylist()]
     assert len(rows) == 6 and len({len(r["prompt_ids"]) for r in rows}) > 1          # padding is exercised
@@ -45,12 +43,12 @@ def test_batched_in_process_answers_equal_unbatched_greedy(tmp_path, target_mode
         assert r["finish_reason"] == "length" and r["completion_tokens"] == NEW and r["api"] == "transformers"
     shas = [json.loads((tmp_path / "generations" / f"shard_{k:05d}.json").read_text())["sha256"] for k in (0, 1)]
     (tmp_path / "generations" / "manifest.json").unlink()
-    again = stages.run_generation(cfg, log=lambda *_: None)                           # shards finished: kept
+    again = run_generation(cfg, log=lambda *_: None)                           # shards finished: kept
     assert again["samples"] == 6 and [json.loads((tmp_path / "generations" / f"shard_{k:05d}.json").read_text())[
         "sha256"] for k in (0, 1)] == shas
     for f in (tmp_path / "generations").glob("shard_00001.*"):                       # the flow's shard-task path
         f.unlink()
-    rec = stages.run_generation_shard(cfg, 1, log=lambda *_: None)
+    rec = run_generation_shard(cfg, 1, log=lambda *_: None)
     assert rec["generated"] == 3 and rec["sha256"] != "" and [r["output_ids"] for r in pq.read_table(
         tmp_path / "generations" / "shard_00001.parquet").to_pylist()] == [r["output_ids"] for r in rows[3:]]
 

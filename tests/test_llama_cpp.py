@@ -5,13 +5,18 @@ from pathlib import Path
 import pytest
 from gguf import GGUFReader
 
-from eagle3_core import stages
-from eagle3_core.checkpoint import save_draft
-from eagle3_core.prompts import read_rows
+from eagle3_core.data.prompt_set import read_rows
+from eagle3_core.evaluation.llama_cpp_deploy import (
+    LLAMA_CPP_TIE_GAP,
+    convert_draft,
+    engine_aux_hidden_states,
+    run_requests,
+    summarize,
+)
+from eagle3_core.pipeline.train_stage import draft_shape, fresh_draft
 from eagle3_core.serving.launcher import llama_server
-from eagle3_core.serving.llama_cpp import (LLAMA_CPP_TIE_GAP, convert_draft, engine_aux_hidden_states, run_requests,
-                                           summarize)
-from eagle3_core.target import embedded_gguf_path, local_model_dir
+from eagle3_core.target.loading import embedded_gguf_path, local_model_dir
+from eagle3_core.training.checkpoint import save_draft
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +37,7 @@ def _serve_draft(draft_gguf: Path, rows, log: Path):
         return run_requests(url, rows, 64)
 
 
+@pytest.mark.slow
 def test_conversion_writes_aux_ids_as_llama_cpp_layer_inputs(e2e_run, tmp_path):
     _, summary = e2e_run
     out = convert_draft(Path(summary["draft_dir"]), Path(local_model_dir(e2e_run[0].target)), tmp_path / "d.gguf")
@@ -46,6 +52,7 @@ def _rel_err(a, b):
     return ((a - b).norm(dim=-1) / b.norm(dim=-1)).mean().item()
 
 
+@pytest.mark.slow
 def test_llama_cpp_feeds_the_draft_the_layers_it_was_trained_on(target_model, tokenizer, tmp_path):
     """Measured, not assumed: the hidden states llama.cpp's EAGLE-3 code extracts for a converted draft (its own
     calls, through the layer probe) equal our training features (outputs of layers [1, 14, 26]) up to llama.cpp's
@@ -54,10 +61,10 @@ def test_llama_cpp_feeds_the_draft_the_layers_it_was_trained_on(target_model, to
     import torch
 
     from eagle3_core.config import preset
-    from eagle3_core.draft_model import Eagle3Draft
-    from eagle3_core.target import capture
+    from eagle3_core.target.loading import capture
+    from eagle3_core.training.draft_model import Eagle3Draft
     cfg = preset("debug_tiny", tmp_path)
-    draft = Eagle3Draft(stages.draft_shape(cfg))
+    draft = Eagle3Draft(draft_shape(cfg))
     draft.init_weights(0)
     ours_ids = draft.shape.aux_layer_ids
     assert ours_ids == [1, 14, 26]
@@ -79,6 +86,7 @@ def test_llama_cpp_feeds_the_draft_the_layers_it_was_trained_on(target_model, to
         assert err < 0.05 and off > 5 * err, (k, err, off)
 
 
+@pytest.mark.slow
 def test_trained_draft_is_accepted_and_lossless_on_llama_cpp(replay, tmp_path):
     cfg, summary, rows, base = replay
     draft_gguf = convert_draft(Path(summary["draft_dir"]), Path(local_model_dir(cfg.target)), tmp_path / "d.gguf")
@@ -89,9 +97,10 @@ def test_trained_draft_is_accepted_and_lossless_on_llama_cpp(replay, tmp_path):
     assert "draft acceptance" in (tmp_path / "eagle3.log").read_text()
 
 
+@pytest.mark.slow
 def test_untrained_draft_gives_tau_one_on_llama_cpp(replay, tmp_path):
     cfg, _, rows, base = replay
-    untrained, _ = stages.fresh_draft(cfg)
+    untrained, _ = fresh_draft(cfg)
     export = save_draft(untrained, tmp_path / "untrained")
     draft_gguf = convert_draft(export, Path(local_model_dir(cfg.target)), tmp_path / "u.gguf")
     s = summarize(base, _serve_draft(draft_gguf, rows, tmp_path / "u.log"), LLAMA_CPP_TIE_GAP)

@@ -4,13 +4,15 @@ second night regenerates only those rows, keeps the held-out set, warm-starts fr
 reports both nights' tau; a third night with nothing new runs no stage again."""
 import json
 
-from conftest import SHARED_DATA
+import pytest
 
+from conftest import SHARED_DATA
 from eagle3_core.config import preset
 
 GSM8K = SHARED_DATA / "gsm8k" / "train.jsonl"
 
 
+@pytest.mark.slow
 def test_a_nightly_run_after_appended_rows_does_only_those(prefect_server, tmp_path):
     from flows.pipeline import eagle3_pipeline
     lines = GSM8K.read_text().splitlines()

@@ -9,8 +9,9 @@ import shutil
 import pytest
 from prefect import flow, task
 
-from eagle3_core import stages
-from eagle3_core.report import embed_images
+from eagle3_core.contract.layout import STAGE_DIRS
+from eagle3_core.pipeline.report import embed_images
+from eagle3_core.pipeline.table import stage_done
 from fault_site.fault_injection import InjectedFault
 from prefect_api import artifacts_of, logs_of, states_by_name, task_runs
 from tasks.artifacts import run_key
@@ -26,9 +27,10 @@ CONTROL_TASKS = {"check", "plan-generation", "plan-features"}
 
 
 def _manifests(run_dir):
-    return {d: (run_dir / d / "manifest.json").read_text() for d in stages.STAGE_DIRS.values()}
+    return {d: (run_dir / d / "manifest.json").read_text() for d in STAGE_DIRS.values()}
 
 
+@pytest.mark.slow
 def test_equal_rerun_recomputes_nothing_and_a_changed_parameter_exactly_the_stages_downstream(e2e_run):
     from flows.pipeline import eagle3_pipeline
     cfg, summary = e2e_run
@@ -57,6 +59,7 @@ def test_equal_rerun_recomputes_nothing_and_a_changed_parameter_exactly_the_stag
     assert eagle3_pipeline(cfg, return_state=True).is_completed()
 
 
+@pytest.mark.slow
 def test_task_logs_and_artifacts_read_back_through_the_api(e2e_run):
     from flows.pipeline import eagle3_pipeline
     cfg, _ = e2e_run
@@ -166,8 +169,9 @@ def test_only_transient_errors_are_retried(prefect_server):
         assert is_transient(wrapped)                          # the cause decides
 
 
+@pytest.mark.slow
 def test_refresh_recomputes_the_stage(e2e_run, tmp_path):
-    from flows.stages import prompts_flow
+    from flows.stage_flows import prompts_flow
     cfg, _ = e2e_run
     copy = cfg.model_copy(deep=True)
     copy.run_dir = tmp_path / "run"
@@ -184,12 +188,13 @@ def test_refresh_recomputes_the_stage(e2e_run, tmp_path):
     assert new["seconds"] != old["seconds"] and new["train_ids"] == old["train_ids"]
 
 
-@pytest.mark.parametrize("stage", sorted(stages.STAGE_DIRS))
+@pytest.mark.parametrize("stage", sorted(STAGE_DIRS))
 def test_every_stage_has_an_inputs_key_once_the_run_is_done(e2e_run, stage):
     cfg, _ = e2e_run
-    assert stages.stage_done(cfg, stage)
+    assert stage_done(cfg, stage)
 
 
+@pytest.mark.slow
 def test_what_does_not_change_results_keeps_stages_done_and_aux_ids_redo_features_and_after(e2e_run, tmp_path):
     """On a copy of the session's run (mtimes kept, so no shard is hashed): changing how features are computed
     (writer threads, batch tokens) leaves every stage done and nothing is rewritten; a deleted feature shard is
@@ -202,7 +207,7 @@ def test_what_does_not_change_results_keeps_stages_done_and_aux_ids_redo_feature
     before = _manifests(copy.run_dir)
     copy.features.writer_threads = cfg.features.writer_threads + 2
     copy.features.batch_tokens = cfg.features.batch_tokens * 2
-    assert all(stages.stage_done(copy, s) for s in stages.STAGE_DIRS)
+    assert all(stage_done(copy, s) for s in STAGE_DIRS)
     assert eagle3_pipeline(copy, return_state=True).is_completed()
     assert _manifests(copy.run_dir) == before
 

@@ -1,5 +1,5 @@
-"""Packed rows and windows (eagle3_core.packing): every supervised token trained exactly once, a packed row's loss
-equal to its samples' losses computed apart, and one compiled graph for rows of any sample lengths."""
+"""Packed rows and windows (eagle3_core.training.packing): every supervised token trained exactly once, a packed row's
+loss equal to its samples' losses computed apart, and one compiled graph for rows of any sample lengths."""
 import os
 import random
 from collections import Counter
@@ -8,15 +8,16 @@ import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.config
-from conftest import random_ttt_samples, tiny_draft
 
-from eagle3_core import packing
-from eagle3_core import ttt as ttt_mod
-from eagle3_core import ttt_attention
+from conftest import random_ttt_samples, tiny_draft
 from eagle3_core.config import TrainConfig
-from eagle3_core.packing import collate_packed, pack_rows, packed_ttt_loss, sample_pieces, windows
-from eagle3_core.trainer import compile_for_training, epoch_batches
-from eagle3_core.ttt import collate, supervised, ttt_loss
+from eagle3_core.training import packing
+from eagle3_core.training import ttt as ttt_mod
+from eagle3_core.training import ttt_attention
+from eagle3_core.training.batch_feed import epoch_batches
+from eagle3_core.training.packing import collate_packed, pack_rows, packed_ttt_loss, sample_pieces, windows
+from eagle3_core.training.setup import compile_for_training
+from eagle3_core.training.ttt import collate, supervised, ttt_loss
 
 
 def _trained_targets(samples, rows, row_len, K):
@@ -145,6 +146,7 @@ def _train_steps(batches, K=3):
     return counts
 
 
+@pytest.mark.slow
 def test_packed_rows_of_any_lengths_compile_once(compiled_on_cpu):
     """Rows of samples of varying lengths (and a long sample in windows) add no graph after the first row; a
     padded batch of another shape does (the counter is live; dynamo then turns its dimensions dynamic, which
@@ -160,6 +162,7 @@ def test_packed_rows_of_any_lengths_compile_once(compiled_on_cpu):
     assert padded[0] > counts[-1], (counts, padded)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scope", ["step", "row"])
 def test_the_packed_loss_compiles_per_step_or_per_row_equal_to_eager(compiled_on_cpu, monkeypatch, scope):
     """packed_ttt_loss where kernels are compiled (here aot_eager on CPU), per step (step 0 and steps 1..K-1, one
@@ -206,9 +209,8 @@ def test_packed_training_with_a_long_sample_learns_and_resumes_to_the_same_bits(
     """train() on packed rows (a sample of 130 tokens in windows of a 48-token row among 20-token ones): the loss
     goes down, every token of every sample is fed (context counted once per window), and a run stopped after 5
     steps and resumed ends with the weights of one never stopped."""
+    from eagle3_core.training.trainer import train
     from train_worker import CFG, samples
-
-    from eagle3_core.trainer import train
     data = samples(10)
     g = torch.Generator().manual_seed(9)
     long = random_ttt_samples(g, [(130, 3)], aux=96, final=32)[0]
@@ -231,12 +233,12 @@ def test_packed_training_with_a_long_sample_learns_and_resumes_to_the_same_bits(
     assert all(torch.equal(t, b["model"][k]) for k, t in a["model"].items())
 
 
+@pytest.mark.slow
 def test_eval_reuses_the_training_graphs_and_the_compile_policy_is_restored(compiled_on_cpu, tmp_path):
     """train() on packed rows, compiled (aot_eager on CPU): the same graphs with held-out eval each epoch as
     without it (eval runs in grad mode, reusing them), and dynamo's settings are back as they were afterwards."""
+    from eagle3_core.training.trainer import train
     from train_worker import CFG, samples
-
-    from eagle3_core.trainer import train
     lm_head = torch.randn(100, 32, generator=torch.Generator().manual_seed(5))
     cfg = CFG.model_copy(update={"batching": "packed", "batch_tokens": 48, "window_context": 8, "epochs": 1,
                                  "checkpoint_every": 100})
@@ -259,7 +261,7 @@ def test_a_run_trained_before_packing_existed_stays_done(tmp_path):
 
     from eagle3_core.config import preset
     from eagle3_core.pipeline.keys import stage_key
-    from eagle3_core.pipeline.train import train_key
+    from eagle3_core.pipeline.train_stage import train_key
     before = ["epochs", "lr", "warmup_frac", "batch_tokens", "grad_accum", "grad_clip", "ttt_length", "step_weight",
               "eval_frac", "seed", "checkpoint_every", "keep_checkpoints", "device", "attention", "compile",
               "init_from", "init_vocab"]

@@ -4,12 +4,12 @@ unevenly are refused naming features.tp_size. The per-rank counts themselves are
 hold in tests/test_tp_extract.py."""
 import pytest
 from pydantic import ValidationError
-from test_check import TB, kimi_k25  # noqa: F401 (the Kimi-K2.5-sized config fixture)
 from transformers import LlamaConfig
 
 from eagle3_core.check import check_run
 from eagle3_core.config import FeatureConfig, PipelineConfig
-from eagle3_core.parallel_fit import meta_model, param_bytes_per_rank
+from eagle3_core.target.memory import meta_model, param_bytes_per_rank
+from test_check import TB, kimi_k25  # noqa: F401 (the Kimi-K2.5-sized config fixture)
 
 LLAMA = LlamaConfig(hidden_size=32, num_hidden_layers=8, vocab_size=128, max_position_embeddings=256,
                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=False)
@@ -45,11 +45,15 @@ def test_check_names_the_backend_and_size_a_target_needs():
 
 
 def test_kimi_k25_needs_32_h200s_in_bf16(kimi_k25):  # noqa: F811
-    """~1.03T parameters = ~2.05 TB bf16: 8 H200s at expert parallel hold 268 GB each, refused; 32 fit."""
+    """~1.03T parameters = ~2.05 TB bf16: 8 H200s at expert parallel hold ~260 GB each (1/8 of the ~2.03 TB of
+    routed experts plus what the plan keeps whole: which those are is transformers' plan, and it moves between
+    versions: 268.3 GB and 259.2 GB were seen with two releases), refused; 32 fit."""
     facts, problems = _check(kimi_k25, H200, 8 * TB, backend="hf_tp", tp_size=8, expert_parallel=True)
     assert facts["param_gb_per_rank_bf16"][1] == pytest.approx(2051, rel=1e-3)
     assert facts["needs"].startswith("hf_tp with tp_size >= 32")
-    assert [f for f, _ in problems] == ["features.tp_size"] and "268.3 GB" in problems[0][1]
+    per_rank = facts["param_gb_per_rank_bf16"][8]
+    assert 2030 / 8 < per_rank < 2051 / 8 + 30, per_rank      # experts split 8 ways, at most ~30 GB kept whole
+    assert [f for f, _ in problems] == ["features.tp_size"] and f"{per_rank:.1f} GB" in problems[0][1]
     facts, problems = _check(kimi_k25, H200, 8 * TB, backend="hf_tp", tp_size=32, expert_parallel=True)
     assert problems == [] and "nnodes" in facts["hosts"]
 

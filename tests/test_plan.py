@@ -1,4 +1,4 @@
-"""`plan CONFIG`: the reference team's hand arithmetic (REFERENCE.md 0) reproduced from their given rates, what fp8
+"""`plan CONFIG`: the reference team's hand arithmetic (docs/reference_case.md) reproduced from their given rates, what fp8
 and online features change, refused rates files, and the measured rates of a finished run planning it back."""
 import json
 
@@ -91,6 +91,7 @@ def test_check_reads_the_reference_config_offline_and_names_what_one_node_cannot
     assert "needs hf_tp with tp_size >= 32" in problems[0][1] and "evaluate" in problems[1][1]
 
 
+@pytest.mark.slow
 def test_check_cli_reads_the_reference_config_offline_from_a_config_json(tmp_path, capsys):
     """`check CONFIG --target-config config.json`: the reference config checked with only the target's config.json
     on disk (written here from the config-only Kimi-K2.5 fixture); the same facts and refusals as check_run with

@@ -5,12 +5,12 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_draft
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from eagle3_core.checkpoint import save_draft
-from eagle3_core.preflight import PreflightError, check_draft, preflight
+from conftest import tiny_draft
+from eagle3_core.evaluation.preflight import PreflightError, check_draft, preflight
+from eagle3_core.training.checkpoint import save_draft
 
 # the target the tiny draft was built for: hidden 32, 8 layers, vocab 100
 TARGET = LlamaConfig(hidden_size=32, num_hidden_layers=8, vocab_size=100, max_position_embeddings=256,

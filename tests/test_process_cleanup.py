@@ -8,6 +8,7 @@ import time
 
 import psutil
 import pytest
+
 from conftest import ROOT
 
 CASES = ROOT / "tests" / "cases" / "hold_server.py"
@@ -68,6 +69,7 @@ def _assert_gone(pid: int, url: str, inner_output: str = "") -> None:
                 if p.info["name"] and "llama-server" in p.info["name"] and port in " ".join(p.info["cmdline"] or [])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["test_hold_in_a_launcher_fixture", "test_hold_spawned", "test_hold_untracked"])
 def test_ctrl_c_of_a_test_holding_a_server_leaves_no_server(case, tmp_path, spawned):
     inner, pid, url = _start_holding(case, tmp_path, spawned)
@@ -82,6 +84,7 @@ def test_ctrl_c_of_a_test_holding_a_server_leaves_no_server(case, tmp_path, spaw
     _assert_gone(pid, url, out)
 
 
+@pytest.mark.slow
 def test_sigkilled_pytest_leaves_no_server(tmp_path, spawned):
     """No finalizer runs after SIGKILL: the kernel stops the server (PR_SET_PDEATHSIG, set by spawn_server)."""
     inner, pid, url = _start_holding("test_hold_spawned", tmp_path, spawned)
@@ -96,6 +99,7 @@ TORCHRUN_CASE = ROOT / "tests" / "cases" / "hold_torchrun.py"
 @pytest.mark.parametrize("signals,ignore_term", [([signal.SIGINT], False), ([signal.SIGTERM], False),
                                                 ([signal.SIGINT, signal.SIGINT], True)],
                          ids=["SIGINT", "SIGTERM", "SIGINT-twice-stuck-workers"])
+@pytest.mark.slow
 def test_signalled_pytest_during_torchrun_ends_and_leaves_no_worker(signals, ignore_term, tmp_path, spawned):
     """Ctrl-C or the SIGTERM a CI runner or `kill` sends, while a test waits on torchrun: pytest ends (exit 2,
     interrupted, finalizers run), it does not carry on with the next test, and no torchrun worker is left. The
@@ -136,7 +140,7 @@ def test_a_server_started_with_sigterm_blocked_has_it_unblocked(tmp_path, spawne
     started it (a signal mask passes through fork and exec), so neither the stop's SIGTERM nor the parent-death
     signal reached it and it outlived its pytest. spawn_server's preexec hook unblocks SIGTERM and SIGINT."""
     from eagle3_core.serving.launcher import free_port, llama_server_argv, spawn_server, stop, wait_healthy
-    from eagle3_core.target import embedded_gguf_path
+    from eagle3_core.target.loading import embedded_gguf_path
     port = free_port()
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     try:

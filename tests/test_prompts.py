@@ -5,11 +5,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import SHARED_DATA
 
+from conftest import SHARED_DATA
 from eagle3_core.config import PipelineConfig, PromptConfig
-from eagle3_core.prompt_data import DataMix, SourceSpec
-from eagle3_core.prompts import RejectError, build_prompts, load_source
+from eagle3_core.config.mix import DataMix, SourceSpec
+from eagle3_core.data.prompt_set import RejectError, build_prompts, load_source
 
 FIX = Path(__file__).parent / "fixtures" / "prompt_formats"
 U, A, S, T = "user", "assistant", "system", "tool"
@@ -126,6 +126,7 @@ PRESET_FIXTURES = {"swe-agent-trajectories": "swe_agent_trajectories.parquet",
                    "sharegpt-vicuna": "sharegpt_vicuna.json", "sharegpt-v4.3": "sharegpt_vicuna.json"}
 
 
+@pytest.mark.slow
 def test_reference_mix_validates_and_its_mappings_run_through_the_hf_code_path(monkeypatch):
     """No network: every source of both presets keeps its format, fields and mode, and only its location is
     swapped for the local fixture, read by `datasets.load_dataset` (json/parquet builders, streaming) as a hub

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_core.config import TrainConfig, load_config
-from eagle3_core.evaluate import paired_bootstrap_diff_ci
+from eagle3_core.evaluation.acceptance import paired_bootstrap_diff_ci
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "recipe_tau_time_results.json"
@@ -35,10 +35,10 @@ def test_epochs_rule():
 def test_train_without_epochs_runs_the_rules_epochs(tmp_path):
     """train() with train.epochs unset trains TrainConfig.epochs_for(the train samples' tokens) epochs and says so."""
     import torch
-    from conftest import tiny_draft
-    from train_worker import CFG, samples
 
-    from eagle3_core.trainer import train
+    from conftest import tiny_draft
+    from eagle3_core.training.trainer import train
+    from train_worker import CFG, samples
     data = samples(4)                                                    # 80 tokens an epoch: the cap, 12
     cfg = CFG.model_copy(update={"epochs": None, "checkpoint_every": 1000})
     lines = []
@@ -68,6 +68,7 @@ def test_default_recipe_is_the_measured_winner():
     assert paired_bootstrap_diff_ci(small["per_prompt"], small6["per_prompt"])[0] > 0
 
 
+@pytest.mark.slow
 def test_replot_redraws_the_docs_plot(tmp_path):
     res = tmp_path / "results.json"
     res.write_text(RESULTS.read_text())

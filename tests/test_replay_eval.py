@@ -2,18 +2,20 @@
 replayed on recorded greedy output, takes the same verify steps and accepts the same tokens as
 speculate.speculative_generate running the target at every verify step: exactly for a draft that reads no features,
 within float rounding for the trained one."""
+import pytest
+
+from eagle3_core.data.chat import prompt_ids
+from eagle3_core.evaluation.acceptance import compare_outputs
+from eagle3_core.evaluation.replay_eval import record_target, replay_chain, replay_measure
+from eagle3_core.evaluation.speculate import TargetRunner, speculative_generate
 from test_speculate import ScriptedDraft
 
-from eagle3_core.data import prompt_ids
-from eagle3_core.evaluate import compare_outputs
-from eagle3_core.replay_eval import record_target, replay_chain, replay_measure
-from eagle3_core.speculate import TargetRunner, speculative_generate
 
-
+@pytest.mark.slow
 def test_replay_takes_the_verify_steps_of_real_decoding(e2e_run, target_model, tokenizer):
-    from eagle3_core.checkpoint import load_draft
-    from eagle3_core.pipeline.layout import RunLayout
-    from eagle3_core.prompts import read_rows
+    from eagle3_core.contract.layout import RunLayout
+    from eagle3_core.data.prompt_set import read_rows
+    from eagle3_core.training.checkpoint import load_draft
     cfg, summary = e2e_run
     draft = load_draft(summary["draft_dir"]).eval()
     runner = TargetRunner(target_model, draft.shape.aux_layer_ids)
@@ -43,6 +45,7 @@ def test_replay_takes_the_verify_steps_of_real_decoding(e2e_run, target_model, t
         assert m["tau_ci95"][0] <= m["tau"] <= m["tau_ci95"][1] and len(m["accept_per_position"]) == steps
 
 
+@pytest.mark.slow
 def test_replay_matches_decoding_exactly_for_a_draft_that_reads_no_features(target_model, tokenizer):
     """ScriptedDraft proposes the recorded sequence with about 1 token in 4 wrong: acceptance then depends on positions
     and the accept rule alone, so the replay must take exactly the verify steps and acceptances of decoding."""
@@ -64,6 +67,7 @@ def test_replay_matches_decoding_exactly_for_a_draft_that_reads_no_features(targ
             assert min(spec["accepted"]) < steps and max(spec["accepted"]) >= 2   # rejections and long runs
 
 
+@pytest.mark.slow
 def test_batched_recording_is_the_one_prompt_recording(target_model, tokenizer):
     """record_target with batch > 1 (left-padded HF generate, what the benchmark uses on a GPU) records the same
     greedy tokens and aux hidden states as one prompt at a time (fp32, the embedded target; prompts of different

@@ -1,4 +1,4 @@
-"""One run per run directory (eagle3_core/run_lock.py, flows.stages.locked) under the session's Prefect server:
+"""One run per run directory (contract/run_lock.py, flows.stage_flows.locked) under the session's Prefect server:
 a second flow run of a busy run directory is refused naming the first, the holder's own subflows pass, and a lock
 left by a SIGKILLed holder (a real flow run in another process) does not block the next run."""
 import os
@@ -9,13 +9,13 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT
 from prefect import flow
 from prefect.context import FlowRunContext
 
+from conftest import ROOT
 from eagle3_core.config import preset
-from eagle3_core.run_lock import LOCK_NAME, RunDirBusy, holder
-from flows.stages import locked, prompts_flow
+from eagle3_core.contract.run_lock import LOCK_NAME, RunDirBusy, holder
+from flows.stage_flows import locked, prompts_flow
 
 # a flow run in another process that holds the run directory's lock (as every flow of the pipeline does), prints
 # its flow run id and name and sleeps until it is killed
@@ -24,7 +24,7 @@ import sys, time
 from prefect import flow
 from prefect.context import FlowRunContext
 from eagle3_core.config import preset
-from flows.stages import locked
+from flows.stage_flows import locked
 
 @flow(name="lock-holder")
 def hold(run_dir: str) -> None:
@@ -68,6 +68,7 @@ def test_a_second_run_of_a_run_dir_is_refused_naming_the_first(prefect_server, t
     assert prompts_flow(cfg, return_state=True).is_completed()   # free again once the first run ended
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_sigkilled_holder_does_not_block_the_next_run(prefect_server, tmp_path, spawned):
     from prefect.settings import PREFECT_API_URL
     cfg = preset("debug_tiny", tmp_path / "run")

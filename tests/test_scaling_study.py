@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
-from eagle3_core.scaling_study import fit_log_trend, nested_subset, predict, subset_sizes
+from eagle3_core.studies.scaling_study import fit_log_trend, nested_subset, predict, subset_sizes
 from tasks.artifacts import run_key
 
 
@@ -39,7 +39,7 @@ def test_log_trend_matches_a_least_squares_fit_and_marks_extrapolation():
 def test_scaling_study_flow_on_real_features(e2e_run, tmp_path):
     from prefect.client.orchestration import get_client
 
-    from eagle3_core.features import load_samples
+    from eagle3_core.features.reader import load_samples
     from flows.scaling_study import scaling_study_flow
     cfg, _ = e2e_run
     new = cfg.model_copy(deep=True)

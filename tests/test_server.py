@@ -5,7 +5,7 @@ import pytest
 
 from eagle3_core.serving.client import check_reachable, generate_all
 from eagle3_core.serving.launcher import ServerError, llama_server
-from eagle3_core.target import embedded_gguf_path
+from eagle3_core.target.loading import embedded_gguf_path
 
 
 def test_llama_server_generates_greedily_and_stops(tmp_path):
@@ -43,7 +43,8 @@ def test_server_dies_with_a_killed_flow_process(tmp_path, spawned):
     script = tmp_path / "hold.py"
     script.write_text(
         "import sys, time\nfrom pathlib import Path\n"
-        "from eagle3_core.serving.launcher import llama_server\nfrom eagle3_core.target import embedded_gguf_path\n"
+        "from eagle3_core.serving.launcher import llama_server\n"
+        "from eagle3_core.target.loading import embedded_gguf_path\n"
         "with llama_server(embedded_gguf_path(), Path(sys.argv[1]), parallel=1) as url:\n"
         "    print(url, flush=True)\n    time.sleep(600)\n")
     proc = spawned(subprocess.Popen([sys.executable, str(script), str(tmp_path / "s.log")], stdout=subprocess.PIPE,
@@ -91,7 +92,8 @@ def test_cancel_sigterm_to_the_process_group_stops_the_server(tmp_path, spawned)
     script = tmp_path / "hold.py"
     script.write_text(
         "import signal, sys, time\nfrom pathlib import Path\n"
-        "from eagle3_core.serving.launcher import llama_server\nfrom eagle3_core.target import embedded_gguf_path\n"
+        "from eagle3_core.serving.launcher import llama_server\n"
+        "from eagle3_core.target.loading import embedded_gguf_path\n"
         "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n"
         "with llama_server(embedded_gguf_path(), Path(sys.argv[1]), parallel=1) as url:\n"
         "    print(url, flush=True)\n    time.sleep(600)\n")

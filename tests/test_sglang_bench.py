@@ -24,10 +24,9 @@ import json
 
 import httpx
 import pytest
-from conftest import SHARED_DATA
 
-from eagle3_core.serving.launcher import ServerError
-from eagle3_core.serving.sglang_bench import (
+from conftest import SHARED_DATA
+from eagle3_core.evaluation.sglang_bench import (
     SpecArgs,
     benchmark_server,
     check_server_info,
@@ -35,7 +34,8 @@ from eagle3_core.serving.sglang_bench import (
     server_command,
     verdict,
 )
-from eagle3_core.serving.sglang_deploy import benchmark_prompts, markdown
+from eagle3_core.evaluation.sglang_deploy import benchmark_prompts, markdown
+from eagle3_core.serving.launcher import ServerError
 
 GENERATE_REQ_FIELDS = {"text", "input_ids", "input_embeds", "image_data", "sampling_params", "rid", "return_logprob",
                        "logprob_start_len", "top_logprobs_num", "stream", "lora_path", "return_hidden_states"}

@@ -3,10 +3,10 @@ rule, tree construction and verification, forward-call counting and losslessness
 import pytest
 import torch
 
-from eagle3_core.data import prompt_ids
-from eagle3_core.draft_tree import DraftTree, greedy_accept, tree_attention_mask
-from eagle3_core.evaluate import compare_outputs
-from eagle3_core.speculate import (
+from eagle3_core.data.chat import prompt_ids
+from eagle3_core.evaluation.acceptance import compare_outputs
+from eagle3_core.evaluation.draft_tree import DraftTree, greedy_accept, tree_attention_mask
+from eagle3_core.evaluation.speculate import (
     TargetRunner,
     commit,
     greedy_generate,
@@ -146,6 +146,7 @@ def test_greedy_matches_transformers_generate(target_model, tokenizer):
     assert ours["forward_calls"] == 24
 
 
+@pytest.mark.slow
 def test_accept_rule_tau_and_forward_counts(target_model, tokenizer):
     runner = TargetRunner(target_model, [1, 14, 26])
     p = prompt_ids(tokenizer, PROMPT)
@@ -170,8 +171,9 @@ def test_near_tie_rule():
     assert compare_outputs([1, 2], [1, 2, 3], [1.0] * 3, 1e-3) == "mismatch"
 
 
+@pytest.mark.slow
 def test_trained_draft_is_lossless_and_counts_its_verify_steps(e2e_run, target_model, tokenizer):
-    from eagle3_core.checkpoint import load_draft
+    from eagle3_core.training.checkpoint import load_draft
     _, summary = e2e_run
     draft = load_draft(summary["draft_dir"])
     runner = TargetRunner(target_model, draft.shape.aux_layer_ids)
@@ -187,8 +189,9 @@ def test_trained_draft_is_lossless_and_counts_its_verify_steps(e2e_run, target_m
         assert compare_outputs(tree["tokens"], ref["tokens"], ref["gaps"], 1e-3) in ("equal", "near_tie")
 
 
+@pytest.mark.slow
 def test_trained_draft_tree_accepts_at_least_the_chain_from_identical_states(e2e_run, target_model, tokenizer):
-    from eagle3_core.checkpoint import load_draft
+    from eagle3_core.training.checkpoint import load_draft
     _, summary = e2e_run
     draft = load_draft(summary["draft_dir"])
     runner = TargetRunner(target_model, draft.shape.aux_layer_ids)

@@ -1,7 +1,7 @@
-"""The speedup model against hand-computed cases (eagle3_core/speedup.py)."""
+"""The speedup model against hand-computed cases (eagle3_core/evaluation/speedup.py)."""
 import pytest
 
-from eagle3_core.speedup import expected_tau, model_from_measurement, speedup_model
+from eagle3_core.evaluation.speedup import expected_tau, model_from_measurement, speedup_model
 
 
 def test_expected_tau_is_one_plus_the_sum_of_cumulative_acceptance():

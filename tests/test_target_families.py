@@ -9,15 +9,18 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3_core.check import check_run
-from eagle3_core.checkpoint import export_draft, load_draft, logits_probe
 from eagle3_core.config import DraftConfig, FeatureConfig, PipelineConfig, TargetConfig, TrainConfig
-from eagle3_core.extract import HFExtractor
-from eagle3_core.features import extract_features, load_head, load_samples
-from eagle3_core.preflight import check_draft
-from eagle3_core.target import load_target, load_target_config
-from eagle3_core.target_family import draft_shape, family
-from eagle3_core.trainer import build_draft, train
-from eagle3_core.vocab_map import build_vocab_map, count_tokens
+from eagle3_core.data.vocab_map import build_vocab_map, count_tokens
+from eagle3_core.evaluation.preflight import check_draft
+from eagle3_core.features.extract import HFExtractor
+from eagle3_core.features.store import extract_features
+from eagle3_core.features.reader import load_head, load_samples
+from eagle3_core.target.family import family
+from eagle3_core.target.loading import load_target, load_target_config
+from eagle3_core.training.checkpoint import export_draft, load_draft, logits_probe
+from eagle3_core.training.draft_geometry import draft_shape
+from eagle3_core.training.trainer import train
+from eagle3_core.training.setup import build_draft
 
 FAMILIES = ["llama", "qwen3", "deepseek_v3", "kimi_k25", "qwen3_moe", "gpt_oss"]
 # GPT-OSS ships yarn rope, which the draft does not run: the user says so (check refuses the default, see below)

@@ -1,4 +1,4 @@
-"""The `hf_tp` features backend (eagle3_core/distributed/tp_extract.py) on CPU: tiny random-weight targets sharded
+"""The `hf_tp` features backend (eagle3_core/features/tp_extract.py) on CPU: tiny random-weight targets sharded
 over 2 gloo ranks under a real torchrun with transformers' tensor-parallel plan (and its expert-parallel plan for
 the MoE families) store the same samples, tokens, layers and head as the one-process `hf` backend, with features
 equal within one bf16 rounding; a SIGKILLed rank leaves only intact shards listed and a rerun finishes.
@@ -16,16 +16,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from tiny_targets import build
 
 from eagle3_core.config import FeatureConfig, PipelineConfig, TargetConfig
+from eagle3_core.contract.manifest import read_manifest, sha256_file, write_manifest
 from eagle3_core.distributed.launch import TorchrunError, run_torchrun
-from eagle3_core.distributed.tp_extract import run_features_tp
-from eagle3_core.features import bad_shards, load_samples
-from eagle3_core.manifest import read_manifest, sha256_file, write_manifest
-from eagle3_core.parallel_fit import BYTES_PER_PARAM, meta_model, param_bytes_per_rank
-from eagle3_core.stages import run_features
-from eagle3_core.target import load_target_config
+from eagle3_core.features.store import bad_shards
+from eagle3_core.features.reader import load_samples
+from eagle3_core.pipeline.features_stage import run_features, run_features_tp
+from eagle3_core.target.loading import load_target_config
+from eagle3_core.target.memory import BYTES_PER_PARAM, meta_model, param_bytes_per_rank
+from tiny_targets import build
 
 SHARD_KEYS = ("file", "ids", "tokens", "samples", "content_key")
 # (family, expert_parallel): plain TP for the dense target and one MoE, EP (experts whole per rank) for the others
@@ -79,6 +79,7 @@ def stores(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fam", "ep"), CASES, ids=[f"{f}-{'ep' if e else 'tp'}" for f, e in CASES])
 def test_sharded_target_stores_the_one_process_features(stores, fam, ep):
     one, tp, lines = stores(fam, ep)
@@ -111,6 +112,7 @@ def test_sharded_target_stores_the_one_process_features(stores, fam, ep):
     assert again == []
 
 
+@pytest.mark.slow
 def test_a_killed_rank_leaves_only_intact_shards_and_a_rerun_finishes(stores, tmp_path):
     """Rank 1 SIGKILLed at its 3rd forward (shard 2 of 4) while rank 0 writes: the run fails, every shard the
     manifest lists passes its sha256, and the normal rerun extracts the rest, giving the uninterrupted store."""
@@ -137,13 +139,14 @@ def test_a_killed_rank_leaves_only_intact_shards_and_a_rerun_finishes(stores, tm
     assert manifest["shards_extracted"] == 4 - len(killed["shards"])
 
 
+@pytest.mark.slow
 def test_the_features_task_launches_torchrun_and_streams_every_rank_into_the_run_log(stores, prefect_server,
                                                                                       tmp_path):
     """tasks.distributed.features_tp_task in a flow: the store is written and both ranks' lines are in the task
     run's log (read back through the Prefect API)."""
     from prefect import flow
-    from prefect_api import logs_of
 
+    from prefect_api import logs_of
     from tasks.distributed import features_tp_task
     _, ref, _ = stores("llama", False)
     cfg = _run_dir(tmp_path / "run", ref.target.model, _rows(5), backend="hf_tp", tp_size=2)

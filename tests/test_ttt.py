@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
-from conftest import random_ttt_samples, tiny_draft
-from reference_paths import reference_ttt_loss, soft_cross_entropy
 
-from eagle3_core.ttt import SoftCrossEntropyFromLogits, collate, summarize, ttt_loss
+from conftest import random_ttt_samples, tiny_draft
+from eagle3_core.training.ttt import SoftCrossEntropyFromLogits, collate, summarize, ttt_loss
+from reference_paths import reference_ttt_loss, soft_cross_entropy
 
 
 def _from_teacher_logits(logits, p, mask):

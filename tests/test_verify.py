@@ -6,9 +6,12 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 from eagle3_core import verify
-from eagle3_core.features import bad_shards, extract_features, load_samples
-from eagle3_core.manifest import file_intact, file_stamp, sha256_file
+from eagle3_core.contract.manifest import file_intact, file_stamp, sha256_file
+from eagle3_core.features.reader import load_samples
+from eagle3_core.features.store import bad_shards, extract_features
 from test_features import _rows
 
 
@@ -67,12 +70,14 @@ def test_verify_finds_a_silent_flip_and_quarantine_redoes_that_shard_only(target
     assert verify.main([str(tmp_path / "nowhere")]) == 2
 
 
+@pytest.mark.slow
 def test_a_no_op_rerun_of_the_end_to_end_run_reads_no_shard(e2e_run):
     """The whole pipeline again on finished inputs (the session's end-to-end run, real Prefect and llama.cpp):
     every done check is a stat, so the kernel reports no read() and no open() of any generation or feature shard
     (inotify, which sees every read system call on a watched directory's files). Control: hashing one shard
     afterwards is seen."""
     from inotify_simple import INotify, flags
+
     from flows.pipeline import eagle3_pipeline
     cfg, _ = e2e_run
     dirs = {cfg.run_dir / "features": "shard_*.safetensors", cfg.run_dir / "generations": "shard_*.parquet"}
@@ -98,24 +103,29 @@ def test_a_run_written_by_an_earlier_main_is_recognised(tmp_path):
     """tests/data/legacy_run: the data stages of a tiny run as main wrote them before shard records kept their
     mtime (commit in its COMMIT file; tests/data/legacy_run/make.py wrote it). Today's code finds every stage and
     shard done (records without mtime_ns are checked by sha256) and a rerun of the stages rewrites nothing."""
-    from eagle3_core import stages
     from eagle3_core.config import load_config
+    from eagle3_core.pipeline.features_stage import feature_shard_done, feature_shards, run_features
+    from eagle3_core.pipeline.generation_stage import generation_shard_done, generation_shards
+    from eagle3_core.pipeline.prompts_stage import run_prompts
+    from eagle3_core.pipeline.table import stage_done
+    from eagle3_core.pipeline.tokenize_stage import run_tokenize
+    from eagle3_core.pipeline.vocab_stage import run_vocab
     shutil.copytree(LEGACY, tmp_path / "legacy")
     cfg = load_config(tmp_path / "legacy" / "config.json")
     cfg.run_dir = tmp_path / "legacy" / "run"
     entries = json.loads((cfg.run_dir / "features" / "manifest.json").read_text())["shards"]
     assert len(entries) == 2 and not any("mtime_ns" in e for e in entries)          # the earlier record format
     for stage in ("prompts", "generation", "tokenize", "features", "vocab"):
-        assert stages.stage_done(cfg, stage), stage
-    assert all(stages.generation_shard_done(cfg, k) for k in stages.generation_shards(cfg))
-    assert all(stages.feature_shard_done(cfg, i) for i in stages.feature_shards(cfg))
+        assert stage_done(cfg, stage), stage
+    assert all(generation_shard_done(cfg, k) for k in generation_shards(cfg))
+    assert all(feature_shard_done(cfg, i) for i in feature_shards(cfg))
     before = {p: p.read_bytes() for p in cfg.run_dir.rglob("*") if p.is_file()}
-    for run in (stages.run_prompts, stages.run_tokenize, stages.run_features, stages.run_vocab):
+    for run in (run_prompts, run_tokenize, run_features, run_vocab):
         run(cfg, log=lambda *_: None)
     assert {p: p.read_bytes() for p in cfg.run_dir.rglob("*") if p.is_file()} == before
     corrupt = cfg.run_dir / "features" / entries[1]["file"]
     _flip_keeping_stamp(corrupt)
-    assert not stages.feature_shard_done(cfg, 1) and stages.feature_shard_done(cfg, 0)   # no stamp: hashed
+    assert not feature_shard_done(cfg, 1) and feature_shard_done(cfg, 0)   # no stamp: hashed
 
 
 def test_a_shard_is_reused_only_for_the_same_loss_masks(target_model, tokenizer, tmp_path):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from eagle3_core.vocab_map import build_vocab_map, count_tokens, draft_to_target_ids
+from eagle3_core.data.vocab_map import build_vocab_map, count_tokens, draft_to_target_ids
 
 
 def test_offsets_and_mask_from_counts():
@@ -33,7 +33,7 @@ def test_ties_break_by_lower_id():
 
 
 def test_d2t_t2d_round_trip_and_consistency():
-    from eagle3_core.vocab_map import check_vocab_map, target_to_draft_ids
+    from eagle3_core.data.vocab_map import check_vocab_map, target_to_draft_ids
     counts = torch.randint(0, 50, (300,), generator=torch.Generator().manual_seed(0))
     counts[::7] = 0
     for N in (1, 64, 200, 300):                  # 200 and 300 exceed the distinct tokens seen: filled

@@ -4,12 +4,12 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_shape
 from safetensors.torch import load_file
 
-from eagle3_core.checkpoint import export_draft
-from eagle3_core.vocab_map import draft_to_target_ids, target_to_draft_ids
-from eagle3_core.warm_start import carry_lm_head, load_init, warm_draft
+from conftest import tiny_draft, tiny_shape
+from eagle3_core.data.vocab_map import draft_to_target_ids, target_to_draft_ids
+from eagle3_core.training.checkpoint import export_draft
+from eagle3_core.training.warm_start import carry_lm_head, load_init, warm_draft
 
 
 def rows_by_token_mismatch(old, new) -> list[int]:
@@ -23,7 +23,7 @@ def rows_by_token_mismatch(old, new) -> list[int]:
 
 
 def _fresh_with_map(targets: list[int], seed: int = 5):
-    from eagle3_core.draft_model import Eagle3Draft
+    from eagle3_core.training.draft_model import Eagle3Draft
     fresh = Eagle3Draft(tiny_shape())
     fresh.init_weights(seed)
     with torch.no_grad():
@@ -81,11 +81,13 @@ def test_a_draft_that_does_not_fit_is_refused_naming_the_field(tmp_path, field, 
         load_init(tmp_path / "nothing", tiny_shape(), keep_vocab=True)
 
 
+@pytest.mark.slow
 def test_warm_start_stages_keep_or_rebuild_the_map(e2e_run, tmp_path):
     """On the end-to-end run's data: a second run warm-started from the first keeps its d2t/t2d (vocab stage) and
     trains; with a rebuilt, smaller map every shared token's lm_head row is the exported draft's; a geometry that
     differs is refused naming the field."""
-    from eagle3_core import stages
+    from eagle3_core.pipeline.train_stage import fresh_draft, run_train
+    from eagle3_core.pipeline.vocab_stage import run_vocab
     cfg0, _ = e2e_run
     for stage in ("prompts", "generations", "tokenized", "features"):
         shutil.copytree(cfg0.run_dir / stage, tmp_path / "run" / stage)
@@ -94,16 +96,16 @@ def test_warm_start_stages_keep_or_rebuild_the_map(e2e_run, tmp_path):
     cfg.train.init_from, cfg.train.epochs = str(cfg0.run_dir), 1
     export = load_file(str(cfg0.run_dir / "draft" / "export" / "model.safetensors"))
     lines = []
-    stages.run_vocab(cfg, log=lines.append)
+    run_vocab(cfg, log=lines.append)
     vocab = load_file(str(cfg.run_dir / "vocab" / "vocab_map.safetensors"))
     assert torch.equal(vocab["d2t"], export["d2t"]) and torch.equal(vocab["t2d"], export["t2d"])
     assert any("kept the map of the warm-start draft" in line for line in lines)
-    m = stages.run_train(cfg, log=lines.append)
+    m = run_train(cfg, log=lines.append)
     assert m["steps"] > 0 and any("vocab map kept, 1024 of 1024 lm_head rows carried" in line for line in lines)
 
     cfg.train.init_vocab, cfg.draft.draft_vocab_size = "rebuild", 512
-    stages.run_vocab(cfg, log=lines.append)
-    draft, _ = stages.fresh_draft(cfg, log=lines.append)
+    run_vocab(cfg, log=lines.append)
+    draft, _ = fresh_draft(cfg, log=lines.append)
     old_of = target_to_draft_ids(export["t2d"])
     new_targets = draft_to_target_ids(draft.d2t)
     shared = [(j, int(old_of[t])) for j, t in enumerate(new_targets.tolist()) if old_of[t] >= 0]
@@ -112,4 +114,4 @@ def test_warm_start_stages_keep_or_rebuild_the_map(e2e_run, tmp_path):
 
     cfg.draft.intermediate_size = 999
     with pytest.raises(ValueError, match=r"- draft.intermediate_size: the run builds intermediate_size = 999"):
-        stages.fresh_draft(cfg)
+        fresh_draft(cfg)

@@ -49,7 +49,7 @@ def config(family: str):
 
 def build(family: str, out: Path, seed: int = 0) -> Path:
     """Save a random-weight target of `family` (fp32, safetensors) to `out`; returns `out`."""
-    from eagle3_core.target import auto_model_class
+    from eagle3_core.target.loading import auto_model_class
     cfg = config(family)
     torch.manual_seed(seed)
     model = auto_model_class(cfg, family).from_config(cfg, dtype=torch.float32)

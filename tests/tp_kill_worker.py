@@ -1,6 +1,6 @@
 """A `hf_tp` extraction rank with a fault injected (tests/test_tp_extract.py): rank 1 SIGKILLs itself at the start
 of its `--kill-at`-th forward, while rank 0's shard writer pauses half-way through shard 1 (so that it is likely
-mid-write when the rank dies; shard 0 is written at once). Otherwise eagle3_core.distributed.tp_extract.main."""
+mid-write when the rank dies; shard 0 is written at once). Otherwise eagle3_core.features.tp_extract.main."""
 import argparse
 import os
 import signal
@@ -8,8 +8,8 @@ import time
 
 import torch.distributed as dist
 
-from eagle3_core.distributed import tp_extract
-from eagle3_core.extract import HFExtractor
+from eagle3_core.features import tp_extract
+from eagle3_core.features.extract import HFExtractor
 from fault_site.fault_injection import pause_mid_write
 
 ap = argparse.ArgumentParser()

@@ -13,9 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conftest import tiny_draft
-
 from eagle3_core.config import TrainConfig
-from eagle3_core.trainer import train
+from eagle3_core.training.trainer import train
 
 # 12 samples in batches of 4 (80-token budget): 3 optimizer steps per epoch, a checkpoint after each
 CFG = TrainConfig(epochs=3, lr=3e-3, batch_tokens=80, ttt_length=3, warmup_frac=0.1, checkpoint_every=1,

@@ -51,7 +51,7 @@ def emit_line(text: str) -> None:
 
 def torchrun_command(args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
                      rdzv_endpoint: str | None = None) -> list[str]:
-    """The torchrun command line for `args` (e.g. ['-m', 'eagle3_core.distributed.train_ddp', '--config', f]).
+    """The torchrun command line for `args` (e.g. ['-m', 'eagle3_core.pipeline.train_ddp', '--config', f]).
 
     One node: `--standalone` (a local rendezvous on a free port, so parallel runs do not collide). Several nodes:
     the c10d rendezvous at `rdzv_endpoint` (host:port of node 0), run the same command on every node with its

@@ -6,8 +6,8 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from ..config import PipelineConfig
-from ..manifest import sha256_file, sha256_json
+from eagle3_core.config import PipelineConfig
+from eagle3_core.contract.manifest import sha256_file, sha256_json
 
 CODE_VERSION = "4"  # bump when a stage's output format or semantics change
 
@@ -29,7 +29,7 @@ def upstream_manifest(run_dir: Path, stage: str) -> dict:
 
 def target_key(cfg: PipelineConfig) -> dict:
     """What identifies the target in a key: its config, and the sha256 of its GGUF file if it is one."""
-    from ..target import gguf_path
+    from eagle3_core.target.loading import gguf_path
     gguf = gguf_path(cfg.target)
     return {"target": cfg.target.model_dump(), "gguf_sha256": sha256_unchanged_file(gguf) if gguf else None}
 
@@ -48,11 +48,11 @@ def sha256_unchanged_file(path: Path) -> str:
 
 def aux_ids(cfg: PipelineConfig, num_layers: int) -> list[int]:
     """features.aux_layer_ids resolved and checked for an L-layer target (target_family.resolve_aux_ids)."""
-    from ..target_family import resolve_aux_ids
+    from eagle3_core.target.family import resolve_aux_ids
     return resolve_aux_ids(cfg.features.aux_layer_ids, num_layers)
 
 
 def target_config(cfg: PipelineConfig):
     """The target's config as every stage reads it (revision, trust_remote_code; no weights)."""
-    from ..target import load_target_config
+    from eagle3_core.target.loading import load_target_config
     return load_target_config(cfg.target)

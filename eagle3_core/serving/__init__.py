@@ -1,1 +1,2 @@
-"""Inference servers: launching llama.cpp's llama-server and an async OpenAI-compatible client."""
+"""Inference servers for regeneration: launching llama-server and SGLang as watched child processes, the HTTP
+request formats with retries, a pool of servers, and in-process batched generation with transformers."""

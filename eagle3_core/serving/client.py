@@ -30,8 +30,8 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from .launcher import ServerError
-from .pool import ServerPool
+from eagle3_core.serving.launcher import ServerError
+from eagle3_core.serving.pool import ServerPool
 
 API_PATHS = {"openai": "/v1/chat/completions", "sglang": "/generate", "llama.cpp": "/completion"}
 TOKEN_ID_APIS = ("sglang", "llama.cpp")
@@ -163,10 +163,10 @@ async def request_with_retries(pool: ServerPool, client: httpx.AsyncClient, api:
     """Send `body` to a server of `pool` until it answers: (parsed answer, server URL, attempts).
 
     Each attempt goes to the reachable server with the fewest requests in flight; waiting for a reachable server
-    does not use up attempts. Waits between attempts: backoff_s * 2**n plus up to backoff_s of jitter, at most
-    60 s (tenacity `wait_exponential_jitter`). `on_retry(error)` gets each failed attempt's RetryableError before its wait.
-    Raises RetryableError after max_retries + 1 failed attempts, RequestRejected at once, ServerError from the pool
-    when no server has answered for its `down_timeout_s`."""
+    does not use up attempts. Waits between attempts: backoff_s * 2**n plus up to backoff_s of jitter, at most 60 s
+    (tenacity `wait_exponential_jitter`). `on_retry(error)` gets each failed attempt's RetryableError before its wait.
+    Raises RetryableError after max_retries + 1 failed attempts, RequestRejected at once, ServerError from the pool when
+    no server has answered for its `down_timeout_s`."""
     path = API_PATHS[api]
     attempts = 0
 
@@ -206,7 +206,7 @@ async def generate_all(url: str, prompts: list[dict], max_new_tokens: int, tempe
                        max_retries: int, timeout_s: float, on_done=None, extra: dict | None = None) -> list[dict]:
     """Answer a short in-memory list of prompt rows ({id, messages, ...}) through /v1/chat/completions; rows with
     the answer fields of `parse_response`, in input order. For benchmarks and deployment checks; the pipeline's
-    regeneration uses `eagle3_core.regenerate` (streaming, shards, resume).
+    regeneration uses `eagle3_core.generation.regenerate` (streaming, shards, resume).
 
     `on_done(row)` is called as each answer arrives; `extra` adds fields to every request body (e.g.
     {"logprobs": True, "top_logprobs": 2}). Raises ServerError naming the URL and prompt id when a request exhausts

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .launcher import ServerError, exit_error, started_here
+from eagle3_core.serving.launcher import ServerError, exit_error, started_here
 
 
 @dataclass

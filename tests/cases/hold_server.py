@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_core.serving.launcher import free_port, llama_server, llama_server_argv, spawn_server, wait_healthy
-from eagle3_core.target import embedded_gguf_path
+from eagle3_core.target.loading import embedded_gguf_path
 
 
 def _hold(pid: int, url: str) -> None:

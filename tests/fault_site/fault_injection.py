@@ -1,8 +1,8 @@
 """FAULT INJECTOR, for tests only: makes one shard task fail on demand, which no real component does. Nothing in
 eagle3_core/ or tasks/ knows about it: tests/fault_site/sitecustomize.py wraps the stage API's shard functions
-(`eagle3_core.stages.run_generation_shard`, `run_features_shard`, which the shard tasks call) in a Python process
-started with tests/fault_site on PYTHONPATH and EAGLE3_FAULT_INJECT set (e.g. a flow run a served deployment
-starts, tests/test_deployments.py).
+(`eagle3_core.pipeline.generation_stage.run_generation_shard`, `run_features_shard`, which the shard tasks call) in a
+Python process started with tests/fault_site on PYTHONPATH and EAGLE3_FAULT_INJECT set (e.g. a flow run a served
+deployment starts, tests/test_deployments.py).
 
 EAGLE3_FAULT_INJECT="features:1" makes feature shard 1 raise InjectedFault, a non-transient error that task retries
 do not absorb, so the flow run fails and a flow-run retry has to re-run that shard. "generation:0:transient" raises a
@@ -41,18 +41,20 @@ def maybe_fail(stage: str, shard: int) -> None:
 
 
 def install() -> None:
-    """Wrap the shard functions of eagle3_core.stages so that each first calls maybe_fail for its shard (inside
-    the shard task, as the task layer calls them through the module)."""
-    from eagle3_core import stages
-    for stage, name in (("generation", "run_generation_shard"), ("features", "run_features_shard")):
-        fn = getattr(stages, name)
+    """Wrap the shard functions of the stage modules so that each first calls maybe_fail for its shard (inside
+    the shard task). Runs at start-up (sitecustomize), before tasks/ imports the functions by name."""
+    import eagle3_core.pipeline.features_stage as features_stage
+    import eagle3_core.pipeline.generation_stage as generation_stage
+    for stage, module, name in (("generation", generation_stage, "run_generation_shard"),
+                                ("features", features_stage, "run_features_shard")):
+        fn = getattr(module, name)
 
         @functools.wraps(fn)
         def failing(cfg, shard, *args, _fn=fn, _stage=stage, **kwargs):
             maybe_fail(_stage, shard)
             return _fn(cfg, shard, *args, **kwargs)
 
-        setattr(stages, name, failing)
+        setattr(module, name, failing)
 
 
 def pythonpath_with_injector() -> str:
@@ -61,11 +63,11 @@ def pythonpath_with_injector() -> str:
 
 
 def pause_mid_write(shard_name: str, pause) -> None:
-    """Make eagle3_core.shard_writer stop writing shard `shard_name` (e.g. 'shard_00001.safetensors') once, after
+    """Make features.shard_writer stop writing shard `shard_name` (e.g. 'shard_00001.safetensors') once, after
     its header and half of its first tensor piece are in the hidden temporary file, and call pause(final path)
     there (sleep until SIGKILLed, or briefly). Wraps shard_writer.write_all, which write_shard_parts calls once
     per piece; the file behind a descriptor is read from /proc/self/fd (Linux)."""
-    from eagle3_core import shard_writer
+    from eagle3_core.features import shard_writer
     write_all, calls, paused = shard_writer.write_all, {}, set()
 
     def pausing(fd: int, view: memoryview) -> None:

@@ -15,8 +15,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path.cwd()))
 
-from eagle3_core import stages  # noqa: E402
 from eagle3_core.config import preset  # noqa: E402
+from eagle3_core.pipeline.features_stage import run_features  # noqa: E402
+from eagle3_core.pipeline.generation_stage import (  # noqa: E402
+    finish_generation,
+    generation_servers,
+    generation_shards,
+    run_generation_shard,
+)
+from eagle3_core.pipeline.prompts_stage import run_prompts  # noqa: E402
+from eagle3_core.pipeline.tokenize_stage import run_tokenize  # noqa: E402
+from eagle3_core.pipeline.vocab_stage import run_vocab  # noqa: E402
 
 
 def main(out: Path) -> None:
@@ -24,13 +33,13 @@ def main(out: Path) -> None:
     cfg.prompts.num_train, cfg.prompts.num_eval = 2, 1
     cfg.generation.max_new_tokens, cfg.generation.shard_size = 16, 1
     cfg.features.shard_samples = 1
-    stages.run_prompts(cfg)
-    with stages.generation_servers(cfg) as urls:
-        records = [stages.run_generation_shard(cfg, k, urls=urls) for k in stages.generation_shards(cfg)]
-    stages.finish_generation(cfg, records)
-    stages.run_tokenize(cfg)
-    stages.run_features(cfg)
-    stages.run_vocab(cfg)
+    run_prompts(cfg)
+    with generation_servers(cfg) as urls:
+        records = [run_generation_shard(cfg, k, urls=urls) for k in generation_shards(cfg)]
+    finish_generation(cfg, records)
+    run_tokenize(cfg)
+    run_features(cfg)
+    run_vocab(cfg)
     (cfg.run_dir / "features" / "head.safetensors").unlink()
     for junk in [*cfg.run_dir.rglob("*.log"), cfg.run_dir / ".eagle3-run.lock"]:
         junk.unlink(missing_ok=True)

@@ -1,0 +1,52 @@
+"""Hidden-state (features) settings: aux layer ids, lengths, shards, storage format and backend."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from eagle3_core.config.strict import StrictModel
+
+
+class FeatureConfig(StrictModel):
+    aux_layer_ids: list[int] | None = Field(None, description="None: default_aux_layer_ids(L)")
+    max_length: int = Field(2048, ge=8, description="sequences are truncated to this many tokens")
+    shard_samples: int = Field(64, ge=1, description="samples per safetensors shard")
+    batch_tokens: int = Field(4096, ge=64, description="token budget of one extraction forward")
+    format: Literal["bf16", "fp8", "online"] = Field(
+        "bf16", description="feature storage: bf16; fp8 (e4m3, per-token scales, ~half the bytes); online (nothing "
+                            "stored, training runs the target on the fly)")
+    writer_threads: int = Field(2, ge=1, description="background threads serializing, hashing and writing shards")
+    import_from: str | None = Field(None, description="a directory of SpecForge offline features (*.ckpt from its "
+                                    "prepare_hidden_states.py): the stage imports them, checked against this run's "
+                                    "tokenization, instead of running the target (features.specforge_import)")
+    backend: Literal["hf", "hf_tp"] = Field(
+        "hf", description="'hf': the whole target in this process on one device (HFExtractor); 'hf_tp': "
+                          "transformers' tensor-parallel plan over tp_size processes under torchrun, one per GPU "
+                          "(distributed/tp_extract.py), for targets that fit no single GPU")
+    tp_size: int = Field(1, ge=1, description="processes (GPUs) the 'hf_tp' backend shards the target over; "
+                                              "torchrun's --nproc-per-node (1 with backend 'hf')")
+    expert_parallel: bool = Field(False, description="'hf_tp' on an MoE target: routed experts whole on one rank "
+                                                     "each (transformers' base_model_ep_plan, ep_size = tp_size) "
+                                                     "instead of every expert split over the ranks")
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _three_ids(cls, v):
+        if v is not None and len(v) != 3:
+            raise ValueError(f"aux_layer_ids must hold 3 layer ids, got {v}")
+        # order and repeats need no target: refused here; the range [0, L-2] by target_family.resolve_aux_ids
+        if v is not None and len(set(v)) != 3:
+            raise ValueError(f"features.aux_layer_ids = {v} repeats a layer; give 3 distinct layer ids")
+        if v is not None and v != sorted(v):
+            raise ValueError(f"features.aux_layer_ids = {v} is not ascending: SGLang and vLLM concatenate the "
+                             f"captured layers in ascending order; write {sorted(v)}")
+        return v
+
+    @model_validator(mode="after")
+    def _parallel_needs_hf_tp(self):
+        if self.backend == "hf" and (self.tp_size != 1 or self.expert_parallel):
+            raise ValueError(f"features.tp_size = {self.tp_size}, expert_parallel = {self.expert_parallel} need "
+                             f"features.backend 'hf_tp' (backend 'hf' loads the whole target in one process)")
+        return self
+

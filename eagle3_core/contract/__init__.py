@@ -1,0 +1,3 @@
+"""The run's on-disk contract, below every stage: the run layout (every path once, STAGE_DIRS), manifests written
+atomically with their checksums, the one helper around a stage body (run_stage), the run lock and append-only shard
+plans."""

@@ -1,0 +1,91 @@
+"""The run layout: every path under a run directory, written once. One directory per stage (STAGE_DIRS), each with
+manifest.json, plus the files other stages read."""
+from __future__ import annotations
+
+from pathlib import Path
+
+# each stage's directory under the run directory (the stage table, eagle3_core.pipeline.table, has a row per stage)
+STAGE_DIRS = {"prompts": "prompts", "generation": "generations", "tokenize": "tokenized", "features": "features",
+              "vocab": "vocab", "train": "draft", "evaluate": "eval", "deploy-llama-cpp": "deploy_llama_cpp",
+              "deploy-sglang": "deploy_sglang"}
+
+
+class RunLayout:
+    """Paths of one run directory. `RunLayout(cfg.run_dir).features` is run_dir/features, and so on."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+
+    def stage_dir(self, stage: str) -> Path:
+        """Directory of stage `stage` (a name of the stage table)."""
+        return self.run_dir / STAGE_DIRS[stage]
+
+    def manifest(self, stage: str) -> Path:
+        """manifest.json of stage `stage`."""
+        return self.stage_dir(stage) / "manifest.json"
+
+    @property
+    def prompts(self) -> Path:
+        return self.stage_dir("prompts")
+
+    @property
+    def generations(self) -> Path:
+        return self.stage_dir("generation")
+
+    @property
+    def tokenized(self) -> Path:
+        return self.stage_dir("tokenize")
+
+    @property
+    def features(self) -> Path:
+        return self.stage_dir("features")
+
+    @property
+    def vocab(self) -> Path:
+        return self.stage_dir("vocab")
+
+    @property
+    def draft(self) -> Path:
+        return self.stage_dir("train")
+
+    @property
+    def eval(self) -> Path:
+        return self.stage_dir("evaluate")
+
+    @property
+    def deploy_llama_cpp(self) -> Path:
+        return self.stage_dir("deploy-llama-cpp")
+
+    @property
+    def deploy_sglang(self) -> Path:
+        return self.stage_dir("deploy-sglang")
+
+    @property
+    def prompts_train(self) -> Path:
+        """prompts/train.parquet: the train prompts (rows of prompts.write_rows)."""
+        return self.prompts / "train.parquet"
+
+    @property
+    def prompts_eval(self) -> Path:
+        """prompts/eval.parquet: the held-out prompts (final assistant turn removed)."""
+        return self.prompts / "eval.parquet"
+
+    @property
+    def tokenized_train(self) -> Path:
+        """tokenized/train.parquet: id, input_ids, loss_mask per sample."""
+        return self.tokenized / "train.parquet"
+
+    @property
+    def features_head(self) -> Path:
+        """features/head.json: the inputs key and target id the feature store was last written for."""
+        return self.features / "head.json"
+
+    @property
+    def vocab_map(self) -> Path:
+        """vocab/vocab_map.safetensors: d2t, t2d, counts."""
+        return self.vocab / "vocab_map.safetensors"
+
+    @property
+    def draft_export(self) -> Path:
+        """draft/export: the exported draft (SGLang-loadable)."""
+        return self.draft / "export"

@@ -1,0 +1,126 @@
+"""Token budgets, measured in the prompts stage before any request is sent.
+
+A train row's length is counted in tokens of the target's chat template, rendered as the generation stage will send
+it (the row's tools, `generation.chat_template_kwargs`, the generation prompt; `data.prompt_ids`). A prompt row is
+over the budget when prompt tokens + generation.max_new_tokens > features.max_length (the longest answer would not
+fit in a training sample); a row kept as it is (mode 'keep') when its whole conversation is longer than
+max_length. In turn-by-turn mode the data's earlier answers stand in for the target's, which may be longer: the
+tokenize stage's `prompts.overlong` handles what still does not fit.
+
+Policies (`prompts.over_budget`), applied to rows over the budget, counted per source:
+  drop        the row is left out of train.parquet: no request is ever sent for it
+  last_turns  the earliest turns are dropped (system message kept) until the rest fits; the conversation then
+              starts at a user turn. A row whose final user turn alone does not fit is dropped
+  long        the row is kept whole and marked (meta.long = true) for long-sample training; features.max_length
+              cuts it later (prompts.overlong)
+"""
+from __future__ import annotations
+
+import json
+
+from eagle3_core.data.chat import prompt_ids, render_chat
+
+POLICIES = ("drop", "last_turns", "long")
+
+
+def row_tokens(tokenizer, messages: list[dict], mode: str, tools: list[dict] | None,
+               template_kwargs: dict | None) -> int:
+    """Tokens of one row as the template renders it: the prompt with the generation prompt (mode 'prompt'), or
+    the whole conversation (mode 'keep')."""
+    if mode == "keep":
+        text = render_chat(tokenizer, messages, add_generation_prompt=False, tools=tools, template_kwargs=template_kwargs)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return len(prompt_ids(tokenizer, messages, tools, template_kwargs))
+
+
+def _fits(n: int, mode: str, max_new_tokens: int, max_length: int) -> bool:
+    return n + (0 if mode == "keep" else max_new_tokens) <= max_length
+
+
+def last_turns(tokenizer, messages: list[dict], mode: str, tools, template_kwargs, max_new_tokens: int,
+               max_length: int) -> tuple[list[dict], int] | None:
+    """(the conversation cut to its last turns that fit, its tokens), or None if even the last user turn (with
+    what follows it) does not fit. Keeps the system message; the kept part starts at a user turn. Binary search over
+    the user turns: fewer turns never render longer."""
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    starts = [i for i, m in enumerate(messages) if m["role"] == "user" and i > len(system) - 1]
+    lo, hi, best = 0, len(starts) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        cut = system + messages[starts[mid]:]
+        n = row_tokens(tokenizer, cut, mode, tools, template_kwargs)
+        if _fits(n, mode, max_new_tokens, max_length):
+            best, hi = (cut, n), mid - 1
+        else:
+            lo = mid + 1
+    return best
+
+
+def _quantiles(values: list[int]) -> dict:
+    if not values:
+        return {"rows": 0}
+    v = sorted(values)
+
+    def q(p: float) -> int:
+        return v[min(len(v) - 1, int(p * len(v)))]
+    return {"rows": len(v), "min": v[0], "p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": v[-1],
+            "mean": round(sum(v) / len(v), 1)}
+
+
+def apply_budget(tokenizer, rows: list[dict], max_new_tokens: int, max_length: int, policy: str,
+                 template_kwargs: dict | None = None, where: str = "prompts") -> tuple[list[dict], dict]:
+    """(rows left after the policy, stats) for train rows ({id, source, messages, mode, tools, meta}).
+
+    Each row's meta gains `prompt_tokens` (its measured tokens, before any cut) and, where the policy acted,
+    `over_budget` ('last_turns' or 'long'). stats: {policy, max_length, max_new_tokens, per_source: {source:
+    {rows, over, dropped, last_turns, long, tokens: {rows, min, p50, p90, p99, max, mean}}}} (token counts
+    measured before the policy; 'over' counts rows over the budget). Raises ValueError naming the row (`where`,
+    id) if the template cannot render it, and for an unknown policy."""
+    from jinja2 import TemplateError
+    if policy not in POLICIES:
+        raise ValueError(f"prompts.over_budget {policy!r} is not one of {POLICIES}")
+    per: dict[str, dict] = {}
+    lengths: dict[str, list[int]] = {}
+    kept = []
+    for r in rows:
+        st = per.setdefault(r["source"], {"rows": 0, "over": 0, "dropped": 0, "last_turns": 0, "long": 0})
+        st["rows"] += 1
+        tools = json.loads(r["tools"]) if r.get("tools") else None
+        try:
+            n = row_tokens(tokenizer, r["messages"], r["mode"], tools, template_kwargs)
+            meta = {**json.loads(r.get("meta") or "{}"), "prompt_tokens": n}
+            lengths.setdefault(r["source"], []).append(n)
+            if _fits(n, r["mode"], max_new_tokens, max_length):
+                kept.append({**r, "meta": json.dumps(meta)})
+                continue
+            st["over"] += 1
+            if policy == "long":
+                st["long"] += 1
+                kept.append({**r, "meta": json.dumps({**meta, "over_budget": "long", "long": True})})
+            elif policy == "last_turns" and (cut := last_turns(tokenizer, r["messages"], r["mode"], tools,
+                                                               template_kwargs, max_new_tokens, max_length)):
+                st["last_turns"] += 1
+                kept.append({**r, "messages": cut[0], "meta": json.dumps(
+                    {**meta, "over_budget": "last_turns", "messages_dropped": len(r["messages"]) - len(cut[0]),
+                     "tokens_after_cut": cut[1]})})
+            else:
+                st["dropped"] += 1
+        except (TemplateError, ValueError) as e:
+            raise ValueError(f"{where}: row {r['id']} (source {r['source']}): the target's chat template cannot "
+                             f"render it for the token budget ({type(e).__name__}: {e}); fix or drop the row "
+                             f"(e.g. the source's max_chars)") from e
+    for source, st in per.items():
+        st["tokens"] = _quantiles(lengths.get(source, []))
+    return kept, {"policy": policy, "max_length": max_length, "max_new_tokens": max_new_tokens, "per_source": per}
+
+
+def budget_line(stats: dict) -> str:
+    """One log line: per source, token quantiles and what the policy did."""
+    parts = []
+    for source, st in stats["per_source"].items():
+        t = st["tokens"]
+        q = f"p50 {t['p50']}, p90 {t['p90']}, max {t['max']}" if t["rows"] else "no rows"
+        parts.append(f"{source}: {st['rows']} rows ({q} tokens), {st['over']} over the budget, {st['dropped']} "
+                     f"dropped, {st['last_turns']} cut to their last turns, {st['long']} kept long")
+    return (f"prompts: token budget features.max_length {stats['max_length']} >= prompt + generation.max_new_tokens "
+            f"{stats['max_new_tokens']} (policy {stats['policy']!r}); " + "; ".join(parts))

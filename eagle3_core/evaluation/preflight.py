@@ -1,0 +1,181 @@
+"""Pre-flight check of an exported EAGLE-3 draft directory against its target, before serving or benchmarking it.
+
+Each check names the field, what was found, what the target needs and what to do. The facts checked are those
+SGLang relies on without checking them itself (SGLang `models/llama_eagle3.py`, `speculative/eagle_worker.py`):
+- `architectures` must be `LlamaForCausalLMEagle3` and the weights must hold `fc.weight [H, 3*H_t]`: an EAGLE(-2)
+  draft has no fc, and serving an EAGLE-3 draft with `--speculative-algorithm EAGLE` skips fc and `d2t` silently;
+- hidden sizes: the draft's `target_hidden_size` (default `hidden_size`) equals the target's hidden size;
+- `eagle_config.eagle_aux_hidden_state_layer_ids`: 3 distinct layer *outputs* in [0, L-2] (SGLang captures the input
+  of layer id+1, `llama.py::set_eagle3_layers_to_capture`, so L-1 would capture nothing);
+  ascending (SGLang and vLLM concatenate in ascending layer order), and a top-level `eagle_aux_hidden_state_layer_ids`
+  (vLLM's and llama.cpp's key, layer inputs) equal to the nested ids + 1;
+- `vocab_size` equals the target's V; `lm_head` has `draft_vocab_size` rows; `d2t` exists, is an int64 [N] of offsets
+  with every `i + d2t[i]` in [0, V), no two draft ids on one target id and, where the file has `t2d`, exactly t2d's
+  ids in ascending order (`vocab_map.check_vocab_map`: zeros, arange or absolute ids contradict it);
+- the target config may be a composite (vision-language) config: its `text_config` is read (`Kimi_K25Config`);
+- `max_position_embeddings` is not smaller than the target's (SGLang refuses to start otherwise).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+
+from eagle3_core.target.family import text_config, value
+from eagle3_core.training.checkpoint import ARCHITECTURE
+
+EAGLE2_ARCHITECTURE = "LlamaForCausalLMEagle"
+
+
+class PreflightError(ValueError):
+    """The draft does not fit the target; `problems` lists (field, message) pairs, one per mismatch."""
+
+    def __init__(self, draft_dir: Path, problems: list[tuple[str, str]]):
+        self.problems = problems
+        lines = "\n".join(f"- {field}: {msg}" for field, msg in problems)
+        super().__init__(f"draft {draft_dir} failed the pre-flight check against the target:\n{lines}")
+
+
+def _target_value(target_config, name: str):
+    return value(text_config(target_config), name)
+
+
+def _d2t_problem(d2t, t2d, N: int, V: int | None) -> str | None:
+    """What is wrong with d2t (int64 [N] offsets) given its own t2d (bool [V] or None), or None if it is right.
+    With t2d, d2t must name exactly t2d's target ids in ascending order (vocab_map.check_vocab_map): a d2t of
+    zeros (N < V), of arange (absolute ids read as offsets) or of absolute target ids all contradict it; an
+    all-zero d2t is the identity and legal when N == V."""
+    import torch
+
+    from eagle3_core.data.vocab_map import check_vocab_map
+    target_ids = torch.arange(N) + d2t
+    if V is not None:
+        out = ((target_ids < 0) | (target_ids >= V)).nonzero().flatten().tolist()
+        if out:
+            return (f"maps {len(out)} draft ids outside the target vocab [0, {V}) (first: draft id {out[0]} -> "
+                    f"{int(target_ids[out[0]])}); d2t holds offsets (target = draft + d2t), not target ids: "
+                    f"rebuild the vocab map")
+    if len(set(target_ids.tolist())) != N:
+        return f"maps several draft ids to one target id ({N - len(set(target_ids.tolist()))} duplicates); " \
+               f"rebuild the vocab map"
+    if t2d is None:
+        return None
+    try:
+        check_vocab_map(d2t, t2d, "d2t/t2d")
+    except ValueError:
+        chosen = t2d.nonzero().flatten()
+        kind = ("all zeros (the identity, legal only when N == V)" if not d2t.any() else
+                "absolute target ids, not offsets" if chosen.numel() == N and torch.equal(d2t, chosen) else
+                "arange (draft ids read as offsets)" if torch.equal(d2t, torch.arange(N)) else
+                "not the offsets of t2d's ids")
+        return (f"contradicts the file's own t2d: d2t is {kind}; t2d marks {int(t2d.sum())} target ids and d2t "
+                f"must be their offsets (d2t[i] = t2d_ids[i] - i, SGLang's convention); rebuild the vocab map "
+                f"(eagle3_core.data.vocab_map.build_vocab_map) and re-export")
+    return None
+
+
+def check_draft(draft_dir: Path, target_config) -> list[tuple[str, str]]:
+    """All mismatches between the draft directory (config.json + model.safetensors) and the target.
+
+    target_config: the target's transformers config (or a dict with hidden_size, num_hidden_layers, vocab_size,
+    max_position_embeddings). Returns [(field, message)]; empty when the draft fits. Never raises on a bad draft.
+    """
+    draft_dir = Path(draft_dir)
+    cfg_file, weights = draft_dir / "config.json", draft_dir / "model.safetensors"
+    if not cfg_file.exists():
+        return [("config.json", f"{cfg_file} not found; give the directory written by the export (draft/export)")]
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        return [("config.json", f"{cfg_file} is not valid JSON ({e}); re-export the draft")]
+    if not weights.exists():
+        return [("model.safetensors", f"{weights} not found; re-export the draft")]
+    with safe_open(str(weights), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        d2t = f.get_tensor("d2t") if "d2t" in shapes else None
+        t2d = f.get_tensor("t2d") if "t2d" in shapes else None
+
+    problems: list[tuple[str, str]] = []
+
+    def add(field: str, message: str) -> None:
+        problems.append((field, message))
+    H_t, L = _target_value(target_config, "hidden_size"), _target_value(target_config, "num_hidden_layers")
+    V, ctx = _target_value(target_config, "vocab_size"), _target_value(target_config, "max_position_embeddings")
+
+    arch = cfg.get("architectures")
+    if arch == [EAGLE2_ARCHITECTURE] or "fc.weight" not in shapes:
+        add("architectures", f"this is an EAGLE(-2) draft (architectures {arch}, "
+                         f"{'no' if 'fc.weight' not in shapes else 'an'} fc layer), not EAGLE-3: an EAGLE-3 draft has "
+                         f"architectures [{ARCHITECTURE!r}] and fc.weight [H, 3*H_t]; export with this project or "
+                         f"serve an EAGLE-2 draft with --speculative-algorithm EAGLE")
+    elif arch != [ARCHITECTURE]:
+        add("architectures", f"architectures is {arch}, expected [{ARCHITECTURE!r}] (SGLang picks the "
+                         f"draft model class by this name)")
+    if cfg.get("num_hidden_layers", 1) != 1:
+        add("num_hidden_layers", f"is {cfg.get('num_hidden_layers')}; SGLang's "
+                         f"LlamaForCausalLMEagle3 runs exactly one decoder layer")
+
+    H = cfg.get("hidden_size")
+    draft_H_t = cfg.get("target_hidden_size", H)
+    if draft_H_t != H_t:
+        add("hidden_size", f"the draft expects target hidden size {draft_H_t} (target_hidden_size / "
+                         f"hidden_size in config.json) but the target's hidden_size is {H_t}: this draft was trained "
+                         f"for another target")
+    elif "fc.weight" in shapes and shapes["fc.weight"] != (H, 3 * H_t):
+        add("fc.weight", f"shape {shapes['fc.weight']}, expected [{H}, {3 * H_t}] (= [H, 3*H_t]); "
+                         f"re-export the draft")
+
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        add("eagle_config.eagle_aux_hidden_state_layer_ids", "missing: SGLang then captures its "
+                         "default layers, which may not be the layers the draft was trained on; write the ids "
+                         "used for feature extraction into the nested eagle_config")
+    elif L is not None:
+        bad = [i for i in ids if not (isinstance(i, int) and 0 <= i <= L - 2)]
+        if len(ids) != 3 or len(set(ids)) != 3 or bad:
+            add("eagle_config.eagle_aux_hidden_state_layer_ids", f"{ids} must be 3 distinct layer "
+                             f"outputs in [0, {L - 2}] for a target with {L} layers (SGLang captures the input of "
+                             f"layer id+1){f'; out of range: {bad}' if bad else ''}; use the ids the features were "
+                             f"extracted at")
+        elif ids != sorted(ids):
+            add("eagle_config.eagle_aux_hidden_state_layer_ids", f"{ids} is not ascending: SGLang "
+                             f"and vLLM concatenate the captured layers in ascending order, so fc sees them in "
+                             f"another order than it was trained on; retrain with {sorted(ids)}")
+        elif (top := cfg.get("eagle_aux_hidden_state_layer_ids")) is not None and top != [i + 1 for i in ids]:
+            add("eagle_aux_hidden_state_layer_ids", f"top-level ids {top} (vLLM and llama.cpp read "
+                             f"them as layer inputs) are not the nested output ids {ids} + 1: the engines would "
+                             f"capture different layers; write {[i + 1 for i in ids]}")
+
+    if cfg.get("vocab_size") != V:
+        add("vocab_size", f"is {cfg.get('vocab_size')}, the target's vocab is {V}: the draft maps its "
+                         f"tokens into another vocabulary (wrong tokenizer or target)")
+    N = cfg.get("draft_vocab_size", cfg.get("vocab_size"))
+    if "lm_head.weight" in shapes and shapes["lm_head.weight"][0] != N:
+        add("lm_head.weight", f"has {shapes['lm_head.weight'][0]} rows but draft_vocab_size is {N}")
+    if d2t is None:
+        add("d2t", "missing from model.safetensors: without it SGLang reads draft ids as target ids "
+                         "and accepts almost nothing; export the draft with its vocab map (d2t)")
+    elif tuple(d2t.shape) != (N,) or d2t.is_floating_point():
+        add("d2t", f"has shape {tuple(d2t.shape)} and dtype {d2t.dtype}, expected int64 [{N}] "
+                         f"(draft_vocab_size offsets)")
+    else:
+        V_d = cfg.get("vocab_size")                       # a V mismatch with the target is reported above
+        t2d_ok = t2d is not None and str(t2d.dtype) == "torch.bool" and tuple(t2d.shape) == (V_d,)
+        if t2d is not None and not t2d_ok:
+            add("t2d", f"has shape {tuple(t2d.shape)} and dtype {t2d.dtype}, expected bool [{V_d}] (vocab_size)")
+        if (msg := _d2t_problem(d2t, t2d if t2d_ok else None, N, V)):
+            add("d2t", msg)
+
+    draft_ctx = cfg.get("max_position_embeddings")
+    if ctx is not None and (draft_ctx is None or draft_ctx < ctx):
+        add("max_position_embeddings", f"is {draft_ctx}, smaller than the target's {ctx}: SGLang "
+                         f"refuses to start; set it to the target's context length in config.json")
+    return problems
+
+
+def preflight(draft_dir: Path, target_config) -> None:
+    """Raise PreflightError listing every mismatch (see check_draft); return None when the draft fits."""
+    problems = check_draft(draft_dir, target_config)
+    if problems:
+        raise PreflightError(Path(draft_dir), problems)

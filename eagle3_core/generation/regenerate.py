@@ -1,0 +1,359 @@
+"""Regeneration: answer prompt rows with the target on inference servers, into resumable Parquet shards.
+
+Shard k holds the prompts at rows [start_k, stop_k) of the prompt file: gen.shard_size rows each, except that a
+shard finished for exactly its rows keeps them when the prompt file grows (pipeline.generation.generation_plan,
+shard_plan). In the output folder:
+  shard_{k:05d}.parquet   the answered rows of shard k in prompt order (written atomically, once the shard is done)
+  shard_{k:05d}.json      its record: inputs key (sampling, target), digest of its rows (ids and prompt digests),
+                          sha256 of the Parquet file, counts, failures (id, reason), retries, quality counts
+  partial/shard_{k:05d}/part_*.parquet   answers flushed while the shard runs (every flush_rows answers or
+                          flush_s seconds), merged into the shard file when its last prompt has an outcome
+A shard is finished when its record names the current inputs key and rows, the Parquet file is intact and no prompt
+failed. A rerun leaves finished shards untouched and sends, in the others, only the prompts not yet answered: a run
+killed at any moment ends, once rerun, with every prompt answered exactly once. Every file carries the inputs key in
+its Parquet metadata and every answer its prompt's digest; answers of other inputs, or to a prompt that has since
+changed, are deleted or left out, never mixed in.
+
+Memory: prompts stream from Parquet in batches through a queue of 2 x concurrency; only open shards keep state
+(their answered ids and unflushed rows), so memory does not grow with the number of prompts.
+
+What is sent: the conversation up to its final assistant turn (which the target regenerates), with the row's tool
+schemas (`tools` column) and `generation.chat_template_kwargs`. With `generation.turns = 'all'` every turn is
+answered in order after the target's own earlier answers (eagle3_core.generation.turns: its tool-call policy, resume per
+row) and `messages` holds the regenerated conversation. Rows with `mode == "keep"` are passed through whole, no request:
+`messages` holds the full conversation (every assistant turn is trained) and `response`/`reasoning` its final turn
+(finish_reason 'kept').
+
+Early gate: the first `generation.gate_after` answers of a call are checked against the quality gate's limits
+(generation_quality.EarlyGate); past a limit the call stops sending and raises QualityGateError with examples,
+after at most gate_after + concurrency requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle3_core.config import GenerationConfig, ServerConfig
+from eagle3_core.generation.answer_shard import KEY_META, AnswerShardWriter
+from eagle3_core.generation.progress import Progress
+from eagle3_core.generation.quality import EarlyGate, gate_limits
+from eagle3_core.generation.turns import regenerate_row
+from eagle3_core.serving.client import (
+    TOKEN_ID_APIS,
+    RequestRejected,
+    RetryableError,
+    request_body,
+    request_with_retries,
+)
+from eagle3_core.serving.launcher import ServerError
+from eagle3_core.serving.pool import ServerPool
+
+# columns the regeneration adds to each prompt row (`messages` becomes what was sent, as JSON text)
+ANSWER_FIELDS = [("index", pa.int64()), ("response", pa.string()), ("reasoning", pa.string()),
+                 ("finish_reason", pa.string()), ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
+                 ("prompt_ids", pa.list_(pa.int32())), ("output_ids", pa.list_(pa.int32())), ("model", pa.string()),
+                 ("server", pa.string()), ("api", pa.string()), ("attempts", pa.int32()), ("latency_s", pa.float64()),
+                 ("timings", pa.string()), ("tool_calls", pa.string()), ("turn_requests", pa.int32()),
+                 ("turns", pa.string())]
+
+
+def num_shards(prompts_path: Path, shard_size: int) -> int:
+    rows = pq.ParquetFile(prompts_path).metadata.num_rows
+    return -(-rows // shard_size)
+
+
+def output_schema(prompts_path: Path, key: str) -> pa.Schema:
+    """The prompt file's columns (`messages` as JSON text, `prompt_sha256` added where the file lacks it) followed
+    by ANSWER_FIELDS; the inputs key as metadata."""
+    names = {n for n, _ in ANSWER_FIELDS}
+    fields = [pa.field("messages", pa.string()) if f.name == "messages" else f
+              for f in pq.read_schema(prompts_path) if f.name not in names]
+    if "prompt_sha256" not in {f.name for f in fields}:
+        fields.append(pa.field("prompt_sha256", pa.string()))
+    return pa.schema(fields + [pa.field(n, t) for n, t in ANSWER_FIELDS], metadata={KEY_META: key.encode()})
+
+
+def prompt_digests(prompts_path: Path) -> tuple[list[str], list[str], list[str]]:
+    """(ids, prompts.prompt_digest of each row, modes) of a prompt file, in row order: digests from its
+    `prompt_sha256` column, computed from messages, tools and mode for files written before it existed."""
+    from eagle3_core.data.prompt_set import prompt_digest
+    cols = set(pq.read_schema(prompts_path).names)
+    if "prompt_sha256" in cols:                          # written by the prompts stage since shards name rows
+        t = pq.read_table(prompts_path, columns=["id", "prompt_sha256", "mode"])
+        digests = t["prompt_sha256"].to_pylist()
+    else:
+        t = pq.read_table(prompts_path, columns=[c for c in ("id", "messages", "tools", "mode") if c in cols])
+        digests = [prompt_digest(r) for r in t.to_pylist()]
+    return t["id"].to_pylist(), digests, t["mode"].to_pylist()
+
+
+def shard_rows(prompts_path: Path, ranges: dict[int, tuple[int, int]]) -> dict[int, dict[str, tuple[int, str]]]:
+    """Per shard, id -> (row index, prompts.prompt_digest) of its rows [start, stop) of the prompt file
+    (prompt_digests)."""
+    ids, digests, _ = prompt_digests(prompts_path)
+    return {k: {ids[i]: (i, digests[i]) for i in range(a, b)} for k, (a, b) in ranges.items()}
+
+
+def iter_prompt_rows(path: Path, start: int, stop: int, batch_rows: int = 256) -> Iterator[tuple[int, dict]]:
+    """(row index, row) for rows [start, stop) of a Parquet prompt file, read in batches: whole row groups before
+    `start` are skipped unread, and memory holds one batch, not the file (buffered stream, no pre-buffering)."""
+    f = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
+    groups, first = [], 0
+    for g in range(f.metadata.num_row_groups):
+        n = f.metadata.row_group(g).num_rows
+        if first + n > start and first < stop:
+            groups.append(g)
+        elif not groups:
+            first += n
+    index = first
+    for batch in f.iter_batches(batch_size=batch_rows, row_groups=groups):
+        for row in batch.to_pylist():
+            if index >= stop:
+                return
+            if index >= start:
+                yield index, row
+            index += 1
+
+
+def split_final_answer(messages: list[dict], mode: str | None, where: str) -> tuple[list[dict], dict | None]:
+    """(messages to send, the kept final assistant turn or None). Raises ValueError naming `where` when there is
+    nothing to answer or (mode 'keep') nothing to keep."""
+    if not messages:
+        raise ValueError(f"{where}: empty conversation")
+    prompt, last = (messages[:-1], messages[-1]) if messages[-1].get("role") == "assistant" else (messages, None)
+    if mode == "keep":
+        if last is None:
+            raise ValueError(f"{where}: mode 'keep' but the conversation does not end with an assistant turn")
+        return prompt, last
+    if not prompt or prompt[-1].get("role") not in ("user", "tool"):
+        role = prompt[-1].get("role") if prompt else None
+        raise ValueError(f"{where}: nothing to answer (the conversation before the final assistant turn ends with "
+                         f"{role!r}, not a user or tool turn)")
+    return prompt, None
+
+
+async def regenerate(prompts_path: Path, out: Path, shards: list[int] | dict[int, tuple[int, int]], key: str,
+                     gen: GenerationConfig, server: ServerConfig, urls: list[str], tokenizer=None, log=print,
+                     on_progress=None, engine=None, rows_sha256: dict[int, str] | None = None) -> list[dict]:
+    """Answer every prompt of `shards` on the servers `urls` with `gen.concurrency` requests in flight; returns
+    the shards' records, in order.
+
+    shards: shard k -> its rows [start, stop) of the prompt file (pipeline.generation.generation_plan), or a list
+    of shard indices of gen.shard_size rows each. rows_sha256: shard k -> the digest of its rows, kept in its record.
+
+    engine: an in-process generator instead of servers (`serving.hf_generate.BatchedGenerator`, server.kind
+    'transformers'): prompts go to it as token ids (the tokenizer is then needed), `urls` is ignored.
+
+    tokenizer: the target's (HF) tokenizer, needed for the token-id APIs ('sglang', 'llama.cpp'): prompts are
+    rendered with its chat template (`data.prompt_ids`). on_progress(snapshot: dict) is called every
+    `gen.progress_interval_s` and at the end (e.g. to update a Prefect progress artifact), beside a log line.
+    A prompt whose request exhausts its retries or is rejected (4xx) is recorded as failed with the reason.
+    Raises ServerError when no server answers for `server.down_timeout_s`, launcher.ServerExited within a second
+    when a server this process started exits (answers so far are flushed first, in both cases).
+    """
+    from eagle3_core.data.chat import prompt_ids
+    if not shards:
+        return []
+    token_ids = gen.api in TOKEN_ID_APIS or engine is not None
+    if token_ids and tokenizer is None:
+        raise ValueError(f"generation.api {gen.api!r} / an in-process engine takes token ids: pass the target's "
+                         "tokenizer")
+    n_rows = pq.ParquetFile(prompts_path).metadata.num_rows
+    size = gen.shard_size
+    ranges = dict(sorted((shards if isinstance(shards, dict) else
+                          {k: (k * size, min((k + 1) * size, n_rows)) for k in shards}).items()))
+    rows_of = shard_rows(prompts_path, ranges)
+    shard_at = {i: k for k, (a, b) in ranges.items() for i in range(a, b)}
+    schema = output_schema(prompts_path, key)
+    progress = Progress(sum(b - a for a, b in ranges.values()))
+    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * gen.concurrency)
+    writers: dict[int, AnswerShardWriter] = {}
+    records: dict[int, dict] = {}
+
+    def maybe_finalize(w: AnswerShardWriter) -> None:
+        if w.input_done and w.pending == 0 and not w.finalized:
+            records[w.k] = w.finalize()
+            del writers[w.k]
+
+    async def produce() -> None:
+        current = None
+        for index, row in iter_prompt_rows(prompts_path, min(a for a, _ in ranges.values()),
+                                           max(b for _, b in ranges.values())):
+            k = shard_at.get(index)
+            if k is None:
+                continue
+            row.setdefault("prompt_sha256", rows_of[k][row["id"]][1])
+            if current is None or current.k != k:
+                if current is not None:
+                    current.input_done = True
+                    maybe_finalize(current)
+                current = writers[k] = AnswerShardWriter(out, k, key, schema, rows_of[k], gen,
+                                                   (rows_sha256 or {}).get(k))
+                progress.resumed += current.resumed
+            if row["id"] in current.done_ids:
+                continue
+            current.pending += 1
+            await queue.put((current, index, row))
+        if current is not None:
+            current.input_done = True
+            maybe_finalize(current)
+        for _ in range(gen.concurrency):
+            await queue.put(None)
+
+    async def answer(w: AnswerShardWriter, index: int, row: dict, client: httpx.AsyncClient, pool: ServerPool) -> None:
+        t0 = time.monotonic()
+        where = f"{prompts_path} row {index} (id {row['id']})"
+        tools = json.loads(row["tools"]) if row.get("tools") else None
+        kwargs = gen.chat_template_kwargs or None
+        try:
+            messages = row["messages"] if isinstance(row["messages"], list) else json.loads(row["messages"])
+            sent, kept = split_final_answer(messages, row.get("mode"), where)
+            ids = []
+            if token_ids:                               # one thread: HF tokenizers are not safe to share
+                ids = await asyncio.get_running_loop().run_in_executor(tokenize_thread, prompt_ids, tokenizer, sent,
+                                                                       tools, kwargs)
+        except ValueError as e:                        # bad row (also data.MaskError): recorded, never retried
+            w.fail(row["id"], f"bad prompt row: {e}")
+            progress.failed += 1
+            return
+        base = {**row, "messages": json.dumps(sent), "index": index, "prompt_ids": ids}
+        if kept is not None:
+            # the whole conversation as it is (earlier turns, final turn with its tool calls): every turn is trained
+            w.add({**base, "messages": json.dumps(messages), "response": kept.get("content") or "",
+                   "finish_reason": "kept", "attempts": 0,
+                   "reasoning": kept.get("reasoning_content") or kept.get("reasoning") or "", "api": "kept"})
+            progress.answered += 1
+            return
+        last_ids = {"ids": ids}
+
+        def on_retry(error: RetryableError) -> None:
+            w.retry(error)
+            progress.retries += 1
+
+        async def ask(msgs: list[dict]) -> tuple[dict, str, int]:
+            """One request for the conversation `msgs`; the answer goes through the early gate."""
+            gate.check()
+            turn_ids = ids
+            if token_ids and msgs is not sent:          # a later turn: its own prompt, with the target's answers
+                turn_ids = await asyncio.get_running_loop().run_in_executor(tokenize_thread, prompt_ids, tokenizer,
+                                                                            msgs, tools, kwargs)
+            last_ids["ids"] = turn_ids
+            if engine is not None:
+                data, url, attempts = await engine.complete(turn_ids), engine.name, 1
+            else:
+                if pool is None:
+                    raise ServerError(f"{where} needs an answer but no server URL was given")
+                body = request_body(gen.api, msgs, turn_ids, gen.max_new_tokens, gen.temperature, top_p=gen.top_p,
+                                    tools=tools, template_kwargs=kwargs)
+                data, url, attempts = await request_with_retries(pool, client, gen.api, body, gen.max_retries,
+                                                                 gen.retry_backoff_s, on_retry)
+                data.pop("logprobs", None)
+            if gen.turns == "all":                     # each turn is an answer (final mode: once it is stored)
+                gate.add(_gate_row(row["id"], data))
+            return data, url, attempts
+
+        try:
+            if gen.turns == "all":
+                data = await regenerate_row(sent, gen.max_turns, ask)
+                data["messages"] = json.dumps(data["messages"])
+                url, attempts = data.pop("server"), data.pop("attempts")
+            else:
+                data, url, attempts = await ask(sent)
+        except RequestRejected as e:
+            w.fail(row["id"], str(e))
+            gate.fail(row["id"], str(e))
+            progress.failed += 1
+            return
+        except RetryableError as e:
+            w.fail(row["id"], f"gave up after {gen.max_retries + 1} attempts: {e.reason}")
+            gate.fail(row["id"], e.reason)
+            progress.failed += 1
+            return
+        w.add({**base, **data, "prompt_ids": last_ids["ids"], "server": url,
+               "api": engine.name if engine is not None else gen.api, "attempts": attempts,
+               "latency_s": time.monotonic() - t0})
+        progress.answered += 1
+        progress.tokens += data["completion_tokens"]
+        if gen.turns != "all":
+            gate.add(_gate_row(row["id"], data))
+
+    async def work(client: httpx.AsyncClient, pool: ServerPool) -> None:
+        while (item := await queue.get()) is not None:
+            w, index, row = item
+            await answer(w, index, row, client, pool)
+            w.pending -= 1
+            maybe_finalize(w)
+
+    def report(pool: ServerPool) -> None:
+        snap = progress.snapshot(pool)
+        log(Progress.line(snap))
+        if on_progress is not None:
+            on_progress(snap)
+
+    async def tick(pool: ServerPool) -> None:
+        """Runs until cancelled: flushes answers waiting longer than flush_s, reports progress; raises
+        launcher.ServerExited as soon as the server the stage started has exited (the pool's watch)."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(min(0.2, gen.progress_interval_s))
+            if pool is not None:
+                pool.check_exited()
+            for w in list(writers.values()):
+                w.flush(older_than_s=gen.flush_s)
+            if time.monotonic() - last >= gen.progress_interval_s:
+                last = time.monotonic()
+                report(pool)
+
+    out.mkdir(parents=True, exist_ok=True)
+    timeout = httpx.Timeout(gen.request_timeout_s, connect=min(10.0, gen.request_timeout_s))
+    limits = httpx.Limits(max_connections=gen.concurrency, max_keepalive_connections=gen.concurrency)
+    tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+    gate = EarlyGate(gen.gate_after, gate_limits(gen), str(out))
+    # no URLs: every row of these shards is kept as it is (the caller checked), no server is needed
+    pools = ServerPool(urls, server.probe_interval_s, server.down_timeout_s) if urls else nullcontext(None)
+    async with pools as pool, \
+            httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        tasks = [asyncio.create_task(produce())]
+        tasks += [asyncio.create_task(work(client, pool)) for _ in range(gen.concurrency)]
+        ticker = asyncio.create_task(tick(pool))
+        all_work = asyncio.gather(*tasks)
+        try:
+            await asyncio.wait([all_work, ticker], return_when=asyncio.FIRST_COMPLETED)
+            if ticker.done():                     # it only ends by raising (e.g. in on_progress)
+                ticker.result()
+            await all_work
+        finally:
+            for t in [*tasks, ticker, all_work]:
+                t.cancel()
+            await asyncio.gather(*tasks, ticker, all_work, return_exceptions=True)
+            for w in writers.values():                    # stopped early: keep what was answered
+                w.flush()
+            tokenize_thread.shutdown(wait=False, cancel_futures=True)
+        assert not writers, f"shards {sorted(writers)} were not finalized"
+        report(pool)
+    if (out / "partial").exists() and not any((out / "partial").iterdir()):
+        (out / "partial").rmdir()
+    return [records[k] for k in sorted(records)]
+
+
+def _gate_row(row_id: str, data: dict) -> dict:
+    return {"id": row_id, "response": data["response"], "reasoning": data["reasoning"],
+            "finish_reason": data["finish_reason"]}
+
+
+def remove_shards_from(out: Path, first: int) -> None:
+    """Delete shard files, records and parts of shards >= `first` (left by a larger prompt set)."""
+    for f in [*out.glob("shard_*.parquet"), *out.glob("shard_*.json"), *out.glob("partial/shard_*")]:
+        if int(f.name.split("_")[1].split(".")[0]) >= first:
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+

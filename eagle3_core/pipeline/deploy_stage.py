@@ -1,0 +1,131 @@
+"""Stages `deploy-llama-cpp` and `deploy-sglang`: the exported draft served next to the target, benchmarked
+against the same server without it (deploy_llama_cpp/, deploy_sglang/)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from eagle3_core.config import PipelineConfig
+from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.manifest import cached_manifest, write_manifest
+from eagle3_core.contract.run_stage import run_stage
+from eagle3_core.data import prompt_set as prompts_mod
+from eagle3_core.data.chat import prompt_ids
+from eagle3_core.pipeline.keys import stage_key, upstream_manifest
+
+
+def deploy_llama_cpp_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the llama.cpp deployment stage: the trained draft, eval settings, host, held-out prompts."""
+    return stage_key(upstream_manifest(cfg.run_dir, "draft")["inputs_key"], cfg.eval, cfg.server.host,
+                     upstream_manifest(cfg.run_dir, "prompts")["inputs_key"])
+
+
+def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
+    """Deploy the exported draft on llama.cpp (GGUF conversion, `--spec-type draft-eagle3`) and benchmark it
+    against the same server without a draft on the held-out prompts, greedy, one stream (deploy_llama_cpp/).
+    Skipped (manifest says why) when the target is not a GGUF file llama.cpp can serve."""
+    from eagle3_core.evaluation.llama_cpp_deploy import LLAMA_CPP_TIE_GAP, convert_draft, run_requests, summarize
+    from eagle3_core.serving.launcher import llama_server
+    from eagle3_core.target.loading import gguf_path, local_model_dir
+    out = RunLayout(cfg.run_dir).deploy_llama_cpp
+    up = upstream_manifest(cfg.run_dir, "draft")
+
+    def body() -> dict:
+        gguf = gguf_path(cfg.target)
+        if gguf is None:
+            log("deploy: target is not GGUF; llama.cpp deployment skipped (use the SGLang benchmark)")
+            return {"skipped": "target is not GGUF"}
+        draft_gguf = convert_draft(Path(up["export_dir"]), Path(local_model_dir(cfg.target)), out / "draft.gguf")
+        rows = prompts_mod.read_rows(RunLayout(cfg.run_dir).prompts_eval)
+        S, n_new = cfg.eval.num_draft_steps, cfg.eval.max_new_tokens
+        common = dict(host=cfg.server.host, parallel=1, ctx_per_slot=cfg.server.ctx_per_slot * 2,
+                      startup_timeout_s=cfg.server.startup_timeout_s)
+        with llama_server(gguf, out / "baseline.log", **common) as url:
+            base = run_requests(url, rows, n_new, log, "no draft")
+        spec_args = ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(S),
+                     "--spec-draft-n-min", str(S)]
+        with llama_server(gguf, out / "eagle3.log", extra_args=spec_args, **common) as url:
+            spec = run_requests(url, rows, n_new, log, "EAGLE-3 draft")
+        summary = {**summarize(base, spec, LLAMA_CPP_TIE_GAP), "num_draft_steps": S, "max_new_tokens": n_new,
+                   "tie_gap": LLAMA_CPP_TIE_GAP, "draft_gguf": str(draft_gguf),
+                   "server_args": spec_args[2:]}                                 # without the local -md path
+        log(f"deploy: llama.cpp tau {summary['tau']:.2f}, {summary['tokens_per_s']:.1f} tok/s with the draft vs "
+            f"{summary['baseline_tokens_per_s']:.1f} without ({summary['speedup']:.2f}x); lossless "
+            f"{summary['lossless']}")
+        return {"summary": summary}
+
+    return run_stage(out, deploy_llama_cpp_key(cfg), body)
+
+
+def deploy_sglang_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the SGLang deployment stage: the trained draft, the target, the stage's own settings."""
+    return stage_key(upstream_manifest(cfg.run_dir, "draft")["inputs_key"], cfg.target, cfg.eval.num_draft_steps,
+                     cfg.deploy_sglang)
+
+
+def deploy_sglang_skip(cfg: PipelineConfig) -> str | None:
+    """Why the SGLang deployment stage does not run here (None: it runs). 'auto' skips GGUF targets (llama.cpp
+    serves those), and a machine without SGLang unless both servers are given by URL; 'on' raises RuntimeError
+    where 'auto' would skip for a missing SGLang; 'off' always skips."""
+    from eagle3_core.evaluation.sglang_deploy import sglang_installed
+    from eagle3_core.target.loading import gguf_path
+    d = cfg.deploy_sglang
+    if d.enabled == "off":
+        return "deploy_sglang.enabled is 'off'"
+    if d.enabled == "auto" and gguf_path(cfg.target) is not None:
+        return "the target is a GGUF file: the llama.cpp deployment stage serves it (SGLang serves HF checkpoints)"
+    if not (d.baseline_url and d.eagle3_url) and not sglang_installed():
+        why = ("SGLang is not installed here (it needs CUDA: on a GPU host `pip install -e '.[sglang]'`), and "
+               "deploy_sglang.baseline_url / eagle3_url do not name running servers")
+        if d.enabled == "on":
+            raise RuntimeError(f"deploy-sglang: {why}; install SGLang or give both URLs (deploy_sglang.enabled "
+                               f"is 'on')")
+        return why
+    return None
+
+
+def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
+    """Phase 6 on SGLang (deploy_sglang/): pre-flight of the exported draft against the target, then the same
+    Spec-Bench and HumanEval prompts through /generate on the baseline and the EAGLE3 server at each concurrency:
+    output tok/s, tau = sum(completion_tokens) / sum(spec_verify_ct), speed-up and break-even tau per level
+    (serving.sglang_deploy.run_benchmark). Skipped (no manifest, so a later run on a GPU host does the work) where
+    deploy_sglang_skip says why: a skip the config decides (GGUF target, 'off') writes a manifest saying so; one
+    this machine decides (no SGLang) writes none, so that a later run on a GPU host does the work, and returns
+    {'skipped': reason}."""
+    from eagle3_core.target.loading import gguf_path
+    out = RunLayout(cfg.run_dir).deploy_sglang
+    key = deploy_sglang_key(cfg)
+    if (m := cached_manifest(out / "manifest.json", key)):
+        return m
+    if (why := deploy_sglang_skip(cfg)) is not None:
+        log(f"deploy-sglang: skipped: {why}")
+        if cfg.deploy_sglang.enabled == "off" or gguf_path(cfg.target) is not None:   # the config decides: done
+            return write_manifest(out / "manifest.json", {"inputs_key": key, "skipped": why, "seconds": 0.0})
+        return {"skipped": why}                                   # this machine decides: a GPU host will run it
+    from eagle3_core.evaluation.preflight import preflight
+    from eagle3_core.evaluation.sglang_bench import SpecArgs, target_server_args
+    from eagle3_core.evaluation.sglang_deploy import DEFAULT_SPEC_BENCH, benchmark_prompts, run_benchmark
+    from eagle3_core.target.loading import load_target_config, load_tokenizer
+    t0 = time.monotonic()
+    d, up = cfg.deploy_sglang, upstream_manifest(cfg.run_dir, "draft")
+    steps = d.num_steps or cfg.eval.num_draft_steps
+    spec = SpecArgs(up["export_dir"], steps, d.topk, d.num_draft_tokens or steps + 1)
+    preflight(Path(up["export_dir"]), load_target_config(cfg.target))
+    tok = load_tokenizer(cfg.target)
+    rows = benchmark_prompts(DEFAULT_SPEC_BENCH, True, d.per_category)
+    prompts = [{**r, "input_ids": prompt_ids(tok, r["messages"])} for r in rows]
+    server_args = target_server_args(d.tp_size, d.ep_size, cfg.target.trust_remote_code, cfg.target.revision,
+                                     d.extra_args)
+    log(f"deploy-sglang: {len(prompts)} prompts at concurrency {d.concurrency} on the baseline and the EAGLE3 "
+        f"server ({'running at ' + d.eagle3_url if d.eagle3_url else 'started here'}; {' '.join(server_args)})")
+    result = run_benchmark(cfg.target.model, spec, prompts, d.concurrency, out, d.max_new_tokens,
+                           d.max_running_requests, d.cuda_graph_max_bs, server_args,
+                           {"baseline": d.baseline_url, "eagle3": d.eagle3_url}, host=cfg.server.host,
+                           startup_timeout_s=d.startup_timeout_s)
+    v = result["verdict"]
+    log(f"deploy-sglang: tau {v['tau'] if v['tau'] is None else round(v['tau'], 2)}; {v['summary']}")
+    for w in v["warnings"]:
+        log(f"deploy-sglang: WARNING {w}")
+    return write_manifest(out / "manifest.json", {"inputs_key": key, "verdict": v, "prompts": len(prompts),
+                                                  "report": str(out / "sglang_bench.md"),
+                                                  "seconds": time.monotonic() - t0})

@@ -1,0 +1,76 @@
+"""Stage `prompts`: the prompt sources read, checked, deduplicated, split and fitted to the token budget
+(prompts/{train,eval}.parquet, rejects.jsonl)."""
+from __future__ import annotations
+
+from eagle3_core.config import PipelineConfig
+from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.manifest import read_manifest
+from eagle3_core.contract.run_stage import run_stage
+from eagle3_core.data import prompt_set as prompts_mod
+from eagle3_core.pipeline.keys import stage_key, target_key
+
+
+def prompts_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the prompts stage: the prompt settings, what makes each source's rows what they are
+    (prompts.source_fingerprints: local files' sha256, Hugging Face data sets' name/split/revision) and what the
+    token budget depends on (the target's template, max_length, max_new_tokens, chat-template arguments)."""
+    g = cfg.generation
+    pinned = {"eval_ids"} if cfg.prompts.eval_ids is None else set()      # unset: the key of runs before it existed
+    return stage_key(cfg.prompts.model_dump(mode="json", exclude=pinned), prompts_mod.source_fingerprints(cfg.prompts),
+                     target_key(cfg),
+                     {"max_length": cfg.features.max_length, "max_new_tokens": g.max_new_tokens,
+                      "chat_template_kwargs": g.chat_template_kwargs})
+
+
+def run_prompts(cfg: PipelineConfig, log=print) -> dict:
+    """Read, normalize, reject, dedupe, sample and split the prompt sources into prompts/{train,eval}.parquet;
+    bad rows go to prompts/rejects.jsonl with source, row and reason. Every train row is then measured with the
+    target's chat template and the token budget applied (prompts.over_budget; eagle3_core.data.budget): the length
+    distribution and the policy's counts per source are logged and kept in the manifest (`budget`)."""
+    from eagle3_core.data.budget import apply_budget, budget_line
+    from eagle3_core.target.loading import load_tokenizer
+    run = RunLayout(cfg.run_dir)
+    out = run.prompts
+
+    def body() -> dict:
+        out.mkdir(parents=True, exist_ok=True)
+        earlier = prompts_mod.earlier_prompts(read_manifest(out / "manifest.json"), cfg.prompts)
+        train, evals, stats = prompts_mod.build_prompts(cfg.prompts, rejects_path=out / "rejects.jsonl",
+                                                        earlier=earlier)
+        train, budget = apply_budget(load_tokenizer(cfg.target), train, cfg.generation.max_new_tokens,
+                                     cfg.features.max_length, cfg.prompts.over_budget,
+                                     cfg.generation.chat_template_kwargs or None, str(run.prompts_train))
+        log(budget_line(budget))
+        if not train:
+            raise ValueError(f"prompts: every train row is over the token budget (prompt + generation.max_new_tokens "
+                             f"{cfg.generation.max_new_tokens} > features.max_length {cfg.features.max_length}) and "
+                             f"prompts.over_budget is {cfg.prompts.over_budget!r}: raise max_length, lower "
+                             f"max_new_tokens or choose 'last_turns' / 'long'")
+        stats["train"] = len(train)
+        for st in stats["per_source"].values():
+            st.pop("train", None)
+        for r in train:
+            st = stats["per_source"][r["source"]]
+            st["train"] = st.get("train", 0) + 1
+        prompts_mod.write_rows(run.prompts_train, [{**r, "prompt_sha256": prompts_mod.prompt_digest(r)}
+                                                   for r in train])
+        # held-out rows are prompts: a kept conversation's final assistant turn is what the target must produce
+        evals = [{**r, "messages": r["messages"][:-1]}
+                 if r["messages"] and r["messages"][-1].get("role") == "assistant" else r for r in evals]
+        prompts_mod.write_rows(run.prompts_eval, evals)
+        kept = sum(r["mode"] == "keep" for r in train)
+        if earlier:
+            log(f"prompts: grown from the earlier run in {out}: {stats['train_from_earlier']} of its "
+                f"{len(earlier['train_ids'])} train prompts kept first, in their order, "
+                f"{len(train) - stats['train_from_earlier']} new; held-out set {stats['eval_chosen']}")
+        log(f"prompts: {len(train)} train ({kept} with responses kept), {len(evals)} held-out, {stats['rejected']} "
+            f"rejected, {stats['duplicates_dropped']} duplicates; per source: "
+            + ", ".join(f"{k} {v.get('train', 0)}+{v.get('eval', 0)}" for k, v in stats["per_source"].items()))
+        specs = prompts_mod.source_specs(cfg.prompts)
+        return {"stats": stats, "budget": budget, "seed": cfg.prompts.seed, "train_ids": [r["id"] for r in train],
+                "eval_ids": [r["id"] for r in evals],
+                "sources": [s.model_dump(exclude_defaults=True) for s in specs],
+                "unpinned": [s.label for s in specs if s.hf and not s.revision and s.hf not in ("json", "parquet")],
+                "rejects": str(out / "rejects.jsonl")}
+
+    return run_stage(out, prompts_key(cfg), body)

@@ -1,0 +1,266 @@
+"""The run report: Markdown and JSON from the stage manifests (what `make demo` prints and publishes)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3_core.contract.layout import STAGE_DIRS, RunLayout
+
+# directories of the stages a finished run has (deploy-sglang is optional: it runs on GPU hosts only)
+STAGES = [d for name, d in STAGE_DIRS.items() if name != "deploy-sglang"]
+
+
+def collect(run_dir: Path) -> dict:
+    """Key numbers of a finished run. Raises FileNotFoundError naming a missing manifest."""
+    m = {}
+    for s in STAGES:
+        path = Path(run_dir) / s / "manifest.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} missing: the run did not finish stage {s}")
+        m[s] = json.loads(path.read_text())
+    ev = m["eval"]["summary"]
+    return {
+        "run_dir": str(run_dir), "train_prompts": len(m["prompts"]["train_ids"]),
+        "eval_prompts": len(m["prompts"]["eval_ids"]), "samples": m["tokenized"]["samples"],
+        "tokens": m["tokenized"]["tokens"], "loss_tokens": m["tokenized"]["loss_tokens"],
+        "generated_tokens": m["generations"]["completion_tokens"], "server": m["generations"]["server"],
+        "feature_bytes_per_token": m["features"]["bytes_per_token"], "aux_layer_ids": m["features"]["aux_layer_ids"],
+        "draft_vocab_size": m["vocab"]["draft_vocab_size"], "vocab_coverage": m["vocab"]["coverage"],
+        "best_epoch": m["draft"]["best"], "draft_dir": m["draft"]["export_dir"],
+        "stage_seconds": {s: round(m[s]["seconds"], 1) for s in STAGES},
+        "eval": ev,
+        "llama_cpp": m["deploy_llama_cpp"].get("summary"),
+        "sglang": _optional_manifest(RunLayout(run_dir).manifest("deploy-sglang")).get("verdict"),
+        "sampling": compare_sampling(m["generations"].get("sampling"), m["eval"].get("sampling")),
+    }
+
+
+# evaluation decodes greedily (evaluate.measure, llama.cpp deployment); an older eval manifest says nothing else
+EVAL_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "greedy": True, "chat_template_kwargs": {}}
+
+
+def _thinking(kwargs: dict | None) -> str:
+    """The thinking mode of chat-template arguments: e.g. 'enable_thinking=False', or 'template default'."""
+    keys = [k for k in (kwargs or {}) if "think" in k.lower()]
+    return ", ".join(f"{k}={kwargs[k]}" for k in keys) or "template default"
+
+
+def compare_sampling(regen: dict | None, evaluation: dict | None) -> dict:
+    """Regeneration's sampling (generations manifest) beside evaluation's (eval manifest; greedy when it says
+    nothing): {'regeneration': {temperature, top_p, thinking}, 'evaluation': {...}, 'mismatch': [what differs]}.
+    A draft trained on sampled answers and measured greedily (or the reverse) learns another distribution than
+    the one it is measured on (SpecForge issue 465); so does one trained in another thinking mode."""
+    sides = {}
+    for name, s in (("regeneration", regen or {}), ("evaluation", evaluation or EVAL_SAMPLING)):
+        sides[name] = {"temperature": float(s.get("temperature", 0.0)), "top_p": float(s.get("top_p", 1.0)),
+                       "thinking": _thinking(s.get("chat_template_kwargs"))}
+    a, b = sides["regeneration"], sides["evaluation"]
+    mismatch = [k for k in ("temperature", "top_p", "thinking") if a[k] != b[k]]
+    if (a["temperature"] == 0.0) != (b["temperature"] == 0.0):
+        mismatch = ["greedy vs sampled"] + mismatch
+    return {**sides, "mismatch": mismatch}
+
+
+def _optional_manifest(path: Path) -> dict:
+    """A stage manifest that may be missing (the SGLang deployment runs only on GPU hosts)."""
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+RUN_NAMES = {"trained": "trained, chain", "trained_tree": "trained, tree", "untrained": "untrained, chain"}
+
+
+def _runs(ev: dict) -> dict[str, dict]:
+    return {k: ev[k] for k in RUN_NAMES if k in ev}
+
+
+def _shape(d: dict) -> str:
+    p = d.get("params") or {}
+    if p.get("topk", 1) > 1:
+        return f"tree k={p['topk']}, T={p['num_draft_tokens']}"
+    return f"chain S={p.get('num_steps', '?')}"
+
+
+def write_plots(r: dict, run_dir: Path) -> dict[str, str]:
+    """PNG plots of a collected run under run_dir/plots; returns {name: path relative to run_dir}."""
+    from eagle3_core.evaluation.plots import plot_acceptance_per_position, plot_tau, plot_tok_s, run_label
+    ev, out = r["eval"], Path(run_dir) / "plots"
+    runs = _runs(ev)
+    tau_sim = (ev.get("consistency") or {}).get("tau_sim_at_steps")
+    bars = {"target only (offline)": ev["baseline"]["tokens_per_s"]}
+    bars.update({run_label(k, d): d["tokens_per_s"] for k, d in runs.items()})
+    lc = r.get("llama_cpp")
+    if lc:
+        bars.update({"llama.cpp, no draft": lc["baseline_tokens_per_s"], "llama.cpp, EAGLE-3": lc["tokens_per_s"]})
+    paths = {"acceptance_per_position": plot_acceptance_per_position(runs, out / "acceptance_per_position.png"),
+             "tau": plot_tau(runs, out / "tau.png", tau_sim),
+             "tokens_per_s": plot_tok_s(bars, out / "tokens_per_s.png",
+                                        "Tokens/s on this machine (ratios vs the first bar)")}
+    return {k: str(v.relative_to(run_dir)) for k, v in paths.items()}
+
+
+def embed_images(md: str, run_dir: Path) -> str:
+    """`md` with each image that names a PNG file under run_dir (`![tau](plots/tau.png)`) embedded as a base64 data
+    URI, for viewers that cannot read the run directory (a Prefect artifact). Other images stay as they are."""
+    import base64
+    import re
+
+    def embed(m: re.Match) -> str:
+        path = Path(run_dir) / m.group(2)
+        if m.group(2).startswith(("data:", "http:", "https:")) or not path.is_file():
+            return m.group(0)
+        return f"![{m.group(1)}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
+    return re.sub(r"!\[([^\]]*)\]\(([^)\s]+\.png)\)", embed, md)
+
+
+def _disjoint(a: list[float], b: list[float]) -> bool:
+    return a[1] < b[0] or b[1] < a[0]
+
+
+def warnings(ev: dict, llama_cpp: dict | None = None) -> list[str]:
+    """Warnings the numbers support, each a sentence: only where a 95% interval excludes agreement (with 2 held-out
+    prompts the intervals are wide and most gaps are noise, not a misconfiguration).
+
+    - simulated vs measured tau: evaluate.tau_consistency flagged the gap, the simulation ran on held-out samples
+      and the simulated tau lies outside the measured tau's interval (simulated on the training samples, as small
+      runs without held-out features do, it is inflated by overfitting: no evidence of a misconfiguration);
+    - llama.cpp vs offline tau: the two intervals do not overlap;
+    - tau below 1.2: the whole interval of the trained draft's tau lies below 1.2.
+    ev: the evaluate stage's summary; llama_cpp: the deploy stage's summary or None."""
+    out, tr = [], ev["trained"]
+    lo, hi = tr["tau_ci95"]
+    cons = ev.get("consistency")
+    if cons and cons["flagged"] and cons["metrics_from"] == "eval" and not lo <= cons["tau_sim_at_steps"] <= hi:
+        out.append(f"{cons['note']} (the simulated tau lies outside the measured tau's 95% interval "
+                   f"{lo:.2f}-{hi:.2f})")
+    if llama_cpp and _disjoint(llama_cpp["tau_ci95"], tr["tau_ci95"]):
+        a = llama_cpp["tau_ci95"]
+        out.append(f"the engine's tau {llama_cpp['tau']:.2f} (95% interval {a[0]:.2f}-{a[1]:.2f}) and the offline "
+                   f"tau {tr['tau']:.2f} ({lo:.2f}-{hi:.2f}) disagree: check the aux layer ids and d2t of the "
+                   f"exported draft")
+    if hi < 1.2:
+        out.append(f"tau {tr['tau']:.2f} (95% interval {lo:.2f}-{hi:.2f}) is below 1.2, which usually means a "
+                   f"misconfiguration (aux layer ids, d2t, chat template), not a weak draft")
+    return out
+
+
+def plots_markdown_inline(plots: dict[str, str], run_dir: Path) -> str:
+    """The plots as Markdown images with base64 data URIs (a Prefect artifact cannot refer to local files)."""
+    import base64
+    return "\n\n".join(f"![{name}](data:image/png;base64,"
+                       f"{base64.b64encode((Path(run_dir) / rel).read_bytes()).decode()})"
+                       for name, rel in plots.items()) + "\n"
+
+
+def markdown(r: dict) -> str:
+    ev, base = r["eval"], r["eval"]["baseline"]
+    tr, runs = ev["trained"], _runs(ev)
+    lines = [
+        "# EAGLE-3 draft report", "",
+        f"- run: `{r['run_dir']}`; draft (SGLang format): `{r['draft_dir']}`",
+        (f"- data: {r['train_prompts']} train prompts ({r['samples']} samples, {r['tokens']} tokens, "
+        f"{r['loss_tokens']} supervised), {r['eval_prompts']} held-out prompts; regenerated by {r['server']}"),
+        (f"- aux layers {r['aux_layer_ids']}; features {r['feature_bytes_per_token']:.0f} bytes/token; "
+        f"draft vocab {r['draft_vocab_size']} (covers {r['vocab_coverage']:.1%} of supervised tokens)"),
+        (f"- best epoch {r['best_epoch']['epoch']} (simulated tau {r['best_epoch']['tau_sim']:.2f}); pre-flight "
+        f"check of the draft against the target: {ev.get('preflight', 'not run')}"), "",
+        (f"## Acceptance length (offline, greedy, {ev['num_draft_steps']} draft steps per verify step, "
+        f"{ev['max_new_tokens']} new tokens per prompt)"), "",
+        ("| draft | drafting | prompts | tau | 95% CI | tokens | verify steps | tok/s | target-only tok/s (same "
+        "prompts) | speed-up | lossless (equal/near-tie/mismatch) |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, d in runs.items():
+        ll = d["lossless"]
+        lines.append(f"| {name} | {_shape(d)} | {d.get('prompts', '')} | {d['tau']:.2f} | "
+                     f"{d['tau_ci95'][0]:.2f}-{d['tau_ci95'][1]:.2f} | {d['tokens_from_verify']} | "
+                     f"{d['verify_steps']} | {d['tokens_per_s']:.1f} | "
+                     f"{d.get('baseline_tokens_per_s', base['tokens_per_s']):.1f} | {d['speedup']:.2f}x | "
+                     f"{ll['equal']}/{ll['near_tie']}/{ll['mismatch']} |")
+    lines += [(f"| none (target only) | | {base.get('prompts', '')} | 1.00 | | {base['tokens']} | "
+              f"{base['target_forward_calls']} | {base['tokens_per_s']:.1f} | | 1.00x | |"), ""]
+    for name, d in runs.items():
+        lines.append(f"Acceptance per draft position ({name}, {_shape(d)}): "
+                     + ", ".join(f"{i + 1}: {a:.2f}" for i, a in enumerate(d["accept_per_position"])))
+    cats = sorted({c for d in runs.values() for c in d.get("per_category", {})})
+    if cats:
+        lines += ["", "tau per prompt category (95% CI):", "", "| category | " + " | ".join(runs) + " |",
+                  "|---|" + "---|" * len(runs)]
+        for c in cats:
+            cells = []
+            for d in runs.values():
+                pc = d.get("per_category", {}).get(c)
+                cells.append(f"{pc['tau']:.2f} ({pc['tau_ci95'][0]:.2f}-{pc['tau_ci95'][1]:.2f}, "
+                             f"{pc['prompts']} prompts)" if pc else "")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    warned = warnings(ev, r.get("llama_cpp"))
+    cons = ev.get("consistency")
+    if cons:
+        lo, hi = tr["tau_ci95"]
+        lines += ["", (f"Simulated vs measured: measured tau {cons['tau_measured']:.2f} (95% interval {lo:.2f}-"
+                       f"{hi:.2f}) vs simulated {cons['tau_sim_at_steps']:.2f} over {cons['steps_compared']} draft "
+                       f"steps ({cons['relative_gap']:+.0%}, simulated on "
+                       f"{'held-out' if cons['metrics_from'] == 'eval' else 'training'} samples).")]
+    models = {n: d["speedup_model"] for n, d in runs.items() if d.get("speedup_model")}
+    if models:
+        lines += ["", "## Speed-up model (eagle3_core/evaluation/speedup.py, step times measured here, one stream)", "",
+                  ("| draft | target step (ms) | draft per cycle (ms) | verify (ms) | other (ms) | tau | tau expected "
+                   "from acceptance | break-even tau | predicted tok/s | measured tok/s | predicted speed-up | "
+                   "measured speed-up |"), "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name, m in models.items():
+            lines.append(f"| {name} | {1e3 * m['t_target_s']:.1f} | {1e3 * m['t_draft_s']:.1f} | "
+                         f"{1e3 * m['t_verify_s']:.1f} | {1e3 * m['t_other_s']:.1f} | {m['tau']:.2f} | "
+                         f"{m['tau_expected']:.2f} | {m['break_even_tau']:.2f} | {m['spec_tokens_per_s']:.1f} | "
+                         f"{m['measured_tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['measured_speedup']:.2f}x |")
+        lines += ["", "Predicted tok/s = tau / (draft + verify + other per cycle); break-even tau = that cycle time "
+                  "/ target step time. On a GPU server the verify forward of a batch costs more than a decode step, "
+                  "so measure the break-even at the concurrency you serve."]
+    for name, rel in (r.get("plots") or {}).items():
+        lines += ["", f"![{name}]({rel})"]
+    lc = r.get("llama_cpp")
+    if lc:
+        ll = lc["lossless"]
+        lines += ["", (f"## Deployed on llama.cpp (`--spec-type draft-eagle3`, {lc['num_draft_steps']} draft tokens, "
+                  f"greedy, one stream, same held-out prompts)"), "",
+                  "| | tau | 95% CI | tokens | tok/s | vs baseline | lossless (equal/near-tie/mismatch) |",
+                  "|---|---|---|---|---|---|---|",
+                  (f"| EAGLE-3 draft | {lc['tau']:.2f} | {lc['tau_ci95'][0]:.2f}-{lc['tau_ci95'][1]:.2f} | "
+                  f"{lc['tokens']} | {lc['tokens_per_s']:.1f} | {lc['speedup']:.2f}x | "
+                  f"{ll['equal']}/{ll['near_tie']}/{ll['mismatch']} |"),
+                  f"| no draft | 1.00 | | | {lc['baseline_tokens_per_s']:.1f} | 1.00x | |", "",
+                  (f"llama.cpp tau / offline tau = {lc['tau'] / tr['tau']:.3f}; draft acceptance rate "
+                  f"{lc['acceptance_rate']:.2f} ({lc['draft_n_accepted']} of {lc['draft_n']} drafted).")]
+    sg = r.get("sglang")
+    if sg:
+        lines += ["", "## Deployed on SGLang (`--speculative-algorithm EAGLE3`)", "", sg["summary"], "",
+                  "| concurrency | baseline tok/s | EAGLE3 tok/s | speed-up | tau | break-even tau |",
+                  "|---|---|---|---|---|---|"]
+        for p in sg["per_level"]:
+            tau = "-" if p["tau"] is None else f"{p['tau']:.2f}"
+            even = "-" if p.get("break_even_tau") is None else f"{p['break_even_tau']:.2f}"
+            lines.append(f"| {p['concurrency']} | {p['baseline_tok_s']:.1f} | {p['eagle3_tok_s']:.1f} | "
+                         f"{p['speedup']:.2f}x | {tau} | {even} |")
+        lines += [f"\n**Warning**: {w}" for w in sg["warnings"]]
+    if warned:
+        lines += [""] + [f"**Warning**: {w}." for w in warned]
+    if r.get("sampling"):
+        lines += sampling_markdown(r["sampling"])
+    from eagle3_core.pipeline.nightly import nights_markdown
+    lines += nights_markdown(Path(r["run_dir"]))
+    lines += ["", "## Wall time per stage (s)", "", "| " + " | ".join(r["stage_seconds"]) + " | total |",
+              "|" + "---|" * (len(r["stage_seconds"]) + 1),
+              "| " + " | ".join(str(v) for v in r["stage_seconds"].values())
+              + f" | {sum(r['stage_seconds'].values()):.1f} |"]
+    return "\n".join(lines) + "\n"
+
+
+def sampling_markdown(sp: dict) -> list[str]:
+    """Markdown lines of `compare_sampling`'s result: a table of both sides and a warning naming each mismatch."""
+    lines = ["", "## Sampling", "", "| | temperature | top_p | thinking mode |", "|---|---|---|---|"]
+    for name in ("regeneration", "evaluation"):
+        d = sp[name]
+        lines.append(f"| {name} | {d['temperature']:g} | {d['top_p']:g} | {d['thinking']} |")
+    if sp["mismatch"]:
+        lines += ["", (f"**Warning**: regeneration and evaluation sample differently ({', '.join(sp['mismatch'])}): "
+                       f"the draft is measured on another distribution than it was trained on; regenerate with the "
+                       f"sampling you serve, or measure with the one you trained on.")]
+    return lines

@@ -1,0 +1,83 @@
+"""Stage `tokenize`: each regenerated conversation tokenized with the target's chat template, with the loss mask
+over the assistant tokens it trains on (tokenized/train.parquet, rejects.jsonl)."""
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from jinja2 import TemplateError
+
+from eagle3_core.config import PipelineConfig
+from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.run_stage import run_stage
+from eagle3_core.data import prompt_set as prompts_mod
+from eagle3_core.pipeline.keys import stage_key, target_key, upstream_manifest
+
+
+def tokenize_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the tokenize stage: the generations, the max length and overlong policy, and the target (its
+    chat template)."""
+    return stage_key(upstream_manifest(cfg.run_dir, "generations")["inputs_key"], cfg.features.max_length,
+                     cfg.prompts.overlong, target_key(cfg))
+
+
+def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
+    """Tokenize each conversation with the target's chat template (tools and generation.chat_template_kwargs as the
+    requests had them); loss mask over assistant tokens: the regenerated final turn of prompt rows (the server's own
+    ids where a token-id API returned them), every regenerated turn of turn-by-turn rows, every assistant turn of
+    rows kept as they are (tokenize_rows.row_samples). Samples longer than features.max_length are cut or dropped
+    (prompts.overlong), counted in the manifest, with the token source and a sample check of the server's ids."""
+    from eagle3_core.data.samples import check_server_ids, row_samples
+    from eagle3_core.target.loading import load_tokenizer
+    run = RunLayout(cfg.run_dir)
+    out = run.tokenized
+    up = upstream_manifest(cfg.run_dir, "generations")
+
+    def body() -> dict:
+        tok = load_tokenizer(cfg.target)
+        kwargs = cfg.generation.chat_template_kwargs or None
+        rows, n_cut, dropped, rejects, per, sources, id_rows = [], 0, [], [], {}, {}, []
+        for shard in up["shards"]:
+            for index, r in enumerate(prompts_mod.read_rows(run.generations / shard)):
+                st = per.setdefault(r.get("source") or "?", {"read": 0, "rejected": 0})
+                st["read"] += 1
+                try:
+                    samples, source = row_samples(tok, r, cfg.features.max_length, cfg.prompts.overlong, kwargs)
+                except (ValueError, TemplateError) as e:   # MaskError, or the template refusing this conversation
+                    st["rejected"] += 1
+                    rejects.append({"source": r.get("source") or "?", "file": f"generations/{shard}", "row": index,
+                                    "id": r["id"], "reason": f"{type(e).__name__}: {e}"})
+                    continue
+                sources[source] = sources.get(source, 0) + 1
+                if source == "server" and len(id_rows) < 16:
+                    id_rows.append(r)
+                if not samples:
+                    dropped.append(r["id"])
+                    continue
+                n_cut += sum(s["cut"] for s in samples)
+                rows += [{"id": s["id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"]} for s in samples]
+        prompts_mod.finish_rejects(out / "rejects.jsonl", rejects, per, cfg.prompts.max_reject_frac)
+        if not rows:
+            raise ValueError(f"tokenize: every sample is longer than features.max_length {cfg.features.max_length} "
+                             f"and prompts.overlong is 'drop'; raise max_length or use 'truncate'")
+        out.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows), run.tokenized_train)
+        n_tok, n_loss = sum(len(r["input_ids"]) for r in rows), sum(sum(r["loss_mask"]) for r in rows)
+        check = check_server_ids(tok, id_rows, kwargs)
+        log(f"tokenize: {len(rows)} samples, {n_tok} tokens, {n_loss} in the loss mask; over max_length "
+            f"{cfg.features.max_length}: {n_cut} cut, {len(dropped)} dropped; {len(rejects)} rejected "
+            f"({out / 'rejects.jsonl'}); token source: {sources}"
+            + (f"; server ids equal to the re-tokenized text in {check['equal']} of {check['checked']} checked rows"
+               if check["checked"] else ""))
+        return {
+            "samples": len(rows), "tokens": n_tok, "loss_tokens": n_loss,
+            "overlong": {"policy": cfg.prompts.overlong, "max_length": cfg.features.max_length, "cut": n_cut,
+                         "dropped": len(dropped), "dropped_ids": dropped[:100]},
+            "rejected": len(rejects), "rejected_per_source": {k: v["rejected"] for k, v in per.items()},
+            "rejects": str(out / "rejects.jsonl"),
+            "token_source": ("the server's own ids (prompt_ids + output_ids) for final-turn rows of a token-id "
+                             "API; the others re-tokenized with the target's chat template" if sources.get("server")
+                             else "re-tokenized with the target's chat template (the OpenAI API returns text, not "
+                             "ids)"),
+            "token_sources": sources, "server_ids_check": check}
+
+    return run_stage(out, tokenize_key(cfg), body)

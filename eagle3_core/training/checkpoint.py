@@ -1,0 +1,242 @@
+"""Draft checkpoints: the SGLang-loadable directory (SGLang `models/llama_eagle3.py` `load_weights`) and the resumable training state.
+
+The export key map is data: `expected_tensors(shape)` lists every tensor name with its shape and dtype, and both
+export and load check it strictly (SGLang silently keeps random weights for names it does not know: handed case C7).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagle3_core.training.draft_model import DraftShape, Eagle3Draft
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+class CheckpointError(ValueError):
+    """A draft checkpoint whose tensors or config do not match the EAGLE-3 schema; names the key and the fix."""
+
+
+def expected_tensors(s: DraftShape) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """name -> (shape, dtype or None for 'the float dtype of the checkpoint'), SGLang's names."""
+    H, qd, kvd = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+    return {
+        "embed_tokens.weight": ((s.vocab_size, H), None),
+        "fc.weight": ((H, 3 * s.target_hidden_size), None),
+        "midlayer.self_attn.q_proj.weight": ((qd, 2 * H), None),
+        "midlayer.self_attn.k_proj.weight": ((kvd, 2 * H), None),
+        "midlayer.self_attn.v_proj.weight": ((kvd, 2 * H), None),
+        "midlayer.self_attn.o_proj.weight": ((H, qd), None),
+        "midlayer.mlp.gate_proj.weight": ((s.intermediate_size, H), None),
+        "midlayer.mlp.up_proj.weight": ((s.intermediate_size, H), None),
+        "midlayer.mlp.down_proj.weight": ((H, s.intermediate_size), None),
+        "midlayer.input_layernorm.weight": ((H,), None),
+        "midlayer.hidden_norm.weight": ((H,), None),
+        "midlayer.post_attention_layernorm.weight": ((H,), None),
+        "norm.weight": ((H,), None),
+        "lm_head.weight": ((s.draft_vocab_size, H), None),
+        "d2t": ((s.draft_vocab_size,), torch.int64),
+        "t2d": ((s.vocab_size,), torch.bool),
+    }
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], s: DraftShape, where: str) -> None:
+    """Raise CheckpointError naming the first missing, unexpected, mis-shaped or mis-typed tensor."""
+    expected = expected_tensors(s)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: missing tensors {missing}, unexpected tensors {unexpected}; the EAGLE-3 "
+                              f"names are listed in eagle3_core.training.checkpoint.expected_tensors")
+    for name, (shape, dtype) in expected.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+        if dtype is not None and t.dtype != dtype:
+            raise CheckpointError(f"{where}: tensor {name} has dtype {t.dtype}, expected {dtype}")
+        if dtype is None and not t.is_floating_point():
+            raise CheckpointError(f"{where}: tensor {name} has dtype {t.dtype}, expected a float dtype")
+
+
+def sglang_config(s: DraftShape, dtype: torch.dtype) -> dict:
+    """config.json of the draft, read the same way by every engine (SGLang `models/llama.py`, vLLM `models/llama_eagle3.py`, llama.cpp `convert_hf_to_gguf.py`):
+    - nested `eagle_config.eagle_aux_hidden_state_layer_ids`: our ids, layer *outputs* (SGLang adds 1 and captures
+      that layer's input: `models/llama.py`, `models/deepseek_v2.py` `set_eagle3_layers_to_capture`);
+    - top-level `eagle_aux_hidden_state_layer_ids`: the same layers as layer *inputs* (id + 1), what vLLM reads
+      (`vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py` `get_eagle3_aux_layers_from_config`; its models
+      append the residual stream before layer idx) and llama.cpp's converter reads.
+    Raises CheckpointError for ids that are not ascending (every engine concatenates in ascending layer order)."""
+    ids = list(s.aux_layer_ids)
+    if ids != sorted(set(ids)):
+        raise CheckpointError(f"aux_layer_ids {ids} are not strictly ascending: SGLang and vLLM concatenate the "
+                              f"captured layers in ascending order; retrain with features.aux_layer_ids "
+                              f"{sorted(set(ids))}")
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": s.hidden_size, "target_hidden_size": s.target_hidden_size,
+        "intermediate_size": s.intermediate_size, "num_attention_heads": s.num_attention_heads,
+        "num_key_value_heads": s.num_key_value_heads, "head_dim": s.head_dim, "rms_norm_eps": s.rms_norm_eps,
+        "rope_theta": s.rope_theta, "rope_scaling": s.rope_scaling,
+        "max_position_embeddings": s.max_position_embeddings, "hidden_act": s.hidden_act,
+        "torch_dtype": str(dtype).removeprefix("torch."), "vocab_size": s.vocab_size,
+        "draft_vocab_size": s.draft_vocab_size, "tie_word_embeddings": False,
+        "pad_token_id": None, "attention_bias": False, "mlp_bias": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids],
+    }
+
+
+def save_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype | None = None) -> Path:
+    """Write an SGLang-loadable directory (config.json, model.safetensors) atomically; returns `out`.
+
+    dtype: float dtype of the weights (default: the draft's own, so a reload reproduces its logits exactly).
+    """
+    s = draft.shape
+    dtype = dtype or draft.fc.weight.dtype
+    tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
+               for k, v in draft.state_dict().items()}
+    check_tensors(tensors, s, f"export to {out}")
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(sglang_config(s, dtype), indent=2))
+    (tmp / "draft_shape.json").write_text(json.dumps(s.to_dict(), indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+EXPORT_DTYPE = torch.bfloat16          # public drafts ship bf16; SGLang's --dtype auto turns float32 into float16
+
+
+def export_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype = EXPORT_DTYPE) -> Path:
+    """Write the serving export of a trained draft (save_draft in `dtype`, bf16 by default) and prove it: d2t and
+    t2d name the same target ids (vocab_map.check_vocab_map), and the reloaded export gives step-0 logits bit for
+    bit equal to the trained draft cast to `dtype`. Returns `out`. Raises ValueError (vocab map) or
+    CheckpointError (the export does not reproduce the draft)."""
+    import copy
+
+    from eagle3_core.data.vocab_map import check_vocab_map
+    check_vocab_map(draft.d2t.cpu(), draft.t2d.cpu(), f"export to {out}")
+    save_draft(draft, out, dtype)
+    cast = copy.deepcopy(draft).to(device="cpu", dtype=dtype)
+    if not logits_probe(cast, load_draft(out)):
+        raise CheckpointError(f"export {out} does not reproduce the trained draft cast to {dtype}: re-export")
+    return out
+
+
+@torch.no_grad()
+def logits_probe(a: Eagle3Draft, b: Eagle3Draft) -> bool:
+    """True if drafts a and b give bit-identical step-0 logits [1, 8, N] on a fixed random input (CPU)."""
+    g = torch.Generator().manual_seed(0)
+    T = 8
+    aux = torch.randn(1, T, 3 * a.shape.target_hidden_size, generator=g).to(a.fc.weight.dtype)
+    ids = torch.randint(0, a.shape.vocab_size, (1, T), generator=g)
+    pos = torch.arange(T)[None]
+    la = a.decode(ids, a.fuse(aux), pos, {})[1]
+    lb = b.decode(ids, b.fuse(aux.to(b.fc.weight.dtype)), pos, {})[1]
+    return la.dtype == lb.dtype and torch.equal(la, lb)
+
+
+def shape_from_config(cfg: dict, where: str) -> DraftShape:
+    """DraftShape from an SGLang draft config.json. Raises CheckpointError on a non-EAGLE-3 config."""
+    if cfg.get("architectures") != [ARCHITECTURE]:
+        raise CheckpointError(f"{where}: architectures is {cfg.get('architectures')}, expected [{ARCHITECTURE!r}]")
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise CheckpointError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids missing")
+    return DraftShape(
+        hidden_size=cfg["hidden_size"], target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
+        num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"], intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+        draft_vocab_size=cfg["draft_vocab_size"], rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
+        rope_scaling=cfg.get("rope_scaling"), max_position_embeddings=cfg["max_position_embeddings"],
+        hidden_act=cfg.get("hidden_act", "silu"), aux_layer_ids=list(ids))
+
+
+def load_draft(path: Path, dtype: torch.dtype | None = None) -> Eagle3Draft:
+    """Load an exported draft directory strictly (every name and shape checked). Raises CheckpointError."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{path}: no config.json; give the directory written by the export")
+    s = shape_from_config(json.loads(cfg_file.read_text()), str(cfg_file))
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    check_tensors(tensors, s, str(path / "model.safetensors"))
+    draft = Eagle3Draft(s).to(dtype or tensors["fc.weight"].dtype)
+    draft.load_state_dict(tensors, strict=True)
+    return draft
+
+
+TRAINING_STATE_DIR = "checkpoints"      # under the training output directory: step_{step:09d}.pt files
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_states() -> dict:
+    """Torch (CPU and every CUDA device) and Python RNG states, in a form torch.load(weights_only=True) reads."""
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": json.dumps(random.getstate())}
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    py = json.loads(states["python"])
+    random.setstate((py[0], tuple(py[1]), py[2]))
+
+
+def save_training_state(out_dir: Path, state: dict, step: int, keep: int) -> Path:
+    """Write `state` (tensors, dicts, lists, numbers, strings) as out_dir/checkpoints/step_{step}.pt atomically
+    (temporary name, fsync, rename, fsync of the directory), then delete all but the newest `keep`.
+    A crash at any moment leaves only complete checkpoints under their final names. Returns the path."""
+    ckpt_dir = Path(out_dir) / TRAINING_STATE_DIR
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / f"step_{step:09d}.pt"
+    tmp = ckpt_dir / f".{path.name}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(ckpt_dir)
+    for old in sorted(ckpt_dir.glob("step_*.pt"))[:-keep]:
+        old.unlink()
+    return path
+
+
+def load_latest_training_state(out_dir: Path, log=print) -> tuple[dict, Path] | tuple[None, None]:
+    """The newest checkpoint under out_dir/checkpoints that loads (weights_only), and its path; (None, None) if
+    there is none. A file that fails to load (damaged outside our atomic writes) is reported and skipped."""
+    ckpt_dir = Path(out_dir) / TRAINING_STATE_DIR
+    for path in sorted(ckpt_dir.glob("step_*.pt"), reverse=True):
+        try:
+            return torch.load(path, weights_only=True, map_location="cpu"), path
+        except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:  # damaged: try an older one
+            log(f"train: skipping unreadable checkpoint {path} ({type(e).__name__}: {e})")
+    return None, None
+
+
+def clear_training_state(out_dir: Path) -> None:
+    """Delete the resumable checkpoints (e.g. when the training inputs changed and resuming would be wrong)."""
+    shutil.rmtree(Path(out_dir) / TRAINING_STATE_DIR, ignore_errors=True)
+    (Path(out_dir) / "training_state.pt").unlink(missing_ok=True)       # the walking skeleton's single file

@@ -1,0 +1,188 @@
+"""One flow per pipeline stage, so that a user can run (or schedule) any stage alone from the UI. Parameters: the
+run config (a pydantic model: a form in the UI) and `refresh`. Flows call tasks only (and the task-level contexts
+of tasks/control.py); each reads like its box in the pipeline diagram.
+
+Generation and features run as shard tasks: a failed shard fails the flow run after its siblings finish, and a
+retry of the flow run re-runs only what failed (finished shards come back Cached). A task may use Prefect's cache
+only while its output on disk is intact for its inputs (tasks/control.py: run_stage, run_shards; docs/architecture.md: data
+on disk is the source of truth).
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+
+from prefect import flow
+from prefect.context import FlowRunContext
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from eagle3_core.config import PipelineConfig, preset
+from tasks import stage_tasks as t
+from tasks.control import (  # noqa: F401 (locked, first_attempt: re-exported for callers of flows.stage_flows)
+    first_attempt,
+    forget,
+    inference_servers,
+    locked,
+    log_in_parent_runs,
+    plan_features_task,
+    plan_generation_task,
+    run_shards,
+    run_stage,
+)
+
+DEMO = preset("demo")
+
+
+def run_label(config) -> str:
+    """The run directory's name (runs/demo -> 'demo'; presets default to runs/<preset>), from a PipelineConfig or
+    its JSON form (a deployment's stored parameters)."""
+    run_dir = config.run_dir if hasattr(config, "run_dir") else (config or {}).get("run_dir", "")
+    return Path(str(run_dir)).name or "run"
+
+
+def run_name(stage: str):
+    """flow_run_name for the flow of `stage`: '<run>-<stage>' (e.g. 'demo-features'), not Prefect's random name,
+    so the Runs page says which run and which stage each flow run is. A run a deployment started keeps the name it
+    was created with (the UI's Custom run form shows and lets the user pick it; the run's link carries it)."""
+    def name() -> str:
+        ctx = FlowRunContext.get()
+        run = ctx.flow_run if ctx else None
+        if run is not None and run.deployment_id is not None and run.parent_task_run_id is None:
+            return run.name
+        return f"{run_label((ctx.parameters if ctx else {}).get('config'))}-{stage}"
+    return name
+
+
+def label(config: PipelineConfig, stage: str) -> None:
+    """Tag the current flow run `run:<run>` and `stage:<stage>` (filterable on the Runs page; tags cannot be set
+    on a @flow, so every stage flow adds its own, whether the pipeline, a deployment or a user started it)."""
+    from prefect.client.orchestration import get_client
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return
+    tags = sorted({*ctx.flow_run.tags, f"run:{run_label(config)}", f"stage:{stage}"})
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(ctx.flow_run.id, tags=tags)
+
+
+# what each stage's summary line names, from its manifest (scalars only; a key a manifest lacks is left out)
+SUMMARY_FIELDS = {
+    "prompts": ("train_ids", "eval_ids"), "generation": ("samples", "completion_tokens", "server"),
+    "features": ("samples", "tokens", "format", "bytes_per_token", "shards_extracted"),
+    "vocab": ("draft_vocab_size", "coverage"), "train": ("train_samples", "steps", "export_dir"),
+    "evaluate": (), "deploy-llama-cpp": ("tokens_per_s", "baseline_tokens_per_s", "speedup"),
+    "deploy-sglang": ("skipped",),
+}
+
+
+def summary_line(stage: str, manifest: dict) -> str:
+    """One line saying what stage `stage` produced (its manifest's SUMMARY_FIELDS, counts for lists, tau for
+    evaluate) and how long it took (the manifest's seconds: 0 when every piece was already done)."""
+    parts = []
+    inner = manifest.get("summary") if isinstance(manifest.get("summary"), dict) else {}
+    for key in SUMMARY_FIELDS.get(stage, ()):
+        value = manifest.get(key, inner.get(key))                 # deploy manifests keep theirs in 'summary'
+        if isinstance(value, list):
+            value = len(value)
+        if isinstance(value, float):
+            value = f"{value:.3g}"
+        if value is not None and not isinstance(value, dict):
+            parts.append(f"{key} {value}")
+    best = manifest.get("best")
+    if isinstance(best, dict) and "epoch" in best:
+        parts.append(f"best epoch {best['epoch']}" + (f" (tau_sim {best['tau_sim']:.3f})" if "tau_sim" in best else ""))
+    ev = inner
+    for name in ("trained", "trained_tree", "untrained"):
+        if isinstance(ev.get(name), dict) and "tau" in ev[name]:
+            parts.append(f"tau {name} {ev[name]['tau']:.3f}")
+    seconds = manifest.get("seconds")
+    took = f" in {seconds:.1f} s" if isinstance(seconds, (int, float)) else ""
+    return f"{stage}: done{took}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def summarize(stage: str, manifest: dict) -> dict:
+    """Log stage `stage`'s summary line in its flow run and every run above it (the pipeline run's log then holds
+    one line per stage); returns `manifest`."""
+    log_in_parent_runs(logging.INFO, "%s", summary_line(stage, manifest))
+    return manifest
+
+
+@contextmanager
+def stage_run(config: PipelineConfig, stage: str, refresh: bool, *forgotten: str):
+    """The frame of every stage flow: tags (label), the run directory's lock (locked), and refresh=True forgetting
+    `forgotten` (default: `stage`) on the first attempt (forget)."""
+    label(config, stage)
+    with locked(config):
+        forget(config, refresh, *(forgotten or (stage,)))
+        yield
+
+
+@flow(name="prompts", flow_run_name=run_name("prompts"))
+def prompts_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
+    """Load, dedupe and split prompts into train and held-out sets."""
+    with stage_run(config, "prompts", refresh):
+        return summarize("prompts", run_stage(t.prompts_task, config, "prompts"))
+
+
+@flow(name="generation", flow_run_name=run_name("generation"), task_runner=ThreadPoolTaskRunner(max_workers=2))
+def generation_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
+    """Regenerate responses with the target, one task per shard, against the inference servers (started by a task
+    for server.kind 'llama.cpp' / 'sglang', stopped by another after). Two shards are in flight, each with
+    generation.concurrency requests, so that no server slot idles at a shard's tail; shards whose rows are all
+    kept, or that are finished, start no server."""
+    with stage_run(config, "generation", refresh):
+        plan = plan_generation_task(config)
+        with inference_servers(config, plan["needs_server"]) as urls:
+            shards = run_shards(t.generation_shard_task, config, "generation", plan, urls, parallel=True)
+        return summarize("generation", run_stage(t.finish_generation_task, config, "generation", shards))
+
+
+@flow(name="features", flow_run_name=run_name("features"))
+def features_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
+    """Tokenize with loss masks, then extract the target's aux hidden states, one task per shard, one after
+    another (the target stays loaded between them; more GPUs = more workers of the GPU pool). Backend 'hf_tp':
+    one torchrun task whose features.tp_size ranks share the sharded target and extract every shard."""
+    with stage_run(config, "features", refresh, "tokenize", "features"):
+        run_stage(t.tokenize_task, config, "tokenize")
+        if config.features.backend == "hf_tp":
+            from tasks.distributed import features_tp_task
+            return summarize("features", features_tp_task(config))
+        shards = run_shards(t.features_shard_task, config, "features", plan_features_task(config))
+        return summarize("features", run_stage(t.finish_features_task, config, "features", shards))
+
+
+@flow(name="vocab", flow_run_name=run_name("vocab"))
+def vocab_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
+    """Build the draft vocab map (d2t, t2d)."""
+    with stage_run(config, "vocab", refresh):
+        return summarize("vocab", run_stage(t.vocab_task, config, "vocab"))
+
+
+@flow(name="train", flow_run_name=run_name("train"))
+def train_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
+    """Train the EAGLE-3 draft with training-time test and export it for SGLang."""
+    with stage_run(config, "train", refresh):
+        return summarize("train", run_stage(t.train_task, config, "train"))
+
+
+@flow(name="evaluate", flow_run_name=run_name("evaluate"))
+def evaluate_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
+    """Measure tau of the trained and an untrained draft on held-out prompts."""
+    with stage_run(config, "evaluate", refresh):
+        return summarize("evaluate", run_stage(t.evaluate_task, config, "evaluate"))
+
+
+@flow(name="deploy-llama-cpp", flow_run_name=run_name("deploy-llama-cpp"))
+def deploy_llama_cpp_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
+    """Serve the draft on llama.cpp's EAGLE-3 mode and benchmark it against the same server without a draft."""
+    with stage_run(config, "deploy-llama-cpp", refresh):
+        return summarize("deploy-llama-cpp", run_stage(t.deploy_llama_cpp_task, config, "deploy-llama-cpp"))
+
+
+@flow(name="deploy-sglang", flow_run_name=run_name("deploy-sglang"))
+def deploy_sglang_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
+    """Serve the draft on SGLang (EAGLE3) against the same server without it: tau, tok/s, speed-up and break-even
+    tau per concurrency; skipped, saying why, for GGUF targets and where SGLang is not installed."""
+    with stage_run(config, "deploy-sglang", refresh):
+        return summarize("deploy-sglang", run_stage(t.deploy_sglang_task, config, "deploy-sglang"))
