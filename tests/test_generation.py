@@ -334,7 +334,7 @@ def test_client_killed_mid_run_then_rerun_no_duplicates_no_losses(server, tmp_pa
     prompt exactly once."""
     cfg = make_run(tmp_path, 12, [server])
     (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
-    code = ("import sys; from pathlib import Path; from eagle3_core import stages; "
+    code = ("import sys; from pathlib import Path; from eagle3_core.pipeline.generation_stage import run_generation; "
             "from eagle3_core.config import PipelineConfig; "
             "run_generation(PipelineConfig.model_validate_json(Path(sys.argv[1]).read_text()))")
     child = spawned(subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cfg.json")], cwd=ROOT,
