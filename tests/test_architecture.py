@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from pathlib import Path
 
 from eagle3_core.contract.layout import STAGE_DIRS, RunLayout
@@ -216,3 +217,14 @@ def test_flows_call_no_eagle3_core_function_except_config_and_presets():
              for line, module, name in _imports(p)
              if module.split(".")[0] == "eagle3_core" and module != "eagle3_core.config"]
     assert not found, f"flows/ reach past their tasks into eagle3_core: {found}"
+
+
+def test_no_file_cites_what_a_clone_lacks():
+    """A user's clone holds only the repository: no tracked file names the design notes kept beside the maintainers'
+    checkout (each fact is cited from its public source instead)."""
+    lacking = ("REFERENCE" + ".md", "DESIGN" + ".md", "STYLE" + ".md", "../" + "shared")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    found = [f"{name}: {word}" for name in tracked if (ROOT / name).is_file()
+             and not name.endswith((".png", ".gguf", ".safetensors", ".parquet"))
+             for word in lacking if word in (ROOT / name).read_text(errors="ignore")]
+    assert not found, found

@@ -41,7 +41,7 @@ class EvalConfig(StrictModel):
 
 
 class SGLangDeployConfig(StrictModel):
-    """Phase 6 on SGLang: the exported draft served with EAGLE3 against the same server without it (REFERENCE.md 4).
+    """Phase 6 on SGLang: the exported draft served with EAGLE3 against the same server without it.
     Flags as sglang 0.5.14 `srt/server_args.py` names them (--tp-size, --ep-size, --trust-remote-code, --revision)."""
     enabled: Literal["auto", "on", "off"] = Field(
         "auto", description="'auto': run for non-GGUF targets where SGLang is installed or servers are given, else "
