@@ -119,6 +119,40 @@ def auto_model_class(config, where: str):
                      f"set target.trust_remote_code for a model with its own code")
 
 
+# the transformers release that first has both DistributedConfig(ep_size=...) and PreTrainedModel.
+# _resolve_parallel_plans, which load_target (tp_size > 1) and target.memory call (read on the published wheels
+# 5.17-5.25: 5.17 and 5.18 have neither, 5.19-5.22 only ep_size); pyproject's lower bound is this version
+PARALLEL_API_SINCE = "5.23.0"
+
+
+def parallel_api_problem() -> str | None:
+    """Why the installed transformers cannot run the parallel paths (None when it can): the names the code calls
+    and the release that has them."""
+    import transformers
+    from transformers import PreTrainedModel
+    from transformers.distributed import DistributedConfig
+    missing = [name for name, ok in (
+        ("DistributedConfig(ep_size=...)", "ep_size" in getattr(DistributedConfig, "__dataclass_fields__", {})
+         or "ep_size" in DistributedConfig.__init__.__code__.co_varnames),
+        ("PreTrainedModel._resolve_parallel_plans", hasattr(PreTrainedModel, "_resolve_parallel_plans")))
+        if not ok]
+    if not missing:
+        return None
+    return (f"transformers {transformers.__version__} lacks {', '.join(missing)}, which features.backend 'hf_tp' "
+            f"and check's per-GPU count call: install transformers>={PARALLEL_API_SINCE} "
+            f"(pip install -c requirements.lock transformers)")
+
+
+def distributed_config(tp_size: int, ep_size: int = 1):
+    """transformers.distributed.DistributedConfig(tp_size, ep_size). Raises ImportError naming the installed
+    transformers and the release needed (parallel_api_problem) instead of a TypeError deep in a rank."""
+    problem = parallel_api_problem()
+    if problem:
+        raise ImportError(problem)
+    from transformers.distributed import DistributedConfig
+    return DistributedConfig(tp_size=tp_size, ep_size=ep_size)
+
+
 def load_target(cfg: TargetConfig, device: str = "cpu", dtype: torch.dtype | None = None, tp_size: int = 1,
                 expert_parallel: bool = False):
     """The target as a frozen HF causal LM (or vision-language wrapper, see auto_model_class) in eval mode, SDPA
@@ -138,8 +172,7 @@ def load_target(cfg: TargetConfig, device: str = "cpu", dtype: torch.dtype | Non
     auto = auto_model_class(load_target_config(cfg), path)
     kw = {}
     if tp_size > 1 or expert_parallel:
-        from transformers.distributed import DistributedConfig
-        kw["distributed_config"] = DistributedConfig(tp_size=tp_size, ep_size=tp_size if expert_parallel else 1)
+        kw["distributed_config"] = distributed_config(tp_size, tp_size if expert_parallel else 1)
     # attention: transformers' default, SDPA where the model class supports it (GPT-OSS's sinks need eager)
     model = auto.from_pretrained(path, revision=cfg.revision, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
                                  **kw)

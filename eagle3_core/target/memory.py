@@ -38,9 +38,8 @@ def param_bytes_per_rank(model: torch.nn.Module, tp_size: int, expert_parallel: 
     params = dict(model.named_parameters())
     if tp_size == 1:
         return BYTES_PER_PARAM * sum(p.numel() for p in params.values())
-    from transformers.distributed import DistributedConfig
-    tp_plan, ep_plan, _ = model._resolve_parallel_plans(
-        DistributedConfig(tp_size=tp_size, ep_size=tp_size if expert_parallel else 1))
+    from eagle3_core.target.loading import distributed_config
+    tp_plan, ep_plan, _ = model._resolve_parallel_plans(distributed_config(tp_size, tp_size if expert_parallel else 1))
     total = 0
     for name, p in params.items():
         style = ep_plan.get(name) or tp_plan.get(name)
