@@ -5,11 +5,12 @@ Legend: L target decoder layers, H_t target hidden, V target vocab, N draft voca
 
 It prints the resolved target family, the aux layer ids in each engine's reading (target_family.engine_readings),
 the draft geometry and rope, vocab sizes, context lengths, disk per feature format and the backend of the features
-and evaluate stages, and refuses, naming the field and the fix, what would fail later: unsorted, repeated or
+and evaluate stages (which path, and why), and refuses, naming the field and the fix, what would fail later: unsorted, repeated or
 out-of-range aux ids (L-1 included), a rope the draft cannot run, draft positions below the target's context, a
-target too large for the in-process (HF transformers) stages on this machine, a features.tp_size whose parameter
-bytes per GPU (parallel_fit.py: transformers' own plans on a meta-device model) do not fit one GPU or that splits
-attention heads unevenly; with `--draft DIR` (a warm start or a deployment) also the draft's architecture (EAGLE-2
+target too large for a stage that loads it whole in this process (features 'hf', evaluate 'decode'), a features
+backend and size whose bytes per GPU (target/memory.py: the checkpoint's bytes as stored, its quantization_config
+read, and transformers' own plans on a meta-device model) do not fit one GPU, or that split attention heads or
+routed experts unevenly; with `--draft DIR` (a warm start or a deployment) also the draft's architecture (EAGLE-2
 refused), fc, d2t/t2d and ids (preflight.check_draft).
 CONFIG: a JSON file holding a PipelineConfig, or a preset name ('demo', 'debug_tiny').
 """
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 from eagle3_core.config import PipelineConfig, config_or_preset
+from eagle3_core.config.eval_config import resolved_evaluator
 from eagle3_core.features.store_formats import FORMATS, bytes_per_token
 from eagle3_core.target.family import (
     engine_readings,
@@ -33,7 +35,12 @@ from eagle3_core.target.family import (
 )
 from eagle3_core.training.draft_geometry import draft_geometry, geometry_problems
 
-IN_PROCESS_STAGES = "features (HFExtractor) and evaluate (offline tau)"
+BACKEND_RUNS = {"hf": "HF transformers in process (HFExtractor)",
+                "hf_tp": "transformers' tensor-parallel plan over {w} torchrun ranks (features/tp_extract.py)",
+                "ep_int4": "{w} torchrun ranks, routed experts kept INT4 as stored, 1/{w} of them per rank"}
+EVALUATE_RUNS = {"decode": "HF transformers in process: the target verifies each draft step (speculate)",
+                 "replay": "the target's greedy outputs on the held-out prompts, recorded once with their aux "
+                           "states by the features backend; the draft replayed against them (replay_eval)"}
 DETECT = "detect"                                  # check_run(gpus=DETECT): this host's GPUs
 
 
@@ -81,7 +88,7 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     """(facts, problems) of a run. target_config: the target's transformers config (default: read with
     target.load_target_config, no weights); memory: (bytes, description) for the in-process fit check (default:
     machine_memory_bytes()); gpus: (count, bytes per GPU) for the features backend's per-GPU check
-    (parallel_fit.backend_facts; default: this host's, None: no GPU). Facts are JSON-able; problems are (field,
+    (target.memory.backend_facts; default: this host's, None: no GPU). Facts are JSON-able; problems are (field,
     message) pairs, empty when the run fits."""
     from eagle3_core.evaluation.preflight import check_draft
     from eagle3_core.target.loading import load_target_config
@@ -116,18 +123,26 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     need = 2 * estimate_params(t)                                          # bf16 weights
     have, where = memory if memory is not None else machine_memory_bytes()
     feats, fit_problems = backend_facts(cfg, tcfg, gpu_memory() if gpus is DETECT else gpus)
-    tp = cfg.features.backend == "hf_tp"
-    feats["runs"] = (f"transformers' tensor-parallel plan over {cfg.features.tp_size} torchrun ranks "
-                     f"(distributed/tp_extract.py)" if tp else "HF transformers in process (HFExtractor)")
-    facts["backends"] = {"features": feats, "evaluate": "HF transformers in process (speculate.TargetRunner)",
+    f = cfg.features
+    feats["runs"] = BACKEND_RUNS[f.backend].format(w=f.tp_size)
+    evaluator = resolved_evaluator(cfg.eval.evaluator, f.backend)
+    facts["backends"] = {"features": feats,
+                         "evaluate": {"evaluator": evaluator, "runs": EVALUATE_RUNS[evaluator],
+                                      "why": ("eval.evaluator " + repr(cfg.eval.evaluator) if cfg.eval.evaluator
+                                              != "auto" else f"auto: features.backend {f.backend!r}" +
+                                              (" is sharded" if evaluator == "replay" else " holds the whole "
+                                               "target in one process"))},
                          "target_weights_gb_bf16_estimate": round(need / 1e9, 1), "machine": where}
     problems += fit_problems
-    if need > have:
-        stages = "evaluate (offline tau)" if tp else IN_PROCESS_STAGES
-        hint = (f"; features: {feats['needs']}" if "needs" in feats and not tp else "")
+    whole = [name for name, loads in (("features (HFExtractor)", f.backend == "hf"),
+                                      ("evaluate (decode)", evaluator == "decode")) if loads]
+    if need > have and whole:
+        hint = (f"; features: {feats['needs']}" if "needs" in feats and f.backend == "hf" else "")
+        fix = ("; or set eval.evaluator 'replay' (the target's recorded greedy outputs, no whole target)"
+               if evaluator == "decode" else "")
         problems.append(("target.model", f"~{need / 1e9:.0f} GB of bf16 weights (estimated from the config) do "
-                         f"not fit this machine ({where}): the {stages} stage(s) load the whole target "
-                         f"in this process; run them on a host whose GPUs hold the target{hint}"))
+                         f"not fit this machine ({where}): the {' and '.join(whole)} stage(s) load the whole "
+                         f"target in this process; run them on a host whose GPUs hold the target{hint}{fix}"))
     if draft_dir is not None:
         problems += check_draft(Path(draft_dir), tcfg)
         import json

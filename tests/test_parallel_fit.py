@@ -2,18 +2,27 @@
 chosen features.tp_size against one GPU's memory, from the config alone; sizes that cannot fit or split heads
 unevenly are refused naming features.tp_size. The per-rank counts themselves are compared with what real ranks
 hold in tests/test_tp_extract.py."""
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 from transformers import LlamaConfig
 
-from eagle3_core.check import check_run
-from eagle3_core.config import FeatureConfig, PipelineConfig
-from eagle3_core.target.memory import meta_model, param_bytes_per_rank
+from eagle3_core.check import check_run, main, render, target_config_file
+from eagle3_core.config import FeatureConfig, PipelineConfig, load_config
+from eagle3_core.target.memory import (
+    meta_model,
+    param_bytes_per_rank,
+    quantization,
+    stored_bytes,
+    stored_bytes_per_param,
+)
 from test_check import TB, kimi_k25  # noqa: F401 (the Kimi-K2.5-sized config fixture)
 
 LLAMA = LlamaConfig(hidden_size=32, num_hidden_layers=8, vocab_size=128, max_position_embeddings=256,
                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=False)
 H200 = (8, 141 * 10**9)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _check(target, gpus, memory=TB, **features):
@@ -61,3 +70,70 @@ def test_kimi_k25_needs_32_h200s_in_bf16(kimi_k25):  # noqa: F811
 def test_parallel_size_without_the_parallel_backend_is_refused():
     with pytest.raises(ValidationError, match="need features.backend 'hf_tp'"):
         FeatureConfig(tp_size=2)
+
+
+KIMI_OFFLINE = ROOT / "tests" / "data" / "kimi_k25" / "config.json"
+REFERENCE = ROOT / "configs" / "kimi_k25_agentic_100k.json"
+
+
+def test_the_offline_kimi_k25_checkpoint_is_counted_as_stored():
+    """Routed experts INT4 with a bf16 scale per 32 weights (0.5625 B a parameter): 60 MoE layers x 384 experts x
+    3 matrices x 7168 x 2048; everything else (attention, shared experts, dense layer 0, embeddings, lm_head, the
+    vision tower) bf16 as the ignore list says: ~595 GB in all, against ~2.05 TB in bf16."""
+    tcfg = target_config_file(KIMI_OFFLINE)
+    q = quantization(tcfg)
+    model = meta_model(tcfg)
+    stored = stored_bytes(model, q)
+    experts = 60 * 384 * 3 * 7168 * 2048
+    assert stored["routed_experts"] == experts * (4 / 8 + 2 / 32) and stored["experts_quantized"]
+    rest = sum(p.numel() for p in model.parameters()) - experts
+    assert stored["total"] == stored["routed_experts"] + 2 * rest
+    assert 590e9 < stored["total"] < 600e9
+    assert stored_bytes(model, None)["total"] == 2 * (rest + experts)
+    assert stored_bytes_per_param("model.language_model.layers.3.self_attn.q_a_proj", "Linear", q) == 2  # ignored
+    assert stored_bytes_per_param("model.language_model.layers.3.mlp.experts.7.down_proj", "Linear", q) == 0.5625
+
+
+def _reference(**features):
+    cfg = load_config(REFERENCE)
+    if features:
+        cfg = cfg.model_copy(update={"features": cfg.features.model_copy(update=features)})
+    return check_run(cfg, target_config=target_config_file(KIMI_OFFLINE), memory=(128 << 30, "a 128 GiB head node"),
+                     gpus=H200)
+
+
+def test_the_reference_config_fits_8_h200s_with_int4_experts():
+    """features.backend 'ep_int4' at tp_size 8: 1/8 of 570.8 GB of INT4 experts + the bf16 rest whole + one layer's
+    experts dequantized; evaluation by replay, so no stage loads the whole target (the head node's 128 GiB)."""
+    facts, problems = _reference()
+    assert problems == [], problems
+    feats = facts["backends"]["features"]
+    experts_gb = 570.76 / 8
+    assert experts_gb < feats["gb_per_gpu"] < 0.85 * 141, feats
+    assert feats["gb_per_gpu"] == feats["gb_per_rank_ep_int4"][8]
+    assert feats["checkpoint_gb"]["quantization"].startswith("int4 group 32")
+    assert facts["backends"]["evaluate"]["evaluator"] == "replay"
+    assert f"gb_per_gpu: {feats['gb_per_gpu']}" in render(facts)             # printed by check
+
+
+def test_bf16_experts_on_8_h200s_are_refused_naming_ep_int4():
+    """'hf_tp' makes transformers dequantize the experts to bf16 at load: ~260 GB per GPU at EP 8."""
+    facts, problems = _reference(backend="hf_tp", expert_parallel=True)
+    assert [f for f, _ in problems] == ["features.backend"], problems
+    assert "exceed 85% of one GPU" in problems[0][1] and "needs ep_int4 with tp_size >= 8" in problems[0][1]
+    assert facts["backends"]["features"]["gb_per_gpu"] > 2029 / 8
+
+
+def test_ep_int4_refusals_name_the_field(kimi_k25):  # noqa: F811
+    cfg = PipelineConfig(features=FeatureConfig(max_length=2048, backend="ep_int4", tp_size=8))
+    _, problems = check_run(cfg, target_config=kimi_k25, memory=(8 * TB, "test"), gpus=H200)   # bf16 experts
+    assert ("features.backend" in [f for f, _ in problems] and
+            "use 'hf_tp'" in dict(problems)["features.backend"]), problems
+    _, problems = _reference(tp_size=5)
+    assert [f for f, _ in problems] == ["features.tp_size"] and "divide the 384 routed experts" in problems[0][1]
+
+
+def test_check_cli_passes_the_reference_config_offline(capsys):
+    assert main([str(REFERENCE), "--target-config", str(KIMI_OFFLINE)]) == 0
+    out = capsys.readouterr().out
+    assert "evaluator: replay" in out and "check: passed" in out

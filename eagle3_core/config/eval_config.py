@@ -22,7 +22,16 @@ def check_tree_params(num_steps: int, topk: int, num_draft_tokens: int) -> None:
                          f"{num_steps} and topk {topk} (root + at most {candidates} candidates)")
 
 
+SHARDED_BACKENDS = ("hf_tp", "ep_int4")           # features backends whose target no single process holds
+
+
 class EvalConfig(StrictModel):
+    evaluator: Literal["auto", "decode", "replay"] = Field(
+        "auto", description="'decode': the target decodes in this process, verifying the draft step by step "
+                            "(speculate); 'replay': the target's greedy outputs on the held-out prompts, recorded "
+                            "once (a temperature-0 pass on the serving engine), with their aux states from the "
+                            "features backend, and the draft replayed against them (replay_eval); 'auto': replay "
+                            "where the features backend is sharded (no process holds the target), else decode")
     num_draft_steps: int = Field(5, ge=1, description="S: draft steps per verify step (chain length, tree depth)")
     max_new_tokens: int = Field(128, ge=1, description="tokens generated per held-out prompt")
     tie_gap: float = Field(1e-3, description="a spec/target mismatch counts as a near-tie below this top-2 gap")
@@ -38,6 +47,13 @@ class EvalConfig(StrictModel):
         if self.tree_topk > 1:
             check_tree_params(self.num_draft_steps, self.tree_topk, self.tree_num_draft_tokens)
         return self
+
+
+def resolved_evaluator(evaluator: str, features_backend: str) -> str:
+    """'decode' or 'replay' for eval.evaluator given features.backend (EvalConfig.evaluator)."""
+    if evaluator != "auto":
+        return evaluator
+    return "replay" if features_backend in SHARDED_BACKENDS else "decode"
 
 
 class SGLangDeployConfig(StrictModel):

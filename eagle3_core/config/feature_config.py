@@ -20,10 +20,12 @@ class FeatureConfig(StrictModel):
     import_from: str | None = Field(None, description="a directory of SpecForge offline features (*.ckpt from its "
                                     "prepare_hidden_states.py): the stage imports them, checked against this run's "
                                     "tokenization, instead of running the target (features.specforge_import)")
-    backend: Literal["hf", "hf_tp"] = Field(
+    backend: Literal["hf", "hf_tp", "ep_int4"] = Field(
         "hf", description="'hf': the whole target in this process on one device (HFExtractor); 'hf_tp': "
                           "transformers' tensor-parallel plan over tp_size processes under torchrun, one per GPU "
-                          "(distributed/tp_extract.py), for targets that fit no single GPU")
+                          "(distributed/tp_extract.py), for targets that fit no single GPU; 'ep_int4': the same "
+                          "ranks with a compressed-tensors checkpoint's routed experts kept INT4 as stored, "
+                          "1/tp_size of them per rank (a 1T INT4 MoE on 8 GPUs)")
     tp_size: int = Field(1, ge=1, description="processes (GPUs) the 'hf_tp' backend shards the target over; "
                                               "torchrun's --nproc-per-node (1 with backend 'hf')")
     expert_parallel: bool = Field(False, description="'hf_tp' on an MoE target: routed experts whole on one rank "
@@ -47,6 +49,7 @@ class FeatureConfig(StrictModel):
     def _parallel_needs_hf_tp(self):
         if self.backend == "hf" and (self.tp_size != 1 or self.expert_parallel):
             raise ValueError(f"features.tp_size = {self.tp_size}, expert_parallel = {self.expert_parallel} need "
-                             f"features.backend 'hf_tp' (backend 'hf' loads the whole target in one process)")
+                             f"features.backend 'hf_tp' or 'ep_int4' (backend 'hf' loads the whole target in one "
+                             f"process)")
         return self
 

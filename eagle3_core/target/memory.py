@@ -7,10 +7,19 @@ parameters are laid out with transformers' own resolved plans (`_resolve_paralle
 under a sharding style holds ceil(numel / W) elements per rank, any other parameter (norms, routers, MLA's
 projections, which DeepseekV3's plan leaves whole) is whole on every rank. Bytes are bf16 (load_target's GPU
 dtype); activations and the CUDA context are not in them, hence the headroom FIT_FRACTION.
+
+Bytes as stored: a checkpoint with a compressed-tensors `quantization_config` (Kimi-K2.5: routed experts as INT4,
+group 32, symmetric, `pack-quantized`) stores each matched Linear as packed weights plus one bf16 scale per group:
+num_bits / 8 + 2 / group_size bytes a parameter (0.5625 for INT4 / 32). Matching follows compressed-tensors
+(`src/compressed_tensors/utils/match.py`): an `ignore` or `targets` entry 're:P' matches a module whose full name
+re.match-es P, any other entry equals the module's name or its class name ('Linear'). transformers fuses a MoE
+layer's experts into 3-D parameters (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]); the
+checkpoint names them per expert (`mlp.experts.K.gate_proj` ...), which is how they are matched here.
 """
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -23,12 +32,22 @@ FIT_FRACTION = 0.85          # of one GPU's memory for the weights; the rest: ac
 BYTES_PER_PARAM = 2          # bf16
 
 
+_META: dict[tuple[str, bool], torch.nn.Module] = {}          # the last few meta models, by config JSON
+
+
 def meta_model(tcfg, trust_remote_code: bool = False) -> torch.nn.Module:
-    """The target's model class built from its config on the meta device (shapes only, no memory)."""
+    """The target's model class built from its config on the meta device (shapes only, no memory; ~5 s for
+    Kimi-K2.5 on 2 cores, so the last 4 are kept, keyed by the config's JSON). Treat it as read-only."""
     from eagle3_core.target.loading import auto_model_class
-    with torch.device("meta"):
-        return auto_model_class(tcfg, type(tcfg).__name__).from_config(tcfg, dtype=torch.bfloat16,
-                                                                  trust_remote_code=trust_remote_code)
+    key = (tcfg.to_json_string(use_diff=False), trust_remote_code)
+    if key not in _META:
+        with torch.device("meta"):
+            model = auto_model_class(tcfg, type(tcfg).__name__).from_config(tcfg, dtype=torch.bfloat16,
+                                                                       trust_remote_code=trust_remote_code)
+        while len(_META) >= 4:
+            _META.pop(next(iter(_META)))
+        _META[key] = model
+    return _META[key]
 
 
 def param_bytes_per_rank(model: torch.nn.Module, tp_size: int, expert_parallel: bool = False) -> int:
@@ -46,6 +65,79 @@ def param_bytes_per_rank(model: torch.nn.Module, tp_size: int, expert_parallel: 
         split = style in SHARDING_STYLES and not (style in ROW_STYLES and p.dim() == 1)
         total += math.ceil(p.numel() / tp_size) if split else p.numel()
     return BYTES_PER_PARAM * total
+
+
+def quantization(tcfg) -> dict | None:
+    """The checkpoint's `quantization_config` as a dict (the wrapper's or its text model's), None if it has none."""
+    for c in (tcfg, getattr(tcfg, "text_config", None)):
+        q = getattr(c, "quantization_config", None) if c is not None else None
+        if q:
+            return q if isinstance(q, dict) else q.to_dict()
+    return None
+
+
+def _matches(entry: str, name: str, cls: str) -> bool:
+    return bool(re.match(entry[3:], name)) if entry.startswith("re:") else entry in (name, cls)
+
+
+def stored_bytes_per_param(name: str, cls: str, q: dict | None) -> float:
+    """Bytes a parameter of Linear module `name` (class `cls`) takes in the checkpoint: 2 (bf16) unless a
+    config group of compressed-tensors config `q` targets it and `ignore` does not. Raises ValueError for a
+    weights scheme other than int/float with strategy 'group' or 'channel' (the field named)."""
+    if not q or any(_matches(e, name, cls) for e in q.get("ignore") or []):
+        return BYTES_PER_PARAM
+    for group in (q.get("config_groups") or {}).values():
+        if any(_matches(e, name, cls) for e in group.get("targets") or []):
+            w = group.get("weights") or {}
+            if w.get("strategy") == "group":
+                return w["num_bits"] / 8 + BYTES_PER_PARAM / w["group_size"]
+            if w.get("strategy") == "channel":
+                return w["num_bits"] / 8
+            raise ValueError(f"quantization_config: weights strategy {w.get('strategy')!r} of a group targeting "
+                             f"{name} is not counted; known: 'group', 'channel'")
+    return BYTES_PER_PARAM
+
+
+def _fused_experts(module) -> bool:
+    return all(isinstance(getattr(module, n, None), torch.nn.Parameter) and getattr(module, n).dim() == 3
+               for n in ("gate_up_proj", "down_proj"))
+
+
+def stored_bytes(model: torch.nn.Module, q: dict | None) -> dict:
+    """{total, routed_experts (bytes), experts_quantized (bool)} of `model`'s parameters as the checkpoint stores
+    them (module docstring), from a meta_model: fused experts counted as the per-expert Linears they are stored as,
+    every other parameter in bf16 (the checkpoints' dtype; transformers keeps e.g. DeepseekV3's router in fp32 in
+    memory) unless its Linear is quantized; a tied parameter once."""
+    total = experts = 0
+    quantized, seen = False, set()
+    for name, module in model.named_modules():
+        own = {n: p for n, p in module.named_parameters(recurse=False) if id(p) not in seen}   # tied: once
+        seen.update(id(p) for p in own.values())
+        if _fused_experts(module):
+            for pname, stored_as in (("gate_up_proj", "gate_proj"), ("down_proj", "down_proj")):
+                per = stored_bytes_per_param(f"{name}.0.{stored_as}", "Linear", q)
+                quantized |= per < BYTES_PER_PARAM
+                experts += own.pop(pname).numel() * per
+        for pname, p in own.items():
+            total += p.numel() * (stored_bytes_per_param(name, type(module).__name__, q) if pname == "weight" and
+                                  isinstance(module, torch.nn.Linear) else BYTES_PER_PARAM)
+    return {"total": int(total + experts), "routed_experts": int(experts), "experts_quantized": quantized}
+
+
+def _expert_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for m in model.modules() if _fused_experts(m) for p in m.parameters(recurse=False))
+
+
+def ep_int4_bytes_per_rank(model: torch.nn.Module, q: dict | None, world: int) -> int:
+    """Bytes one of `world` ranks holds with backend 'ep_int4': 1/world of the routed experts as stored
+    (stored_bytes; each rank reads only its experts), every other parameter whole in bf16 (an upper bound: the
+    head-sharded attention holds 1/world of its projections), and one MoE layer of the rank's experts
+    dequantized to bf16 (the reused buffer)."""
+    sizes = stored_bytes(model, q)
+    layer = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules() if _fused_experts(m)),
+                default=0)
+    rest = BYTES_PER_PARAM * (sum(p.numel() for p in model.parameters()) - _expert_params(model))
+    return int(sizes["routed_experts"] / world + rest + BYTES_PER_PARAM * math.ceil(layer / world))
 
 
 def gpu_memory() -> tuple[int, int] | None:
@@ -69,34 +161,91 @@ def head_divisibility(t, tp_size: int) -> list[str]:
     return out
 
 
+def _experts(t) -> int:
+    return value_or_zero(t, "n_routed_experts", "num_local_experts", "num_experts")
+
+
+def value_or_zero(t, *fields: str) -> int:
+    return next((getattr(t, f) for f in fields if getattr(t, f, None)), 0)
+
+
 def backend_facts(cfg, tcfg, gpus: tuple[int, int] | None) -> tuple[dict, list[tuple[str, str]]]:
     """(facts, problems) of the features backend `cfg.features` asks for, on `gpus` (count, bytes per GPU; None:
-    no GPU, then the 'hf_tp' ranks share this host's RAM and only the layout is reported). Facts: parameter GB per
-    rank at tp_size 1, 2, 4, 8 and the chosen one, the smallest size that fits one GPU (`needs`). Problems: the
-    chosen size does not fit, heads not divisible by it, more ranks than GPUs (one host)."""
+    no GPU, then the ranks share this host's RAM and only the layout is reported).
+
+    Facts: the checkpoint's bytes as stored (stored_bytes: total, routed experts, their quantization), parameter
+    GB per rank in bf16 at tp_size 1, 2, 4, 8, ... and the chosen one (what 'hf' and 'hf_tp' hold: transformers
+    dequantizes a compressed-tensors checkpoint to bf16 at load), GB per rank with 'ep_int4' (routed experts kept
+    as stored, ep_int4_bytes_per_rank) where the experts are quantized, the GB per GPU of the chosen backend, and
+    the smallest backend and size that fit one GPU (`needs`). Problems, each naming the field to change: the
+    chosen backend and size do not fit (with the backend that would), heads or experts not divisible by the size,
+    'ep_int4' on a checkpoint without quantized experts."""
     from eagle3_core.target.family import text_config
     f, t = cfg.features, text_config(tcfg)
     model = meta_model(tcfg, cfg.target.trust_remote_code)
+    q = quantization(tcfg)
+    stored = stored_bytes(model, q)
     sizes = sorted({1, 2, 4, 8, 16, 32, 64, f.tp_size})
-    per_rank = {w: param_bytes_per_rank(model, w, f.expert_parallel and w > 1) for w in sizes}
+    ep = f.expert_parallel or f.backend == "ep_int4"
+    per_rank = {w: param_bytes_per_rank(model, w, ep and w > 1) for w in sizes}
+    int4 = ({w: ep_int4_bytes_per_rank(model, q, w) for w in sizes if w > 1 and not _uneven(t, w)}
+            if stored["experts_quantized"] else {})
     budget = FIT_FRACTION * gpus[1] if gpus else None
-    facts = {"chosen": f.backend, "tp_size": f.tp_size, "expert_parallel": f.expert_parallel,
+    facts = {"chosen": f.backend, "tp_size": f.tp_size, "expert_parallel": ep,
+             "checkpoint_gb": {"total": round(stored["total"] / 1e9, 2),
+                               "routed_experts": round(stored["routed_experts"] / 1e9, 2),
+                               "quantization": _scheme(q) if stored["experts_quantized"] else "none (bf16)"},
              "param_gb_per_rank_bf16": {w: round(b / 1e9, 2) for w, b in per_rank.items()},
              "gpus": f"{gpus[0]} x {gpus[1] / 1e9:.0f} GB" if gpus else "none (CPU: ranks share the RAM)"}
+    if int4:
+        facts["gb_per_rank_ep_int4"] = {w: round(b / 1e9, 2) for w, b in int4.items()}
+    chosen = int4.get(f.tp_size) if f.backend == "ep_int4" else per_rank[f.tp_size]
+    if chosen is not None:
+        facts["gb_per_gpu"] = round(chosen / 1e9, 2)
     if budget is not None:
-        fitting = [w for w in sizes if per_rank[w] <= budget and not head_divisibility(t, w)]
-        facts["needs"] = ("hf (the whole target fits one GPU)" if fitting and fitting[0] == 1 else
-                          f"hf_tp with tp_size >= {fitting[0]} ({per_rank[fitting[0]] / 1e9:.1f} GB of bf16 weights "
-                          f"per GPU, at most {FIT_FRACTION:.0%} of one)" if fitting else
-                          f"more than {sizes[-1]} GPUs of {gpus[1] / 1e9:.0f} GB")
+        facts["needs"] = _needs(t, sizes, per_rank, int4, budget, gpus[1])
     problems = []
-    if f.backend == "hf_tp":
-        problems += [("features.tp_size", m + ": transformers' tensor-parallel plan splits whole heads")
+    if f.backend in ("hf_tp", "ep_int4"):
+        problems += [("features.tp_size", m + ": the tensor-parallel plan splits whole heads")
                      for m in head_divisibility(t, f.tp_size)]
-        if budget is not None and per_rank[f.tp_size] > budget:
-            problems.append(("features.tp_size", f"{per_rank[f.tp_size] / 1e9:.1f} GB of bf16 weights per GPU at "
-                             f"tp_size {f.tp_size} exceed {FIT_FRACTION:.0%} of one GPU ({gpus[1] / 1e9:.0f} "
-                             f"GB); needs {facts['needs']}"))
-        if gpus and f.tp_size > gpus[0]:
-            facts["hosts"] = f"tp_size {f.tp_size} > {gpus[0]} GPUs here: torchrun over several hosts (nnodes)"
+    if f.backend == "ep_int4":
+        if not stored["experts_quantized"]:
+            problems.append(("features.backend", "'ep_int4' keeps routed experts as the checkpoint stores them, "
+                             "but this checkpoint's experts are not quantized (no quantization_config targets "
+                             "them): use 'hf_tp' (or 'hf' where the target fits one GPU)"))
+        elif _uneven(t, f.tp_size):
+            problems.append(("features.tp_size", f"{f.tp_size} must divide the {_experts(t)} routed experts "
+                             f"(each rank holds whole experts)"))
+    if budget is not None and chosen is not None and chosen > budget and f.backend != "hf":
+        problems.append(("features.backend" if int4 and f.backend == "hf_tp" else "features.tp_size",
+                         f"{chosen / 1e9:.1f} GB of weights per GPU with backend {f.backend!r} at tp_size "
+                         f"{f.tp_size} exceed {FIT_FRACTION:.0%} of one GPU ({gpus[1] / 1e9:.0f} GB); needs "
+                         f"{facts['needs']}"))
+    if gpus and f.tp_size > gpus[0]:
+        facts["hosts"] = f"tp_size {f.tp_size} > {gpus[0]} GPUs here: torchrun over several hosts (nnodes)"
     return facts, problems
+
+
+def _uneven(t, w: int) -> bool:
+    return not _experts(t) or _experts(t) % w != 0
+
+
+def _scheme(q: dict) -> str:
+    w = next(iter((q.get("config_groups") or {}).values()), {}).get("weights") or {}
+    return (f"{w.get('type')}{w.get('num_bits')} {w.get('strategy')} {w.get('group_size') or ''} "
+            f"({q.get('quant_method')} {q.get('format')})").replace("  ", " ")
+
+
+def _needs(t, sizes, per_rank, int4, budget, gpu_bytes) -> str:
+    """The smallest way to fit one GPU: the whole target ('hf'), else 'ep_int4' at the fewest ranks, else 'hf_tp'."""
+    fitting = [w for w in sizes if per_rank[w] <= budget and not head_divisibility(t, w)]
+    if fitting and fitting[0] == 1:
+        return "hf (the whole target fits one GPU)"
+    fits4 = [w for w, b in int4.items() if b <= budget and not head_divisibility(t, w)]
+    if fits4:
+        return (f"ep_int4 with tp_size >= {fits4[0]} ({int4[fits4[0]] / 1e9:.1f} GB per GPU with the routed "
+                f"experts kept as stored, at most {FIT_FRACTION:.0%} of one)")
+    if fitting:
+        return (f"hf_tp with tp_size >= {fitting[0]} ({per_rank[fitting[0]] / 1e9:.1f} GB of bf16 weights per GPU, "
+                f"at most {FIT_FRACTION:.0%} of one)")
+    return f"more than {sizes[-1]} GPUs of {gpu_bytes / 1e9:.0f} GB"
