@@ -2,6 +2,8 @@
 replayed on recorded greedy output, takes the same verify steps and accepts the same tokens as
 speculate.speculative_generate running the target at every verify step: exactly for a draft that reads no features,
 within float rounding for the trained one."""
+from pathlib import Path
+
 import pytest
 
 from eagle3_core.data.chat import prompt_ids
@@ -85,3 +87,57 @@ def test_batched_recording_is_the_one_prompt_recording(target_model, tokenizer):
         assert a["tokens"] == b["tokens"] and a["prompt"] == b["prompt"]
         torch.testing.assert_close(a["aux"], b["aux"])
     assert any(len(r["tokens"]) == 24 for r in one)
+
+
+@pytest.mark.slow
+def test_the_evaluate_stage_by_replay_measures_the_tau_of_decoding(e2e_run, tmp_path):
+    """eval.evaluator 'replay' on the end-to-end run: the target's greedy outputs from its serving engine
+    (server.kind 'transformers': BatchedGenerator, temperature 0), aux states from the features stage on a run of
+    their own, the drafts replayed. Same prompts, same draft: the tau of the decoding evaluator within the near-tie
+    rule above; the breakdowns cover every verify step; a second call is done (its manifest)."""
+    import json
+    import shutil
+
+    from eagle3_core.contract.layout import RunLayout
+    from eagle3_core.pipeline.evaluate_stage import run_evaluate
+    cfg, _ = e2e_run
+    decoded = json.loads((RunLayout(cfg.run_dir).eval / "report.json").read_text())
+    run_dir = tmp_path / "run"
+    shutil.copytree(cfg.run_dir, run_dir, ignore=shutil.ignore_patterns("eval"))
+    replay_cfg = cfg.model_copy(update={"run_dir": run_dir, "eval": cfg.eval.model_copy(update={"evaluator": "replay"}),
+                                        "server": cfg.server.model_copy(update={"kind": "transformers"})})
+    lines = []
+    out = run_evaluate(replay_cfg, log=lines.append)
+    report = json.loads(Path(out["report"]).read_text())
+    assert report["evaluator"] == "replay" and decoded["evaluator"] == "decode"
+    assert report["eval_ids"] == decoded["eval_ids"]
+    tr, dec = report["trained"], decoded["trained"]
+    assert abs(tr["tau"] - dec["tau"]) <= 0.1 * dec["tau"], (tr["tau"], dec["tau"])
+    assert tr["tokens_from_verify"] == dec["tokens_from_verify"]          # the same greedy tokens were verified
+    steps = tr["verify_steps"]
+    for kind in ("category", "length", "segment"):
+        assert sum(v["verify_steps"] for v in tr["breakdown"][kind].values()) == steps, kind
+    assert set(tr["breakdown"]["segment"]) <= {"answer", "reasoning", "tool_call"}
+    assert (RunLayout(run_dir).eval / "replay" / "features" / "manifest.json").exists()
+    assert any("recorded the target's greedy outputs" in line for line in lines)
+    assert run_evaluate(replay_cfg, log=lines.append)["inputs_key"] == out["inputs_key"]          # done: not again
+    from eagle3_core.pipeline.report import collect, markdown, write_plots
+    r = collect(run_dir)
+    r["plots"] = write_plots(r, run_dir)
+    md = markdown(r)
+    assert "Evaluator: replay" in md and "segment of the verify step's root token" in md
+    assert f"| answer | {tr['breakdown']['segment']['answer']['tau']:.2f} |" in md
+
+
+def test_segments_follow_the_targets_own_markers():
+    from eagle3_core.evaluation.replay_record import breakdown, bucket, segments
+    markers = {"reasoning": ({1}, {2}), "tool_call": ({3}, {4})}
+    assert segments([0, 1, 5, 2, 0, 3, 5, 4, 0], markers) == ["answer", "reasoning", "reasoning", "reasoning",
+                                                              "answer", "tool_call", "tool_call", "tool_call", "answer"]
+    assert [bucket(n) for n in (1, 512, 513, 40000)] == ["<=512", "<=512", "<=2048", ">32768"]
+    rec = {"prompt": [0, 0], "tokens": [1, 5, 2, 0, 0, 0]}
+    runs = [{"accepted": [2, 0, 1], "roots": [1, 4, 5]}]      # roots: positions in prompt + tokens
+    b = breakdown(runs, [rec], ["math"], markers)
+    assert b["category"]["math"]["tau"] == (3 + 1 + 2) / 3
+    # root 4 is the close marker (reasoning, a = 0); roots 1 and 5 are answer tokens (a = 2, 1)
+    assert b["segment"]["reasoning"]["tau"] == 1 and b["segment"]["answer"]["tau"] == (3 + 2) / 2

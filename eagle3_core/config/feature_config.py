@@ -46,6 +46,14 @@ class FeatureConfig(StrictModel):
         return v
 
     @model_validator(mode="after")
+    def _import_names_its_layers(self):
+        if self.import_from and self.aux_layer_ids is None:
+            raise ValueError(f"features.import_from {self.import_from!r} needs explicit features.aux_layer_ids: the "
+                             f"other tool chose its layers (SpecForge: its draft config's "
+                             f"eagle_aux_hidden_state_layer_ids); give the same three ids")
+        return self
+
+    @model_validator(mode="after")
     def _parallel_needs_hf_tp(self):
         if self.backend == "hf" and (self.tp_size != 1 or self.expert_parallel):
             raise ValueError(f"features.tp_size = {self.tp_size}, expert_parallel = {self.expert_parallel} need "

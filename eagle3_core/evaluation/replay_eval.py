@@ -74,7 +74,8 @@ def replay_chain(draft, rec: dict, num_steps: int) -> dict:
     """Chain drafting of `num_steps` tokens per verify step against one recording (module docstring).
 
     draft: an Eagle3Draft in eval mode (its device and dtype are used). Returns {accepted (draft tokens accepted
-    per verify step), verify_steps, tokens_from_verify (M - 1: the prefill gives g_1)}, as
+    per verify step), verify_steps, tokens_from_verify (M - 1: the prefill gives g_1), roots (the position in
+    prompt + g of each verify step's root token)}, as
     speculate.speculative_generate counts them. Raises ValueError if the recording holds no generated token."""
     s, n, M = rec["prompt"] + rec["tokens"], len(rec["prompt"]), len(rec["tokens"])
     if M == 0:
@@ -88,8 +89,9 @@ def replay_chain(draft, rec: dict, num_steps: int) -> dict:
 
     dcache = {}
     out, logits = decode(s[1:n + 1], aux[:n], 0, dcache)             # pairs (f_p, x_{p+1}), p = 0..n-1
-    h, logits, P, accepted = out[:, -1:], logits[0, -1], n, []
+    h, logits, P, accepted, roots = out[:, -1:], logits[0, -1], n, [], []
     while P - n + 1 < M:                                             # g_1..g_{P-n+1} committed, root s[P]
+        roots.append(P)
         tree = build_tree(draft, s[P], h, logits, dcache, P, num_steps, 1, num_steps + 1)
         a = 0
         while a < num_steps and (P + a + 1 >= len(s) or tree.tokens[a + 1] == s[P + a + 1]):
@@ -99,10 +101,10 @@ def replay_chain(draft, rec: dict, num_steps: int) -> dict:
             break
         out, lg = decode(s[P + 1:P + a + 2], aux[P:P + a + 1], P, dcache)   # accepted + bonus, kept nodes' aux
         h, logits, P = out[:, -1:], lg[0, -1], P + a + 1
-    return {"accepted": accepted, "verify_steps": len(accepted), "tokens_from_verify": M - 1}
+    return {"accepted": accepted, "verify_steps": len(accepted), "tokens_from_verify": M - 1, "roots": roots}
 
 
-def replay_measure(draft, recordings: list[dict], num_steps: int) -> dict:
+def replay_measure(draft, recordings: list[dict], num_steps: int, keep_runs: bool = False) -> dict:
     """tau of `draft` over the recordings (replay_chain each): {tau, tau_ci95 (evaluate.bootstrap_ci), prompts,
     accept_per_position (fraction of verify steps that reached position i and accepted it), per_prompt
     ([tokens_from_verify, verify_steps] per recording, for evaluate.paired_bootstrap_diff_ci)}."""
@@ -115,4 +117,5 @@ def replay_measure(draft, recordings: list[dict], num_steps: int) -> dict:
         per_pos.append(sum(1 for a in acc if a >= i + 1) / reached if reached else 0.0)
     return {"tau": sum(produced) / max(sum(steps), 1), "tau_ci95": bootstrap_ci(produced, steps),
             "prompts": len(runs), "accept_per_position": per_pos,
-            "per_prompt": [[p, st] for p, st in zip(produced, steps, strict=True)]}
+            "per_prompt": [[p, st] for p, st in zip(produced, steps, strict=True)], **({"runs": runs} if keep_runs
+                                                                                      else {})}

@@ -87,8 +87,83 @@ def read_sample(path: Path, hidden_size: int) -> dict[str, torch.Tensor]:
             raise FeatureImportError(f"{path}: {field} is {t.shape[1]} wide but {what} = {width}: the file was "
                                      f"made with other layers or another target; extract it again for this target "
                                      f"or set target.model to the one it came from")
+        if not torch.isfinite(t).all():
+            bad = (~torch.isfinite(t)).any(-1).nonzero().flatten()
+            raise FeatureImportError(f"{path}: {field} holds non-finite values (NaN or inf) at {bad.numel()} of {T} "
+                                     f"positions (first: {bad[:5].tolist()}): the other tool's forward overflowed "
+                                     f"or the file is damaged; extract this sample again or leave it out")
         out[name] = t
     return out
+
+
+HEAD_SUFFIXES = {"embed": ("embed_tokens.weight", "wte.weight", "word_embeddings.weight"),
+                 "lm_head": ("lm_head.weight", "output.weight")}
+
+
+def _hub_file(model: str, name: str, revision: str | None) -> Path | None:
+    """One file of a hub repository (downloaded once into the hub cache), None if the repository has none."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+    try:
+        return Path(hf_hub_download(model, name, revision=revision))
+    except EntryNotFoundError:
+        return None
+
+
+def head_tensors(model_dir: str | Path, revision: str | None = None) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """(embedding [V, H_t], lm_head [V, H_t], the tensor names read) from the target's safetensors in
+    `model_dir` (a directory, or a hub name: then only the index and the one or two shard files holding these
+    tensors are downloaded) through the index's weight_map or the single model.safetensors, reading exactly those
+    one or two tensors (a tied lm_head is the embedding); a vision tower's embeddings are passed over. Raises
+    FeatureImportError naming the directory when no file or no embedding is found."""
+    import json
+
+    if not Path(model_dir).is_dir():                                   # a hub name
+        index = _hub_file(str(model_dir), "model.safetensors.index.json", revision)
+        single = None if index else _hub_file(str(model_dir), "model.safetensors", revision)
+        where = json.loads(index.read_text())["weight_map"] if index else {}
+        local = (lambda f: _hub_file(str(model_dir), f, revision)) if index else (lambda f: single)
+        return _read_head(model_dir, where or _keys(single), local)
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        where = json.loads(index.read_text())["weight_map"]
+    elif (model_dir / "model.safetensors").exists():
+        where = _keys(model_dir / "model.safetensors")
+    else:
+        raise FeatureImportError(f"{model_dir}: no model.safetensors(.index.json): the import reads the target's "
+                                 f"embedding and lm_head from its safetensors; give target.model as a directory or "
+                                 f"hub name with safetensors weights")
+
+    return _read_head(model_dir, where, lambda f: model_dir / f)
+
+
+def _keys(path: Path | None) -> dict[str, str]:
+    from safetensors import safe_open
+    if path is None:
+        return {}
+    with safe_open(path, "pt") as f:
+        return {k: path.name for k in f.keys()}
+
+
+def _read_head(where_from, where: dict[str, str], local) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """head_tensors' reading: `where` {tensor name: file name}, local(file name) -> its path."""
+    from safetensors import safe_open
+
+    def find(kind: str) -> str | None:
+        names = [k for k in where if k.endswith(HEAD_SUFFIXES[kind]) and "vision" not in k and "visual" not in k]
+        return min(names, key=len) if names else None
+
+    names = {kind: find(kind) for kind in HEAD_SUFFIXES}
+    if names["embed"] is None:
+        raise FeatureImportError(f"{where_from}: no embedding tensor ({', '.join(HEAD_SUFFIXES['embed'])}) in the "
+                                 f"target's safetensors; the import needs the target's embedding and lm_head")
+    read = {}
+    for name in {n for n in names.values() if n}:
+        with safe_open(local(where[name]), "pt") as f:
+            read[name] = f.get_tensor(name)
+    embed = read[names["embed"]]
+    return embed, read[names["lm_head"]] if names["lm_head"] else embed, sorted(read)
 
 
 def _ids_key(ids) -> str:
@@ -169,14 +244,32 @@ class ImportedExtractor:
         return self.embed, self.lm
 
 
-def imported_extractor(src: Path, rows: list[dict], target_model, aux_layer_ids: list[int],
-                       where: str) -> ImportedExtractor:
+def imported_extractor(src: Path, rows: list[dict], config, embed: torch.Tensor, lm_head: torch.Tensor,
+                       aux_layer_ids: list[int], where: str) -> ImportedExtractor:
     """The ImportedExtractor for the files under `src` and the tokenized `rows`, every file checked first
-    (match_files). target_model: the target (its config and head weights are read; nothing runs)."""
+    (match_files). config: the target's config; embed, lm_head: its head weights (head_tensors: nothing else of
+    the target is read, nothing runs)."""
     from eagle3_core.target.family import text_config
-    H = text_config(target_model.config).hidden_size
+    H = text_config(config).hidden_size
     files = match_files(feature_files(src), rows, H, where)
     by_key = {_ids_key(r["input_ids"]): files[r["id"]] for r in rows}
-    emb = target_model.get_input_embeddings().weight.detach()
-    lm = target_model.get_output_embeddings().weight.detach()
-    return ImportedExtractor(target_model.config, emb, lm, aux_layer_ids, by_key)
+    return ImportedExtractor(config, embed, lm_head, aux_layer_ids, by_key)
+
+
+def aux_spot_check(extractor: ImportedExtractor, target_model, row: dict, tolerance: float = 0.1) -> float:
+    """The relative difference mean|ours - theirs| / mean|ours| between the target's own aux states over `row`
+    (HFExtractor, this process) and the imported file's; raises FeatureImportError naming the file and
+    features.aux_layer_ids above `tolerance` (0.1: bf16 forwards of one target differ by about 1-2%, other layers
+    by tens of percent). Returns the difference."""
+    from eagle3_core.features.extract import HFExtractor
+    ours = HFExtractor(target_model, extractor.aux_layer_ids).forward([list(row["input_ids"])])["aux"][0].float()
+    path = extractor.files[_ids_key(row["input_ids"])]
+    theirs = read_sample(path, extractor.hidden_size)["aux"].float()
+    diff = float((ours - theirs).abs().mean() / ours.abs().mean().clamp_min(1e-12))
+    if diff > tolerance:
+        raise FeatureImportError(f"{path}: its aux states differ from the target's at features.aux_layer_ids "
+                                 f"{extractor.aux_layer_ids} by {diff:.0%} (mean relative; at most {tolerance:.0%} "
+                                 f"for the same layers): the file holds other layers or another target; set "
+                                 f"features.aux_layer_ids to the ids the other tool captured (SpecForge: its draft "
+                                 f"config's eagle_aux_hidden_state_layer_ids)")
+    return diff

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from eagle3_core.config import PipelineConfig
+from eagle3_core.config.eval_config import resolved_evaluator
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.run_stage import run_stage
 from eagle3_core.data import prompt_set as prompts_mod
@@ -28,6 +29,59 @@ def category(row: dict) -> str:
     return str(meta.get("category") or row.get("source") or "all")
 
 
+def _replay(cfg: PipelineConfig, tok, prompts, cats, drafts: dict, eos: set[int], log) -> dict:
+    """eval.evaluator 'replay': the target's greedy outputs from the serving engine, their aux states from the
+    features backend (replay_recordings), each draft replayed against them, tau overall and by category, context
+    length and segment (replay_record.breakdown). Returns the report's runs {name: replay_measure + breakdown,
+    per_category, lossless} and {evaluator, recording}."""
+    from eagle3_core.evaluation.replay_eval import replay_measure
+    from eagle3_core.evaluation.replay_record import breakdown, greedy_outputs, marker_ids
+    outputs = greedy_outputs(cfg, prompts, eos, log)
+    recs = replay_recordings(cfg, prompts, outputs, log)
+    markers = marker_ids(tok)
+    report = {"evaluator": "replay", "recording": {"prompts": len(recs), "tokens": sum(map(len, outputs)),
+                                                  "server": cfg.server.kind, "features_backend":
+                                                  cfg.features.backend}}
+    for name, (draft, idx) in drafts.items():
+        idx = list(range(len(recs))) if idx is None else idx
+        sel = [recs[i] for i in idx]
+        r = replay_measure(draft.eval(), sel, cfg.eval.num_draft_steps, keep_runs=True)
+        r["breakdown"] = breakdown(r.pop("runs"), sel, [cats[i] for i in idx], markers)
+        r["per_category"] = r["breakdown"]["category"]
+        r["tokens_from_verify"] = sum(p for p, _ in r["per_prompt"])
+        r["verify_steps"] = sum(st for _, st in r["per_prompt"])
+        r["params"] = {"num_steps": cfg.eval.num_draft_steps, "topk": 1}
+        r["lossless"] = "by construction (the draft replayed against the target's own greedy output)"
+        report[name] = r
+    return report
+
+
+def replay_recordings(cfg, prompts: list[list[int]], outputs: list[list[int]], log=print) -> list[dict]:
+    """replay_eval recordings {prompt, tokens, aux (float32 [n + M, 3H_t])}: the aux states of prompt + output
+    from the run's features backend (pipeline.features_stage.run_features on a run of its own,
+    eval/replay/: its tokenized/train.parquet holds the sequences, a rerun with the same sequences is done)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle3_core.contract.manifest import sha256_json, write_manifest
+    from eagle3_core.features.reader import load_samples
+    from eagle3_core.pipeline.features_stage import run_features
+    sub = cfg.model_copy(update={"run_dir": RunLayout(cfg.run_dir).eval / "replay",
+                                 "features": cfg.features.model_copy(update={"import_from": None})})
+    layout = RunLayout(sub.run_dir)
+    seqs = [p + g for p, g in zip(prompts, outputs, strict=True)]
+    rows = [{"id": f"eval-{i}", "input_ids": s, "loss_mask": [0] * len(p) + [1] * len(g)}
+            for i, (s, p, g) in enumerate(zip(seqs, prompts, outputs, strict=True))]
+    layout.tokenized_train.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), layout.tokenized_train)
+    write_manifest(layout.tokenized_train.parent / "manifest.json",
+                   {"inputs_key": sha256_json(["replay-recording", seqs]), "rows": len(rows)})
+    run_features(sub, log)
+    samples = load_samples(layout.features)
+    return [{"prompt": p, "tokens": g, "aux": s["aux"].float()} for p, g, s in zip(prompts, outputs, samples,
+                                                                                  strict=True)]
+
+
 def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     """Pre-flight check of the exported draft against the target, then offline tau on the held-out prompts: the
     trained draft as a chain and as an SGLang-style tree, an untrained draft as a chain; simulated vs measured tau
@@ -43,7 +97,6 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     def body() -> dict:
         preflight(Path(up["export_dir"]), target_config(cfg))
         tok = load_tokenizer(cfg.target)
-        model = load_target(cfg.target)
         rows = prompts_mod.read_rows(RunLayout(cfg.run_dir).prompts_eval)
         kwargs = cfg.generation.chat_template_kwargs or None          # the thinking mode the draft was trained in
         prompts = [prompt_ids(tok, r["messages"], json.loads(r["tools"]) if r.get("tools") else None, kwargs)
@@ -57,6 +110,22 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
         def subset(n: int | None) -> list[int] | None:                     # the first n held-out prompts
             return None if n is None else list(range(min(n, len(prompts))))
 
+        cats = [category(r) for r in rows]
+        if resolved_evaluator(e.evaluator, cfg.features.backend) == "replay":
+            report = _replay(cfg, tok, prompts, cats, {"trained": (trained, None),
+                                                      "untrained": (untrained, subset(e.untrained_prompts))},
+                             eos, log)
+            report.update({"eval_ids": [r["id"] for r in rows], "num_draft_steps": S,
+                           "max_new_tokens": e.max_new_tokens, "aux_layer_ids": ids, "preflight": "passed",
+                           "sampling": {"temperature": 0.0, "top_p": 1.0, "greedy": True,
+                                        "chat_template_kwargs": cfg.generation.chat_template_kwargs},
+                           "consistency": tau_consistency(report["trained"]["tau"], up, S)})
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "report.json").write_text(json.dumps(report, indent=2))
+            log(f"eval (replay): tau trained {report['trained']['tau']:.2f} (chain), untrained "
+                f"{report['untrained']['tau']:.2f}; by segment " + ", ".join(
+                    f"{k} {v['tau']:.2f}" for k, v in report["trained"]["breakdown"]["segment"].items()))
+            return {"report": str(out / "report.json"), "summary": report, "sampling": report["sampling"]}
         runs = {"trained": SpecRun(trained, S)}
         if e.tree_topk > 1:
             runs["trained_tree"] = SpecRun(trained, S, e.tree_topk, e.tree_num_draft_tokens, subset(e.tree_prompts))
@@ -70,9 +139,10 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
             if on_progress is not None:
                 on_progress(done, total, name)
 
-        report = measure(TargetRunner(model, ids), runs, prompts, [category(r) for r in rows], e.max_new_tokens,
+        model = load_target(cfg.target)
+        report = measure(TargetRunner(model, ids), runs, prompts, cats, e.max_new_tokens,
                          eos, e.tie_gap, on_prompt=progress)
-        report.update({"eval_ids": [r["id"] for r in rows], "num_draft_steps": S,
+        report.update({"evaluator": "decode", "eval_ids": [r["id"] for r in rows], "num_draft_steps": S,
                        "max_new_tokens": e.max_new_tokens, "aux_layer_ids": ids, "preflight": "passed",
                        "sampling": {"temperature": 0.0, "top_p": 1.0, "greedy": True,
                                     "chat_template_kwargs": cfg.generation.chat_template_kwargs},

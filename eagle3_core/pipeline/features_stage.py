@@ -13,14 +13,14 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import cached_manifest, read_manifest, write_manifest
 from eagle3_core.distributed.launch import run_torchrun
-from eagle3_core.pipeline.keys import aux_ids, stage_key, target_key, upstream_manifest
+from eagle3_core.pipeline.keys import aux_ids, stage_key, target_config, target_key, upstream_manifest
 
 
 def run_features(cfg: PipelineConfig, log=print) -> dict:
     """Aux hidden states of the target at the aux layer ids, sharded safetensors (features/), all shards in one
     call (the Prefect flow runs them one task per shard instead: run_features_shard, finish_features). Backend
     'hf_tp' (a target sharded over features.tp_size GPUs): one torchrun for all shards (tp_extract.run_features_tp)."""
-    if cfg.features.backend == "hf_tp":
+    if cfg.features.backend != "hf" and not cfg.features.import_from:        # an import runs no target
         return run_features_tp(cfg, log)
     from eagle3_core.features.store import bad_shards, extract_features
     from eagle3_core.target.family import num_layers
@@ -31,13 +31,14 @@ def run_features(cfg: PipelineConfig, log=print) -> dict:
         if not (bad := bad_shards(out, m["shards"])):            # data on disk is the source of truth
             return m
         log(f"features: shard(s) {bad} missing or changed since written; extracting them again")
-    device = "cuda" if torch.cuda.is_available() and not cfg.features.import_from else "cpu"
-    model = load_target(cfg.target, device)
-    ids = aux_ids(cfg, num_layers(model.config))
     f = cfg.features
     rows = tokenized_rows(cfg)
     if f.import_from:
-        model = _imported(cfg, model, ids, rows)
+        model = _imported(cfg, rows, log)
+        ids = model.aux_layer_ids
+    else:
+        model = load_target(cfg.target, "cuda" if torch.cuda.is_available() else "cpu")
+        ids = aux_ids(cfg, num_layers(model.config))
     manifest = extract_features(model, rows, out, ids, f.shard_samples, f.batch_tokens,
                                 store_format=f.format, log=log, target=cfg.target.model_dump(),
                                 writer_threads=f.writer_threads)
@@ -72,15 +73,28 @@ def import_key(cfg: PipelineConfig) -> dict:
 _imports: dict[tuple, object] = {}
 
 
-def _imported(cfg: PipelineConfig, model, ids: list[int], rows: list[dict]):
+def _imported(cfg: PipelineConfig, rows: list[dict], log=print):
     """The ImportedExtractor of features.import_from for this run's tokenized rows, every file checked once per
-    process (the flow's shard tasks share it)."""
-    from eagle3_core.features.specforge_import import imported_extractor
+    process (the flow's shard tasks share it). It reads the target's config and exactly its embedding and lm_head
+    tensors (specforge_import.head_tensors), under every backend; where the target runs in this process (backend
+    'hf') the first sample's aux states are checked against the target's own (aux_spot_check)."""
+    from eagle3_core.features.specforge_import import aux_spot_check, head_tensors, imported_extractor
+    from eagle3_core.target.family import num_layers
+    from eagle3_core.target.loading import local_model_dir
     path = RunLayout(cfg.run_dir).tokenized_train
-    key = (cfg.features.import_from, str(path), path.stat().st_mtime_ns, tuple(ids))
+    key = (cfg.features.import_from, str(path), path.stat().st_mtime_ns, cfg.target.model_dump_json(),
+           tuple(cfg.features.aux_layer_ids or ()))
     if key not in _imports:
         _imports.clear()
-        _imports[key] = imported_extractor(Path(cfg.features.import_from), rows, model, ids, str(path))
+        tcfg = target_config(cfg)
+        ids = aux_ids(cfg, num_layers(tcfg))
+        embed, lm, names = head_tensors(local_model_dir(cfg.target), cfg.target.revision)
+        extractor = imported_extractor(Path(cfg.features.import_from), rows, tcfg, embed, lm, ids, str(path))
+        log(f"features: importing {cfg.features.import_from}; read {names} of the target's weights")
+        if cfg.features.backend == "hf":
+            diff = aux_spot_check(extractor, loaded_target(cfg.target.model_dump_json(), "cpu"), rows[0])
+            log(f"features: sample {rows[0]['id']!r}: imported aux states within {diff:.1%} of the target's")
+        _imports[key] = extractor
     return _imports[key]
 
 
@@ -179,7 +193,7 @@ def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
     inputs_key, seconds}. Raises ValueError for a shard id out of range, or for features.backend 'hf_tp' (its
     ranks extract all shards in one torchrun: run_features)."""
     from eagle3_core.features.store import extract_features
-    if cfg.features.backend != "hf":
+    if cfg.features.backend != "hf" and not cfg.features.import_from:
         raise ValueError(f"features.backend {cfg.features.backend!r} extracts all shards in one torchrun "
                          f"(run_features / tasks.distributed.features_tp_task), not one shard per task")
     from eagle3_core.target.family import num_layers
@@ -193,11 +207,12 @@ def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
     extracted = entry is None
     if extracted:
         f = cfg.features
-        device = "cuda" if torch.cuda.is_available() and not f.import_from else "cpu"
-        model = loaded_target(cfg.target.model_dump_json(), device)
-        ids = aux_ids(cfg, num_layers(model.config))
         if f.import_from:
-            model = _imported(cfg, model, ids, rows)
+            model = _imported(cfg, rows, log)
+            ids = model.aux_layer_ids
+        else:
+            model = loaded_target(cfg.target.model_dump_json(), "cuda" if torch.cuda.is_available() else "cpu")
+            ids = aux_ids(cfg, num_layers(model.config))
         store = extract_features(model, rows, out, ids, f.shard_samples,
                                  f.batch_tokens, store_format=f.format, log=log, target=cfg.target.model_dump(),
                                  writer_threads=f.writer_threads, only_shards={shard})

@@ -86,15 +86,16 @@ def write_plots(r: dict, run_dir: Path) -> dict[str, str]:
     ev, out = r["eval"], Path(run_dir) / "plots"
     runs = _runs(ev)
     tau_sim = (ev.get("consistency") or {}).get("tau_sim_at_steps")
-    bars = {"target only (offline)": ev["baseline"]["tokens_per_s"]}
-    bars.update({run_label(k, d): d["tokens_per_s"] for k, d in runs.items()})
+    bars = {"target only (offline)": ev["baseline"]["tokens_per_s"]} if "baseline" in ev else {}   # replay: none
+    bars.update({run_label(k, d): d["tokens_per_s"] for k, d in runs.items() if "tokens_per_s" in d})
     lc = r.get("llama_cpp")
     if lc:
         bars.update({"llama.cpp, no draft": lc["baseline_tokens_per_s"], "llama.cpp, EAGLE-3": lc["tokens_per_s"]})
     paths = {"acceptance_per_position": plot_acceptance_per_position(runs, out / "acceptance_per_position.png"),
-             "tau": plot_tau(runs, out / "tau.png", tau_sim),
-             "tokens_per_s": plot_tok_s(bars, out / "tokens_per_s.png",
-                                        "Tokens/s on this machine (ratios vs the first bar)")}
+             "tau": plot_tau(runs, out / "tau.png", tau_sim)}
+    if len(bars) > 1:
+        paths["tokens_per_s"] = plot_tok_s(bars, out / "tokens_per_s.png",
+                                           "Tokens/s on this machine (ratios vs the first bar)")
     return {k: str(v.relative_to(run_dir)) for k, v in paths.items()}
 
 
@@ -151,8 +152,30 @@ def plots_markdown_inline(plots: dict[str, str], run_dir: Path) -> str:
                        for name, rel in plots.items()) + "\n"
 
 
+def _replay_table(ev: dict, runs: dict[str, dict]) -> list[str]:
+    """The acceptance table of a replay evaluation, and tau per context length and segment of the trained draft."""
+    rec = ev.get("recording") or {}
+    lines = [f"Evaluator: replay (the target's greedy outputs on {rec.get('prompts', '?')} held-out prompts from "
+             f"server {rec.get('server', '?')!r}, aux states from features backend "
+             f"{rec.get('features_backend', '?')!r}; lossless by construction, no tok/s: nothing decoded here).", "",
+             "| draft | drafting | prompts | tau | 95% CI | tokens | verify steps |", "|---|---|---|---|---|---|---|"]
+    for name, d in runs.items():
+        lines.append(f"| {name} | {_shape(d)} | {d.get('prompts', '')} | {d['tau']:.2f} | "
+                     f"{d['tau_ci95'][0]:.2f}-{d['tau_ci95'][1]:.2f} | {d['tokens_from_verify']} | "
+                     f"{d['verify_steps']} |")
+    for kind, title in (("length", "context length at the verify step (tokens)"),
+                        ("segment", "segment of the verify step's root token")):
+        rows = (ev["trained"].get("breakdown") or {}).get(kind) or {}
+        lines += ["", f"tau of the trained draft by {title} (95% CI):", "", "| | tau | 95% CI | verify steps |",
+                  "|---|---|---|---|"]
+        lines += [f"| {k} | {v['tau']:.2f} | {v['tau_ci95'][0]:.2f}-{v['tau_ci95'][1]:.2f} | {v['verify_steps']} |"
+                  for k, v in rows.items()]
+    return lines + [""]
+
+
 def markdown(r: dict) -> str:
-    ev, base = r["eval"], r["eval"]["baseline"]
+    ev = r["eval"]
+    base = ev.get("baseline")
     tr, runs = ev["trained"], _runs(ev)
     lines = [
         "# EAGLE-3 draft report", "",
@@ -169,15 +192,18 @@ def markdown(r: dict) -> str:
         "prompts) | speed-up | lossless (equal/near-tie/mismatch) |"),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, d in runs.items():
+    if base is None:                                                   # eval.evaluator 'replay'
+        lines = lines[:-2] + _replay_table(ev, runs)
+    for name, d in runs.items() if base is not None else ():
         ll = d["lossless"]
         lines.append(f"| {name} | {_shape(d)} | {d.get('prompts', '')} | {d['tau']:.2f} | "
                      f"{d['tau_ci95'][0]:.2f}-{d['tau_ci95'][1]:.2f} | {d['tokens_from_verify']} | "
                      f"{d['verify_steps']} | {d['tokens_per_s']:.1f} | "
                      f"{d.get('baseline_tokens_per_s', base['tokens_per_s']):.1f} | {d['speedup']:.2f}x | "
                      f"{ll['equal']}/{ll['near_tie']}/{ll['mismatch']} |")
-    lines += [(f"| none (target only) | | {base.get('prompts', '')} | 1.00 | | {base['tokens']} | "
-              f"{base['target_forward_calls']} | {base['tokens_per_s']:.1f} | | 1.00x | |"), ""]
+    if base is not None:
+        lines += [(f"| none (target only) | | {base.get('prompts', '')} | 1.00 | | {base['tokens']} | "
+                  f"{base['target_forward_calls']} | {base['tokens_per_s']:.1f} | | 1.00x | |"), ""]
     for name, d in runs.items():
         lines.append(f"Acceptance per draft position ({name}, {_shape(d)}): "
                      + ", ".join(f"{i + 1}: {a:.2f}" for i, a in enumerate(d["accept_per_position"])))

@@ -1,0 +1,135 @@
+"""Recordings for the replay evaluator without a whole target in one process: the target's greedy outputs on the
+held-out prompts from the serving engine, and the aux hidden states over prompt + output from the run's features
+backend (whatever it is: 'hf', 'hf_tp', ...), in a features store of its own under eval/replay/ (written by
+pipeline/evaluate_stage.py's replay_recordings: the features stage is a pipeline stage).
+
+Legend: n prompt tokens, M generated tokens, H_t target hidden.
+Why the replay is the measurement: replay_eval's module docstring (greedy verification is lossless, so the
+committed tokens of any chain run are the target's greedy tokens). Breakdowns follow the recorded tokens: a verify
+step is counted in the category of its prompt, the length bucket of its context (tokens committed so far, prompt
+included) and the segment (reasoning, tool_call, answer) of its root token, by the target's own marker tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from eagle3_core.evaluation.acceptance import bootstrap_ci
+from eagle3_core.evaluation.speculate import stop_greedy
+
+LENGTH_BUCKETS = (512, 2048, 8192, 32768)       # context tokens at a verify step: <= 512, <= 2048, ..., longer
+# (open, close) marker spellings of reasoning and tool-call spans in the chat templates this project ships
+SEGMENT_MARKERS = {"reasoning": (("<think>", "</think>"), ("<|think|>", "<|/think|>")),
+                   "tool_call": (("<tool_call>", "</tool_call>"), ("<|tool_call_begin|>", "<|tool_call_end|>"),
+                                 ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"))}
+
+
+def greedy_outputs(cfg, prompts: list[list[int]], eos_ids: set[int], log=print) -> list[list[int]]:
+    """The target's greedy continuation (temperature 0, at most eval.max_new_tokens, cut at EOS by
+    speculate.stop_greedy) of every prompt (token ids), from the run's serving engine: server.kind 'transformers'
+    in process (hf_generate.BatchedGenerator), any other kind through the token-id API of server.url / server.urls
+    (SGLang `/generate`, llama.cpp `/completion`: generation.api). Raises ValueError when the kind serves no
+    token API here (no URL given), naming the field."""
+    max_new = cfg.eval.max_new_tokens
+    if cfg.server.kind == "transformers":
+        from eagle3_core.serving.hf_generate import BatchedGenerator
+        from eagle3_core.target.loading import load_target, load_tokenizer
+        gen = BatchedGenerator(load_target(cfg.target), load_tokenizer(cfg.target), cfg.generation.concurrency,
+                               max_new)
+        answers = asyncio.run(_gather(gen.complete, prompts))
+        outs = [a["output_ids"] for a in answers]
+    else:
+        urls = cfg.server.urls or ([cfg.server.url] if cfg.server.url else [])
+        api = cfg.generation.api
+        if not urls or api not in ("sglang", "llama.cpp"):
+            raise ValueError(f"eval.evaluator 'replay' records the target's greedy outputs through a token-id API: "
+                             f"set server.url (a running server of the target) and generation.api 'sglang' or "
+                             f"'llama.cpp' (got server.kind {cfg.server.kind!r}, api {api!r}), or eval.evaluator "
+                             f"'decode'")
+        outs = asyncio.run(_token_api(urls[0], api, prompts, max_new, cfg.generation.concurrency,
+                                      cfg.generation.request_timeout_s))
+    cut = []
+    for out in outs:
+        g = []
+        for t in out:
+            g.append(int(t))
+            if stop_greedy(g, eos_ids, max_new):
+                break
+        cut.append(g)
+    log(f"evaluate: recorded the target's greedy outputs on {len(prompts)} held-out prompts "
+        f"({sum(map(len, cut))} tokens, server.kind {cfg.server.kind!r})")
+    return cut
+
+
+async def _gather(complete, prompts):
+    return await asyncio.gather(*(complete(p) for p in prompts))
+
+
+async def _token_api(url: str, api: str, prompts, max_new: int, concurrency: int, timeout_s: float):
+    import httpx
+
+    from eagle3_core.serving.client import API_PATHS, parse_response, post_once, request_body
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        async def one(p):
+            async with sem:
+                data = await post_once(client, url, API_PATHS[api], request_body(api, None, p, max_new, 0.0))
+                return parse_response(api, data, url)["output_ids"]
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def marker_ids(tokenizer) -> dict[str, tuple[set[int], set[int]]]:
+    """{segment: (open ids, close ids)} of SEGMENT_MARKERS that are single tokens of `tokenizer`."""
+    vocab = tokenizer.get_vocab()
+    return {seg: ({vocab[o] for o, _ in pairs if o in vocab}, {vocab[c] for _, c in pairs if c in vocab})
+            for seg, pairs in SEGMENT_MARKERS.items()}
+
+
+def segments(seq: list[int], markers: dict[str, tuple[set[int], set[int]]]) -> list[str]:
+    """The segment of every position of `seq`: 'reasoning' or 'tool_call' from an open marker through its close
+    marker, 'answer' elsewhere."""
+    out, current = [], "answer"
+    for t in seq:
+        for seg, (opens, closes) in markers.items():
+            if t in opens:
+                current = seg
+        out.append(current)
+        if any(t in closes for _, closes in markers.values()):
+            current = "answer"
+    return out
+
+
+def bucket(context: int) -> str:
+    """The LENGTH_BUCKETS label of a context length in tokens."""
+    for b in LENGTH_BUCKETS:
+        if context <= b:
+            return f"<={b}"
+    return f">{LENGTH_BUCKETS[-1]}"
+
+
+def breakdown(runs: list[dict], recordings: list[dict], categories: list[str], markers) -> dict:
+    """tau (committed tokens per verify step, with bootstrap_ci over prompts) by 'category', 'length' and
+    'segment' from replay_chain results that carry `roots` (the root position of each verify step)."""
+    groups: dict[tuple[str, str], list[list[int]]] = {}
+    for k, (run, rec, cat) in enumerate(zip(runs, recordings, categories, strict=True)):
+        seq = rec["prompt"] + rec["tokens"]
+        segs = segments(seq, markers)
+        for a, root in zip(run["accepted"], run["roots"], strict=True):
+            for key in (("category", cat), ("length", bucket(root + 1)), ("segment", segs[root])):
+                per = groups.setdefault(key, {})
+                produced, steps = per.get(k, (0, 0))
+                per[k] = (produced + a + 1, steps + 1)
+    out: dict[str, dict] = {"category": {}, "length": {}, "segment": {}}
+    for (kind, name), per in sorted(groups.items()):
+        produced, steps = [v[0] for v in per.values()], [v[1] for v in per.values()]
+        out[kind][name] = {"tau": sum(produced) / sum(steps), "tau_ci95": bootstrap_ci(produced, steps),
+                           "verify_steps": sum(steps), "prompts": len(per)}
+    return out
+
+
+def write_recording_summary(path: Path, recordings: list[dict]) -> None:
+    """eval/replay/recording.json: what the replay measured against (prompt and output lengths)."""
+    path.write_text(json.dumps({"prompts": len(recordings),
+                                "prompt_tokens": [len(r["prompt"]) for r in recordings],
+                                "output_tokens": [len(r["tokens"]) for r in recordings]}))
