@@ -215,3 +215,17 @@ def test_an_import_under_hf_tp_runs_no_target(e2e_run, tmp_path):
     assert [e["content_key"] for e in m["shards"]] == [e["content_key"] for e in theirs["shards"]]
     assert not (cfg.run_dir / "features" / "torchrun.log").exists()
     assert any("read ['model.embed_tokens.weight']" in line for line in lines), lines
+
+
+def test_the_spot_check_refuses_aux_states_of_other_layers(target_model, tokenizer, tmp_path):
+    """Files extracted at layers [1, 14, 26] pass against the target at those layers (difference ~0) and are
+    refused, naming features.aux_layer_ids, when the run says [2, 10, 20]."""
+    from eagle3_core.features.specforge_import import aux_spot_check
+    rows = _rows(tokenizer, 2)
+    extract_features(target_model, rows, tmp_path / "native", AUX, shard_samples=2, batch_tokens=512,
+                     store_format="fp32")
+    src = _write_specforge(load_samples(tmp_path / "native"), tmp_path / "specforge")
+    assert aux_spot_check(imported_extractor(src, rows, *_head(target_model), AUX, "t"), target_model, rows[0]) < 1e-3
+    other = imported_extractor(src, rows, *_head(target_model), [2, 10, 20], "t")
+    with pytest.raises(FeatureImportError, match=r"data_0\.ckpt: its aux states differ .* set features\.aux_layer_ids"):
+        aux_spot_check(other, target_model, rows[0])
