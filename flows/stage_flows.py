@@ -145,7 +145,7 @@ def features_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     one torchrun task whose features.tp_size ranks share the sharded target and extract every shard."""
     with stage_run(config, "features", refresh, "tokenize", "features"):
         run_stage(t.tokenize_task, config, "tokenize")
-        if config.features.backend == "hf_tp":
+        if config.features.backend in ("hf_tp", "ep_int4"):
             from tasks.distributed import features_tp_task
             return summarize("features", features_tp_task(config))
         shards = run_shards(t.features_shard_task, config, "features", plan_features_task(config))

@@ -26,14 +26,16 @@ from eagle3_core.target.loading import capture, decoder, load_target
 from int4_targets import build_int4
 
 FAMILIES = ("deepseek_v3", "kimi_k25")
+AUX = [0, 1, 2]                                              # 4 layers: ids in [0, L - 2]
 IDS = torch.arange(2 * 12).view(2, 12) * 7 % 128            # tests/ep_int4_worker.py's ids
 
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
-    """{family: (INT4 dir, bf16 twin dir)}, built once (3 layers: dense, MoE, MoE; 4 experts of width 32)."""
+    """{family: (INT4 dir, bf16 twin dir)}, built once (4 layers: dense, then 3 MoE; 4 experts of width 32)."""
     root = tmp_path_factory.mktemp("int4")
-    return {f: (build_int4(f, root / f, bf16_twin=root / f"{f}_bf16"), root / f"{f}_bf16") for f in FAMILIES}
+    return {f: (build_int4(f, root / f, layers=4, bf16_twin=root / f"{f}_bf16"), root / f"{f}_bf16")
+            for f in FAMILIES}
 
 
 def _reference(path: Path):
@@ -121,3 +123,45 @@ def test_two_gloo_ranks_equal_one_process(targets, family, attention, tmp_path):
     torch.testing.assert_close(two["final"], one["final"], atol=2e-5, rtol=0)
     for a, b in zip(two["aux"], one["aux"], strict=True):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_ep_int4_features_stage_writes_the_bf16_backends_store(targets, family, tmp_path):
+    """features.backend 'ep_int4' over 2 gloo ranks (experts, heads, shared expert split in 2) on the INT4
+    checkpoint against the in-process 'hf' backend on its bf16 twin (same weights, experts stored dequantized):
+    the same shards, samples, tokens and argmax tokens, features equal within one bf16 rounding (the stores hold
+    bf16; tolerance as in tests/test_tp_extract.py, and most elements bit-identical)."""
+    from eagle3_core.contract.manifest import read_manifest
+    from eagle3_core.features.reader import load_samples
+    from eagle3_core.features.store import bad_shards
+    from eagle3_core.pipeline.features_stage import run_features
+    from test_tp_extract import _rows, _run_dir
+    int4, twin = targets[family]
+    one = _run_dir(tmp_path / "bf16", twin, _rows(5), aux_layer_ids=AUX)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_features(one, log=lambda s: None)
+    finally:
+        torch.set_num_threads(threads)
+    ep = _run_dir(tmp_path / "ep", int4, _rows(5), aux_layer_ids=AUX, backend="ep_int4", tp_size=2)
+    lines = []
+    m2 = run_features(ep, log=lines.append)
+    m1 = read_manifest(one.run_dir / "features" / "manifest.json")
+    assert m2["complete"] and m2["backend"] == "ep_int4" and m2["tp_size"] == 2 and m2["expert_parallel"]
+    assert not bad_shards(ep.run_dir / "features", m2["shards"])
+    assert any("rank 1/2 ran 3 forwards" in x for x in lines), lines[-20:]
+    keys = ("file", "ids", "tokens", "samples")
+    assert [{k: s[k] for k in keys} for s in m1["shards"]] == [{k: s[k] for k in keys} for s in m2["shards"]]
+    for k in ("store_version", "format", "aux_layer_ids", "hidden_size", "samples", "tokens", "bytes"):
+        assert m1[k] == m2[k], k
+    same, total = 0, 0
+    for a, b in zip(load_samples(one.run_dir / "features"), load_samples(ep.run_dir / "features"), strict=True):
+        assert a["id"] == b["id"] and torch.equal(a["input_ids"], b["input_ids"])
+        assert torch.equal(a["target_top1"], b["target_top1"]), a["id"]
+        for k in ("aux", "final"):
+            torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=2 ** -7, msg=f"{family} {a['id']} {k}")
+            same += int((a[k] == b[k]).sum())
+            total += a[k].numel()
+    assert same >= 0.95 * total, f"{same} of {total} elements bit-identical"
