@@ -20,8 +20,9 @@ Rows (each: median, min and max of 3 timings, each the mean of `--iters` calls a
   (whole lm_head on every rank).
 - end_to_end: a 4-layer Kimi-shaped model of one rank's share (8 heads, 48 experts top-1, so each MoE layer sees
   the B token-expert pairs one EP-8 rank sees; dense MLP at 1/8 width; full vocab) written as an INT4 checkpoint and
-  run through the features stage (features.backend 'ep_int4', torchrun of one process, shards written), on N and
-  2N samples of 2,048 tokens: the marginal tokens/s.
+  run through the features stage (features.backend 'ep_int4', torchrun of one process, shards written in
+  features.format fp8 as configs/kimi_k25_agentic_100k.json writes them), on N and 2N samples of 2,048 tokens: the
+  marginal tokens/s (the fixed costs, torchrun start and the load, cancel).
 Checks: the Triton dequantization against the torch reference (bit for bit) and the grouped matmul against the
 per-expert loop.
 """
@@ -82,7 +83,53 @@ def random_packed(shape: tuple[int, ...], dev) -> tuple[torch.Tensor, torch.Tens
     return packed, scale
 
 
-def experts_rows(d: dict, dev, iters: int) -> dict:
+def variants(ex, x, idx, w, dev, iters: int) -> dict:
+    """Other orders of the same expert computation (routing weight on the activation; fp32 accumulation)."""
+    res = {}
+    E_l = ex.num_local
+
+    def run(weight_first: bool, fp32_acc: bool, dequant: bool = True):
+        local = idx - ex.first
+        tok, slot = ((local >= 0) & (local < E_l)).nonzero(as_tuple=True)
+        expert, order = local[tok, slot].sort(stable=True)
+        tok, slot = tok[order], slot[order]
+        gu, dn = ex.dequantized() if dequant else fixed
+        xs = x.index_select(0, tok)
+        offs = torch.bincount(expert, minlength=E_l).cumsum(0).to(torch.int32)
+        g, u = F.grouped_mm(xs, gu.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        h = F.silu(g) * u
+        ww = w[tok, slot, None]
+        if weight_first:
+            h = (h * ww).to(h.dtype)
+        y = F.grouped_mm(h, dn.transpose(-2, -1), offs=offs)
+        if not weight_first:
+            y = y * ww
+        out = torch.zeros(x.shape, dtype=torch.float32 if fp32_acc else x.dtype, device=x.device)
+        out.index_add_(0, tok, y.to(out.dtype))
+        return out.to(x.dtype)
+    fixed = tuple(t.clone() for t in ex.dequantized())
+    ref = run(False, False)
+    for wf in (False, True):
+        for acc in (False, True):
+            for dq in (True, False):
+                key = f"weight_first={wf},fp32_acc={acc},dequant={dq}"
+                res[key] = timed(lambda: run(wf, acc, dq), dev, iters)["median_ms"]
+                if dq:
+                    res[key + ",max_rel"] = float((run(wf, acc) - ref).float().abs().max() / ref.float().abs().max())
+    # the grouped matmuls alone, weights bf16 (the bound the previous 3.0 ms measured)
+    local = idx - ex.first
+    tok, slot = ((local >= 0) & (local < E_l)).nonzero(as_tuple=True)
+    expert = local[tok, slot].sort().values
+    xs = x.index_select(0, tok)
+    offs = torch.bincount(expert, minlength=E_l).cumsum(0).to(torch.int32)
+    gu, dn = fixed
+    h = torch.randn(xs.shape[0], ex.width, device=x.device, dtype=x.dtype)
+    res["grouped_mm_only"] = timed(lambda: (F.grouped_mm(xs, gu.transpose(-2, -1), offs=offs),
+                                            F.grouped_mm(h, dn.transpose(-2, -1), offs=offs)), dev, iters)
+    return res
+
+
+def experts_rows(d: dict, dev, iters: int, profile: bool = False) -> dict:
     H, I, E_l = d["hidden"], d["width"], d["experts"] // d["ranks"]
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     ex = Int4Experts(0, E_l, H, I, F.silu, dtype, device=dev)
@@ -111,6 +158,15 @@ def experts_rows(d: dict, dev, iters: int) -> dict:
         m._grouped_mm_ok = keep
     out["grouped_vs_loop_max_rel"] = float((y - y_loop).float().abs().max() / y_loop.float().abs().max())
     out["experts_int4"] = timed(lambda: ex(x, idx, w), dev, iters)
+    if profile and dev.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile as prof
+        with prof(activities=[ProfilerActivity.CUDA]) as pr:
+            for _ in range(3):
+                ex(x, idx, w)
+            torch.cuda.synchronize()
+        out["profile"] = pr.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+        print(out["profile"], flush=True)
+        out["variants"] = variants(ex, x, idx, w, dev, iters)
     out["dequantize"] = timed(ex.dequantized, dev, iters)
     gu, dn = (t.clone() for t in ex.dequantized())
     ex.dequantized = lambda: (gu, dn)
@@ -197,7 +253,7 @@ def write_checkpoint(d: dict, path: Path, dev) -> None:
     cfg.to_json_file(path / "config.json")
 
 
-def end_to_end(d: dict, dev, samples: int) -> dict:
+def end_to_end(d: dict, dev, samples: int, fmt: str) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -207,7 +263,8 @@ def end_to_end(d: dict, dev, samples: int) -> dict:
     root = Path(tempfile.mkdtemp(prefix="int4_e2e_"))
     t0 = time.perf_counter()
     write_checkpoint(d, root / "target", dev)
-    out = {"checkpoint_s": time.perf_counter() - t0, "samples": [], "seconds": [], "tokens": []}
+    out = {"checkpoint_s": time.perf_counter() - t0, "format": fmt, "samples": [], "seconds": [], "tokens": [],
+           "bytes": []}
     for n in (samples, 2 * samples):
         run = root / f"run{n}"
         g = torch.Generator().manual_seed(n)
@@ -218,12 +275,13 @@ def end_to_end(d: dict, dev, samples: int) -> dict:
         write_manifest(run / "tokenized" / "manifest.json", {"inputs_key": f"bench-{n}", "samples": n})
         cfg = PipelineConfig(run_dir=run, target=TargetConfig(model=str(root / "target")), features=FeatureConfig(
             max_length=d["seq"], shard_samples=8, batch_tokens=d["tokens"], aux_layer_ids=[0, 1, 2],
-            backend="ep_int4", tp_size=1))
+            backend="ep_int4", tp_size=1, format=fmt))
         t0 = time.perf_counter()
         m = run_features(cfg, log=lambda s: print(s, flush=True))
         out["seconds"].append(time.perf_counter() - t0)
         out["samples"].append(n)
         out["tokens"].append(m["tokens"])
+        out["bytes"].append(m["bytes"])
     out["marginal_tok_s"] = (out["tokens"][1] - out["tokens"][0]) / (out["seconds"][1] - out["seconds"][0])
     return out
 
@@ -233,7 +291,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tiny", action="store_true", help="small shapes on CPU (a smoke run of every code path)")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--samples", type=int, default=16, help="N of the end-to-end rows (N and 2N samples)")
+    ap.add_argument("--samples", type=int, default=32, help="N of the end-to-end rows (N and 2N samples)")
+    ap.add_argument("--format", default="fp8", help="features.format of the end-to-end rows (fp8: the reference "
+                                                    "config's)")
+    ap.add_argument("--profile", action="store_true", help="the experts' CUDA kernels and other orders of them")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: experts, layers, end_to_end")
     a = ap.parse_args()
     d = TINY if a.tiny else KIMI
@@ -242,8 +303,8 @@ def main() -> None:
     result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev.type == "cuda" else
               "cpu", "torch": torch.__version__, "transformers": transformers.__version__, "dims": d,
               "iters": a.iters}
-    for name, fn in (("experts", lambda: experts_rows(d, dev, a.iters)), ("layers", lambda: layer_rows(d, dev, a.iters)),
-                     ("end_to_end", lambda: end_to_end(d, dev, a.samples))):
+    for name, fn in (("experts", lambda: experts_rows(d, dev, a.iters, a.profile)), ("layers", lambda: layer_rows(d, dev, a.iters)),
+                     ("end_to_end", lambda: end_to_end(d, dev, a.samples, a.format))):
         if name in a.skip.split(","):
             continue
         t0 = time.perf_counter()

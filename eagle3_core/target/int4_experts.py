@@ -15,8 +15,9 @@ kernel (target.int4_kernel) that reads 0.5625 bytes per weight and writes 2.
 `Int4Experts` holds E_l experts packed (gate and up stacked as transformers' `gate_up_proj` is: gate rows first)
 and, at each forward, dequantizes the whole layer into one buffer shared by all layers of the same shape (so a
 rank holds its experts at 0.5625 B/weight plus one layer in bf16), then runs the grouped SwiGLU expert matmul over
-the tokens routed to its experts; the routing weights and the summation are those of transformers' eager
-`DeepseekV3Experts.forward` (transformers/models/deepseek_v3/modeling_deepseek_v3.py).
+the tokens routed to its experts (F.grouped_mm on CUDA, one matmul per expert elsewhere); routing, weights and the
+summation order are those of transformers' eager `DeepseekV3Experts.forward`
+(transformers/models/deepseek_v3/modeling_deepseek_v3.py), the weight applied to the activation before down_proj.
 """
 from __future__ import annotations
 
@@ -122,27 +123,44 @@ class Int4Experts(nn.Module):
         return gu, dn
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(hidden)
         local = top_k_index - self.first
         tok, slot = ((local >= 0) & (local < self.num_local)).nonzero(as_tuple=True)     # [P] token-expert pairs
         expert, order = local[tok, slot].sort(stable=True)                            # grouped by expert
         tok, slot = tok[order], slot[order]
         gate_up, down = self.dequantized()
         x = hidden.index_select(0, tok).to(self.dtype)                                # [P, H]
+        w = top_k_weights[tok, slot, None]                                           # [P, 1] fp32
         counts = torch.bincount(expert, minlength=self.num_local)
+        # the routing weight scales the activation [P, I] rather than the output [P, H] (the same product,
+        # (h w) W_down^T = (h W_down^T) w, on 3.5x fewer elements)
         if _grouped_mm_ok(x, gate_up):
             offs = counts.cumsum(0).to(torch.int32)
             gate, up = F.grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-            y = F.grouped_mm(self.act_fn(gate) * up, down.transpose(-2, -1), offs=offs)   # [P, H]
+            y = F.grouped_mm((self.act_fn(gate) * up * w).to(x.dtype), down.transpose(-2, -1), offs=offs)
         else:                                   # one matmul per expert, as transformers' eager DeepseekV3Experts
-            y, start = torch.empty_like(x, dtype=x.dtype), 0
+            y, start = torch.empty_like(x), 0
             for e, n in enumerate(counts.tolist()):
                 if n:
                     gate, up = F.linear(x[start:start + n], gate_up[e]).chunk(2, dim=-1)
-                    y[start:start + n] = F.linear(self.act_fn(gate) * up, down[e])
+                    y[start:start + n] = F.linear((self.act_fn(gate) * up * w[start:start + n]).to(x.dtype), down[e])
                 start += n
-        y = y * top_k_weights[tok, slot, None]
-        return out.index_add_(0, tok, y.to(out.dtype))
+        return _combine(y.to(hidden.dtype), tok, hidden.shape)
+
+
+def _combine(y: torch.Tensor, tok: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """out [N, H] with out[t] = the sum of the rows y[p] whose tok[p] = t, in p order (pairs sorted by expert:
+    transformers' order). A token's first pair is copied, only its further ones (a token routed to several of this
+    rank's experts: about a third of the pairs at EP 8) are added: index_add_ on bf16 CUDA tensors is an atomic
+    read-modify-write per element, twice the time of the copy."""
+    by_tok = torch.sort(tok, stable=True)
+    first_sorted = torch.ones_like(tok, dtype=torch.bool)
+    first_sorted[1:] = by_tok.values[1:] != by_tok.values[:-1]
+    first = torch.empty_like(first_sorted)
+    first[by_tok.indices] = first_sorted
+    out = torch.zeros(shape, dtype=y.dtype, device=y.device)
+    out.index_copy_(0, tok[first], y[first])
+    rest = ~first
+    return out.index_add_(0, tok[rest], y[rest])
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
