@@ -136,7 +136,8 @@ class Int4Experts(nn.Module):
         if _grouped_mm_ok(x, gate_up):
             offs = counts.cumsum(0).to(torch.int32)
             gate, up = F.grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-            y = F.grouped_mm((self.act_fn(gate) * up * w).to(x.dtype), down.transpose(-2, -1), offs=offs)
+            h = self.act_fn(gate) * up
+            y = F.grouped_mm(h.mul_(w.to(h.dtype)), down.transpose(-2, -1), offs=offs)
         else:                                   # one matmul per expert, as transformers' eager DeepseekV3Experts
             y, start = torch.empty_like(x), 0
             for e, n in enumerate(counts.tolist()):
@@ -157,10 +158,12 @@ def _combine(y: torch.Tensor, tok: torch.Tensor, shape: torch.Size) -> torch.Ten
     first_sorted[1:] = by_tok.values[1:] != by_tok.values[:-1]
     first = torch.empty_like(first_sorted)
     first[by_tok.indices] = first_sorted
+    n_first = int(first.sum())                    # the one host sync of the combine (a mask index costs one each)
+    firsts_then_rest = torch.argsort(~first, stable=True)
+    head, tail = firsts_then_rest[:n_first], firsts_then_rest[n_first:]
     out = torch.zeros(shape, dtype=y.dtype, device=y.device)
-    out.index_copy_(0, tok[first], y[first])
-    rest = ~first
-    return out.index_add_(0, tok[rest], y[rest])
+    out.index_copy_(0, tok[head], y[head])
+    return out.index_add_(0, tok[tail], y[tail])
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
