@@ -3,6 +3,7 @@ node's extraction rate projected from it.
 
   python benchmarks/int4_ep_throughput.py --out result.json          # H200 (about 5 minutes)
   python benchmarks/int4_ep_throughput.py --tiny --out result.json   # CPU smoke run with small shapes
+  python benchmarks/int4_ep_throughput.py --rates-from benchmarks/data/int4_ep_h200.json   # the rates profile
 
 Legend: B = 16,384 tokens per forward (features.batch_tokens of configs/kimi_k25_agentic_100k.json), H 7,168,
 I 2,048 (expert width), E 384 routed experts of which 8 per token, W = 8 ranks (EP 8: 48 experts each; TP 8 for
@@ -261,24 +262,101 @@ def end_to_end(d: dict, dev, samples: int, fmt: str) -> dict:
     return out
 
 
+# the node (8 x H200, EP 8 / TP 8): Kimi-K2.5's 61 decoder layers, the first dense
+L_MOE, L_DENSE = 60, 1
+# two all-reduces per layer (attention's o_proj, the MoE) of B x H bf16 = 235 MB each: not measured here (no
+# multi-GPU machine); the stated range assumes 300-600 GB/s of NCCL ring bus bandwidth on NVLink (2 (W-1)/W x 235 MB
+# per all-reduce: 0.7-1.4 ms each), i.e. 1.4-2.7 ms per layer, widened to 1-3 ms
+COMM_MS_PER_LAYER = (1.0, 3.0)
+
+
+def projection(result: dict, comm_ms: float) -> dict:
+    """The node's extraction rate from one GPU's measured share (all ranks run each forward in lockstep):
+
+        t_forward = L_moe (t_experts + t_mla8 + t_moe_rest) + L_dense (t_mla8 + t_dense) + t_lm_head
+                    + (L_moe + L_dense) t_comm
+        tok/s     = min(B / t_forward, the writer's rate at world size 1 (end_to_end, rank 0 writes alone))"""
+    e, l = result["experts"], result["layers"]
+    m = {k: v["median_ms"] for k, v in {**e, **l}.items() if isinstance(v, dict) and "median_ms" in v}
+    t = (L_MOE * (m["experts_int4"] + m["mla_8_heads"] + m["moe_rest"]) + L_DENSE * (m["mla_8_heads"] + m["dense_mlp"])
+         + m["lm_head"] + (L_MOE + L_DENSE) * comm_ms)
+    compute = result["dims"]["tokens"] / (t / 1e3)
+    writer = result.get("end_to_end", {}).get("marginal_tok_s") or float("inf")
+    return {"forward_ms": t, "compute_tok_s": compute, "writer_tok_s": writer, "tok_s": min(compute, writer)}
+
+
+def rates_profile(result: dict, source: str) -> dict:
+    """A configs/rates.json profile: the measured per-layer times, the assumed communication range and the
+    projected node rate (scaled) with its formula, planned beside the reference team's profile."""
+    e, l = result["experts"], result["layers"]
+    mid, lo, hi = (projection(result, c) for c in (sum(COMM_MS_PER_LAYER) / 2, *COMM_MS_PER_LAYER))
+    src = f"{source}, {result['device']}, {result['date']}"
+
+    def ms(row, what):
+        return {"value": round(row["median_ms"], 3), "unit": "ms per layer (median of 3)", "status": "measured",
+                "source": f"{src}: {what}; min {row['min_ms']:.3f}, max {row['max_ms']:.3f}"}
+    formula = ("t_forward = 60 (t_experts + t_mla8 + t_moe_rest) + (t_mla8 + t_dense) + t_lm_head + 61 t_comm for "
+               "16,384 tokens, t_comm (2 all-reduces per layer, not measured) ")
+    node = lambda p, c: {"value": round(p["tok_s"]), "unit": "tok/s", "status": "scaled",  # noqa: E731
+                         "source": f"{formula}= {c} ms; {src}"}
+    return {"description": "Kimi-K2.5 features on one 8 x H200 node with features.backend 'ep_int4' (EP 8 INT4 "
+                           "experts, MLA at 8 heads per GPU): one GPU's share measured on one H200, the node's rate "
+                           "projected (docs/benchmarks.md); features rows only, planned beside reference_kimi_k25",
+            "beside": "reference_kimi_k25",
+            "rates": {
+                "experts_int4_ms": ms(e["experts_int4"], "48 experts kept INT4, 16,384 tokens top-8 of 384"),
+                "experts_bf16_ms": ms(e["experts_bf16"], "the same with bf16 weights (the bound)"),
+                "mla_8_heads_ms": ms(l["mla_8_heads"], "transformers' DeepseekV3Attention, SDPA, [8, 2048, 7168]"),
+                "moe_rest_ms": ms(l["moe_rest"], "router (fp32) + 1/8 of the shared expert"),
+                "dense_mlp_ms": ms(l["dense_mlp"], "layer 0's MLP at 1/8 width"),
+                "lm_head_ms": ms(l["lm_head"], "chunked lm_head argmax, whole vocab, per forward"),
+                "comm_ms_per_layer_low": {"value": COMM_MS_PER_LAYER[0], "unit": "ms per layer", "status": "given",
+                                          "source": "assumed, not measured: 2 NCCL all-reduces of 235 MB at "
+                                                    "300-600 GB/s bus bandwidth, widened"},
+                "comm_ms_per_layer_high": {"value": COMM_MS_PER_LAYER[1], "unit": "ms per layer", "status": "given",
+                                           "source": "assumed, not measured (as comm_ms_per_layer_low)"},
+                "writer_tok_s": {"value": round(mid["writer_tok_s"]), "unit": "tok/s", "status": "measured",
+                                 "source": f"{src}: the ep_int4 features stage at world size 1, 4-layer one-rank "
+                                           f"share, fp8 store, marginal rate (rank 0 writes every shard)"},
+                "extraction_tok_s_per_replica": node(mid, sum(COMM_MS_PER_LAYER) / 2),
+                "extraction_tok_s_per_replica_slow": node(hi, COMM_MS_PER_LAYER[1]),
+                "extraction_tok_s_per_replica_fast": node(lo, COMM_MS_PER_LAYER[0]),
+                "gpus_per_extraction_replica": {"value": 8, "unit": "GPUs", "status": "given",
+                                                "source": "one 8 x H200 node (EP 8)"}}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--tiny", action="store_true", help="small shapes on CPU (a smoke run of every code path)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--samples", type=int, default=32, help="N of the end-to-end rows (N and 2N samples)")
     ap.add_argument("--format", default="fp8", help="features.format of the end-to-end rows (fp8: the reference "
                                                     "config's)")
     ap.add_argument("--profile", action="store_true", help="the experts' CUDA kernels and other orders of them")
+    ap.add_argument("--rates-from", type=Path, default=None, metavar="RESULT_JSON",
+                    help="write a finished result's profile into --rates (no run)")
+    ap.add_argument("--rates", type=Path, default=Path(__file__).resolve().parents[1] / "configs" / "rates.json")
+    ap.add_argument("--profile-name", default="kimi_k25_ep_int4_h200")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: experts, layers, end_to_end")
     a = ap.parse_args()
+    if a.rates_from:
+        result = json.loads(a.rates_from.read_text())
+        data = json.loads(a.rates.read_text())
+        data["profiles"][a.profile_name] = rates_profile(result, f"benchmarks/int4_ep_throughput.py "
+                                                                 f"({a.rates_from.name})")
+        a.rates.write_text(json.dumps(data, indent=2) + "\n")
+        for c in (*COMM_MS_PER_LAYER, sum(COMM_MS_PER_LAYER) / 2):
+            print(f"t_comm {c} ms/layer:", {k: round(v, 1) for k, v in projection(result, c).items()})
+        return
     d = TINY if a.tiny else KIMI
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     import transformers
     result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev.type == "cuda" else
               "cpu", "torch": torch.__version__, "transformers": transformers.__version__, "dims": d,
               "iters": a.iters}
-    for name, fn in (("experts", lambda: experts_rows(d, dev, a.iters, a.profile)), ("layers", lambda: layer_rows(d, dev, a.iters)),
+    for name, fn in (("experts", lambda: experts_rows(d, dev, a.iters, a.profile)),
+                     ("layers", lambda: layer_rows(d, dev, a.iters)),
                      ("end_to_end", lambda: end_to_end(d, dev, a.samples, a.format))):
         if name in a.skip.split(","):
             continue

@@ -50,7 +50,8 @@ def test_a_rate_without_a_source_or_status_is_refused_naming_it(tmp_path):
     path.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match=r"rates\.json: profile 'reference_kimi_k25' rate 'gpus_per_server'"):
         load_rates(path, "reference_kimi_k25")
-    with pytest.raises(ValueError, match=r"no profile 'nope'; profiles: \['demo_cpu', 'reference_kimi_k25'\]"):
+    with pytest.raises(ValueError, match=r"no profile 'nope'; profiles: \['demo_cpu', 'kimi_k25_ep_int4_h200', "
+                                         r"'reference_kimi_k25'\]"):
         load_rates(path, "nope")
 
 
@@ -110,3 +111,22 @@ def test_check_cli_reads_the_reference_config_offline_from_a_config_json(tmp_pat
     assert "- target.model: ~2069 GB of bf16 weights" in err
     assert main([str(KIMI)]) == 2                                          # no network, nothing cached
     assert "cannot read the config of target 'moonshotai/Kimi-K2.5'" in capsys.readouterr().err
+
+
+def test_plan_prints_the_ep_int4_projection_beside_the_given_features_rate(capsys):
+    """configs/rates.json's kimi_k25_ep_int4_h200 (benchmarks/int4_ep_throughput.py on one H200) is planned beside
+    the team's 1.48 samples/s: its node rate is the stated formula over its measured per-layer times, with the
+    unmeasured communication as a range."""
+    r = {k: v["value"] for k, v in load_rates(RATES, "kimi_k25_ep_int4_h200").items()}
+    comm = (r["comm_ms_per_layer_low"] + r["comm_ms_per_layer_high"]) / 2
+    t_ms = (60 * (r["experts_int4_ms"] + r["mla_8_heads_ms"] + r["moe_rest_ms"]) + r["mla_8_heads_ms"]
+            + r["dense_mlp_ms"] + r["lm_head_ms"] + 61 * comm)
+    # the profile's ms are rounded to 3 decimals: the rate recomputed from them agrees to 1e-4
+    assert r["extraction_tok_s_per_replica"] == pytest.approx(min(16384 / t_ms * 1e3, r["writer_tok_s"]), rel=1e-4)
+    assert r["extraction_tok_s_per_replica_slow"] < r["extraction_tok_s_per_replica"] \
+        < r["extraction_tok_s_per_replica_fast"]
+    main([str(KIMI), "--profile", "reference_kimi_k25", "--gpus", "8"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("features beside the given rate"))
+    hours = 99000 * 2000 / r["extraction_tok_s_per_replica"] / 3600
+    assert "18.58 h at 1.48 samples/s (reference_kimi_k25, given)" in line
+    assert f"; {hours:.2f} h (" in line and "kimi_k25_ep_int4_h200, scaled" in line and "not measured" in line
