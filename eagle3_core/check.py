@@ -116,8 +116,10 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     need = 2 * estimate_params(t)                                          # bf16 weights
     have, where = memory if memory is not None else machine_memory_bytes()
     feats, fit_problems = backend_facts(cfg, tcfg, gpu_memory() if gpus is DETECT else gpus)
-    tp = cfg.features.backend == "hf_tp"
-    feats["runs"] = (f"transformers' tensor-parallel plan over {cfg.features.tp_size} torchrun ranks "
+    tp = cfg.features.backend in ("hf_tp", "ep_int4")
+    feats["runs"] = (f"INT4 routed experts and this project's sharding over {cfg.features.tp_size} torchrun ranks "
+                     f"(target/ep_loading.py)" if cfg.features.backend == "ep_int4" else
+                     f"transformers' tensor-parallel plan over {cfg.features.tp_size} torchrun ranks "
                      f"(distributed/tp_extract.py)" if tp else "HF transformers in process (HFExtractor)")
     facts["backends"] = {"features": feats, "evaluate": "HF transformers in process (speculate.TargetRunner)",
                          "target_weights_gb_bf16_estimate": round(need / 1e9, 1), "machine": where}

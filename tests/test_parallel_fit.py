@@ -61,3 +61,15 @@ def test_kimi_k25_needs_32_h200s_in_bf16(kimi_k25):  # noqa: F811
 def test_parallel_size_without_the_parallel_backend_is_refused():
     with pytest.raises(ValidationError, match="need features.backend 'hf_tp'"):
         FeatureConfig(tp_size=2)
+
+
+def test_kimi_k25_fits_one_node_of_h200s_with_int4_experts(kimi_k25):  # noqa: F811
+    """features.backend 'ep_int4' at 8 ranks: 1/8 of the routed-expert parameters at 0.5625 bytes (the published
+    checkpoint's 570.76 GB of experts / 8 = 71.3 GB), 1/8 of MLA and the dense/shared MLPs, the rest (embeddings,
+    lm_head, routers, norms) whole, plus one dequantized layer (83.1 GB in all with transformers 5.25): fits an
+    H200, no problem reported."""
+    facts, problems = _check(kimi_k25, H200, 8 * TB, backend="ep_int4", tp_size=8)
+    assert problems == [], problems
+    gb = facts["int4_gb_per_rank"]
+    assert 570.76 / 8 < gb < 570.76 / 8 + 20, gb                 # experts plus at most ~20 GB of the rest
+    assert gb < 0.85 * 141 and gb < facts["param_gb_per_rank_bf16"][8] / 2.5

@@ -11,6 +11,7 @@ dtype); activations and the CUDA context are not in them, hence the headroom FIT
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -47,6 +48,28 @@ def param_bytes_per_rank(model: torch.nn.Module, tp_size: int, expert_parallel: 
         split = style in SHARDING_STYLES and not (style in ROW_STYLES and p.dim() == 1)
         total += math.ceil(p.numel() / tp_size) if split else p.numel()
     return BYTES_PER_PARAM * total
+
+
+INT4_BYTES_PER_PARAM = 0.5625   # pack-quantized INT4, group 32: 4 bits + a bf16 scale per 32 weights
+# what target.ep_loading splits over the ranks (the rest is whole on every rank)
+EP_INT4_SPLIT = (".self_attn.q_b_proj.", ".self_attn.q_proj.", ".self_attn.kv_b_proj.", ".self_attn.o_proj.",
+                 ".mlp.gate_proj.", ".mlp.up_proj.", ".mlp.down_proj.", ".shared_experts.")
+
+
+def int4_bytes_per_rank(model: torch.nn.Module, world: int) -> int:
+    """Bytes one of `world` ranks holds under the `ep_int4` backend (target.ep_loading's plan) for `model`
+    (meta_model): routed experts 1/world at INT4_BYTES_PER_PARAM, the split layers 1/world in bf16, the rest whole
+    in bf16, plus the one dequantized layer (its 1/world of one layer's experts in bf16)."""
+    total, per_layer = 0.0, {}
+    for name, p in model.named_parameters():
+        if (m := re.search(r"layers\.(\d+)\.mlp\.experts\.", name)) is not None:
+            total += INT4_BYTES_PER_PARAM * p.numel() / world
+            per_layer[m.group(1)] = per_layer.get(m.group(1), 0) + p.numel()
+        elif any(k in name for k in EP_INT4_SPLIT):
+            total += BYTES_PER_PARAM * p.numel() / world
+        else:
+            total += BYTES_PER_PARAM * p.numel()
+    return int(total + BYTES_PER_PARAM * max(per_layer.values(), default=0) / world)
 
 
 def gpu_memory() -> tuple[int, int] | None:
@@ -91,6 +114,12 @@ def backend_facts(cfg, tcfg, gpus: tuple[int, int] | None) -> tuple[dict, list[t
                           f"per GPU, at most {FIT_FRACTION:.0%} of one)" if fitting else
                           f"more than {sizes[-1]} GPUs of {gpus[1] / 1e9:.0f} GB")
     problems = []
+    if f.backend == "ep_int4":
+        int4 = int4_bytes_per_rank(model, f.tp_size)
+        facts["int4_gb_per_rank"] = round(int4 / 1e9, 2)
+        if budget is not None and int4 > budget:
+            problems.append(("features.tp_size", f"{int4 / 1e9:.1f} GB per GPU with INT4 experts at tp_size "
+                             f"{f.tp_size} exceed {FIT_FRACTION:.0%} of one GPU ({gpus[1] / 1e9:.0f} GB)"))
     if f.backend == "hf_tp":
         problems += [("features.tp_size", m + ": transformers' tensor-parallel plan splits whole heads")
                      for m in head_divisibility(t, f.tp_size)]
