@@ -37,7 +37,8 @@ from eagle3_core.training.draft_geometry import draft_geometry, geometry_problem
 
 BACKEND_RUNS = {"hf": "HF transformers in process (HFExtractor)",
                 "hf_tp": "transformers' tensor-parallel plan over {w} torchrun ranks (features/tp_extract.py)",
-                "ep_int4": "{w} torchrun ranks, routed experts kept INT4 as stored, 1/{w} of them per rank"}
+                "ep_int4": "{w} torchrun ranks, routed experts kept INT4 as stored, 1/{w} of them per rank, MLA heads "
+                           "split (this project's plan for DeepSeek-V3 / Kimi-K2.5: target/ep_loading.py)"}
 EVALUATE_RUNS = {"decode": "HF transformers in process: the target verifies each draft step (speculate)",
                  "replay": "the target's greedy outputs on the held-out prompts, recorded once with their aux "
                            "states by the features backend; the draft replayed against them (replay_eval)"}

@@ -14,7 +14,8 @@ A rates file (JSON, configs/rates.json) holds named profiles; each rate is {valu
 'measured' (source: where and when: the run or benchmark that measured it), 'given' (a number the user states, e.g.
 the reference team's 2,300 tok/s) or 'scaled' (derived from a measured rate by a stated ratio).
 `--measure RUN_DIR` writes the measured rates of a finished run (its manifests' counts and seconds) into a
-profile.
+profile. A profile with `"beside": OTHER` (e.g. a backend's measured projection) is planned next to OTHER's
+features row whenever OTHER is planned (features_beside).
 """
 from __future__ import annotations
 
@@ -119,6 +120,32 @@ def plan_run(cfg: PipelineConfig, rates: dict, gpus: int, hidden_size: int | Non
             "total_hours": sum(r["hours"] for r in rows), "disk_bytes": sum(r["disk_bytes"] for r in rows)}
 
 
+def features_beside(path: str | Path, profile: str, cfg: PipelineConfig, rates: dict, gpus: int,
+                    hidden_size: int | None = None) -> list[dict]:
+    """The features stage planned with every profile of the rates file at `path` that names `profile` under
+    "beside" (e.g. a measured backend's projection next to the team's given rate): its extraction rates in place of
+    `profile`'s, the workload and disk of `profile`. Returns [{profile, hours, gpu_hours, rate, range_hours}] where
+    range_hours are the hours at its `extraction_tok_s_per_replica_slow` / `_fast` rates when it has them."""
+    out = []
+    for name, prof in json.loads(Path(path).read_text()).get("profiles", {}).items():
+        if prof.get("beside") != profile:
+            continue
+        alt = load_rates(path, name)
+        base = {k: v for k, v in rates.items() if not k.startswith("extraction_")}
+
+        def hours(rate_name: str) -> dict:
+            merged = {**base, "extraction_tok_s_per_replica": alt[rate_name],
+                      "gpus_per_extraction_replica": alt.get("gpus_per_extraction_replica",
+                                                             rates["gpus_per_extraction_replica"])}
+            return next(r for r in plan_run(cfg, merged, gpus, hidden_size)["stages"] if r["stage"] == "features")
+        row = hours("extraction_tok_s_per_replica")
+        span = [hours(k)["hours"] for k in ("extraction_tok_s_per_replica_slow", "extraction_tok_s_per_replica_fast")
+                if k in alt]
+        out.append({"profile": name, "hours": row["hours"], "gpu_hours": row["gpu_hours"], "rate": row["rate"],
+                    "range_hours": span})
+    return out
+
+
 def markdown(p: dict) -> str:
     """The plan as a Markdown table, every rate with its status and source."""
     w = p["workload"]
@@ -206,6 +233,15 @@ def main(argv: list[str] | None = None) -> int:
         alt = cfg.model_copy(update={"features": cfg.features.model_copy(update={"format": fmt})})
         plan = plan_run(alt, rates, a.gpus, a.hidden_size)
         print(("" if fmt == cfg.features.format else f"With features.format '{fmt}':\n") + markdown(plan))
+        if fmt == cfg.features.format and fmt != "online":
+            given = next(r for r in plan["stages"] if r["stage"] == "features")
+            for b in features_beside(a.rates, a.profile, alt, rates, a.gpus, a.hidden_size):
+                r = b["rate"]
+                span = f" ({min(b['range_hours']):.2f}-{max(b['range_hours']):.2f} h over its range)" \
+                    if b["range_hours"] else ""
+                print(f"features beside the given rate: {given['hours']:.2f} h at {given['rate']['value']:g} "
+                      f"{given['rate']['unit']} ({a.profile}, {given['rate']['status']}); {b['hours']:.2f} h{span} "
+                      f"at {r['value']:g} {r['unit']} ({b['profile']}, {r['status']}: {r['source']})\n")
         if a.against and fmt == cfg.features.format:
             print("measured / planned: " + ", ".join(f"{k} {v:.2f}x" for k, v in compare(plan, a.against).items()))
     return 0

@@ -108,8 +108,8 @@ def test_the_reference_config_fits_8_h200s_with_int4_experts():
     facts, problems = _reference()
     assert problems == [], problems
     feats = facts["backends"]["features"]
-    experts_gb = 570.76 / 8
-    assert experts_gb < feats["gb_per_gpu"] < 0.85 * 141, feats
+    experts_gb = 570.76 / 8                                   # plus the split layers' 1/8, the rest whole, a buffer
+    assert experts_gb < feats["gb_per_gpu"] < experts_gb + 20 and feats["gb_per_gpu"] < 0.85 * 141, feats
     assert feats["gb_per_gpu"] == feats["gb_per_rank_ep_int4"][8]
     assert feats["checkpoint_gb"]["quantization"].startswith("int4 group 32")
     assert facts["backends"]["evaluate"]["evaluator"] == "replay"

@@ -50,7 +50,8 @@ def test_a_rate_without_a_source_or_status_is_refused_naming_it(tmp_path):
     path.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match=r"rates\.json: profile 'reference_kimi_k25' rate 'gpus_per_server'"):
         load_rates(path, "reference_kimi_k25")
-    with pytest.raises(ValueError, match=r"no profile 'nope'; profiles: \['demo_cpu', 'reference_kimi_k25'\]"):
+    with pytest.raises(ValueError, match=r"no profile 'nope'; profiles: \['demo_cpu', 'kimi_k25_ep_int4_h200', "
+                                         r"'reference_kimi_k25'\]"):
         load_rates(path, "nope")
 
 
@@ -75,10 +76,10 @@ def test_a_finished_runs_measured_rates_plan_it_back(e2e_run, tmp_path, capsys):
 
 
 def test_check_reads_the_reference_config_offline_and_names_what_one_node_cannot_hold():
-    """The reference case as a file, checked against a config-only Kimi-K2.5 fixture (tests/test_check.py: the
-    published dimensions): the family recipe's geometry and SGLang's [2, 30, 58] capture, and the two refusals that
-    are true today on one 8 x H200 node: the bf16 weights (~2 TB) need tp_size 32 for the features backend, and the
-    offline evaluate stage loads the whole target (the checkpoint's INT4 experts are not loaded as INT4 yet)."""
+    """The reference case as a file, checked against a config-only Kimi-K2.5 fixture whose experts are bf16
+    (tests/test_check.py: the published dimensions, no quantization_config): the family recipe's geometry and
+    SGLang's [2, 30, 58] capture, and the refusal of 'ep_int4' on experts that are not quantized, naming the
+    field. Against the offline config with the checkpoint's INT4 experts it passes (tests/test_parallel_fit.py)."""
     import test_check
 
     from eagle3_core.check import check_run
@@ -87,8 +88,8 @@ def test_check_reads_the_reference_config_offline_and_names_what_one_node_cannot
                                 memory=(8 * 141 << 30, "8 x H200"), gpus=(8, 141 << 30))
     assert facts["family"] == "mla" and facts["aux_layer_ids"]["sglang"]["captures_inputs_of"] == [2, 30, 58]
     assert facts["draft_geometry"]["num_attention_heads"] == 64 and facts["draft_geometry"]["head_dim"] == 128
-    assert [f for f, _ in problems] == ["features.tp_size", "target.model"]
-    assert "needs hf_tp with tp_size >= 32" in problems[0][1] and "evaluate" in problems[1][1]
+    assert [f for f, _ in problems] == ["features.backend"], problems
+    assert "experts are not quantized" in problems[0][1] and facts["backends"]["evaluate"]["evaluator"] == "replay"
 
 
 @pytest.mark.slow
@@ -104,9 +105,28 @@ def test_check_cli_reads_the_reference_config_offline_from_a_config_json(tmp_pat
     read = target_config_file(path)
     assert type(read).__name__ == "Kimi_K25Config" and read.text_config.hidden_size == 7168
     assert read.text_config.num_hidden_layers == 61 and read.text_config.kv_lora_rank == 512
-    assert main([str(KIMI), "--target-config", str(path)]) == 1          # this host cannot hold it: refused
+    assert main([str(KIMI), "--target-config", str(path)]) == 1          # bf16 experts: ep_int4 refused
     out, err = capsys.readouterr()
     assert "config_class: Kimi_K25Config" in out and "family: mla" in out and "layers: 61" in out
-    assert "- target.model: ~2069 GB of bf16 weights" in err
+    assert "- features.backend: 'ep_int4' keeps routed experts as the checkpoint stores them" in err
     assert main([str(KIMI)]) == 2                                          # no network, nothing cached
     assert "cannot read the config of target 'moonshotai/Kimi-K2.5'" in capsys.readouterr().err
+
+
+def test_plan_prints_the_ep_int4_projection_beside_the_given_features_rate(capsys):
+    """configs/rates.json's kimi_k25_ep_int4_h200 (benchmarks/int4_ep_throughput.py on one H200) is planned beside
+    the team's 1.48 samples/s: its node rate is the stated formula over its measured per-layer times, with the
+    unmeasured communication as a range."""
+    r = {k: v["value"] for k, v in load_rates(RATES, "kimi_k25_ep_int4_h200").items()}
+    comm = (r["comm_ms_per_layer_low"] + r["comm_ms_per_layer_high"]) / 2
+    t_ms = (60 * (r["experts_int4_ms"] + r["mla_8_heads_ms"] + r["moe_rest_ms"]) + r["mla_8_heads_ms"]
+            + r["dense_mlp_ms"] + r["lm_head_ms"] + 61 * comm)
+    # the profile's ms are rounded to 3 decimals: the rate recomputed from them agrees to 1e-4
+    assert r["extraction_tok_s_per_replica"] == pytest.approx(min(16384 / t_ms * 1e3, r["writer_tok_s"]), rel=1e-4)
+    assert r["extraction_tok_s_per_replica_slow"] < r["extraction_tok_s_per_replica"] \
+        < r["extraction_tok_s_per_replica_fast"]
+    main([str(KIMI), "--profile", "reference_kimi_k25", "--gpus", "8"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("features beside the given rate"))
+    hours = 99000 * 2000 / r["extraction_tok_s_per_replica"] / 3600
+    assert "18.58 h at 1.48 samples/s (reference_kimi_k25, given)" in line
+    assert f"; {hours:.2f} h (" in line and "kimi_k25_ep_int4_h200, scaled" in line and "not measured" in line

@@ -23,14 +23,16 @@ class FeatureConfig(StrictModel):
     backend: Literal["hf", "hf_tp", "ep_int4"] = Field(
         "hf", description="'hf': the whole target in this process on one device (HFExtractor); 'hf_tp': "
                           "transformers' tensor-parallel plan over tp_size processes under torchrun, one per GPU "
-                          "(distributed/tp_extract.py), for targets that fit no single GPU; 'ep_int4': the same "
-                          "ranks with a compressed-tensors checkpoint's routed experts kept INT4 as stored, "
-                          "1/tp_size of them per rank (a 1T INT4 MoE on 8 GPUs)")
+                          "(distributed/tp_extract.py), for targets that fit no single GPU; 'ep_int4': DeepSeek-V3 "
+                          "/ Kimi-K2.5 with routed experts kept packed INT4 as the checkpoint stores them, split "
+                          "over tp_size ranks (target/ep_loading.py), same torchrun as 'hf_tp'")
     tp_size: int = Field(1, ge=1, description="processes (GPUs) the 'hf_tp' backend shards the target over; "
                                               "torchrun's --nproc-per-node (1 with backend 'hf')")
     expert_parallel: bool = Field(False, description="'hf_tp' on an MoE target: routed experts whole on one rank "
                                                      "each (transformers' base_model_ep_plan, ep_size = tp_size) "
                                                      "instead of every expert split over the ranks")
+    shard_attention: bool = Field(True, description="'ep_int4': MLA heads split over the ranks (False: whole "
+                                                    "attention on every rank)")
 
     @field_validator("aux_layer_ids")
     @classmethod

@@ -1,5 +1,6 @@
 """Feature extraction from a target sharded over several GPUs with transformers' own tensor-parallel plan (and its
-expert-parallel plan for MoE targets): the `hf_tp` backend. `torchrun --nproc-per-node N -m
+expert-parallel plan for MoE targets): the `hf_tp` backend; with features.backend 'ep_int4' the same ranks
+hold a DeepSeek-V3 / Kimi-K2.5 target with its routed experts packed INT4 (target.ep_loading), the rest unchanged. `torchrun --nproc-per-node N -m
 eagle3_core.features.tp_extract --config run.json` with features.tp_size = N; `run_features_tp` is the stage
 function that launches it (pipeline.features_stage) and returns the features manifest, like run_features.
 
@@ -107,11 +108,17 @@ def run_worker(cfg: PipelineConfig, log=print) -> dict | None:
         raise ValueError(f"features.tp_size = {f.tp_size} but torchrun started {world} processes; launch with "
                          f"--nproc-per-node {f.tp_size} (times nodes)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_target(cfg.target, device, tp_size=f.tp_size, expert_parallel=f.expert_parallel)
+    if f.backend == "ep_int4":               # INT4 experts and the project's own plan (target.ep_loading)
+        from eagle3_core.target.ep_loading import load_int4_target
+        model = load_int4_target(cfg.target, torch.device(device, torch.cuda.current_device()) if device == "cuda"
+                                 else device, rank, world, shard_attention=f.shard_attention)
+    else:
+        model = load_target(cfg.target, device, tp_size=f.tp_size, expert_parallel=f.expert_parallel)
     inner = HFExtractor(model, resolve_aux_ids(f.aux_layer_ids, num_layers(model.config)))
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    held = local + list(model.buffers())          # ep_int4's packed experts are buffers
     log(f"features: rank {rank}/{world} holds {sum(p.numel() for p in local)} parameters "
-        f"({sum(p.numel() * p.element_size() for p in local) / 1e9:.2f} GB)")
+        f"({sum(p.numel() * p.element_size() for p in held) / 1e9:.2f} GB with buffers)")
     if rank != 0:
         n = follow(inner)
         log(f"features: rank {rank}/{world} ran {n} forwards")

@@ -20,7 +20,7 @@ def run_features(cfg: PipelineConfig, log=print) -> dict:
     """Aux hidden states of the target at the aux layer ids, sharded safetensors (features/), all shards in one
     call (the Prefect flow runs them one task per shard instead: run_features_shard, finish_features). Backend
     'hf_tp' (a target sharded over features.tp_size GPUs): one torchrun for all shards (tp_extract.run_features_tp)."""
-    if cfg.features.backend != "hf" and not cfg.features.import_from:        # an import runs no target
+    if cfg.features.backend in TORCHRUN_BACKENDS and not cfg.features.import_from:     # an import runs no target
         return run_features_tp(cfg, log)
     from eagle3_core.features.store import bad_shards, extract_features
     from eagle3_core.target.family import num_layers
@@ -47,6 +47,10 @@ def run_features(cfg: PipelineConfig, log=print) -> dict:
         f"format {f.format}, {manifest['bytes_per_token']:.0f} bytes/token")
     return write_manifest(out / "manifest.json", {**manifest, "inputs_key": key})
 
+
+# backends whose ranks share one sharded target in one torchrun (tp_extract): 'ep_int4' loads it with
+# target.ep_loading (INT4 experts), 'hf_tp' with transformers' plans
+TORCHRUN_BACKENDS = ("hf_tp", "ep_int4")
 
 # the feature settings that change what the store holds; batch_tokens (how samples are batched into forwards),
 # writer_threads, backend, tp_size and expert_parallel (how the same forwards are computed and written) do not
@@ -263,8 +267,8 @@ def run_features_tp(cfg: PipelineConfig, log=print, **rdzv) -> dict:
     against their sha256). Raises TorchrunError if a rank fails (finished shards are kept: rerun to finish)."""
     from eagle3_core.features.store import bad_shards
     f = cfg.features
-    if f.backend != "hf_tp":
-        raise ValueError(f"run_features_tp needs features.backend 'hf_tp', got {f.backend!r}")
+    if f.backend not in TORCHRUN_BACKENDS:
+        raise ValueError(f"run_features_tp needs features.backend in {TORCHRUN_BACKENDS}, got {f.backend!r}")
     out, key = RunLayout(cfg.run_dir).features, features_key(cfg)
     if (m := cached_manifest(out / "manifest.json", key)) and not bad_shards(out, m["shards"]):
         return m
@@ -279,10 +283,12 @@ def run_features_tp(cfg: PipelineConfig, log=print, **rdzv) -> dict:
     manifest = read_manifest(out / "manifest.json")
     mark_store(cfg, manifest)
     log(f"features: {manifest['samples']} samples, {manifest['tokens']} tokens, target sharded over {f.tp_size} "
-        f"ranks ({'expert' if f.expert_parallel else 'tensor'} parallel), format {manifest['format']}, "
+        f"ranks ({'INT4 experts, expert' if f.backend == 'ep_int4' else 'expert' if f.expert_parallel else 'tensor'}"
+        f" parallel), format {manifest['format']}, "
         f"{manifest['bytes_per_token']:.0f} bytes/token")
     return write_manifest(out / "manifest.json", {**manifest, "inputs_key": key, "tp_size": f.tp_size,
-                                                  "expert_parallel": f.expert_parallel})
+                                                  "expert_parallel": f.expert_parallel or f.backend == "ep_int4",
+                                                  "backend": f.backend})
 
 
 def run_features_distributed(cfg: PipelineConfig, nproc_per_node: int, log=print, **rdzv) -> dict:

@@ -128,16 +128,30 @@ def _expert_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for m in model.modules() if _fused_experts(m) for p in m.parameters(recurse=False))
 
 
-def ep_int4_bytes_per_rank(model: torch.nn.Module, q: dict | None, world: int) -> int:
-    """Bytes one of `world` ranks holds with backend 'ep_int4': 1/world of the routed experts as stored
-    (stored_bytes; each rank reads only its experts), every other parameter whole in bf16 (an upper bound: the
-    head-sharded attention holds 1/world of its projections), and one MoE layer of the rank's experts
-    dequantized to bf16 (the reused buffer)."""
-    sizes = stored_bytes(model, q)
-    layer = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules() if _fused_experts(m)),
-                default=0)
-    rest = BYTES_PER_PARAM * (sum(p.numel() for p in model.parameters()) - _expert_params(model))
-    return int(sizes["routed_experts"] / world + rest + BYTES_PER_PARAM * math.ceil(layer / world))
+# what target.ep_loading splits over the ranks in bf16 (MLA's head projections, the dense and shared MLPs); the
+# rest (embeddings, lm_head, norms, routers, MLA's low-rank a-projections) is whole on every rank
+EP_INT4_SPLIT = (".self_attn.q_b_proj.", ".self_attn.q_proj.", ".self_attn.kv_b_proj.", ".self_attn.o_proj.",
+                 ".mlp.gate_proj.", ".mlp.up_proj.", ".mlp.down_proj.", ".shared_experts.")
+EP_INT4_ATTENTION = (".self_attn.",)
+
+
+def ep_int4_bytes_per_rank(model: torch.nn.Module, q: dict | None, world: int, shard_attention: bool = True) -> int:
+    """Bytes one of `world` ranks holds with backend 'ep_int4' (target.ep_loading's plan): 1/world of the routed
+    experts as stored (stored_bytes; each rank reads only its experts), the EP_INT4_SPLIT layers 1/world in bf16
+    (attention whole when not shard_attention), every other parameter whole in bf16, and one MoE layer of the
+    rank's experts dequantized to bf16 (the reused buffer)."""
+    total, layer = stored_bytes(model, q)["routed_experts"] / world, 0
+    for m in model.modules():
+        if _fused_experts(m):
+            layer = max(layer, sum(p.numel() for p in m.parameters(recurse=False)))
+    experts = {id(p) for m in model.modules() if _fused_experts(m) for p in m.parameters(recurse=False)}
+    for name, p in model.named_parameters():
+        if id(p) in experts:
+            continue
+        split = any(k in name for k in EP_INT4_SPLIT) and (shard_attention or not any(
+            k in name for k in EP_INT4_ATTENTION))
+        total += BYTES_PER_PARAM * p.numel() / (world if split else 1)
+    return int(total + BYTES_PER_PARAM * math.ceil(layer / world))
 
 
 def gpu_memory() -> tuple[int, int] | None:
@@ -188,7 +202,8 @@ def backend_facts(cfg, tcfg, gpus: tuple[int, int] | None) -> tuple[dict, list[t
     sizes = sorted({1, 2, 4, 8, 16, 32, 64, f.tp_size})
     ep = f.expert_parallel or f.backend == "ep_int4"
     per_rank = {w: param_bytes_per_rank(model, w, ep and w > 1) for w in sizes}
-    int4 = ({w: ep_int4_bytes_per_rank(model, q, w) for w in sizes if w > 1 and not _uneven(t, w)}
+    int4 = ({w: ep_int4_bytes_per_rank(model, q, w, f.shard_attention) for w in sizes
+             if w > 1 and not _uneven(t, w)}
             if stored["experts_quantized"] else {})
     budget = FIT_FRACTION * gpus[1] if gpus else None
     facts = {"chosen": f.backend, "tp_size": f.tp_size, "expert_parallel": ep,
