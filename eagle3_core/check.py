@@ -3,15 +3,15 @@ the target's config files (no weights), checked before anything expensive runs; 
 
 Legend: L target decoder layers, H_t target hidden, V target vocab, N draft vocab.
 
-It prints the resolved target family, the aux layer ids in each engine's reading (target_family.engine_readings),
-the draft geometry and rope, vocab sizes, context lengths, disk per feature format and the backend of the features
-and evaluate stages (which path, and why), and refuses, naming the field and the fix, what would fail later: unsorted, repeated or
-out-of-range aux ids (L-1 included), a rope the draft cannot run, draft positions below the target's context, a
-target too large for a stage that loads it whole in this process (features 'hf', evaluate 'decode'), a features
-backend and size whose bytes per GPU (target/memory.py: the checkpoint's bytes as stored, its quantization_config
-read, and transformers' own plans on a meta-device model) do not fit one GPU, or that split attention heads or
-routed experts unevenly; with `--draft DIR` (a warm start or a deployment) also the draft's architecture (EAGLE-2
-refused), fc, d2t/t2d and ids (preflight.check_draft).
+It prints the resolved target family, the aux layer ids in each engine's reading (target_family.engine_readings), the
+draft geometry and rope, vocab sizes, context lengths, disk per feature format and the backend of the features and
+evaluate stages (which path, and why), and refuses, naming the field and the fix, what would fail later: unsorted,
+repeated or out-of-range aux ids (L-1 included), a rope the draft cannot run, draft positions below the target's
+context, a target too large for a stage that loads it whole in this process (features 'hf', evaluate 'decode'), a
+features backend and size whose bytes per GPU (target/memory.py: the checkpoint's bytes as stored, its
+quantization_config read, and transformers' own plans on a meta-device model) do not fit one GPU, or that split
+attention heads or routed experts unevenly; with `--draft DIR` (a warm start or a deployment) also the draft's
+architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft).
 CONFIG: a JSON file holding a PipelineConfig, or a preset name ('demo', 'debug_tiny').
 """
 from __future__ import annotations

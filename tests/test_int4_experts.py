@@ -11,8 +11,6 @@ What is compared with what, and the tolerances:
   not two precisions): atol 2e-5 (measured ~1e-6 on values up to ~3.5: another summation order);
 - 2 gloo ranks (expert parallel, with head-sharded or whole attention) against one process: same bound.
 """
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -1,5 +1,5 @@
-"""`plan CONFIG`: the reference team's hand arithmetic (docs/reference_case.md) reproduced from their given rates, what fp8
-and online features change, refused rates files, and the measured rates of a finished run planning it back."""
+"""`plan CONFIG`: the reference team's hand arithmetic (docs/reference_case.md) reproduced from their given rates,
+what fp8 and online features change, refused rates files, and the measured rates of a finished run planning it back."""
 import json
 
 import pytest

@@ -1,8 +1,8 @@
 """Feature extraction from a target sharded over several GPUs with transformers' own tensor-parallel plan (and its
-expert-parallel plan for MoE targets): the `hf_tp` backend; with features.backend 'ep_int4' the same ranks
-hold a DeepSeek-V3 / Kimi-K2.5 target with its routed experts packed INT4 (target.ep_loading), the rest unchanged. `torchrun --nproc-per-node N -m
-eagle3_core.features.tp_extract --config run.json` with features.tp_size = N; `run_features_tp` is the stage
-function that launches it (pipeline.features_stage) and returns the features manifest, like run_features.
+expert-parallel plan for MoE targets): the `hf_tp` backend; with features.backend 'ep_int4' the same ranks hold a
+DeepSeek-V3 / Kimi-K2.5 target with its routed experts packed INT4 (target.ep_loading), the rest unchanged. `torchrun
+--nproc-per-node N -m eagle3_core.features.tp_extract --config run.json` with features.tp_size = N; `run_features_tp` is
+the stage function that launches it (pipeline.features_stage) and returns the features manifest, like run_features.
 
 Legend: W = tp_size ranks (one process per GPU), B batch, T padded length, H_t target hidden.
 Every rank holds 1/W of the sharded weights (target.load_target with tp_size; plans: the config's
