@@ -105,10 +105,10 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
             epochs.fill("3")                                                  # the one changed parameter
             page.screenshot(path=SHOTS / "1-custom-run-form.png")
             page.get_by_role("button", name="Submit").click()
-            page.wait_for_url("**/deployment/**")
-            page.get_by_role("link", name=run_name).first.click()
-            page.wait_for_url("**/flow-run/**")
-            run_url = page.url
+            # the run the form created, found by its name through the API: the deployment page's list of runs
+            # refreshes on a timer, which on a loaded machine missed a 60 s wait (CI, 2026-12-04)
+            run_url = f"{UI}/runs/flow-run/{_flow_run_id(run_name)}"
+            page.goto(run_url, wait_until="networkidle")
             state = page.locator(".state-badge").first
             deadline, last_reload, eval_progress = time.monotonic() + RUN_TIMEOUT_S, time.monotonic(), None
             while time.monotonic() < deadline and state.inner_text().strip() not in ("Completed", "Failed",
@@ -169,6 +169,18 @@ def _artifacts(key_part: str) -> list[dict]:
                                                              "sort": "UPDATED_DESC"}, timeout=30)
     r.raise_for_status()
     return r.json()
+
+
+def _flow_run_id(name: str, timeout_s: float = 120) -> str:
+    """The id of the flow run named `name` (Prefect's REST API), waited for until the server has it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = httpx.post(f"{UI}/api/flow_runs/filter", json={"flow_runs": {"name": {"any_": [name]}}}, timeout=30)
+        r.raise_for_status()
+        if r.json():
+            return r.json()[0]["id"]
+        time.sleep(1)
+    raise AssertionError(f"no flow run named {name!r} {timeout_s} s after the form was submitted")
 
 
 def _run_deployment(run_dir: Path, epochs: int | None = None, sources: list[str] | None = None) -> dict:
