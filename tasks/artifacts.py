@@ -94,12 +94,35 @@ class RequestProgress:
             update_progress_artifact(self.id, 100.0 * snap["fraction"], description=desc)
 
 
+# shard record fields a person does not read: content hashes, cache keys, nanosecond file times
+UNREAD_FIELDS = ("sha256", "rows_sha256", "inputs_key", "mtime_ns", "ended_at")
+
+
+def readable_shard_row(record: dict) -> dict:
+    """One shard record as a table row a person reads: shard first, counts as they are, `seconds` to 0.1 s,
+    `bytes` as MB to 0.01, `started_at` (Unix seconds) as 'HH:MM:SS' UTC, other floats to 4 significant digits;
+    hashes, keys, nanosecond times and nested fields (lists, dicts) left out."""
+    row = {"shard": record.get("shard")}
+    for k, v in record.items():
+        if k in UNREAD_FIELDS or k == "shard" or isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            continue
+        if k == "started_at":
+            row["started (UTC)"] = time.strftime("%H:%M:%S", time.gmtime(v))
+        elif k == "bytes":
+            row["MB"] = round(v / 1e6, 2)
+        elif k == "seconds":
+            row["seconds"] = round(v, 1)
+        elif isinstance(v, float):
+            row[k] = float(f"{v:.4g}")
+        else:
+            row[k] = v
+    return row
+
+
 def shard_table(run_dir: Path, stage: str, rows: list[dict]) -> None:
-    """Table artifact `<stage>-shards-<run>`: one row per shard with its counts (columns: the manifests' scalar
-    fields)."""
-    keep = [{k: v for k, v in r.items() if isinstance(v, (int, float, str)) and k not in ("sha256", "inputs_key")}
-            for r in rows]
-    create_table_artifact(keep, key=run_key(run_dir, f"{stage}-shards"), description=f"{stage}: one row per shard")
+    """Table artifact `<stage>-shards-<run>`: one row per shard (readable_shard_row)."""
+    create_table_artifact([readable_shard_row(r) for r in rows], key=run_key(run_dir, f"{stage}-shards"),
+                          description=f"{stage}: one row per shard")
 
 
 def acceptance_plot(summary: dict, history: list[dict], path: Path) -> Path:

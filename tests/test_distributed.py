@@ -62,14 +62,14 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(ddp_full, tm
 
 @pytest.mark.slow
 def test_two_process_run_resumes_from_its_checkpoint(ddp_full, tmp_path):
-    """Stopped after 3 of 6 optimizer steps (epoch 1, mid-epoch checkpoint), started again: the same weights and
+    """Stopped after 3 of 6 optimizer steps (in the second epoch: a mid-epoch checkpoint), started again: the same weights and
     optimizer state as the uninterrupted 2-process run, bit for bit (same ranks, same reduction order)."""
     full, _ = ddp_full
     _torchrun(["train", str(tmp_path), "3"])
     state = _model(tmp_path)
     assert (state["step"], state["epoch"], state["batch"]) == (3, 1, 2)
     lines = _torchrun(["train", str(tmp_path)])
-    assert any("resumed from step_000000003.pt (epoch 1, batch 2, step 3) on 2 ranks" in x for x in lines)
+    assert any("resumed from step_000000003.pt (epoch 2, batch 2, step 3) on 2 ranks" in x for x in lines)   # from 1
     a, b = _model(full), _model(tmp_path)
     assert b["step"] == 6
     for name, t in a["model"].items():

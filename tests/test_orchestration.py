@@ -14,7 +14,7 @@ from eagle3_core.pipeline.report import embed_images
 from eagle3_core.pipeline.table import stage_done
 from fault_site.fault_injection import InjectedFault
 from prefect_api import artifacts_of, logs_of, states_by_name, task_runs
-from tasks.artifacts import run_key
+from tasks.artifacts import readable_shard_row, run_key
 from tasks.logs import run_log
 from tasks.retry import RETRY_OPTIONS, is_transient, retry_if_transient
 
@@ -114,6 +114,18 @@ def test_shard_progress_and_shard_tables_are_artifacts(e2e_run):
         bars = [a for a in arts if a.key == run_key(cfg.run_dir, f"{stage}-progress")]
         assert bars and any(a.data == 100.0 and what in a.description for a in bars), [
             (a.data, a.description) for a in bars]
+
+
+def test_shard_tables_show_rounded_readable_columns_without_hashes():
+    record = {"shard": 3, "file": "shard_00003.parquet", "prompts": 4, "completion_tokens": 256, "complete": True,
+              "seconds": 12.09653735899974, "bytes": 19883, "started_at": 1796454555.5865245,
+              "ended_at": 1796454890.8155148, "mtime_ns": 1796454890804715546, "sha256": "50" * 32,
+              "rows_sha256": "3d" * 32, "inputs_key": "10" * 32, "bytes_per_token": 32777.123456,
+              "finish_reasons": {"length": 4}, "failures": []}
+    row = readable_shard_row(record)
+    assert row == {"shard": 3, "file": "shard_00003.parquet", "prompts": 4, "completion_tokens": 256,
+                   "seconds": 12.1, "MB": 0.02, "started (UTC)": "07:09:15", "bytes_per_token": 32780.0}
+    assert next(iter(row)) == "shard"
 
 
 def test_transformers_and_httpx_warnings_reach_the_run_log(prefect_server):

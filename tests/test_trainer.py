@@ -82,7 +82,8 @@ def test_loss_goes_down_and_best_is_chosen_by_eval_tau(tmp_path):
     h = summary["history"]
     assert sum(h[-1]["train"]["loss"]) < sum(h[0]["train"]["loss"])
     taus = [r["eval"]["tau_sim"] for r in h]
-    assert summary["best"] == {"tau_sim": max(taus), "epoch": taus.index(max(taus))}
+    assert summary["best"] == {"tau_sim": max(taus), "epoch": taus.index(max(taus)) + 1}     # counted from 1
+    assert [r["epoch"] for r in h] == list(range(1, cfg.epochs + 1))
     assert len(h[0]["train"]["acc"]) == cfg.ttt_length and len(h[0]["eval"]["cond_acc"]) == cfg.ttt_length
 
 

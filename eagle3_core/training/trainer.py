@@ -165,7 +165,8 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
     `on_epoch(epochs_done, epochs)` on rank 0 after each epoch, its out_dir/last written (progress bars, snapshots).
     Batches: packed rows (cfg.batching; 'auto' on CUDA) or padded ones (epoch_batches); where kernels are compiled,
     the run is inside packing.compiled_training (packed: dynamo fails rather than run flex attention unfused).
-    Returns {'best', 'history', 'steps', 'step_losses' (each optimizer step of this call, as for on_step), 'tokens'
+    Epochs count from 1 wherever a user reads them (log lines, errors, history, best); a checkpoint keeps the 0-based
+    index of the epoch it continues. Returns {'best', 'history', 'steps', 'step_losses' (each optimizer step of this call, as for on_step), 'tokens'
     (real tokens trained on by this rank in this call), 'best_dir', 'last_dir'}.
     """
     dp = DataParallel.from_process_group()
@@ -189,7 +190,7 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                              f"x grad_accum = {group_size} batches per step); delete {path.parent} to train from "
                              f"scratch, or restore the original data and settings")
         epoch0, batch0, step, sums, n_tokens, best, history = restore_training_state(state, draft, opt, sched, device)
-        say(f"train: resumed from {path.name} (epoch {epoch0}, batch {batch0}, step {step}){ranks}")
+        say(f"train: resumed from {path.name} (epoch {epoch0 + 1}, batch {batch0}, step {step}){ranks}")
     else:
         epoch0, batch0, step, sums, n_tokens = 0, 0, 0, None, 0
         best, history = {"tau_sim": -1.0, "epoch": -1}, []
@@ -208,7 +209,7 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                 "epoch": epoch, "batch": batch, "step": step, "data": fingerprint, "tokens": tokens,
                 "sums": {k: v.cpu() for k, v in all_sums.items()} if sums is not None else {},
                 "best": best, "history": json.dumps(history), "rng": rng_states()}, step, cfg.keep_checkpoints)
-        say(f"train: checkpoint step {step} (epoch {epoch}, batch {batch})")
+        say(f"train: checkpoint step {step} (epoch {epoch + 1}, batch {batch})")
 
     tb = None
     if dp.is_main and tensorboard:
@@ -243,13 +244,13 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                         loss, stats = model(batch)
                     finite = bool(torch.isfinite(loss)) if real else True
                     if not dp.all_true(finite):                            # every rank stops at this step
-                        where = (f"epoch {epoch}, step {step}, batch {g0 + dp.rank * cfg.grad_accum + m}"
+                        where = (f"epoch {epoch + 1}, step {step}, batch {g0 + dp.rank * cfg.grad_accum + m}"
                                  + (f", rank {dp.rank}" if dp.world > 1 else "")
                                  + f" (samples {item_ids(train_samples, batch_ids or [], pack)[:4]}...)")
                         raise FloatingPointError(
                             f"non-finite loss {loss.item()} at {where}; lower train.lr or check the features of "
                             f"these samples" if not finite else
-                            f"non-finite loss on another rank at epoch {epoch}, step {step}; see its error")
+                            f"non-finite loss on another rank at epoch {epoch + 1}, step {step}; see its error")
                     (loss / cfg.grad_accum if real else loss * 0.0).backward()
                 if real:
                     stats["loss"] = stats["loss"] * stats["n"]      # weight batch means by their counts
@@ -261,7 +262,7 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
             loss_sum = dp.sum(loss_sum)
             gnorm, mean = torch.stack([gnorm.double(), loss_sum[0] / loss_sum[1]]).tolist()   # one host sync
             if not math.isfinite(gnorm):
-                raise FloatingPointError(f"non-finite gradient norm at epoch {epoch}, step {step} (batches "
+                raise FloatingPointError(f"non-finite gradient norm at epoch {epoch + 1}, step {step} (batches "
                                          f"{g0}..{g0 + len(group) - 1}); lower train.lr or check the features "
                                          f"of this step's samples")
             opt.step()                                 # queued: the host goes on to the next batch meanwhile
@@ -286,7 +287,7 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
         train_m = summarize(epoch_sums)
         eval_m = evaluate_ttt(draft, eval_samples, head_draft, cfg, dp) if eval_samples else None
         score = (eval_m or train_m)["tau_sim"]
-        history.append({"epoch": epoch, "train": train_m, "eval": eval_m, "tokens": dp.sum_int(n_tokens),
+        history.append({"epoch": epoch + 1, "train": train_m, "eval": eval_m, "tokens": dp.sum_int(n_tokens),
                         "seconds": time.monotonic() - t0})
         if tb:
             _epoch_scalars(tb, step, train_m, eval_m)
@@ -302,7 +303,7 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
             if on_epoch is not None:
                 on_epoch(epoch + 1, cfg.epochs)
         if score > best["tau_sim"]:
-            best = {"tau_sim": score, "epoch": epoch}
+            best = {"tau_sim": score, "epoch": epoch + 1}
             if dp.is_main:
                 save_draft(draft, out_dir / "best")
         sums, n_tokens = None, 0
