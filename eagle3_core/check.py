@@ -22,6 +22,8 @@ from pathlib import Path
 
 from eagle3_core.config import PipelineConfig, config_or_preset
 from eagle3_core.config.eval_config import resolved_evaluator
+from eagle3_core.data.prompt_set import source_specs
+from eagle3_core.data.readers import missing_source_files
 from eagle3_core.features.store_formats import FORMATS, bytes_per_token
 from eagle3_core.target.family import (
     engine_readings,
@@ -51,6 +53,12 @@ class CheckError(ValueError):
     def __init__(self, problems: list[tuple[str, str]]):
         self.problems = problems
         super().__init__("check refused the run:\n" + "\n".join(f"- {f}: {m}" for f, m in problems))
+
+    def __repr__(self) -> str:            # Prefect logs a failure as its repr: keep the lines readable
+        return f"CheckError: {self}"
+
+    # the refusal names the config's fault and its fix: a traceback would point at this code, not at the fault
+    traceback_helps = False
 
 
 def estimate_params(t) -> int:
@@ -96,7 +104,7 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     from eagle3_core.target.memory import backend_facts, gpu_memory
     tcfg = target_config if target_config is not None else load_target_config(cfg.target)
     t = text_config(tcfg)
-    problems: list[tuple[str, str]] = []
+    problems: list[tuple[str, str]] = missing_source_files(source_specs(cfg.prompts))
     L, H_t, V = num_layers(tcfg), value(t, "hidden_size"), value(t, "vocab_size")
     facts: dict = {"target": cfg.target.model, "config_class": type(tcfg).__name__,
                    "text_config_class": type(t).__name__, "family": family(t), "layers": L, "hidden_size": H_t}
@@ -173,9 +181,13 @@ def render(facts: dict) -> str:
     return "\n".join(lines)
 
 
-def check_or_raise(cfg: PipelineConfig, draft_dir: Path | None = None, log=print, **kw) -> dict:
-    """check_run, logging the facts; raises CheckError listing every problem. Returns the facts."""
+def check_or_raise(cfg: PipelineConfig, draft_dir: Path | None = None, log=print, facts_on_refusal: bool = True,
+                   **kw) -> dict:
+    """check_run, logging the facts; raises CheckError listing every problem with its fix (after logging the facts
+    only if `facts_on_refusal`: a flow run's log then opens with the cause). Returns the facts."""
     facts, problems = check_run(cfg, draft_dir, **kw)
+    if problems and not facts_on_refusal:
+        raise CheckError(problems)
     log("check:\n" + render(facts))
     if problems:
         raise CheckError(problems)

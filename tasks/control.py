@@ -50,9 +50,10 @@ def first_attempt() -> bool:
 @task(name="check", task_run_name="check", cache_policy=NO_CACHE)
 def check_task(config: PipelineConfig) -> str:
     """The config against the target's config (eagle3_core.check: config files only, no weights): fails in
-    seconds, naming the field, before any stage runs."""
+    seconds, before any stage runs, with CheckError naming each problem's field, cause and fix (the run log's first
+    error; tasks/logs.py keeps a refusal's traceback out). The facts read are logged when it passes."""
     with run_log() as log:
-        check_or_raise(config, log=log.info)
+        check_or_raise(config, log=log.info, facts_on_refusal=False)
         return "passed"
 
 

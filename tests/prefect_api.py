@@ -75,15 +75,16 @@ def logs_of(task_run_id: UUID, expect: str, timeout_s: float = 20.0) -> list[str
         time.sleep(0.5)
 
 
-def flow_run_log(flow_run_id: UUID, expect: str, timeout_s: float = 20.0) -> list[str]:
-    """Messages logged by the flow run itself (not by its task runs), oldest first; waits until one contains
-    `expect`."""
+def flow_run_log(flow_run_id: UUID, expect: str, timeout_s: float = 20.0, with_tasks: bool = False) -> list[str]:
+    """Messages logged by the flow run itself (and by its task runs if `with_tasks`: the run page's log in the
+    UI), oldest first; waits until one contains `expect`."""
     async def go():
         async with get_client() as client:
             return await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
     deadline = time.monotonic() + timeout_s
     while True:
-        msgs = [e.message for e in sorted(_run(go()), key=lambda e: e.timestamp) if e.task_run_id is None]
+        msgs = [e.message for e in sorted(_run(go()), key=lambda e: e.timestamp)
+                if with_tasks or e.task_run_id is None]
         if any(expect in m for m in msgs) or time.monotonic() > deadline:
             return msgs
         time.sleep(0.5)

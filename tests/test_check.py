@@ -158,3 +158,12 @@ def test_cli_prints_the_facts_and_passes(tmp_path, capsys, tiny_target_dirs):
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "family: mla" in out and "Kimi_K25Config" in out and "check: passed" in out
+
+
+def test_a_missing_prompt_file_is_refused_naming_the_source_and_the_fix(tmp_path):
+    cfg = _cfg(prompts={"sources": ["human-eval", str(tmp_path / "gone.jsonl")]})
+    _, problems = check_run(cfg, target_config=TARGET, memory=(TB, "test"))
+    assert [f for f, _ in problems] == [f"prompts source 1 ({tmp_path / 'gone.jsonl'})"]
+    assert "does not exist: give an existing .jsonl, .json or .parquet path" in problems[0][1]
+    (tmp_path / "gone.jsonl").write_text('{"prompt": "hi"}\n')
+    assert _fields(cfg) == []

@@ -8,6 +8,7 @@ from prefect.client.orchestration import get_client
 
 from eagle3_core.config import ServerConfig, preset
 from eagle3_core.training.checkpoint import load_draft
+from prefect_api import flow_run_log
 from tasks.artifacts import run_key
 
 
@@ -93,12 +94,20 @@ def test_the_pipeline_run_names_its_subflows_tags_them_and_logs_every_stage_summ
     assert "speedup" in next(m for m in log if m.startswith("deploy-llama-cpp: done"))
 
 
-def test_missing_prompt_file_fails_the_run_naming_it(prefect_server, tmp_path):
+def test_missing_prompt_file_fails_the_run_at_the_check_naming_it_first_without_a_traceback(prefect_server,
+                                                                                             tmp_path):
+    from eagle3_core.check import CheckError
     from flows.pipeline import eagle3_pipeline
     cfg = preset("debug_tiny", tmp_path / "run")
     cfg.prompts.sources = [str(tmp_path / "missing.jsonl")]
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        eagle3_pipeline(cfg)
+    state = eagle3_pipeline(cfg, return_state=True)
+    with pytest.raises(CheckError, match=r"prompts source 0 .*missing\.jsonl does not exist: give an existing"):
+        state.result()
+    assert not (cfg.run_dir / "prompts").exists()                   # refused before any stage ran
+    log = flow_run_log(state.state_details.flow_run_id, "missing.jsonl", with_tasks=True)
+    first = next(i for i, m in enumerate(log) if "missing.jsonl" in m)
+    assert first <= 2 and "check refused the run:\n- prompts source 0" in log[first], log[:5]   # cause, then fix
+    assert not any("Traceback" in m or "NoneType: None" in m for m in log), log
 
 
 def test_malformed_prompt_file_fails_the_run_naming_file_and_line(prefect_server, tmp_path):

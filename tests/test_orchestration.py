@@ -148,6 +148,29 @@ def test_transformers_and_httpx_warnings_reach_the_run_log(prefect_server):
     assert not any("HTTP Request" in m for m in msgs)
 
 
+def test_a_stage_failure_logs_its_traceback_once_across_the_task_and_the_flows_above_it(prefect_server):
+    from prefect_api import flow_run_log, flow_run_tree
+
+    @task
+    def broken_shard() -> None:
+        raise ValueError("shard 3 of features: the cause")
+
+    @flow
+    def stage():
+        broken_shard()
+
+    @flow
+    def pipeline():
+        stage()
+
+    state = pipeline(return_state=True)
+    assert state.is_failed()
+    runs = flow_run_tree(state.state_details.flow_run_id)
+    log = [m for r in runs for m in flow_run_log(r.id, "the cause", with_tasks=True)]
+    assert sum("Traceback" in m for m in log) == 1, log                         # the task run's, once
+    assert sum("the cause" in m for m in log) >= 3                               # each level still names it
+
+
 def test_only_transient_errors_are_retried(prefect_server):
     import httpx
     calls = {"transient": 0, "fatal": 0}

