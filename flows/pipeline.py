@@ -29,7 +29,7 @@ def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False, nigh
     '<run>-<stage>', tagged run:<run> and stage:<stage>; its log holds every stage's summary line."""
     s.label(config, "pipeline")
     check_task(config)                # config + target config files only: fails in seconds
-    with s.locked(config):
+    with s.locked(config), s.pipeline_progress(config.run_dir, ALL_STAGES):    # this run's page: stage k of N
         if nightly:
             config, night = plan_night_task(config)
         s.forget(config, refresh, *ALL_STAGES)

@@ -19,6 +19,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3_core.config import PipelineConfig, preset
 from tasks import stage_tasks as t
+from tasks.artifacts import pipeline_progress, stage_started  # noqa: F401 (pipeline_progress: for flows.pipeline)
 from tasks.control import (  # noqa: F401 (locked, first_attempt: re-exported for callers of flows.stage_flows)
     first_attempt,
     forget,
@@ -115,6 +116,7 @@ def stage_run(config: PipelineConfig, stage: str, refresh: bool, *forgotten: str
     label(config, stage)
     with locked(config):
         forget(config, refresh, *(forgotten or (stage,)))
+        stage_started(config.run_dir, stage)          # the pipeline run's progress names the running stage
         yield
 
 

@@ -8,6 +8,7 @@ import base64
 import hashlib
 import re
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from prefect.artifacts import (
@@ -37,12 +38,65 @@ def eta_text(done: float, total: float, elapsed_s: float) -> str:
     return f", ETA {eta / 3600:.1f} h" if eta >= 7200 else f", ETA {eta / 60:.1f} min"
 
 
+class PipelineProgress:
+    """The progress artifact `pipeline-progress-<run>` of the pipeline's own flow run (the page a user opens):
+    'stage k of N: <the running stage's latest progress line>', its bar at (k - 1 + the stage's fraction) / N. The
+    stages' bars (Progress, RequestProgress) mirror into it while it is registered for their run directory
+    (`pipeline_progress`), so the parent run shows what each stage's page shows."""
+
+    def __init__(self, run_dir: Path, stages: list[str]):
+        self.stages, self.stage = list(stages), None
+        self.id = create_progress_artifact(0.0, key=run_key(run_dir, "pipeline-progress"),
+                                           description=f"pipeline: {len(self.stages)} stages to run")
+
+    def enter(self, stage: str) -> None:
+        """Stage `stage` starts (a name of `stages`; others are ignored)."""
+        if stage in self.stages:
+            self.stage = stage
+            self.show(f"{stage}: started", 0.0)
+
+    def show(self, line: str, fraction: float) -> None:
+        if self.stage is None:
+            return
+        k, n = self.stages.index(self.stage), len(self.stages)
+        update_progress_artifact(self.id, 100.0 * (k + min(max(fraction, 0.0), 1.0)) / n,
+                                 description=f"stage {k + 1} of {n}: {line}")
+
+
+_pipelines: dict[str, PipelineProgress] = {}           # run directory (resolved) -> its pipeline's progress
+
+
+@contextmanager
+def pipeline_progress(run_dir: Path, stages: list[str]):
+    """Inside the pipeline flow: create its PipelineProgress and let the stages of `run_dir` mirror into it."""
+    key = str(Path(run_dir).resolve())
+    _pipelines[key] = PipelineProgress(run_dir, stages)
+    try:
+        yield _pipelines[key]
+        update_progress_artifact(_pipelines[key].id, 100.0, description="pipeline: every stage done")
+    finally:
+        _pipelines.pop(key, None)
+
+
+def stage_started(run_dir: Path, stage: str) -> None:
+    """Tell the pipeline's progress (if a pipeline runs `run_dir`) that `stage` has started."""
+    if (parent := _pipelines.get(str(Path(run_dir).resolve()))) is not None:
+        parent.enter(stage)
+
+
+def mirror_to_pipeline(run_dir: Path, line: str, fraction: float) -> None:
+    """Show a stage's progress line in its pipeline's progress artifact (nothing if no pipeline runs `run_dir`)."""
+    if (parent := _pipelines.get(str(Path(run_dir).resolve()))) is not None:
+        parent.show(line, fraction)
+
+
 class Progress:
     """A progress artifact `<name>-progress-<run>` moved by `update(done, total, what)`; its description reads
-    'done of total <what>' with an ETA."""
+    'done of total <what>' with an ETA (mirrored into the pipeline's progress, mirror_to_pipeline)."""
 
     def __init__(self, run_dir: Path, name: str, total: int, what: str):
         self.name, self.what, self.total, self.t0 = name, what, total, time.monotonic()
+        self.run_dir = run_dir
         self.id = create_progress_artifact(0.0, key=run_key(run_dir, f"{name}-progress"),
                                            description=f"{name}: 0 of {total} {what}")
 
@@ -51,6 +105,7 @@ class Progress:
         desc = (f"{self.name}: {done} of {self.total} {self.what}{detail}"
                 f"{eta_text(done, self.total, time.monotonic() - self.t0)}")
         update_progress_artifact(self.id, 100.0 * done / max(self.total, 1), description=desc)
+        mirror_to_pipeline(self.run_dir, desc, done / max(self.total, 1))
 
 
 def progress_callback(run_dir: Path, name: str, what: str):
@@ -82,7 +137,7 @@ class RequestProgress:
     output tok/s, failures, retries in its description)."""
 
     def __init__(self, run_dir: Path, key: str):
-        self.key, self.id = run_key(run_dir, f"{key}-progress"), None
+        self.key, self.id, self.run_dir, self.name = run_key(run_dir, f"{key}-progress"), None, run_dir, key
 
     def update(self, snap: dict) -> None:
         desc = (f"{snap['done']} of {snap['total']} prompts, {snap['recent_tokens_per_s']:.0f} output tok/s, "
@@ -92,6 +147,7 @@ class RequestProgress:
             self.id = create_progress_artifact(100.0 * snap["fraction"], key=self.key, description=desc)
         else:
             update_progress_artifact(self.id, 100.0 * snap["fraction"], description=desc)
+        mirror_to_pipeline(self.run_dir, f"{self.name}: {desc}", snap["fraction"])
 
 
 # shard record fields a person does not read: content hashes, cache keys, nanosecond file times

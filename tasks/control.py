@@ -179,13 +179,14 @@ def run_shards(task_, cfg: PipelineConfig, stage: str, plan: dict, *args, parall
     runner."""
     shard_ids, done = plan["shards"], set(plan["done"])
     progress = ShardProgress(cfg.run_dir, stage, len(shard_ids))
-    log, t0 = get_run_logger(), time.monotonic()
+    t0 = time.monotonic()
 
     def step(shard: int, state) -> None:
         progress.step()
         n, N = progress.done, progress.total
         eta = f", ETA {(time.monotonic() - t0) / n * (N - n) / 60:.1f} min" if n < N else ""
-        log.info("%s: %s of %s shards done (shard %s: %s)%s", stage, n, N, shard, state.name, eta)
+        log_in_parent_runs(logging.INFO, "%s: %s of %s shards done (shard %s: %s)%s", stage, n, N, shard,
+                           state.name, eta)               # in the pipeline run's log too
 
     states = []
     if parallel:

@@ -7,6 +7,7 @@ import pytest
 from prefect.client.orchestration import get_client
 
 from eagle3_core.config import ServerConfig, preset
+from eagle3_core.contract.layout import STAGE_DIRS
 from eagle3_core.training.checkpoint import load_draft
 from prefect_api import flow_run_log
 from tasks.artifacts import run_key
@@ -92,6 +93,11 @@ def test_the_pipeline_run_names_its_subflows_tags_them_and_logs_every_stage_summ
     assert f"best epoch {train['best']['epoch']}" in next(m for m in log if m.startswith("train: done"))
     assert f"train_samples {train['train_samples']}" in next(m for m in log if m.startswith("train: done"))
     assert "speedup" in next(m for m in log if m.startswith("deploy-llama-cpp: done"))
+    # the running stages' shard lines reach the pipeline run's log too, each before its stage's summary
+    for stage in ("generation", "features"):
+        n = len(json.loads((cfg.run_dir / STAGE_DIRS[stage] / "manifest.json").read_text())["shards"])
+        done = next(i for i, m in enumerate(log) if m.startswith(f"{stage}: {n} of {n} shards done"))
+        assert done < next(i for i, m in enumerate(log) if m.startswith(f"{stage}: done")), log
 
 
 def test_missing_prompt_file_fails_the_run_at_the_check_naming_it_first_without_a_traceback(prefect_server,

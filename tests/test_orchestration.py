@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 from prefect import flow, task
+from prefect.context import FlowRunContext
 
 from eagle3_core.contract.layout import STAGE_DIRS
 from eagle3_core.pipeline.report import embed_images
@@ -114,6 +115,45 @@ def test_shard_progress_and_shard_tables_are_artifacts(e2e_run):
         bars = [a for a in arts if a.key == run_key(cfg.run_dir, f"{stage}-progress")]
         assert bars and any(a.data == 100.0 and what in a.description for a in bars), [
             (a.data, a.description) for a in bars]
+
+
+def test_the_pipeline_run_shows_the_running_stages_progress(prefect_server, tmp_path):
+    """A stage's progress bar, while it moves, is mirrored into the pipeline run's own progress artifact
+    ('stage k of N: <the stage's line>'), which the pipeline's flow run owns (its page in the UI)."""
+    from tasks.artifacts import Progress, pipeline_progress, stage_started
+    seen = {}
+
+    def latest():
+        return next(a for a in _latest_artifacts() if a.key == run_key(tmp_path, "pipeline-progress"))
+
+    @task
+    def stage_task():
+        Progress(tmp_path, "features", 4, "shards finished").update(2)
+        seen["mid"] = latest()
+
+    @flow
+    def pipeline():
+        with pipeline_progress(tmp_path, ["prompts", "generation", "features", "train"]):
+            stage_started(tmp_path, "features")
+            stage_task()
+        return FlowRunContext.get().flow_run.id
+
+    run_id = pipeline()
+    mid = seen["mid"]
+    assert mid.description.startswith("stage 3 of 4: features: 2 of 4 shards finished") and mid.data == 62.5
+    assert mid.flow_run_id == run_id                                 # on the pipeline run's page, not the task's
+    assert latest().data == 100.0
+
+
+def _latest_artifacts():
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    async def go():
+        async with get_client() as client:
+            return await client.read_latest_artifacts()
+    return asyncio.run(go())
 
 
 def test_shard_tables_show_rounded_readable_columns_without_hashes():
