@@ -80,6 +80,12 @@ def test_report_markdown_and_plots(measured, tmp_path):
     assert "| code |" in md and "| chat |" in md and "vs simulated 2.05 over 3 draft steps" in md
     assert "![tau](plots/tau.png)" in md
     assert plots_markdown_inline(r["plots"], tmp_path).count("data:image/png;base64,") == 3
+    # the deployment's own warnings (a one-stream speed the generation stage contradicts) reach the report
+    r["llama_cpp"] = {"tau": 1.4, "tau_ci95": [1.3, 1.5], "tokens": 10, "tokens_per_s": 0.9, "speedup": 1.41,
+                      "baseline_tokens_per_s": 0.64, "num_draft_steps": 3, "acceptance_rate": 0.2,
+                      "draft_n_accepted": 2, "draft_n": 10, "lossless": {"equal": 2, "near_tie": 0, "mismatch": 0},
+                      "warnings": ["the baseline (no draft) measured 0.64 tok/s on one stream"]}
+    assert "**Warning**: the baseline (no draft) measured 0.64 tok/s on one stream." in markdown(r)
 
 
 def test_paired_bootstrap_difference_of_tau():

@@ -51,3 +51,14 @@ def test_model_from_an_offline_measurement():
     assert m["measured_speedup"] == pytest.approx(70.0 / 48.0)
     with pytest.raises(ValueError, match="tau"):
         speedup_model(0.02, 0.01, 0.02, 0.9)
+
+
+def test_a_one_stream_speed_far_below_the_same_servers_generation_rate_is_flagged():
+    from eagle3_core.evaluation.speedup import speed_disagreement
+    # the case seen in the UI: 24 tok/s over 8 slots during generation, then 0.64 tok/s on one stream
+    w = speed_disagreement(0.64, 24.0, 8, "the baseline (no draft)")
+    assert w is not None and "0.64 tok/s" in w and "3.0 tok/s per slot" in w and "busy" in w
+    assert speed_disagreement(1.6, 24.0, 8, "x") is None          # within the factor 2 of one slot's share
+    assert speed_disagreement(40.0, 24.0, 8, "x") is None         # one stream faster than a slot: expected
+    assert speed_disagreement(0.1, 0.0, 8, "x") is None           # nothing generated: nothing to compare
+

@@ -76,3 +76,21 @@ def model_from_measurement(run: dict, baseline: dict) -> dict:
             "tau_expected": expected_tau(run["accept_per_position"]),
             "measured_tokens_per_s": run["tokens_per_s"], "measured_baseline_tokens_per_s":
             run["baseline_tokens_per_s"], "measured_speedup": run["speedup"]}
+
+
+def speed_disagreement(measured_tps: float, earlier_tps: float, slots: int, what: str,
+                       margin: float = 2.0) -> str | None:
+    """A warning when one stream measured `measured_tps` output tok/s on a server that produced `earlier_tps`
+    tok/s in all over `slots` parallel slots earlier (the generation stage, same server and model): a stream alone
+    decodes at least as fast as one slot of a full server (earlier_tps / slots), so a measurement `margin` times
+    below that was slowed by something else (a busy machine) and the speed-up computed from it is not the
+    engine's. None when they agree or there is no earlier rate."""
+    if earlier_tps <= 0 or slots < 1:
+        return None
+    floor = earlier_tps / slots
+    if measured_tps * margin >= floor:
+        return None
+    return (f"{what} measured {measured_tps:.2f} tok/s on one stream, but the same server produced "
+            f"{earlier_tps:.1f} tok/s over {slots} slots during generation ({floor:.1f} tok/s per slot at least for "
+            f"one stream): the machine was probably busy while it measured, so the speed-up is not the engine's; "
+            f"run the stage again on a quiet machine (refresh)")

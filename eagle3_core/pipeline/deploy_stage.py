@@ -49,12 +49,30 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
         summary = {**summarize(base, spec, LLAMA_CPP_TIE_GAP), "num_draft_steps": S, "max_new_tokens": n_new,
                    "tie_gap": LLAMA_CPP_TIE_GAP, "draft_gguf": str(draft_gguf),
                    "server_args": spec_args[2:]}                                 # without the local -md path
+        summary["warnings"] = generation_speed_warnings(cfg, summary)
+        for w in summary["warnings"]:
+            log(f"deploy: warning: {w}")
         log(f"deploy: llama.cpp tau {summary['tau']:.2f}, {summary['tokens_per_s']:.1f} tok/s with the draft vs "
             f"{summary['baseline_tokens_per_s']:.1f} without ({summary['speedup']:.2f}x); lossless "
             f"{summary['lossless']}")
         return {"summary": summary}
 
     return run_stage(out, deploy_llama_cpp_key(cfg), body)
+
+
+def generation_speed_warnings(cfg: PipelineConfig, summary: dict) -> list[str]:
+    """The llama.cpp benchmark's one-stream rates against what the same llama-server produced in the generation
+    stage (evaluation.speedup.speed_disagreement); [] when generation ran on another server kind or generated
+    nothing."""
+    from eagle3_core.evaluation.speedup import speed_disagreement
+    gen = upstream_manifest(cfg.run_dir, "generations")
+    if cfg.server.kind != "llama.cpp" or not gen.get("completion_tokens") or not gen.get("seconds"):
+        return []
+    rate = gen["completion_tokens"] / gen["seconds"]
+    found = [speed_disagreement(summary[k], rate, cfg.server.parallel, what)
+             for k, what in (("baseline_tokens_per_s", "the baseline (no draft)"),
+                             ("tokens_per_s", "the EAGLE-3 server"))]
+    return [w for w in found if w]
 
 
 def deploy_sglang_key(cfg: PipelineConfig) -> str:

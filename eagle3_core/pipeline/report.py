@@ -255,6 +255,7 @@ def markdown(r: dict) -> str:
                   f"| no draft | 1.00 | | | {lc['baseline_tokens_per_s']:.1f} | 1.00x | |", "",
                   (f"llama.cpp tau / offline tau = {lc['tau'] / tr['tau']:.3f}; draft acceptance rate "
                   f"{lc['acceptance_rate']:.2f} ({lc['draft_n_accepted']} of {lc['draft_n']} drafted).")]
+        lines += [f"\n**Warning**: {w}." for w in lc.get("warnings", [])]
     sg = r.get("sglang")
     if sg:
         lines += ["", "## Deployed on SGLang (`--speculative-algorithm EAGLE3`)", "", sg["summary"], "",
