@@ -308,6 +308,49 @@ def test_advice_fits_the_server_kind(tmp_path):
         asyncio.run(use(["http://127.0.0.1:9"], 1.0))
 
 
+SILENT_SERVER = """
+import sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):                                      # /health: up
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def do_POST(self):                                     # a generation that never finishes in time
+        time.sleep(600)
+    def log_message(self, *a): pass
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_request_in_flight_gives_up_at_once_when_its_stage_stops_the_server(tmp_path):
+    """Cancelling the generation stage stops its server (launch's block ends); the shard requests still in flight
+    raise ServerStopped at once instead of retrying with backoff against a server that will not return (the
+    cancelled run kept retrying for 30 s until Prefect killed it)."""
+    import sys
+    import time
+
+    from eagle3_core.serving.client import request_with_retries
+    from eagle3_core.serving.launcher import ServerStopped, free_port, launch
+    script = tmp_path / "silent.py"
+    script.write_text(SILENT_SERVER)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    async def scenario() -> float:
+        block = launch([sys.executable, str(script), str(port)], url, tmp_path / "silent.log", 30)
+        block.__enter__()
+        async with ServerPool([url], probe_interval_s=0.2) as pool, httpx.AsyncClient(timeout=60) as client:
+            body = request_body("openai", [{"role": "user", "content": "hi"}], None, 8, 0.0)
+            req = asyncio.create_task(request_with_retries(pool, client, "openai", body, max_retries=5,
+                                                           backoff_s=10.0))
+            await asyncio.sleep(0.5)                                 # the request is in flight
+            block.__exit__(None, None, None)                         # the stage stops its server
+            t0 = time.monotonic()
+            with pytest.raises(ServerStopped, match=rf"{url} was stopped by this process .*gives up"):
+                await asyncio.wait_for(req, 20)
+            return time.monotonic() - t0
+    assert asyncio.run(scenario()) < 5                               # not a 10 s backoff, not 1800 s of probing
+
+
 @pytest.mark.slow
 def test_fault_proxy_503_stalls_and_drops_every_prompt_completes(server, tmp_path):
     """20% of generation requests fail at a proxy in front of the real server (503, a stall past the request

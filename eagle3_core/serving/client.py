@@ -165,7 +165,8 @@ async def request_with_retries(pool: ServerPool, client: httpx.AsyncClient, api:
     Each attempt goes to the reachable server with the fewest requests in flight; waiting for a reachable server
     does not use up attempts. Waits between attempts: backoff_s * 2**n plus up to backoff_s of jitter, at most 60 s
     (tenacity `wait_exponential_jitter`). `on_retry(error)` gets each failed attempt's RetryableError before its wait.
-    Raises RetryableError after max_retries + 1 failed attempts, RequestRejected at once, ServerError from the pool when
+    Raises RetryableError after max_retries + 1 failed attempts, RequestRejected at once, launcher.ServerStopped /
+    ServerExited at once when the server this process started was stopped or died, ServerError from the pool when
     no server has answered for its `down_timeout_s`."""
     path = API_PATHS[api]
     attempts = 0
@@ -186,6 +187,7 @@ async def request_with_retries(pool: ServerPool, client: httpx.AsyncClient, api:
                     data = parse_response(api, await post_once(client, url, path, body), url)
                 except RetryableError as e:
                     pool.failed(url, e.reason, e.server_down)
+                    pool.check_exited()         # a server stopped or dead: no retry can help (ServerError)
                     raise
             pool.answered(url)
     return data, url, attempts

@@ -28,6 +28,11 @@ class ServerError(RuntimeError):
     """A server could not be started or reached; the message names the URL/binary and what to do."""
 
 
+class ServerStopped(ServerError):
+    """The server was stopped on purpose by this process (its stage ended, failed or was cancelled) while a request
+    still wanted it: the request gives up at once instead of retrying against a server that will not return."""
+
+
 class ServerExited(ServerError):
     """A server this process started exited while in use; the message names the exit code or signal and the tail
     of that attempt's log."""
@@ -144,6 +149,8 @@ def _die_with_parent() -> None:
 _running: list[subprocess.Popen] = []   # servers started by `launch` and not yet stopped
 # url -> (process, log) of every server in a `launch` block of this process: the watch list of `exit_error`
 _watched: dict[str, tuple[subprocess.Popen, Path]] = {}
+# url -> log of every server whose `launch` block has ended (stopped on purpose): `exit_error` says so
+_stopped: dict[str, Path] = {}
 
 
 def started_here(url: str) -> Path | None:
@@ -153,11 +160,15 @@ def started_here(url: str) -> Path | None:
     return entry[1] if entry else None
 
 
-def exit_error(url: str) -> ServerExited | None:
+def exit_error(url: str) -> ServerError | None:
     """If the server this process started at `url` has exited (it is still inside its `launch` block, so nobody
-    stopped it on purpose): a ServerExited naming its pid, exit code or signal and the tail of its log. None while
-    it runs, or for a server this process did not start. Cheap (a waitpid with WNOHANG): call it often."""
+    stopped it on purpose): a ServerExited naming its pid, exit code or signal and the tail of its log; if its
+    `launch` block has ended (stopped on purpose): a ServerStopped. None while it runs, or for a server this
+    process did not start. Cheap (a waitpid with WNOHANG): call it often."""
     entry = _watched.get(url.rstrip("/"))
+    if entry is None and (log_path := _stopped.get(url.rstrip("/"))) is not None:
+        return ServerStopped(f"the inference server at {url} was stopped by this process (its stage ended, failed "
+                             f"or was cancelled; log {log_path}): this request gives up instead of retrying")
     if entry is None or entry[0].poll() is None:
         return None
     proc, log_path = entry
@@ -222,10 +233,12 @@ def launch(argv: list[str], url: str, log_path: Path, startup_timeout_s: float):
     _install_sigterm_handler()
     try:
         wait_healthy(url, proc, startup_timeout_s, log_path)
+        _stopped.pop(url.rstrip("/"), None)
         _watched[url.rstrip("/")] = (proc, log_path)
         yield url
     finally:
         _watched.pop(url.rstrip("/"), None)                  # stopped on purpose from here on: not a crash
+        _stopped[url.rstrip("/")] = log_path                 # requests still in flight give up (ServerStopped)
         stop(proc)
         _running.remove(proc)
         _restore_sigterm_handler()

@@ -50,8 +50,9 @@ class ServerPool:
         self._probe_client: httpx.AsyncClient | None = None
 
     def check_exited(self) -> None:
-        """Raise launcher.ServerExited if a server this process started has exited and no other server of the pool
-        is up to take over (the usual case: the stage's one server died)."""
+        """Raise launcher.ServerExited if a server this process started has exited, or launcher.ServerStopped if
+        this process stopped it on purpose, and no other server of the pool is up to take over (the usual case: the
+        stage's one server died, or the stage was cancelled)."""
         dead = [e for u in self.servers if (e := exit_error(u)) is not None]
         if dead and not any(s.up and exit_error(u) is None for u, s in self.servers.items()):
             raise dead[0]
