@@ -194,15 +194,21 @@ def test_server_killed_mid_run_and_restarted_every_prompt_answered_once(tmp_path
 
 @pytest.mark.slow
 def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_only_unfinished_shards(
-        prefect_server, tmp_path):
+        prefect_server, tmp_path, monkeypatch):
     """The generation flow (called by a parent flow, as the pipeline does) starts llama-server itself; it is
-    SIGKILLed once a shard has finished. The run fails within seconds through the launcher's watch, not after
+    SIGKILLed once shard 0 has finished. The run fails within seconds through the launcher's watch, not after
     server.down_timeout_s (1800 s): the error names the signal and that attempt's log, the parent run's log names
     the failed shards. A rerun starts a new server (its own log; the first attempt's is kept) and runs only the
-    shards that had not finished (the finished one comes back Cached)."""
+    shards that had not finished (the finished one comes back Cached).
+
+    Synchronised on events, not time: the shard tasks of shards 1-3 wait at a gate (the real shard function runs
+    once it opens) while shard 0 runs; the server is killed when shard 0's record says it finished, then the gate
+    opens. (Waiting for a record file to exist raced: a record is also written for a shard that failed, and on a
+    loaded machine the kill came before any shard had finished.)"""
     import psutil
     from prefect import flow
 
+    import tasks.stage_tasks
     from eagle3_core.serving import launcher
     from eagle3_core.serving.launcher import ServerExited
     from flows.stage_flows import generation_flow
@@ -213,6 +219,13 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
                               probe_interval_s=0.5)
     assert cfg.server.down_timeout_s == 1800.0
     out = cfg.run_dir / "generations"
+    gate, real = threading.Event(), tasks.stage_tasks.run_generation_shard
+
+    def gated(config, shard, *args, **kwargs):
+        if shard != 0:
+            assert gate.wait(600), "the gate never opened"
+        return real(config, shard, *args, **kwargs)
+    monkeypatch.setattr(tasks.stage_tasks, "run_generation_shard", gated)
 
     @flow(name="generation-parent")
     def parent() -> dict:
@@ -223,8 +236,8 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
     worker.start()
     try:
         deadline = time.monotonic() + 600
-        while not (out / "shard_00000.json").exists() and not (out / "shard_00001.json").exists():
-            assert time.monotonic() < deadline and worker.is_alive(), "the run ended before a shard finished"
+        while not generation_shard_done(cfg, 0):                         # the event: shard 0's complete record
+            assert time.monotonic() < deadline and worker.is_alive(), "the run ended before shard 0 finished"
             time.sleep(0.1)
         # the stage's server (the module's shared `server` fixture may be running too): the one logging here
         (pid,) = [proc.pid for proc, log in launcher._watched.values() if log.parent == out]
@@ -233,7 +246,9 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
         server.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
     finally:
+        gate.set()
         worker.join(600)
+    monkeypatch.setattr(tasks.stage_tasks, "run_generation_shard", real)
     failed_after = time.monotonic() - killed_at
     state = result["state"]
     assert state.is_failed() and failed_after < 120, (state, failed_after)
@@ -243,7 +258,7 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
         state.result()
     finished = [k for k in range(4) if generation_shard_done(cfg, k)]
     unfinished = [k for k in range(4) if k not in finished]
-    assert finished and unfinished, finished
+    assert finished == [0] and unfinished == [1, 2, 3], finished
     # the line to act on is in the parent run's log, not only in the generation subflow's
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId

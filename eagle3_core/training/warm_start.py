@@ -282,3 +282,35 @@ def init_vocab_map(init_from: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
         raise CheckpointError(f"{src.weights}: no d2t/t2d; the draft's vocab map cannot be kept: set "
                               f"train.init_vocab to 'rebuild'")
     return tensors["d2t"].long(), tensors["t2d"].bool()
+
+
+def init_from_check(cfg, tcfg, ids: list[int] | None) -> tuple[dict, list[tuple[str, str]]]:
+    """(facts, problems) of train.init_from (cfg: a PipelineConfig; tcfg: the target's transformers config; ids:
+    the run's resolved aux layer ids, None where they are wrong) against the draft this run builds (warm_start.init_problems: exists,
+    a draft, not EAGLE-2, geometry, vocab, aux ids, positions) and, when its vocab map is kept, that map
+    (vocab_map.check_vocab_map). No weights are loaded (a SpecForge checkpoint is memory-mapped)."""
+    from eagle3_core.config import default_aux_layer_ids
+    from eagle3_core.data.vocab_map import check_vocab_map
+    from eagle3_core.target.family import num_layers
+    from eagle3_core.training.draft_geometry import draft_shape
+    keep = cfg.train.init_vocab == "keep"
+    facts: dict = {"given": cfg.train.init_from, "vocab": cfg.train.init_vocab}
+    L = num_layers(tcfg)
+    defaults = default_aux_layer_ids(L) if L >= 7 else None
+    want = draft_shape(tcfg, cfg.draft.draft_vocab_size, ids if ids is not None else defaults or [],
+                       overrides=cfg.draft.geometry())
+    problems = init_problems(cfg.train.init_from, want, keep, defaults)
+    if ids is None:                                         # reported under features.aux_layer_ids already
+        problems = [p for p in problems if p[0] != "features.aux_layer_ids"]
+    if any(f == "train.init_from" for f, _ in problems):
+        return facts, problems
+    src = init_source(cfg.train.init_from)
+    facts.update({"dir": str(src.dir), "format": "SpecForge training checkpoint" if src.specforge_checkpoint
+                  else "SGLang draft directory"})
+    if keep and not problems:
+        try:
+            check_vocab_map(*init_vocab_map(cfg.train.init_from), str(src.weights))
+        except ValueError as e:
+            problems.append(("train.init_vocab", f"{e}; set train.init_vocab to 'rebuild' (a new map from this "
+                                                 f"run's data; lm_head rows carried by target token)"))
+    return facts, problems
