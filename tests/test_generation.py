@@ -150,38 +150,48 @@ def test_sglang_generate_request_and_response_fields():
 @pytest.mark.slow
 def test_server_killed_mid_run_and_restarted_every_prompt_answered_once(tmp_path, spawned):
     """Two servers share the load; one is SIGKILLed with a request in flight and restarted on its port. The run
-    completes, every prompt answered exactly once, the lost request retried, the restarted server used again."""
+    completes, every prompt answered exactly once, the lost request retried, the restarted server used again.
+
+    Synchronised on events, not time: each server sits behind a HoldingProxy. Server 0's proxy holds its second
+    request, and the kill comes once it is held (in flight for sure); server 1's proxy then holds every new request
+    until server 0's proxy has answered a health probe of the restarted server, so that prompts are left for it."""
+    from recording_proxy import HoldingProxy
     ports = [free_port(), free_port()]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    direct = [f"http://127.0.0.1:{p}" for p in ports]
     procs: dict[int, subprocess.Popen] = {}
 
     def start(i: int) -> None:
         argv = llama_server_argv(embedded_gguf_path(), "127.0.0.1", ports[i], parallel=1, ctx_per_slot=1024,
                                  extra_args=["-t", "1"])
         procs[i] = spawned(spawn_server(argv, tmp_path / f"server{i}.log"))     # stopped by the fixture too
-        wait_healthy(urls[i], procs[i], 120)
+        wait_healthy(direct[i], procs[i], 120)
 
     start(0)
     start(1)
-    cfg = make_run(tmp_path / "run", 16, urls, progress_interval_s=0.05, max_new_tokens=24)
-    snaps, result, lines = [], [], []
-    worker = threading.Thread(target=lambda: result.append(run_generation(
-        cfg, log=lines.append, on_progress=snaps.append)))
-    try:
-        worker.start()
-        deadline = time.monotonic() + 300
-        while not (snaps and snaps[-1]["answered"] >= 3 and snaps[-1]["servers"][urls[0]]["in_flight"] > 0):
-            assert time.monotonic() < deadline and worker.is_alive(), "run ended before the kill"
-            time.sleep(0.05)
-        os.killpg(procs[0].pid, signal.SIGKILL)
-        procs[0].wait()
-        answered_before = snaps[-1]["servers"][urls[0]]["answered"]
-        time.sleep(1.0)
-        start(0)
-        worker.join(600)
-    finally:
-        for p in procs.values():
-            stop(p)
+    after_kill = threading.Event()
+    with HoldingProxy(direct[0], hold=lambda n, body: n == 2) as p0, \
+            HoldingProxy(direct[1], hold=lambda n, body: after_kill.is_set()) as p1:
+        urls = [p0.url, p1.url]
+        cfg = make_run(tmp_path / "run", 16, urls, progress_interval_s=0.05, max_new_tokens=24)
+        snaps, result, lines = [], [], []
+        worker = threading.Thread(target=lambda: result.append(run_generation(
+            cfg, log=lines.append, on_progress=snaps.append)))
+        try:
+            worker.start()
+            assert p0.held.wait(300), "server 0 never got a second request"
+            after_kill.set()
+            os.killpg(procs[0].pid, signal.SIGKILL)
+            procs[0].wait()
+            answered_before = sum("answer" in e for e in p0.posts)
+            p0.health_ok.clear()                          # from here on only the restarted server answers /health
+            p0.release()                                  # its forward fails: the client's connection drops
+            start(0)
+            assert p0.health_ok.wait(300), "the pool never probed the restarted server"
+            p1.release()
+            worker.join(600)
+        finally:
+            for p in procs.values():
+                stop(p)
     assert result, "the run did not finish"
     m = result[0]
     assert m["samples"] == 16 and m["failed"] == 0 and m["retry_kinds"].get("connection", 0) >= 1
@@ -389,21 +399,32 @@ def test_fault_proxy_503_stalls_and_drops_every_prompt_completes(server, tmp_pat
 def test_client_killed_mid_run_then_rerun_no_duplicates_no_losses(server, tmp_path, spawned):
     """The generating process is SIGKILLed with one shard finished and another partly flushed; rerunning through
     the shard contract leaves the finished shard's files untouched, keeps the flushed answers and answers every
-    prompt exactly once."""
+    prompt exactly once. Synchronised on events: a proxy holds the prompts of rows 6 on (shard 1's last two), so
+    shard 1 cannot finish before the kill, which comes once shard 0's record and shard 1's two flushed answers
+    are on disk (polling for files raced: shard 1 could finish, and its parts be merged, before the kill)."""
+    from recording_proxy import HoldingProxy
     cfg = make_run(tmp_path, 12, [server])
-    (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
-    code = ("import sys; from pathlib import Path; from eagle3_core.pipeline.generation_stage import run_generation; "
-            "from eagle3_core.config import PipelineConfig; "
-            "run_generation(PipelineConfig.model_validate_json(Path(sys.argv[1]).read_text()))")
-    child = spawned(subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cfg.json")], cwd=ROOT,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL))
+    rows = json.loads((cfg.run_dir / "prompts" / "manifest.json").read_text())["train_ids"]
+    from eagle3_core.data.prompt_set import read_rows
+    late = {json.dumps(r["messages"][-1]["content"]) for r in read_rows(cfg.run_dir / "prompts" / "train.parquet")
+            if r["id"] in rows[6:]}
     out = cfg.run_dir / "generations"
-    deadline = time.monotonic() + 300
-    while not ((out / "shard_00000.json").exists() and list(out.glob("partial/shard_00001/part_*.parquet"))):
-        assert time.monotonic() < deadline and child.poll() is None, "child ended before the kill"
-        time.sleep(0.02)
-    child.kill()
-    child.wait()
+    with HoldingProxy(server, hold=lambda n, body: json.dumps((body.get("messages") or [{}])[-1].get("content"))
+                      in late) as proxy:
+        (tmp_path / "cfg.json").write_text(cfg.model_copy(update={"server": cfg.server.model_copy(
+            update={"urls": [proxy.url]})}).model_dump_json())
+        code = ("import sys; from pathlib import Path; from eagle3_core.pipeline.generation_stage import "
+                "run_generation; from eagle3_core.config import PipelineConfig; "
+                "run_generation(PipelineConfig.model_validate_json(Path(sys.argv[1]).read_text()))")
+        child = spawned(subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cfg.json")], cwd=ROOT,
+                                         env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL))
+        deadline = time.monotonic() + 300
+        while not ((out / "shard_00000.json").exists()
+                   and len(list(out.glob("partial/shard_00001/part_*.parquet"))) == 2):
+            assert time.monotonic() < deadline and child.poll() is None, "child ended before the kill"
+            time.sleep(0.05)
+        child.kill()
+        child.wait()
     finished = {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in out.glob("shard_00000.*")}
     flushed = {r["id"] for p in out.glob("partial/shard_00001/part_*.parquet") for r in pq.read_table(p).to_pylist()}
     assert not (out / "manifest.json").exists() and flushed
