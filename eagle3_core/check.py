@@ -10,7 +10,10 @@ repeated or out-of-range aux ids (L-1 included), a rope the draft cannot run, dr
 context, a target too large for a stage that loads it whole in this process (features 'hf', evaluate 'decode'), a
 features backend and size whose bytes per GPU (target/memory.py: the checkpoint's bytes as stored, its
 quantization_config read, and transformers' own plans on a meta-device model) do not fit one GPU, or that split
-attention heads or routed experts unevenly; with `--draft DIR` (a warm start or a deployment) also the draft's
+attention heads or routed experts unevenly, expert parallelism on a target without experts, a server kind that
+cannot serve the target (serving.launcher.server_problems), a train.init_from that is missing or does not fit
+(training.warm_start.init_from_check), and less free disk on run_dir's file system than the features stage writes
+(disk_check; in check_or_raise and the CLI); with `--draft DIR` (a warm start or a deployment) also the draft's
 architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft).
 CONFIG: a JSON file holding a PipelineConfig, or a preset name ('demo', 'debug_tiny').
 """
