@@ -107,7 +107,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
 def test_non_finite_loss_names_the_step_and_saves_nothing_corrupt(tmp_path):
     data = samples()
     data[3]["aux"][0, 0] = float("nan")
-    with pytest.raises(FloatingPointError, match=r"epoch 0, step \d+, batch \d+ \(samples .*s3") as err:
+    with pytest.raises(FloatingPointError, match=r"epoch 1, step \d+, batch \d+ \(samples .*s3") as err:
         train(tiny_draft(), data, [], torch.randn(100, 32), CFG, tmp_path, log=lambda s: None)
     failed_step = int(re.search(r"step (\d+)", str(err.value)).group(1))
     assert not (tmp_path / "last").exists()

@@ -300,8 +300,8 @@ def sglang_server(model: str, log_path: Path, host: str = "127.0.0.1", port: int
 
 def server_problems(cfg) -> list[tuple[str, str]]:
     """The generation server against the target, where the prompts need one (rows in mode 'keep' send no
-    request; cfg: a PipelineConfig): server.kind 'llama.cpp' (the default) serves GGUF targets only, 'sglang' Hugging Face checkpoints;
-    'external' needs server.url or server.urls."""
+    request; cfg: a PipelineConfig): server.kind 'llama.cpp' (the default) serves GGUF targets only, 'sglang'
+    Hugging Face checkpoints; 'external' needs server.url or server.urls."""
     from eagle3_core.config import EMBEDDED
     mix = cfg.prompts.mix
     if mix is not None and all(src.mode == "keep" for src in mix.sources):

@@ -160,7 +160,8 @@ def shape_problems(init: DraftShape, want: DraftShape, where: str, keep_vocab: b
     """[(config field, message)] for every way the draft at `where` (shape `init`) differs from the draft this
     run builds (`want`, from the target, the config and the feature store); draft_vocab_size only matters when
     the vocab map is kept, max_position_embeddings only when a rope scaling reads it (plain RoPE or llama3 on both
-    sides: no weight and no frequency depends on it). Empty when the warm start can load it. Each message says what to change."""
+    sides: no weight and no frequency depends on it). Empty when the warm start can load it. Each message says
+    what to change."""
     problems = []
     for name, field in SHAPE_FIELDS.items():
         if name == "draft_vocab_size" and not keep_vocab:
@@ -286,9 +287,9 @@ def init_vocab_map(init_from: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def init_from_check(cfg, tcfg, ids: list[int] | None) -> tuple[dict, list[tuple[str, str]]]:
     """(facts, problems) of train.init_from (cfg: a PipelineConfig; tcfg: the target's transformers config; ids:
-    the run's resolved aux layer ids, None where they are wrong) against the draft this run builds (warm_start.init_problems: exists,
-    a draft, not EAGLE-2, geometry, vocab, aux ids, positions) and, when its vocab map is kept, that map
-    (vocab_map.check_vocab_map). No weights are loaded (a SpecForge checkpoint is memory-mapped)."""
+    the run's resolved aux layer ids, None where they are wrong) against the draft this run builds
+    (init_problems: exists, a draft, not EAGLE-2, geometry, vocab, aux ids, positions) and, when its vocab map is
+    kept, that map (vocab_map.check_vocab_map). No weights are loaded (a SpecForge checkpoint is memory-mapped)."""
     from eagle3_core.config import default_aux_layer_ids
     from eagle3_core.data.vocab_map import check_vocab_map
     from eagle3_core.target.family import num_layers
