@@ -154,6 +154,7 @@ def test_all_zero_d2t_is_legal_when_the_draft_vocab_is_the_target_vocab(tmp_path
 def test_cli_prints_the_facts_and_passes(tmp_path, capsys, tiny_target_dirs):
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"target": {"model": str(tiny_target_dirs["kimi_k25"])},
+                                "server": {"kind": "transformers"},
                                 "features": {"max_length": 256}, "draft": {"draft_vocab_size": 64}}))
     assert main([str(path)]) == 0
     out = capsys.readouterr().out

@@ -76,3 +76,31 @@ def test_a_night_on_a_finished_run_keeps_its_num_train_and_its_export(e2e_run, t
     assert {p.name: p.read_bytes() for p in (run / "promoted").iterdir()} == export
     assert {p: p.stat().st_mtime_ns for p in stages} == stages                # no stage ran again
     assert f"| 0 | {cfg.prompts.num_train} | +{cfg.prompts.num_train} | 0 |" in (run / "report.md").read_text()
+
+
+def test_a_night_on_a_re_chosen_held_out_set_is_promoted_as_the_first_on_it(tmp_path):
+    """finish_night compares tonight's tau with the promoted night's only on the same held-out set (the prompts
+    manifest's eval_set): a lower tau on the same set is not promoted; on a set the prompts stage re-chose it is,
+    and the log says why."""
+    from eagle3_core.pipeline.nightly import finish_night
+    run = tmp_path / "run"
+    cfg = preset("debug_tiny", run_dir=run)
+    (run / "draft" / "export").mkdir(parents=True)
+    (run / "eval").mkdir()
+    (run / "prompts").mkdir()
+
+    def night(n, tau, eval_set, lines):
+        (run / "draft" / "export" / "config.json").write_text(json.dumps({"night": n}))
+        (run / "eval" / "manifest.json").write_text(json.dumps({"summary": {"trained": {"tau": tau,
+                                                                                         "tau_ci95": [tau, tau]}}}))
+        (run / "prompts" / "manifest.json").write_text(json.dumps({"eval_set": eval_set}))
+        return finish_night(cfg, {"night": n, "num_train": 10 + n, "new": True, "init_from": None,
+                                  "started_at": 0.0}, log=lines.append)
+    lines = []
+    assert night(0, 1.5, "aaaa", lines)["promoted"]
+    assert not night(1, 1.4, "aaaa", lines)["promoted"]                   # worse on the same prompts
+    rec = night(2, 1.3, "bbbb", lines)                                      # other prompts: no comparison
+    assert rec["promoted"] and rec["eval_set"] == "bbbb"
+    assert json.loads((run / "promoted" / "config.json").read_text()) == {"night": 2}
+    assert "the held-out set changed since night 0" in lines[-1]
+    assert not night(3, 1.2, "bbbb", lines)["promoted"]

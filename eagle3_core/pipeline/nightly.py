@@ -50,7 +50,7 @@ def _finished_run_record(run: Path) -> dict | None:
     n = len(prompts["train_ids"])
     return {"night": 0, "num_train": n, "new_prompts": n, "generated": 0, "tau": tau["tau"],
             "tau_ci95": tau["tau_ci95"], "init_from": None, "new": True, "promoted": True, "promoted_night": 0,
-            "before_nights": True}
+            "before_nights": True, "eval_set": prompts.get("eval_set")}
 
 
 def plan_night(cfg: PipelineConfig, log=print) -> tuple[PipelineConfig, dict]:
@@ -108,7 +108,9 @@ def plan_night(cfg: PipelineConfig, log=print) -> tuple[PipelineConfig, dict]:
 
 def finish_night(tonight: PipelineConfig, plan: dict, log=print) -> dict:
     """Record the night (nights.json) and promote tonight's export to promoted/ if its chain tau on the held-out
-    prompts is higher than the promoted night's (the first night of a fresh run always is). Returns the night's record: night,
+    prompts is higher than the promoted night's (the first night of a fresh run always is, and so is the first
+    night on a held-out set the prompts stage re-chose: the manifests' `eval_set` differ, and taus on other prompts
+    do not compare). Returns the night's record: night,
     num_train, new_prompts, generated (answers generated tonight, from the shard records), tau, tau_ci95,
     init_from, promoted, promoted_night (the night whose draft promoted/ now holds)."""
     run = Path(tonight.run_dir)
@@ -118,18 +120,23 @@ def finish_night(tonight: PipelineConfig, plan: dict, log=print) -> dict:
     generated = sum(r.get("generated", 0) for r in records if r.get("started_at", 0) >= plan["started_at"])
     best = next((n for n in reversed(nights) if n["night"] == (nights[-1]["promoted_night"] if nights else -1)),
                 None)
-    promote = plan["new"] and (best is None or summary["tau"] > best["tau"])     # only a higher tau replaces it
+    eval_set = (read_manifest(run / "prompts" / "manifest.json") or {}).get("eval_set")
+    # taus on different held-out sets do not compare (the prompts stage re-chose it: rows gone or changed)
+    moved = best is not None and best.get("eval_set", eval_set) != eval_set
+    promote = plan["new"] and (best is None or moved or summary["tau"] > best["tau"])   # only a higher tau replaces it
     if promote:
         _copy_dir(run / "draft" / "export", run / "promoted")
     record = {"night": plan["night"], "num_train": plan["num_train"],
               "new_prompts": plan["num_train"] - (nights[-1]["num_train"] if nights else 0),
               "generated": generated, "tau": summary["tau"], "tau_ci95": summary["tau_ci95"],
-              "init_from": plan["init_from"], "new": plan["new"], "promoted": promote,
+              "init_from": plan["init_from"], "new": plan["new"], "promoted": promote, "eval_set": eval_set,
               "promoted_night": plan["night"] if promote else (nights[-1]["promoted_night"] if nights else None)}
     write_manifest(nights_path(run), {"nights": [*nights, record]})
     log(f"night {record['night']}: tau {record['tau']:.2f} ({record['tau_ci95'][0]:.2f}-{record['tau_ci95'][1]:.2f}) "
         f"on the held-out prompts, {generated} answers generated; "
-        + ("promoted" if promote else f"not promoted (night {record['promoted_night']}'s draft stays)")
+        + (f"promoted (the held-out set changed since night {best['night']}: its tau does not compare; this "
+           f"night's is the first on the new set)" if promote and moved else "promoted" if promote else
+           f"not promoted (night {record['promoted_night']}'s draft stays)")
         + f" -> {run / 'promoted'}")
     return record
 

@@ -7,6 +7,7 @@ from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest
 from eagle3_core.contract.run_stage import run_stage
 from eagle3_core.data import prompt_set as prompts_mod
+from eagle3_core.data.held_out import content_digest, digests_from_files, eval_set_digest
 from eagle3_core.pipeline.keys import stage_key, target_key
 
 
@@ -35,8 +36,11 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
     def body() -> dict:
         out.mkdir(parents=True, exist_ok=True)
         earlier = prompts_mod.earlier_prompts(read_manifest(out / "manifest.json"), cfg.prompts)
+        if earlier is not None:                  # a manifest from before digests were kept: its files have them
+            earlier = digests_from_files(earlier, run.prompts_eval, run.prompts_train)
         train, evals, stats = prompts_mod.build_prompts(cfg.prompts, rejects_path=out / "rejects.jsonl",
                                                         earlier=earlier)
+        digest = {r["id"]: content_digest(r["messages"]) for r in train + evals}     # before the budget trims
         train, budget = apply_budget(load_tokenizer(cfg.target), train, cfg.generation.max_new_tokens,
                                      cfg.features.max_length, cfg.prompts.over_budget,
                                      cfg.generation.chat_template_kwargs or None, str(run.prompts_train))
@@ -63,12 +67,17 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
             log(f"prompts: grown from the earlier run in {out}: {stats['train_from_earlier']} of its "
                 f"{len(earlier['train_ids'])} train prompts kept first, in their order, "
                 f"{len(train) - stats['train_from_earlier']} new; held-out set {stats['eval_chosen']}")
+            for lost in stats["eval_lost"]:
+                log(f"prompts: WARNING earlier held-out prompt {lost['id']}: {lost['why']}")
         log(f"prompts: {len(train)} train ({kept} with responses kept), {len(evals)} held-out, {stats['rejected']} "
             f"rejected, {stats['duplicates_dropped']} duplicates; per source: "
             + ", ".join(f"{k} {v.get('train', 0)}+{v.get('eval', 0)}" for k, v in stats["per_source"].items()))
         specs = prompts_mod.source_specs(cfg.prompts)
         return {"stats": stats, "budget": budget, "seed": cfg.prompts.seed, "train_ids": [r["id"] for r in train],
                 "eval_ids": [r["id"] for r in evals],
+                # what each row asks (held_out.content_digest): a later run finds them again by content
+                "train_digests": [digest[r["id"]] for r in train], "eval_digests": [digest[r["id"]] for r in evals],
+                "eval_set": eval_set_digest([digest[r["id"]] for r in evals]),
                 "sources": [s.model_dump(exclude_defaults=True) for s in specs],
                 "unpinned": [s.label for s in specs if s.hf and not s.revision and s.hf not in ("json", "parquet")],
                 "rejects": str(out / "rejects.jsonl")}
