@@ -12,7 +12,10 @@ Policies (`prompts.over_budget`), applied to rows over the budget, counted per s
   last_turns  the earliest turns are dropped (system message kept) until the rest fits; the conversation then
               starts at a user turn. A row whose final user turn alone does not fit is dropped
   long        the row is kept whole and marked (meta.long = true) for long-sample training; features.max_length
-              cuts it later (prompts.overlong)
+              cuts it later (prompts.overlong). A prompt-mode row whose prompt alone has max_length tokens or more
+              (no room for one answer token) is dropped: it would only fail the tokenize stage
+The prompts stage asks the budget row by row while it fills the train set (RowBudget, prompt_set.build_prompts):
+under every policy a row left out is replaced by the next spare row of its source's stable order.
 """
 from __future__ import annotations
 
@@ -67,51 +70,84 @@ def _quantiles(values: list[int]) -> dict:
             "mean": round(sum(v) / len(v), 1)}
 
 
+class RowBudget:
+    """The token budget as a function of one train row: `budget(row)` is the row as the policy keeps it (meta gains
+    `prompt_tokens`, and `over_budget` where the policy acted) or None (left out). Each row id is measured once and
+    its result kept, so that the prompts stage can ask while it fills the train set from each source's stable order
+    (prompt_set.build_prompts) and again for the rows it ends with. `stats()`: as apply_budget's.
+
+    Raises ValueError naming the row (`where`, id) if the template cannot render it, and for an unknown policy."""
+
+    def __init__(self, tokenizer, max_new_tokens: int, max_length: int, policy: str,
+                 template_kwargs: dict | None = None, where: str = "prompts"):
+        if policy not in POLICIES:
+            raise ValueError(f"prompts.over_budget {policy!r} is not one of {POLICIES}")
+        self.tokenizer, self.policy = tokenizer, policy
+        self.max_new_tokens, self.max_length = max_new_tokens, max_length
+        self.template_kwargs, self.where = template_kwargs, where
+        self.results: dict[str, dict | None] = {}
+        self.per: dict[str, dict] = {}
+        self.lengths: dict[str, list[int]] = {}
+
+    def __call__(self, r: dict) -> dict | None:
+        if r["id"] not in self.results:
+            self.results[r["id"]] = self._apply(r)
+        return self.results[r["id"]]
+
+    def _apply(self, r: dict) -> dict | None:
+        from jinja2 import TemplateError
+        st = self.per.setdefault(r["source"], {"rows": 0, "over": 0, "dropped": 0, "last_turns": 0, "long": 0,
+                                               "prompt_over_max_length": 0})
+        st["rows"] += 1
+        tools = json.loads(r["tools"]) if r.get("tools") else None
+        mode, new, limit, kw = r["mode"], self.max_new_tokens, self.max_length, self.template_kwargs
+        try:
+            n = row_tokens(self.tokenizer, r["messages"], mode, tools, kw)
+            meta = {**json.loads(r.get("meta") or "{}"), "prompt_tokens": n}
+            self.lengths.setdefault(r["source"], []).append(n)
+            if _fits(n, mode, new, limit):
+                return {**r, "meta": json.dumps(meta)}
+            st["over"] += 1
+            if self.policy == "long" and (mode == "keep" or n < limit):
+                st["long"] += 1
+                return {**r, "meta": json.dumps({**meta, "over_budget": "long", "long": True})}
+            if self.policy == "long":              # the prompt alone leaves no room for one answer token: never sent
+                st["prompt_over_max_length"] += 1
+            elif self.policy == "last_turns" and (cut := last_turns(self.tokenizer, r["messages"], mode, tools, kw,
+                                                                     new, limit)):
+                st["last_turns"] += 1
+                return {**r, "messages": cut[0], "meta": json.dumps(
+                    {**meta, "over_budget": "last_turns", "messages_dropped": len(r["messages"]) - len(cut[0]),
+                     "tokens_after_cut": cut[1]})}
+            st["dropped"] += 1
+            return None
+        except (TemplateError, ValueError) as e:
+            raise ValueError(f"{self.where}: row {r['id']} (source {r['source']}): the target's chat template cannot "
+                             f"render it for the token budget ({type(e).__name__}: {e}); fix or drop the row "
+                             f"(e.g. the source's max_chars)") from e
+
+    def stats(self) -> dict:
+        """{policy, max_length, max_new_tokens, per_source: {source: {rows (measured), over, dropped, last_turns,
+        long, prompt_over_max_length, tokens: {rows, min, p50, p90, p99, max, mean}}}}."""
+        per = {source: {**st, "tokens": _quantiles(self.lengths.get(source, []))} for source, st in self.per.items()}
+        return {"policy": self.policy, "max_length": self.max_length, "max_new_tokens": self.max_new_tokens,
+                "per_source": per}
+
+
 def apply_budget(tokenizer, rows: list[dict], max_new_tokens: int, max_length: int, policy: str,
                  template_kwargs: dict | None = None, where: str = "prompts") -> tuple[list[dict], dict]:
     """(rows left after the policy, stats) for train rows ({id, source, messages, mode, tools, meta}).
 
     Each row's meta gains `prompt_tokens` (its measured tokens, before any cut) and, where the policy acted,
     `over_budget` ('last_turns' or 'long'). stats: {policy, max_length, max_new_tokens, per_source: {source:
-    {rows, over, dropped, last_turns, long, tokens: {rows, min, p50, p90, p99, max, mean}}}} (token counts
-    measured before the policy; 'over' counts rows over the budget). Raises ValueError naming the row (`where`,
-    id) if the template cannot render it, and for an unknown policy."""
-    from jinja2 import TemplateError
-    if policy not in POLICIES:
-        raise ValueError(f"prompts.over_budget {policy!r} is not one of {POLICIES}")
-    per: dict[str, dict] = {}
-    lengths: dict[str, list[int]] = {}
-    kept = []
-    for r in rows:
-        st = per.setdefault(r["source"], {"rows": 0, "over": 0, "dropped": 0, "last_turns": 0, "long": 0})
-        st["rows"] += 1
-        tools = json.loads(r["tools"]) if r.get("tools") else None
-        try:
-            n = row_tokens(tokenizer, r["messages"], r["mode"], tools, template_kwargs)
-            meta = {**json.loads(r.get("meta") or "{}"), "prompt_tokens": n}
-            lengths.setdefault(r["source"], []).append(n)
-            if _fits(n, r["mode"], max_new_tokens, max_length):
-                kept.append({**r, "meta": json.dumps(meta)})
-                continue
-            st["over"] += 1
-            if policy == "long":
-                st["long"] += 1
-                kept.append({**r, "meta": json.dumps({**meta, "over_budget": "long", "long": True})})
-            elif policy == "last_turns" and (cut := last_turns(tokenizer, r["messages"], r["mode"], tools,
-                                                               template_kwargs, max_new_tokens, max_length)):
-                st["last_turns"] += 1
-                kept.append({**r, "messages": cut[0], "meta": json.dumps(
-                    {**meta, "over_budget": "last_turns", "messages_dropped": len(r["messages"]) - len(cut[0]),
-                     "tokens_after_cut": cut[1]})})
-            else:
-                st["dropped"] += 1
-        except (TemplateError, ValueError) as e:
-            raise ValueError(f"{where}: row {r['id']} (source {r['source']}): the target's chat template cannot "
-                             f"render it for the token budget ({type(e).__name__}: {e}); fix or drop the row "
-                             f"(e.g. the source's max_chars)") from e
-    for source, st in per.items():
-        st["tokens"] = _quantiles(lengths.get(source, []))
-    return kept, {"policy": policy, "max_length": max_length, "max_new_tokens": max_new_tokens, "per_source": per}
+    {rows, over, dropped, last_turns, long, prompt_over_max_length, tokens: {rows, min, p50, p90, p99, max,
+    mean}}}} (token counts measured before the policy; 'over' counts rows over the budget; under 'long' a
+    prompt-mode row whose prompt alone fills max_length is dropped and counted in 'prompt_over_max_length' and
+    'dropped'). Raises ValueError naming the row (`where`, id) if the template cannot render it, and for an
+    unknown policy."""
+    budget = RowBudget(tokenizer, max_new_tokens, max_length, policy, template_kwargs, where)
+    kept = [k for r in rows if (k := budget(r)) is not None]
+    return kept, budget.stats()
 
 
 def budget_line(stats: dict) -> str:
@@ -121,6 +157,8 @@ def budget_line(stats: dict) -> str:
         t = st["tokens"]
         q = f"p50 {t['p50']}, p90 {t['p90']}, max {t['max']}" if t["rows"] else "no rows"
         parts.append(f"{source}: {st['rows']} rows ({q} tokens), {st['over']} over the budget, {st['dropped']} "
-                     f"dropped, {st['last_turns']} cut to their last turns, {st['long']} kept long")
+                     f"dropped, {st['last_turns']} cut to their last turns, {st['long']} kept long"
+                     + (f", {st['prompt_over_max_length']} with a prompt alone of max_length or more"
+                        if st.get("prompt_over_max_length") else ""))
     return (f"prompts: token budget features.max_length {stats['max_length']} >= prompt + generation.max_new_tokens "
             f"{stats['max_new_tokens']} (policy {stats['policy']!r}); " + "; ".join(parts))

