@@ -162,3 +162,67 @@ def budget_line(stats: dict) -> str:
                         if st.get("prompt_over_max_length") else ""))
     return (f"prompts: token budget features.max_length {stats['max_length']} >= prompt + generation.max_new_tokens "
             f"{stats['max_new_tokens']} (policy {stats['policy']!r}); " + "; ".join(parts))
+
+
+def server_context(cfg, target_context: int | None) -> tuple[int | None, str]:
+    """(context length in tokens of the server that regenerates, or None where unknown, where it comes from): SGLang
+    started by the stage: `--context-length` in server.extra_args (sglang 0.5.14 srt/server_args.py; default: the
+    model's context, `target_context`); llama.cpp: server.ctx_per_slot (each slot's share of `-c`); in process
+    ('transformers'): the target's context; an external server: unknown."""
+    s = cfg.server
+    if s.kind == "sglang":
+        args = list(s.extra_args)
+        for i, a in enumerate(args):
+            if a == "--context-length" and i + 1 < len(args):
+                return int(args[i + 1]), "server.extra_args --context-length"
+            if a.startswith("--context-length="):
+                return int(a.split("=", 1)[1]), "server.extra_args --context-length"
+        return target_context, "SGLang's default: the target's context (no --context-length in server.extra_args)"
+    if s.kind == "llama.cpp":
+        return s.ctx_per_slot, "server.ctx_per_slot"
+    if s.kind == "transformers":
+        return target_context, "the target's context (in process)"
+    return None, "an external server: its context is not known here"
+
+
+def budget_problems(cfg, target_context: int | None = None) -> tuple[dict, list[tuple[str, str]]]:
+    """(facts, problems) of a run's token budget, from its config alone (`check`). A prompt-mode row is trained
+    when prompt + generation.max_new_tokens <= features.max_length; refused: a max_new_tokens that leaves no room
+    for a prompt (every prompt-mode row would be over the budget), and a server context that does not exceed the
+    longest request the budget lets through (prompt + max_new_tokens up to max_length; under over_budget 'long'
+    max_length - 1 + max_new_tokens): a llama.cpp slot holds that many tokens; SGLang refuses a request whose
+    input plus the tokens it reserves plus max_new_tokens exceed its context length, and any input of the context
+    length or more (python/sglang/srt/managers/tokenizer_manager.py, `_validate_one_request`), so there the
+    context must exceed it. Runs whose sources are all kept as they are (mode 'keep') send no request: nothing to check."""
+    p, g, f = cfg.prompts, cfg.generation, cfg.features
+    modes = [s.mode for s in p.mix.sources] if p.mix is not None else ["prompt"]
+    ctx, where = server_context(cfg, target_context)
+    facts = {"prompt_mode_sources": "prompt" in modes, "policy": p.over_budget, "max_new_tokens": g.max_new_tokens,
+             "features.max_length": f.max_length, "room_for_the_prompt": f.max_length - g.max_new_tokens,
+             "server_context": ctx if ctx is not None else "not known", "server_context_from": where}
+    if "prompt" not in modes:
+        return facts, []
+    problems = []
+    if g.max_new_tokens >= f.max_length:
+        problems.append(("generation.max_new_tokens", (
+            f"{g.max_new_tokens} leaves no room for a prompt in features.max_length {f.max_length}: a prompt-mode row "
+            f"is trained when prompt + max_new_tokens <= max_length, so every one would be over the budget "
+            f"(prompts.over_budget {p.over_budget!r}); raise features.max_length to max_new_tokens plus the "
+            f"prompts' length (the prompts stage logs their tokens) or lower max_new_tokens")))
+    if ctx is None:
+        return facts, problems
+    longest = f.max_length - 1 + g.max_new_tokens if p.over_budget == "long" else f.max_length
+    field = "server.ctx_per_slot" if cfg.server.kind == "llama.cpp" else "server.extra_args"
+    need = longest + (cfg.server.kind == "sglang")
+    if ctx <= g.max_new_tokens:
+        problems.append((field, f"the server's context {ctx} ({where}) is not above generation.max_new_tokens "
+                                f"{g.max_new_tokens}: no prompt fits beside the answer; raise it to {need}"))
+    elif ctx < need:
+        problems.append((field, f"the server's context {ctx} ({where}) is below {need}: the longest "
+                                f"request (prompt + max_new_tokens) the token budget lets through (features."
+                                f"max_length {f.max_length}"
+                                + (f" - 1 + max_new_tokens {g.max_new_tokens} under over_budget 'long'"
+                                   if p.over_budget == "long" else "")
+                                + f") is {longest} tokens, and the server would refuse or cut it; raise the context to "
+                                f"{need} or lower features.max_length"))
+    return facts, problems
