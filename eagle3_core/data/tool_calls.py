@@ -40,8 +40,8 @@ def parsed_arguments(arguments, where: str) -> dict:
     try:
         value = json.loads(arguments)
     except json.JSONDecodeError as e:
-        raise ToolCallError(f"{where}: arguments are not complete JSON ({e.msg} at character {e.pos} of "
-                            f"{len(arguments)}: cut off?): {arguments[:80]!r}") from None
+        raise ToolCallError(f"{where}: arguments are not complete JSON ({e.msg}: character {e.pos} of "
+                            f"{len(arguments)}; cut off?): {arguments[:80]!r}") from None
     if not isinstance(value, dict):
         raise ToolCallError(f"{where}: arguments are a JSON {type(value).__name__}, not an object: "
                             f"{arguments[:80]!r}")
