@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3_core.check import check_run
-from eagle3_core.config import DraftConfig, FeatureConfig, PipelineConfig, TargetConfig, TrainConfig
+from eagle3_core.config import DraftConfig, FeatureConfig, GenerationConfig, PipelineConfig, TargetConfig, TrainConfig
 from eagle3_core.data.vocab_map import build_vocab_map, count_tokens
 from eagle3_core.evaluation.preflight import check_draft
 from eagle3_core.features.extract import HFExtractor
