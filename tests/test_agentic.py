@@ -27,10 +27,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-# the Qwen3-style template of tests/test_data.py with a tools header (it renders arguments given as JSON text or
-# as an object; llama.cpp checks a template by rendering tool calls with object arguments)
+# the Qwen3-style template of tests/test_data.py, with a tools header and arguments given as JSON text or an
+# object (llama.cpp checks a template by rendering tool calls with object arguments)
 QWEN3_TOOLS = ("{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}"
-               "{% endfor %}\n</tools><|im_end|>\n{% endif -%}\n" + QWEN3)
+               "{% endfor %}\n</tools><|im_end|>\n{% endif -%}\n"
+               + QWEN3.replace("{{ c.function.arguments }}", "{% if c.function.arguments is string %}"
+                               "{{ c.function.arguments }}{% else %}{{ c.function.arguments | tojson }}{% endif %}"))
 
 
 def quiet(*_):

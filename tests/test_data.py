@@ -22,8 +22,7 @@ LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role']
           "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 # Qwen3 thinking layout (Qwen/Qwen3-8B tokenizer_config.json, tools header left out): reasoning from
 # `reasoning_content` or an inline </think>; assistant turns after the last user query keep a <think> block (the
-# final one always), earlier ones lose it; tool calls as <tool_call> JSON (arguments: text as it is, an object by
-# `tojson`, as Qwen3's own template); tool results inside a user turn
+# final one always), earlier ones lose it; tool calls as <tool_call> JSON; tool results inside a user turn
 QWEN3 = """{%- set ns = namespace(last_query=messages|length - 1, found=false) -%}
 {%- for m in messages[::-1] -%}{%- set i = messages|length - 1 - loop.index0 -%}
 {%- if not ns.found and m.role == 'user' -%}{%- set ns.last_query = i -%}{%- set ns.found = true -%}{%- endif -%}
@@ -50,8 +49,7 @@ QWEN3 = """{%- set ns = namespace(last_query=messages|length - 1, found=false) -
 {% elif not loop.first %}
 {% endif -%}
 <tool_call>
-{"name": "{{ c.function.name }}", "arguments": {% if c.function.arguments is string %}{{ c.function.arguments }}\
-{% else %}{{ c.function.arguments | tojson }}{% endif %}}
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments }}}
 </tool_call>
 {%- endfor -%}<|im_end|>
 {% elif m.role == 'tool' -%}<|im_start|>user

@@ -44,12 +44,10 @@ def prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
                 template_kwargs: dict | None = None) -> str:
-    """`messages` rendered as text by the target's chat template (reasoning given apart put back inline, tool-call
-    arguments as objects: data.tool_calls.template_message), with the row's `tools` and chat-template arguments (e.g.
-    {'enable_thinking': False}); raises what the template raises (jinja2 TemplateError, transformers' ValueError for
-    an empty conversation)."""
-    from eagle3_core.data.tool_calls import template_message
-    return tokenizer.apply_chat_template([renderable_message(template_message(m)) for m in messages], tokenize=False,
+    """`messages` rendered as text by the target's chat template (reasoning given apart put back inline), with the
+    row's `tools` and chat-template arguments (e.g. {'enable_thinking': False}); raises what the template raises
+    (jinja2 TemplateError, transformers' ValueError for an empty conversation)."""
+    return tokenizer.apply_chat_template([renderable_message(m) for m in messages], tokenize=False,
                                          add_generation_prompt=add_generation_prompt, tools=tools or None,
                                          **(template_kwargs or {}))
 

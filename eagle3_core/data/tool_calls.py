@@ -1,4 +1,4 @@
-"""Tool calls of a row checked before they are trained, and handed to the chat template as servers hand them.
+"""Tool calls of a row checked before they are trained.
 
 A tool call (OpenAI Chat Completions `message.tool_calls[]`: {"id", "type": "function", "function": {"name",
 "arguments"}}) is trained only when
@@ -6,16 +6,14 @@ A tool call (OpenAI Chat Completions `message.tool_calls[]`: {"id", "type": "fun
     data/tools.py): the target is never taught to call a function it was not offered;
   - its arguments are one complete JSON object: given as an object, or as the JSON text of one, which is how the
     OpenAI API returns them ("a JSON string", OpenAI API reference, Chat Completions, `tool_calls[].function.
-    arguments`) and how SGLang and vLLM read them back. Text cut off mid-object (an answer stopped at
+    arguments`) and how SGLang reads them back (python/sglang/srt/entrypoints/openai/serving_chat.py,
+    `_apply_jinja_template`: `orjson.loads` of a string `function.arguments`). Text cut off mid-object (an answer stopped at
     max_new_tokens), a list, a number or a string inside are refused.
 A row that fails is rejected with the reason (prompts/rejects.jsonl for data rows, tokenized/rejects.jsonl for the
 target's own answers), counted per source against prompts.max_reject_frac.
 
-Rendering: OpenAI-compatible servers parse JSON-text arguments into objects before they apply the chat template
-(sglang 0.5.14 python/sglang/srt/entrypoints/openai/serving_chat.py, `_apply_jinja_template`: `orjson.loads` of a
-string `function.arguments`), so templates see objects (Qwen3's and Kimi's render a string as it is and an object
-with `tojson`; others iterate `arguments.items()`). `template_message` does the same for every local rendering, so
-that what is trained is what the server rendered.
+The rows keep their arguments as the data gives them (text or object): how a template wants them (an object for a
+template that prints `| tojson`, text for one that concatenates them) is the rendering's business (data/chat.py).
 """
 from __future__ import annotations
 
@@ -78,20 +76,3 @@ def check_generation_tool_calls(row: dict) -> int:
     tools = json.loads(row["tools"]) if row.get("tools") else None
     answer = json.loads(row["tool_calls"]) if row.get("tool_calls") else []
     return check_tool_calls(row["messages"], tools, answer)
-
-
-def template_message(message: dict) -> dict:
-    """`message` as OpenAI-compatible servers hand it to the chat template: JSON-text tool-call arguments parsed
-    into objects (module docstring). Returns `message` itself when it has no tool calls; raises ToolCallError
-    (parsed_arguments) for arguments that are no JSON object, which check_tool_calls refuses before any rendering."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return message
-    out = []
-    for c in calls:
-        fn = c.get("function") if isinstance(c, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-            args = parsed_arguments(fn["arguments"], f"tool call {fn.get('name')!r}")
-            c = {**c, "function": {**fn, "arguments": args}}
-        out.append(c)
-    return {**message, "tool_calls": out}
