@@ -264,7 +264,7 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int] | dict[int
 
         try:
             if gen.turns == "all":
-                data = await regenerate_row(sent, gen.max_turns, ask, later_user_turns(row))
+                data = await regenerate_row(sent, gen.max_turns, ask, later=later_user_turns(row))
                 data["messages"] = json.dumps(data["messages"])
                 url, attempts = data.pop("server"), data.pop("attempts")
             else:

@@ -93,7 +93,7 @@ def unanswered_turns(rows: list[dict], turns: str, max_turns: int | None) -> dic
     return out
 
 
-async def regenerate_row(messages: list[dict], max_turns: int | None, ask: Ask, later: list[str] = ()) -> dict:
+async def regenerate_row(messages: list[dict], max_turns: int | None, ask: Ask, *, later: list[str] = ()) -> dict:
     """Answer the turns of one prompt row in order, then each user turn of `later` (later_user_turns) appended
     after the last answer. `ask(sent_messages)` sends one request and returns (parsed answer, server URL,
     attempts); its errors propagate (the caller records the row as failed).
