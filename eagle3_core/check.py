@@ -13,8 +13,8 @@ quantization_config read, and transformers' own plans on a meta-device model) do
 attention heads or routed experts unevenly, a token budget prompt-mode rows cannot fit (generation.max_new_tokens
 against features.max_length, the regenerating server's context against both: data.budget.budget_problems),
 generation.chat_template_kwargs the target's chat template does not read or reads as another type
-(data.template_kwargs; offline with `--chat-template FILE`); with `--draft DIR` (a warm start or a deployment) also the draft's
-architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft).
+(data.template_kwargs; offline with `--chat-template FILE`); with `--draft DIR` (a warm start or a deployment)
+also the draft's architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft).
 CONFIG: a JSON file holding a PipelineConfig, or a preset name ('demo', 'debug_tiny').
 """
 from __future__ import annotations
@@ -145,7 +145,8 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
                                      {"kwargs": kwargs, "checked against": "no chat template here: the prompts "
                                                                            "stage checks them"} if kwargs else "none")
     if chat_template is not None:
-        problems += [("generation.chat_template_kwargs", str(p)) for k, v in kwargs.items()
+        field = "generation.chat_template_kwargs"
+        problems += [(field, str(p).removeprefix(field + ": ")) for k, v in kwargs.items()
                      if (p := kwarg_problem(chat_template, k, v)) is not None]
     facts["disk_bytes_per_token"] = {f: bytes_per_token(f, H_t) for f in FORMATS}
     facts["disk_gb_per_1m_tokens"] = {f: round(b * 1e6 / 1e9, 2) for f, b in facts["disk_bytes_per_token"].items()}

@@ -79,8 +79,8 @@ def test_check_refuses_the_kwargs_against_a_chat_template_file(tmp_path, capsys)
     args = [str(tmp_path / "run.json"), "--target-config", str(SHARED_DATA / "kimi_k25" / "config.json")]
     assert main(args + ["--chat-template", str(tmp_path / "tmpl.jinja")]) == 1
     err = capsys.readouterr().err
-    assert "- generation.chat_template_kwargs: generation.chat_template_kwargs: the target's chat template does not " \
-           "read 'enable_thinkng'" in err and "did you mean 'enable_thinking'" in err
+    assert "- generation.chat_template_kwargs: the target's chat template does not read 'enable_thinkng'" in err
+    assert "did you mean 'enable_thinking'" in err
     from eagle3_core.check import check_run                 # no template offline: not checked, and it says so
     from test_check import TARGET
     facts, problems = check_run(PipelineConfig(generation=GenerationConfig(chat_template_kwargs={"x": 1},
