@@ -193,7 +193,8 @@ def budget_problems(cfg, target_context: int | None = None) -> tuple[dict, list[
     max_length - 1 + max_new_tokens): a llama.cpp slot holds that many tokens; SGLang refuses a request whose
     input plus the tokens it reserves plus max_new_tokens exceed its context length, and any input of the context
     length or more (python/sglang/srt/managers/tokenizer_manager.py, `_validate_one_request`), so there the
-    context must exceed it. Runs whose sources are all kept as they are (mode 'keep') send no request: nothing to check."""
+    context must exceed it. Runs whose sources are all kept as they are (mode 'keep') send no request: nothing to
+    check."""
     p, g, f = cfg.prompts, cfg.generation, cfg.features
     modes = [s.mode for s in p.mix.sources] if p.mix is not None else ["prompt"]
     ctx, where = server_context(cfg, target_context)

@@ -7,8 +7,8 @@ A tool call (OpenAI Chat Completions `message.tool_calls[]`: {"id", "type": "fun
   - its arguments are one complete JSON object: given as an object, or as the JSON text of one, which is how the
     OpenAI API returns them ("a JSON string", OpenAI API reference, Chat Completions, `tool_calls[].function.
     arguments`) and how SGLang reads them back (python/sglang/srt/entrypoints/openai/serving_chat.py,
-    `_apply_jinja_template`: `orjson.loads` of a string `function.arguments`). Text cut off mid-object (an answer stopped at
-    max_new_tokens), a list, a number or a string inside are refused.
+    `_apply_jinja_template`: `orjson.loads` of a string `function.arguments`). Text cut off mid-object (an answer
+    stopped at max_new_tokens), a list, a number or a string inside are refused.
 A row that fails is rejected with the reason (prompts/rejects.jsonl for data rows, tokenized/rejects.jsonl for the
 target's own answers), counted per source against prompts.max_reject_frac.
 

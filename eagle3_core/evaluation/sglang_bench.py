@@ -152,7 +152,8 @@ def summarize_level(level: dict) -> dict:
         for r in rows:
             cats.setdefault(r["category"], []).append(r)
         out["tau_per_category"] = {c: sum(r["completion_tokens"] for r in rs)
-                                   / max(sum(r["spec_verify_ct"] or 0 for r in rs), 1) for c, rs in sorted(cats.items())}
+                                   / max(sum(r["spec_verify_ct"] or 0 for r in rs), 1)
+                                   for c, rs in sorted(cats.items())}
     return out
 
 

@@ -25,8 +25,9 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
     requests had them); loss mask over assistant tokens: the regenerated final turn of prompt rows (the server's own
     ids where a token-id API returned them), every regenerated turn of turn-by-turn rows, every assistant turn of
     rows kept as they are (tokenize_rows.row_samples). A row whose tool calls cannot be trained (a function its tools
-    do not declare, arguments that are no complete JSON object: data.tool_calls) is rejected with the reason. Samples longer than features.max_length are cut or dropped
-    (prompts.overlong), counted in the manifest, with the token source and a sample check of the server's ids."""
+    do not declare, arguments that are no complete JSON object: data.tool_calls) is rejected with the reason.
+    Samples longer than features.max_length are cut or dropped (prompts.overlong), counted in the manifest, with the
+    token source and a sample check of the server's ids."""
     from eagle3_core.data.samples import check_server_ids, row_samples
     from eagle3_core.data.tool_calls import check_generation_tool_calls
     from eagle3_core.target.loading import load_tokenizer
