@@ -173,14 +173,22 @@ def test_tokenize_renders_the_context_with_the_kwargs_and_tools(run):
         assert context == _expected(tok, by_id[s["id"]]["messages"])
 
 
-def test_the_evaluate_stage_and_the_scaling_study_render_held_out_prompts_with_the_kwargs_and_tools(run):
+def test_the_evaluate_stage_renders_held_out_prompts_with_the_kwargs_and_tools(run):
+    """What both evaluators of the evaluate stage decode from (run_evaluate calls held_out_prompt_ids)."""
     cfg, tok, _ = run
     from eagle3_core.data.prompt_set import read_rows
     from eagle3_core.pipeline.evaluate_stage import held_out_prompt_ids
+    rows = read_rows(cfg.run_dir / "prompts" / "eval.parquet")
+    want = [_expected(tok, r["messages"]) for r in rows]
+    assert held_out_prompt_ids(cfg, tok, rows) == want and len(want) == 1 and json.loads(rows[0]["tools"]) == TOOLS
+
+
+def test_the_scaling_studys_held_out_prompts_carry_the_kwargs_and_tools(run):
+    cfg, tok, _ = run
+    from eagle3_core.data.prompt_set import read_rows
     from eagle3_core.studies.scaling_study import held_out_prompts
     rows = read_rows(cfg.run_dir / "prompts" / "eval.parquet")
     want = [_expected(tok, r["messages"]) for r in rows]
-    assert held_out_prompt_ids(cfg, tok, rows) == want and len(want) == 1
     got_rows, prompts, eos = held_out_prompts(cfg)
     assert [r["id"] for r in got_rows] == [r["id"] for r in rows] and prompts == want and eos == {tok.eos_token_id}
 
