@@ -178,16 +178,16 @@ def test_two_turn_spec_bench_rows_are_answered_turn_by_turn(tmp_path, target_mod
     assert unanswered_turns(rows[:2], "all", 1)["question"]["reason"] == \
         "generation.max_turns 1 caps the turns answered per row"
     path = tmp_path / "train.parquet"
-    prompts_mod.write_rows(path, rows[:2])
-    gen = GenerationConfig(max_new_tokens=3, concurrency=2, turns="all", max_truncated_frac=1.0, gate_after=64)
-    engine = BatchedGenerator(target_model, tokenizer, 2, 3)
+    prompts_mod.write_rows(path, rows[:1])                                      # one row: 2 forwards on CPU
+    gen = GenerationConfig(max_new_tokens=3, concurrency=1, turns="all", max_truncated_frac=1.0, gate_after=64)
+    engine = BatchedGenerator(target_model, tokenizer, 1, 3)
     engine.eos = set(range(len(tokenizer)))          # every answer stops at once: a turn cut at max_new_tokens
     #                                                  would end the row (generation/turns.py)
     out = tmp_path / "gen"
-    asyncio.run(regenerate(path, out, {0: (0, 2)}, "k", gen, ServerConfig(kind="transformers"), [], tokenizer,
+    asyncio.run(regenerate(path, out, {0: (0, 1)}, "k", gen, ServerConfig(kind="transformers"), [], tokenizer,
                            log=lambda *_: None, engine=engine))
     got = prompts_mod.read_rows(out / "shard_00000.parquet")
-    for r, q in zip(got, raw, strict=True):
+    for r, q in zip(got, raw[:1], strict=True):
         msgs = r["messages"]
         assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
         assert [msgs[0]["content"], msgs[2]["content"]] == q["turns"] and r["turn_requests"] == 2
