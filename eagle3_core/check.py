@@ -12,9 +12,12 @@ features backend and size whose bytes per GPU (target/memory.py: the checkpoint'
 quantization_config read, and transformers' own plans on a meta-device model) do not fit one GPU, or that split
 attention heads or routed experts unevenly, expert parallelism on a target without experts, a server kind that
 cannot serve the target (serving.launcher.server_problems), a train.init_from that is missing or does not fit
-(training.warm_start.init_from_check), and less free disk on run_dir's file system than the features stage writes
-(disk_check; in check_or_raise and the CLI); with `--draft DIR` (a warm start or a deployment) also the draft's
-architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft).
+(training.warm_start.init_from_check), less free disk on run_dir's file system than the features stage writes
+(disk_check; in check_or_raise and the CLI), a token budget prompt-mode rows cannot fit (generation.max_new_tokens
+against features.max_length, the regenerating server's context against both: data.budget.budget_problems),
+generation.chat_template_kwargs the target's chat template does not read or reads as another type
+(data.template_kwargs; offline with `--chat-template FILE`); with `--draft DIR` (a warm start or a deployment)
+also the draft's architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft).
 CONFIG: a JSON file holding a PipelineConfig, or a preset name ('demo', 'debug_tiny').
 """
 from __future__ import annotations
@@ -25,8 +28,10 @@ from pathlib import Path
 
 from eagle3_core.config import PipelineConfig, config_or_preset
 from eagle3_core.config.eval_config import resolved_evaluator
+from eagle3_core.data.budget import budget_problems
 from eagle3_core.data.prompt_set import source_specs
 from eagle3_core.data.readers import missing_source_files
+from eagle3_core.data.template_kwargs import kwarg_problem
 from eagle3_core.features.store_formats import FORMATS, bytes_per_token
 from eagle3_core.target.family import (
     engine_readings,
@@ -96,14 +101,17 @@ def machine_memory_bytes() -> tuple[int, str]:
 
 
 def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=None,
-              memory: tuple[int, str] | None = None, gpus=DETECT, disk=None) -> tuple[dict, list[tuple[str, str]]]:
+              memory: tuple[int, str] | None = None, gpus=DETECT, disk=None, chat_template=DETECT
+              ) -> tuple[dict, list[tuple[str, str]]]:
     """(facts, problems) of a run. target_config: the target's transformers config (default: read with
     target.load_target_config, no weights); memory: (bytes, description) for the in-process fit check (default:
     machine_memory_bytes()); gpus: (count, bytes per GPU) for the features backend's per-GPU check
     (target.memory.backend_facts; default: this host's, None: no GPU); disk: None (not checked), DETECT (run_dir's
-    file system) or (free bytes, description) for disk_check. Also checks the generation server against the
-    target (server_problems) and train.init_from (init_from_check). Facts are JSON-able; problems are (field,
-    message) pairs, empty when the run fits."""
+    file system) or (free bytes, description) for disk_check; chat_template: the target's chat template (text)
+    that generation.chat_template_kwargs are checked against (data.template_kwargs; default: the target's
+    tokenizer's where the target's config is read from it, not checked where `target_config` is given; None: not
+    checked). Also checks the generation server against the target (server_problems) and train.init_from
+    (init_from_check). Facts are JSON-able; problems are (field, message) pairs, empty when the run fits."""
     from eagle3_core.evaluation.preflight import check_draft
     from eagle3_core.serving.launcher import server_problems
     from eagle3_core.target.loading import load_target_config
@@ -133,6 +141,19 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     if ctx is not None and cfg.features.max_length > ctx:
         problems.append(("features.max_length", f"{cfg.features.max_length} exceeds the target's context {ctx}; "
                                                 f"set it to {ctx} or less"))
+    facts["token_budget"], budget = budget_problems(cfg, ctx)
+    problems += budget
+    kwargs = cfg.generation.chat_template_kwargs
+    if chat_template is DETECT:
+        chat_template = None if target_config is not None or not kwargs else _template_of(cfg)
+    facts["chat_template_kwargs"] = ({"kwargs": kwargs, "checked against": "the target's chat template"}
+                                     if chat_template is not None else
+                                     {"kwargs": kwargs, "checked against": "no chat template here: the prompts "
+                                                                           "stage checks them"} if kwargs else "none")
+    if chat_template is not None:
+        field = "generation.chat_template_kwargs"
+        problems += [(field, str(p).removeprefix(field + ": ")) for k, v in kwargs.items()
+                     if (p := kwarg_problem(chat_template, k, v)) is not None]
     facts["disk_bytes_per_token"] = {f: bytes_per_token(f, H_t) for f in FORMATS}
     facts["disk_gb_per_1m_tokens"] = {f: round(b * 1e6 / 1e9, 2) for f, b in facts["disk_bytes_per_token"].items()}
     need = 2 * estimate_params(t)                                          # bf16 weights
@@ -235,6 +256,14 @@ def disk_check(cfg: PipelineConfig, H_t: int, disk) -> tuple[dict, list[tuple[st
     return facts, []
 
 
+def _template_of(cfg: PipelineConfig) -> str | None:
+    """The target's default chat template (its tokenizer's, read like the prompts stage reads it), or None."""
+    from eagle3_core.data.template_kwargs import tokenizer_templates
+    from eagle3_core.target.loading import load_tokenizer
+    templates = tokenizer_templates(load_tokenizer(cfg.target))
+    return templates.get("default") or next(iter(templates.values()), None)
+
+
 def render(facts: dict) -> str:
     """The facts as indented text lines."""
     lines = []
@@ -278,6 +307,22 @@ def target_config_file(path: str | Path):
     return AutoConfig.for_model(data.pop("model_type"), **data)
 
 
+def chat_template_file(path: str | Path) -> str:
+    """The chat template in a .jinja file, or the (default) 'chat_template' of a tokenizer_config.json. Raises
+    OSError for a missing file, ValueError for a JSON file without one."""
+    import json
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix != ".json":
+        return text
+    t = json.loads(text).get("chat_template")
+    if isinstance(t, list):                           # named templates: [{name, template}, ...]
+        t = next((x["template"] for x in t if x.get("name") == "default"), t[0]["template"] if t else None)
+    if not isinstance(t, str):
+        raise ValueError(f"{path}: no 'chat_template' in it; pass the template's .jinja file")
+    return t
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Check a run's config against its target (no weights read).")
     p.add_argument("config", help="JSON file with a PipelineConfig, or a preset name (demo, debug_tiny)")
@@ -285,11 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-config", default=None, metavar="CONFIG_JSON",
                    help="the target's config.json, read instead of target.model's: check a run offline with only "
                         "that file downloaded (the free disk of run_dir is then not checked)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="the target's chat template (a .jinja file, or a tokenizer_config.json holding "
+                        "'chat_template'): generation.chat_template_kwargs are checked against it offline")
     a = p.parse_args(argv)
     try:
         cfg = config_or_preset(a.config)
         # --target-config: a check made away from the run's host (offline), whose disk says nothing about it
         kw = {"target_config": target_config_file(a.target_config), "disk": None} if a.target_config else {}
+        if a.chat_template:
+            kw["chat_template"] = chat_template_file(a.chat_template)
         check_or_raise(cfg, a.draft, **kw)
     except ValueError as e:                       # CheckError, or a config that does not validate
         print(str(e), file=sys.stderr)

@@ -14,6 +14,7 @@ from eagle3_core.check import check_or_raise, check_run
 from eagle3_core.config import (
     DraftConfig,
     FeatureConfig,
+    GenerationConfig,
     PipelineConfig,
     PromptConfig,
     ServerConfig,
@@ -37,7 +38,8 @@ def _problems(cfg, **kw):
 
 
 def _cfg(**kw):
-    return PipelineConfig(**{"features": FeatureConfig(max_length=256, aux_layer_ids=[1, 2, 3]), **kw})
+    return PipelineConfig(**{"features": FeatureConfig(max_length=256, aux_layer_ids=[1, 2, 3]),
+                             "generation": GenerationConfig(max_new_tokens=64), **kw})
 
 
 def test_an_hf_target_under_the_default_llama_cpp_server_is_refused_naming_server_kind():

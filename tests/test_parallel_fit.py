@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from transformers import LlamaConfig
 
 from eagle3_core.check import check_run, main, render, target_config_file
-from eagle3_core.config import FeatureConfig, PipelineConfig, load_config
+from eagle3_core.config import FeatureConfig, GenerationConfig, PipelineConfig, load_config
 from eagle3_core.target.memory import (
     meta_model,
     param_bytes_per_rank,
@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _check(target, gpus, memory=TB, **features):
     """memory: what the in-process stages get (evaluate loads the whole target); not what this test is about."""
-    cfg = PipelineConfig(features=FeatureConfig(max_length=256, aux_layer_ids=[1, 3, 4], **features))
+    cfg = PipelineConfig(features=FeatureConfig(max_length=256, aux_layer_ids=[1, 3, 4], **features),
+                         generation=GenerationConfig(max_new_tokens=64))       # room for the prompt in 256
     facts, problems = check_run(cfg, target_config=target, memory=(memory, "test"), gpus=gpus)
     return facts["backends"]["features"], problems
 

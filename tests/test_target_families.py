@@ -12,6 +12,7 @@ from eagle3_core.check import check_run
 from eagle3_core.config import (
     DraftConfig,
     FeatureConfig,
+    GenerationConfig,
     PipelineConfig,
     ServerConfig,
     TargetConfig,
@@ -43,6 +44,7 @@ def _rows(n=6, seed=0):
 def _run_config(family_name, target_dir, tmp_path):
     return PipelineConfig(run_dir=tmp_path / "run", target=TargetConfig(model=str(target_dir)),
                           server=ServerConfig(kind="transformers"), features=FeatureConfig(max_length=256),
+                          generation=GenerationConfig(max_new_tokens=64),
                           draft=DRAFT.get(family_name, DraftConfig(draft_vocab_size=64)))
 
 
@@ -106,7 +108,8 @@ def test_gpt_oss_default_geometry_is_refused_before_anything_runs(tiny_target_di
     """GPT-OSS's yarn rope copied into the draft would fail at the first training step: check names the field."""
     cfg = PipelineConfig(target=TargetConfig(model=str(tiny_target_dirs["gpt_oss"])),
                          server=ServerConfig(kind="transformers"),
-                         features=FeatureConfig(max_length=256), draft=DraftConfig(draft_vocab_size=64))
+                         features=FeatureConfig(max_length=256), generation=GenerationConfig(max_new_tokens=64),
+                         draft=DraftConfig(draft_vocab_size=64))
     _, problems = check_run(cfg)
     assert [f for f, _ in problems] == ["draft.rope_scaling"]
     assert "'yarn'" in problems[0][1] and "'none'" in problems[0][1]

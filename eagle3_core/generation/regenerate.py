@@ -47,7 +47,7 @@ from eagle3_core.config import GenerationConfig, ServerConfig
 from eagle3_core.generation.answer_shard import KEY_META, AnswerShardWriter
 from eagle3_core.generation.progress import Progress
 from eagle3_core.generation.quality import EarlyGate, gate_limits
-from eagle3_core.generation.turns import regenerate_row
+from eagle3_core.generation.turns import later_user_turns, regenerate_row
 from eagle3_core.serving.client import (
     TOKEN_ID_APIS,
     RequestRejected,
@@ -264,7 +264,7 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int] | dict[int
 
         try:
             if gen.turns == "all":
-                data = await regenerate_row(sent, gen.max_turns, ask)
+                data = await regenerate_row(sent, gen.max_turns, ask, later=later_user_turns(row))
                 data["messages"] = json.dumps(data["messages"])
                 url, attempts = data.pop("server"), data.pop("attempts")
             else:

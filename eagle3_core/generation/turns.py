@@ -18,6 +18,12 @@ Tool calls (tool results cannot be re-run against a call the data did not make):
 - a turn cut at max_new_tokens (finish reason 'length') ends the row the same way (`ended = 'length'`): the next
   user turn would answer a text the target never finished.
 
+User turns given apart: a Spec-Bench row (MT-bench's two-turn questions) holds only its first turn as the prompt;
+its later user turns, which need the target's own earlier answers, are in `meta.later_user_turns`
+(data.row_formats). Turn by turn they are answered in order after the row's last answer, each appended as a user
+message; the tool-call and length rules above end the row the same way. `unanswered_turns` says, per source, which
+user turns a run will not answer and why (logged by the prompts stage).
+
 Resume: a row is written once all its requests are answered, so a rerun resends the requests of unfinished rows
 only (resumable per row; at most one row per request slot repeats its earlier requests).
 """
@@ -56,16 +62,53 @@ def answer_message(data: dict) -> dict:
 Ask = Callable[[list[dict]], Awaitable[tuple[dict, str, int]]]
 
 
-async def regenerate_row(messages: list[dict], max_turns: int | None, ask: Ask) -> dict:
-    """Answer the turns of one prompt row in order. `ask(sent_messages)` sends one request and returns (parsed
-    answer, server URL, attempts); its errors propagate (the caller records the row as failed).
+def later_user_turns(row: dict) -> list[str]:
+    """The user turns a prompt row gives apart from its messages (`meta.later_user_turns`: Spec-Bench's second
+    turns), or []."""
+    meta = row.get("meta")
+    meta = json.loads(meta) if isinstance(meta, str) and meta else meta or {}
+    return [str(t) for t in meta.get("later_user_turns") or []]
+
+
+def unanswered_turns(rows: list[dict], turns: str, max_turns: int | None) -> dict[str, dict]:
+    """{source: {rows, turns, reason}} of the user turns of prompt rows (`messages` decoded) that regeneration in
+    mode `turns` ('final' | 'all') with `max_turns` will not answer: under 'final', the later user turns given
+    apart (later_user_turns); under 'all', turns past max_turns. Sources with none are left out."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r.get("mode") == "keep":
+            continue
+        later = later_user_turns(r)
+        if turns == "final":
+            n = len(later)
+            reason = ("generation.turns is 'final': only the first turn is a prompt; set generation.turns 'all' to "
+                      "answer the later turns after the target's own answers")
+        else:
+            n = len(answer_positions(r["messages"], None)) + len(later) - (max_turns or 10**9)
+            reason = f"generation.max_turns {max_turns} caps the turns answered per row"
+        if n > 0:
+            st = out.setdefault(r["source"], {"rows": 0, "turns": 0, "reason": reason})
+            st["rows"] += 1
+            st["turns"] += n
+    return out
+
+
+async def regenerate_row(messages: list[dict], max_turns: int | None, ask: Ask, *, later: list[str] = ()) -> dict:
+    """Answer the turns of one prompt row in order, then each user turn of `later` (later_user_turns) appended
+    after the last answer. `ask(sent_messages)` sends one request and returns (parsed answer, server URL,
+    attempts); its errors propagate (the caller records the row as failed).
 
     Returns the answer fields of the row's last request (response, reasoning, finish_reason, prompt_tokens,
     output_ids, model, tool_calls, ...) plus: messages (the regenerated conversation, ending with the last answer),
     completion_tokens (summed over the requests), attempts (summed), turn_requests (int) and turns (JSON text:
     [{index, finish_reason, prompt_tokens, completion_tokens, attempts, server, ended?}], one per request, in the
     order sent)."""
-    positions = answer_positions(messages, max_turns)
+    messages = list(messages)
+    positions = answer_positions(messages, None)
+    for text in later:                                      # each later user turn follows the previous answer
+        messages += [{"role": "assistant", "content": ""}, {"role": "user", "content": text}]
+        positions.append(len(messages))
+    positions = positions if max_turns is None else positions[:max_turns]
     out: list[dict] = []
     turns: list[dict] = []
     cursor, data, attempts_sum, tokens_sum = 0, {}, 0, 0

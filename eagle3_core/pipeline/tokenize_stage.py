@@ -24,9 +24,12 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
     """Tokenize each conversation with the target's chat template (tools and generation.chat_template_kwargs as the
     requests had them); loss mask over assistant tokens: the regenerated final turn of prompt rows (the server's own
     ids where a token-id API returned them), every regenerated turn of turn-by-turn rows, every assistant turn of
-    rows kept as they are (tokenize_rows.row_samples). Samples longer than features.max_length are cut or dropped
-    (prompts.overlong), counted in the manifest, with the token source and a sample check of the server's ids."""
+    rows kept as they are (tokenize_rows.row_samples). A row whose tool calls cannot be trained (a function its tools
+    do not declare, arguments that are no complete JSON object: data.tool_calls) is rejected with the reason.
+    Samples longer than features.max_length are cut or dropped (prompts.overlong), counted in the manifest, with the
+    token source and a sample check of the server's ids."""
     from eagle3_core.data.samples import check_server_ids, row_samples
+    from eagle3_core.data.tool_calls import check_generation_tool_calls
     from eagle3_core.target.loading import load_tokenizer
     run = RunLayout(cfg.run_dir)
     out = run.tokenized
@@ -41,8 +44,9 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
                 st = per.setdefault(r.get("source") or "?", {"read": 0, "rejected": 0})
                 st["read"] += 1
                 try:
+                    check_generation_tool_calls(r)
                     samples, source = row_samples(tok, r, cfg.features.max_length, cfg.prompts.overlong, kwargs)
-                except (ValueError, TemplateError) as e:   # MaskError, or the template refusing this conversation
+                except (ValueError, TemplateError) as e:   # MaskError, ToolCallError, or the template refusing it
                     st["rejected"] += 1
                     rejects.append({"source": r.get("source") or "?", "file": f"generations/{shard}", "row": index,
                                     "id": r["id"], "reason": f"{type(e).__name__}: {e}"})
