@@ -17,16 +17,13 @@ import pyarrow.parquet as pq
 
 from eagle3_core.config import PromptConfig
 from eagle3_core.config.mix import SourceSpec
-from eagle3_core.contract.manifest import sha256_file, write_atomic
+from eagle3_core.contract.manifest import sha256_file
 from eagle3_core.data.held_out import Reconciled, choose_held_out, content_digest, reconcile
 from eagle3_core.data.readers import iter_rows, source_path
+from eagle3_core.data.rejects import check_reject_limit, failed_rejects_path, write_rejects
 from eagle3_core.data.row_formats import ID_FIELDS, RowReject, conversation_text, normalize, to_prompt
 from eagle3_core.data.tool_calls import check_tool_calls
 from eagle3_core.data.tools import row_tools
-
-
-class RejectError(ValueError):
-    """A source rejected more rows than `prompts.max_reject_frac` allows."""
 
 
 def source_specs(cfg: PromptConfig) -> list[SourceSpec]:
@@ -184,52 +181,6 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None, earlier: 
              # what each returned row asks as its source holds it (before a budget trims it): held_out's digest
              "content_digests": {r["id"]: content_digest(source_rows[r["id"]]["messages"]) for r in train_rows + held}}
     return train_rows, eval_rows, stats
-
-
-def failed_rejects_path(path: Path | None) -> Path | None:
-    """Where a failed attempt writes its rejects: `rejects.failed.jsonl` beside `rejects.jsonl`."""
-    return None if path is None else path.with_name(path.name.replace(".jsonl", ".failed.jsonl"))
-
-
-def write_rejects(path: Path | None, rejects: list[dict], failed: bool) -> None:
-    """Write `rejects` (JSONL, one object per rejected row) atomically: to `path` when the stage succeeded (and
-    remove an earlier failed attempt's file), else to `failed_rejects_path(path)`, leaving `path` (a finished
-    run's) byte-identical. `path=None` writes nothing."""
-    if path is None:
-        return
-    data = "".join(json.dumps(r) + "\n" for r in rejects).encode()
-    if failed:
-        write_atomic(failed_rejects_path(path), data)
-    else:
-        write_atomic(path, data)
-        failed_rejects_path(path).unlink(missing_ok=True)
-
-
-def check_reject_limit(per: dict, rejects: list[dict], max_frac: float, rejects_path: Path | None) -> None:
-    """Raise RejectError naming the source with the largest rejected fraction if it is above `max_frac`.
-
-    per: {source: {"read": rows read, "rejected": rows rejected, ...}}; rejects: [{"source", "reason", ...}];
-    rejects_path: named in the message (where the user finds every reject)."""
-    if not per:
-        return
-    frac = {name: s["rejected"] / max(s["read"], 1) for name, s in per.items()}
-    worst = max(frac, key=frac.get)
-    if frac[worst] > max_frac:
-        first = next(r["reason"] for r in rejects if r["source"] == worst)
-        raise RejectError(f"source {worst!r} rejected {per[worst]['rejected']} of {per[worst]['read']} rows "
-                          f"({frac[worst]:.0%}), above prompts.max_reject_frac {max_frac:.0%}; first: {first}. "
-                          f"All rejects: {rejects_path or '(not written)'}")
-
-
-def finish_rejects(path: Path, rejects: list[dict], per: dict, max_frac: float) -> None:
-    """A later stage's rejects (e.g. tokenize's): within the limit, written to `path`; above it, written to
-    `failed_rejects_path(path)` and RejectError raised naming the worst source (check_reject_limit)."""
-    try:
-        check_reject_limit(per, rejects, max_frac, failed_rejects_path(path))
-    except RejectError:
-        write_rejects(path, rejects, failed=True)
-        raise
-    write_rejects(path, rejects, failed=False)
 
 
 def _order(rows: list[dict], seed: int, group: str, first: list[str]) -> list[dict]:

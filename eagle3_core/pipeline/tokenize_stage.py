@@ -10,6 +10,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.run_stage import run_stage
 from eagle3_core.data import prompt_set as prompts_mod
+from eagle3_core.data.rejects import finish_rejects
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_manifest
 
 
@@ -59,7 +60,7 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
                     continue
                 n_cut += sum(s["cut"] for s in samples)
                 rows += [{"id": s["id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"]} for s in samples]
-        prompts_mod.finish_rejects(out / "rejects.jsonl", rejects, per, cfg.prompts.max_reject_frac)
+        finish_rejects(out / "rejects.jsonl", rejects, per, cfg.prompts.max_reject_frac)
         if not rows:
             raise ValueError(f"tokenize: every sample is longer than features.max_length {cfg.features.max_length} "
                              f"and prompts.overlong is 'drop'; raise max_length or use 'truncate'")
