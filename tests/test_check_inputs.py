@@ -48,7 +48,9 @@ def test_an_hf_target_under_the_default_llama_cpp_server_is_refused_naming_serve
     assert "'llama.cpp' (the default) serves a GGUF target" in problems[0][1] and "'sglang'" in problems[0][1]
     assert _problems(_cfg(target=HF, server=ServerConfig(kind="transformers"))) == []
     assert _problems(_cfg(target=HF, prompts=KEEP_ONLY)) == []                # no row asks the server anything
-    assert [f for f, _ in _problems(_cfg(server=ServerConfig(kind="sglang")))] == ["server.kind"]   # GGUF target
+    short = FeatureConfig(max_length=200, aux_layer_ids=[1, 2, 3])      # SGLang's context (256) holds every request
+    assert [f for f, _ in _problems(_cfg(server=ServerConfig(kind="sglang"), features=short))] == [
+        "server.kind"]                                                                      # a GGUF target
     assert [f for f, _ in _problems(_cfg(target=HF, server=ServerConfig(kind="external")))] == ["server.url"]
     assert _problems(_cfg(target=HF, server=ServerConfig(kind="external", url="http://127.0.0.1:30000"))) == []
 
