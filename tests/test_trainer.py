@@ -46,15 +46,15 @@ def _run_worker(out_dir: Path, pause_at_step: int | None = None) -> str:
 
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run_bit_for_bit(tmp_path):
-    """Acceptance: a real process killed with SIGKILL mid-epoch (after step 4's checkpoint: epoch 1, batch 1 of
-    3) and restarted ends with the same weights and optimizer state, bit for bit, as a run never interrupted."""
+    """Acceptance: a real process killed with SIGKILL mid-epoch (after step 4's checkpoint: epoch 2, batch 1 of
+    3; epochs count from 1 in logs) and restarted ends with the same weights and optimizer state, bit for bit, as a run never interrupted."""
     _run_worker(tmp_path / "full")
     killed = _run_worker(tmp_path / "killed", pause_at_step=4)
-    assert "train: checkpoint step 4 (epoch 1, batch 1)" in killed and "epoch 1 loss" not in killed
+    assert "train: checkpoint step 4 (epoch 2, batch 1)" in killed and "epoch 2 of" not in killed
     state, path = load_latest_training_state(tmp_path / "killed", log=lambda s: None)
     assert path.name == "step_000000004.pt" and (state["epoch"], state["batch"]) == (1, 1)
     resumed = _run_worker(tmp_path / "killed")
-    assert "resumed from step_000000004.pt (epoch 1, batch 1, step 4)" in resumed
+    assert "resumed from step_000000004.pt (epoch 2, batch 1, step 4)" in resumed
     a, _ = load_latest_training_state(tmp_path / "full", log=lambda s: None)
     b, _ = load_latest_training_state(tmp_path / "killed", log=lambda s: None)
     assert a["step"] == b["step"] == 9
