@@ -12,14 +12,15 @@ from eagle3_core.data.held_out import content_digest, digests_from_files, eval_s
 from eagle3_core.pipeline.keys import stage_key, target_key
 
 
-# the prompt settings that change the rows; overlong (the tokenize stage's) and max_reject_frac (a limit that fails
-# the stage, not another result) stay out
-PROMPT_RESULT_FIELDS = ("sources", "mix", "num_train", "num_eval", "eval_ids", "seed", "over_budget")
+# the prompt settings that change the rows or the stage's verdict (max_reject_frac); overlong, the tokenize stage's,
+# stays out
+PROMPT_RESULT_FIELDS = ("sources", "mix", "num_train", "num_eval", "eval_ids", "seed", "max_reject_frac",
+                        "over_budget")
 
 
 def prompts_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     """Inputs key of the prompts stage (no upstream stage: `up` unused): the prompt settings that change the rows
-    (PROMPT_RESULT_FIELDS; eval_ids only when set), what makes each source's rows what they are
+    or the stage's verdict (PROMPT_RESULT_FIELDS; eval_ids only when set), what makes each source's rows what they are
     (prompts.source_fingerprints: local files' sha256, Hugging Face data sets' name/split/revision) and what the
     token budget depends on (the target's template, max_length, max_new_tokens, chat-template arguments)."""
     fields = [f for f in PROMPT_RESULT_FIELDS if f != "eval_ids" or cfg.prompts.eval_ids is not None]
