@@ -72,7 +72,7 @@ def test_keep_checkpoints_resumes_and_a_key_field_redoes_its_stage_and_those_bel
     assert inputs_key(kept, "train") == inputs_key(cfg, "train")
     lines = []
     done = run_train(kept, log=lines.append)
-    assert any("resumed from step_000000002.pt (epoch 0, batch 2, step 2)" in x for x in lines), lines
+    assert any("resumed from step_000000002.pt (epoch 1, batch 2, step 2)" in x for x in lines), lines
     assert done["steps"] > 2 and stage_done(kept, "train") and stage_done(cfg, "train")
     write_manifest(cfg.run_dir / "eval" / "manifest.json", {"inputs_key": inputs_key(kept, "evaluate")})
     before = _manifests(kept)

@@ -20,8 +20,8 @@ DRAFT = ("draft.draft_vocab_size", "draft.seed", "draft.num_attention_heads", "d
 # train.window_context for packed rows, are tested on their own further down)
 IN_KEY = {
     "prompts": {"prompts.sources", "prompts.mix", "prompts.num_train", "prompts.num_eval", "prompts.eval_ids",
-                "prompts.seed", "prompts.max_reject_frac", "prompts.over_budget", *TARGET, "features.max_length", "generation.max_new_tokens",
-                "generation.chat_template_kwargs"},
+                "prompts.seed", "prompts.max_reject_frac", "prompts.over_budget", *TARGET, "features.max_length",
+                "generation.max_new_tokens", "generation.chat_template_kwargs"},
     "generation": {"generation.api", "generation.max_new_tokens", "generation.temperature", "generation.top_p",
                    "generation.chat_template_kwargs", "generation.turns", "generation.max_turns",
                    "generation.shard_size", "generation.max_failed_frac", "generation.max_empty_frac",

@@ -1,7 +1,7 @@
 """Feature extraction with one worker process per GPU, each owning whole shards: `torchrun --nproc-per-node 8 -m
 eagle3_core.features.extract_workers --config run.json` (several hosts: the same command on each with torchrun's
---nnodes/--node-rank/--rdzv-endpoint; docs/scaling.md). The features stage launches it (pipeline.features_stage.run_features with `workers`) and
-returns the features manifest.
+--nnodes/--node-rank/--rdzv-endpoint; docs/scaling.md). The features stage launches it
+(pipeline.features_stage.run_features with `workers`) and returns the features manifest.
 
 Legend: W workers (global ranks), S samples per shard.
 The shard plan is the one of features.extract_features (shard i = rows [i*S, (i+1)*S), the same content key), and
