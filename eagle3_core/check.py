@@ -32,6 +32,7 @@ from eagle3_core.data.budget import budget_problems
 from eagle3_core.data.prompt_set import source_specs
 from eagle3_core.data.readers import missing_source_files
 from eagle3_core.data.template_kwargs import kwarg_problem
+from eagle3_core.features.backends import BACKENDS, backend_name
 from eagle3_core.features.store_formats import FORMATS, bytes_per_token
 from eagle3_core.target.family import (
     engine_readings,
@@ -45,10 +46,6 @@ from eagle3_core.target.family import (
 )
 from eagle3_core.training.draft_geometry import draft_geometry, geometry_problems
 
-BACKEND_RUNS = {"hf": "HF transformers in process (HFExtractor)",
-                "hf_tp": "transformers' tensor-parallel plan over {w} torchrun ranks (features/tp_extract.py)",
-                "ep_int4": "{w} torchrun ranks, routed experts kept INT4 as stored, 1/{w} of them per rank, MLA heads "
-                           "split (this project's plan for DeepSeek-V3 / Kimi-K2.5: target/ep_loading.py)"}
 EVALUATE_RUNS = {"decode": "HF transformers in process: the target verifies each draft step (speculate)",
                  "replay": "the target's greedy outputs on the held-out prompts, recorded once with their aux "
                            "states by the features backend; the draft replayed against them (replay_eval)"}
@@ -162,7 +159,11 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     problems += ep_problems
     feats, fit_problems = backend_facts(fit_cfg, tcfg, gpu_memory() if gpus is DETECT else gpus)
     f = cfg.features
-    feats["runs"] = BACKEND_RUNS[f.backend].format(w=f.tp_size)
+    if backend_name(cfg) in BACKENDS:
+        feats["runs"] = BACKENDS[backend_name(cfg)].runs.format(w=f.tp_size)
+    else:
+        problems.append(("features.backend", f"{f.backend!r} is not a features backend; choose one of "
+                                             f"{[n for n in BACKENDS if n != 'specforge_import']}"))
     evaluator = resolved_evaluator(cfg.eval.evaluator, f.backend)
     facts["backends"] = {"features": feats,
                          "evaluate": {"evaluator": evaluator, "runs": EVALUATE_RUNS[evaluator],

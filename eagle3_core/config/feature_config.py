@@ -20,12 +20,15 @@ class FeatureConfig(StrictModel):
     import_from: str | None = Field(None, description="a directory of SpecForge offline features (*.ckpt from its "
                                     "prepare_hidden_states.py): the stage imports them, checked against this run's "
                                     "tokenization, instead of running the target (features.specforge_import)")
-    backend: Literal["hf", "hf_tp", "ep_int4"] = Field(
-        "hf", description="'hf': the whole target in this process on one device (HFExtractor); 'hf_tp': "
-                          "transformers' tensor-parallel plan over tp_size processes under torchrun, one per GPU "
-                          "(distributed/tp_extract.py), for targets that fit no single GPU; 'ep_int4': DeepSeek-V3 "
-                          "/ Kimi-K2.5 with routed experts kept packed INT4 as the checkpoint stores them, split "
-                          "over tp_size ranks (target/ep_loading.py), same torchrun as 'hf_tp'")
+    backend: str = Field(
+        "hf", description="the extraction backend (eagle3_core.features.backends.BACKENDS): 'hf': the whole target in "
+                          "this process on one device (HFExtractor); 'hf_tp': transformers' tensor-parallel plan over "
+                          "tp_size processes under torchrun, one per GPU (features/tp_extract.py), for targets that "
+                          "fit no single GPU; 'ep_int4': DeepSeek-V3 / Kimi-K2.5 with routed experts kept packed "
+                          "INT4 as the checkpoint stores them, split over tp_size ranks (target/ep_loading.py), same "
+                          "torchrun as 'hf_tp'. Recorded per shard, out of every key")
+    mix_backends: bool = Field(False, description="let a run add shards of this backend to a store whose finished "
+                                                  "shards another backend wrote (False: refused, naming them)")
     tp_size: int = Field(1, ge=1, description="processes (GPUs) the 'hf_tp' backend shards the target over; "
                                               "torchrun's --nproc-per-node (1 with backend 'hf')")
     expert_parallel: bool = Field(False, description="'hf_tp' on an MoE target: routed experts whole on one rank "
