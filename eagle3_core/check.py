@@ -45,6 +45,53 @@ EVALUATE_RUNS = {"decode": "HF transformers in process: the target verifies each
                  "replay": "the target's greedy outputs on the held-out prompts, recorded once with their aux "
                            "states by the features backend; the draft replayed against them (replay_eval)"}
 DETECT = "detect"                                  # check_run(gpus=DETECT): this host's GPUs
+# what eagle3_core itself imports in the ranks of the 'sglang' backend (features/sglang_worker.py and the store it
+# writes through), beside SGLang; tests/test_sglang_backend.py checks that the list is complete
+SGLANG_WORKER_PACKAGES = ("torch", "safetensors", "pydantic", "pyarrow", "httpx", "tenacity", "huggingface_hub")
+_PROBE = ("import importlib.metadata as m, importlib.util as u, json, sys\n"
+          "try:\n    v = m.version('sglang')\nexcept m.PackageNotFoundError:\n    v = None\n"
+          "print(json.dumps({'version': v, 'missing': [p for p in sys.argv[1:] if u.find_spec(p) is None]}))")
+
+
+def probe_sglang(python: str | None) -> dict:
+    """{python, version (of the sglang distribution there, None if absent), missing (SGLANG_WORKER_PACKAGES it
+    lacks), error} of the interpreter `python` (None: this one), read by running it (importlib.metadata: nothing
+    is imported; a minute at most). error: why it could not be run (no such file, timeout), else None."""
+    import json
+    import subprocess
+    python = python or sys.executable
+    try:
+        done = subprocess.run([python, "-c", _PROBE, *SGLANG_WORKER_PACKAGES], capture_output=True, text=True,
+                              timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"python": python, "version": None, "missing": None, "error": f"{type(e).__name__}: {e}"}
+    if done.returncode != 0:
+        return {"python": python, "version": None, "missing": None, "error": done.stderr.strip()[-300:]}
+    return {"python": python, **json.loads(done.stdout.strip().splitlines()[-1]), "error": None}
+
+
+def sglang_env_problems(env: dict, on_gpu_host: bool) -> list[tuple[str, str]]:
+    """Problems of the 'sglang' backend's environment `env` (probe_sglang): another sglang version is refused
+    anywhere; no sglang (or an interpreter that does not run), or missing packages, only on a host with GPUs (the
+    host that runs the stage; elsewhere, e.g. an offline check on a laptop, they are facts, not refusals)."""
+    from eagle3_core.config.feature_config import SGLANG_VERSION
+    make = (f"`make sglang-env` makes .venv-sglang (sglang=={SGLANG_VERSION} and "
+            f"{', '.join(SGLANG_WORKER_PACKAGES[1:])}); then set sglang_python to .venv-sglang/bin/python")
+    if env["version"] is not None and env["version"] != SGLANG_VERSION:
+        return [("sglang_python", f"{env['python']} has sglang {env['version']}; the 'sglang' backend is "
+                 f"written against sglang=={SGLANG_VERSION} (features/sglang_runner.py lists the internals it "
+                 f"uses): install that version there ({env['python']} -m pip install sglang=={SGLANG_VERSION}) "
+                 f"or give another environment: {make}")]
+    if not on_gpu_host:
+        return []
+    if env["version"] is None:
+        why = env["error"] or "no sglang installed"
+        return [("sglang_python", f"{env['python']}: {why}; the 'sglang' backend needs "
+                 f"sglang=={SGLANG_VERSION} there: {make}")]
+    if env["missing"]:
+        return [("sglang_python", f"{env['python']} lacks {env['missing']}, which the ranks import beside "
+                 f"SGLang: {env['python']} -m pip install {' '.join(env['missing'])}")]
+    return []
 
 
 class CheckError(ValueError):
@@ -93,14 +140,16 @@ def machine_memory_bytes() -> tuple[int, str]:
 
 
 def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=None,
-              memory: tuple[int, str] | None = None, gpus=DETECT, disk=None) -> tuple[dict, list[tuple[str, str]]]:
+              memory: tuple[int, str] | None = None, gpus=DETECT, disk=None,
+              sglang_env=DETECT) -> tuple[dict, list[tuple[str, str]]]:
     """(facts, problems) of a run. target_config: the target's transformers config (default: read with
     target.load_target_config, no weights); memory: (bytes, description) for the in-process fit check (default:
     machine_memory_bytes()); gpus: (count, bytes per GPU) for the features backend's per-GPU check
     (target.memory.backend_facts; default: this host's, None: no GPU); disk: None (not checked), DETECT (run_dir's
-    file system) or (free bytes, description) for disk_check. Also checks the generation server against the
-    target (server_problems) and train.init_from (init_from_check). Facts are JSON-able; problems are (field,
-    message) pairs, empty when the run fits."""
+    file system) or (free bytes, description) for disk_check; sglang_env: probe_sglang's answer for sglang_python
+    (default: probed here, with backend 'sglang' only). Also checks the generation server against the target
+    (server_problems) and train.init_from (init_from_check). Facts are JSON-able; problems are (field, message)
+    pairs, empty when the run fits."""
     from eagle3_core.evaluation.preflight import check_draft
     from eagle3_core.serving.launcher import server_problems
     from eagle3_core.target.loading import load_target_config
@@ -136,13 +185,19 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     have, where = memory if memory is not None else machine_memory_bytes()
     fit_cfg, ep_problems = expert_parallel_check(cfg, t)
     problems += ep_problems
-    feats, fit_problems = backend_facts(fit_cfg, tcfg, gpu_memory() if gpus is DETECT else gpus)
+    gpus = gpu_memory() if gpus is DETECT else gpus
+    feats, fit_problems = backend_facts(fit_cfg, tcfg, gpus)
     f = cfg.features
     if backend_name(cfg) in BACKENDS:
         feats["runs"] = BACKENDS[backend_name(cfg)].runs.format(w=f.tp_size)
     else:
         problems.append(("features.backend", f"{f.backend!r} is not a features backend; choose one of "
                                              f"{[n for n in BACKENDS if n != 'specforge_import']}"))
+    if f.backend == "sglang":
+        env = probe_sglang(cfg.sglang_python) if sglang_env is DETECT else sglang_env
+        feats["sglang_env"] = env if gpus or env["version"] else {**env, "note": "not refused here: no GPU on this "
+                                                                  "host, which is not where the stage runs"}
+        problems += sglang_env_problems(env, bool(gpus))
     evaluator = resolved_evaluator(cfg.eval.evaluator, f.backend)
     facts["backends"] = {"features": feats,
                          "evaluate": {"evaluator": evaluator, "runs": EVALUATE_RUNS[evaluator],
