@@ -29,7 +29,7 @@ FEATURE_RESULT_FIELDS = ("aux_layer_ids", "max_length", "shard_samples", "format
 # the ones that change how the same forwards are batched, computed and written, not what is stored (import_from
 # counts through import_key, what the imported files are)
 FEATURE_HOW_FIELDS = ("batch_tokens", "writer_threads", "backend", "tp_size", "expert_parallel", "shard_attention",
-                      "mix_backends", "import_from")
+                      "mix_backends", "import_from", "mem_fraction_static")
 
 
 def features_key(cfg: PipelineConfig, up: dict | None = None) -> str:
