@@ -1,11 +1,12 @@
 """The `sglang` features backend (features/sglang_extract.py, sglang_runner.py, sglang_worker.py; its row in
 features.backends, its ranks tp_extract's) on CPU, over the SGLang stand-in of tests/sglang_standin (the pinned
 0.5.14's small surface; SGLang itself needs CUDA and its own torch): prefill batches of whole samples split back
-into the store's layout, the pinned version's layer-id rule for both of its model-file families, the argmax over a vocab-parallel lm_head, the one module holding every SGLang
-import, every name the stand-in mirrors against the pinned wheel's source, the packages the ranks import, `check`;
-over 2 gloo ranks under torchrun (slow): leader and follower writing the store the `hf` backend writes, a SIGKILLed
-rank and the resumed run. Where SGLang itself imports on a GPU, its features against `hf` on a small model within
-the probe's tolerance (skipped elsewhere, with the reason).
+into the store's layout, the pinned version's layer-id rule for both of its model-file families, the argmax over
+a vocab-parallel lm_head, the one module holding every SGLang import, every name the stand-in mirrors against the
+pinned wheel's source, the packages the ranks import, `check`; over 2 gloo ranks under torchrun (slow): leader and
+follower writing the store the `hf` backend writes, a SIGKILLed rank and the resumed run. Where SGLang itself
+imports on a GPU, its features against `hf` on a small model within the probe's tolerance (skipped elsewhere,
+with the reason).
 
 Tolerance against `hf` over the stand-in: the stand-in runs the same transformers modules request by request where
 HFExtractor runs a right-padded batch; fp32 differences of a few 1e-6 (measured at most 6.8e-6 on the tiny
