@@ -75,6 +75,7 @@ def _flips(tmp_path) -> dict[str, object]:
         "features.batch_tokens": 8192, "features.format": "fp8", "features.writer_threads": 4,
         "features.import_from": str(imported), "features.backend": "ep_int4", "features.mix_backends": True,
         "features.tp_size": 4, "features.expert_parallel": True, "features.shard_attention": False,
+        "features.mem_fraction_static": 0.7,
         "draft.draft_vocab_size": 16000, "draft.seed": 1, "draft.num_attention_heads": 8,
         "draft.num_key_value_heads": 2, "draft.head_dim": 64, "draft.intermediate_size": 1024,
         "draft.rope_theta": 1e6, "draft.rope_scaling": "none", "draft.max_position_embeddings": 4096,

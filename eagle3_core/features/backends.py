@@ -102,6 +102,12 @@ def load_specforge_import(cfg: PipelineConfig, device: str, log=print) -> Extrac
     return extractor
 
 
+def _load_sglang(cfg: PipelineConfig, device: str, log=print) -> Extractor:
+    """'sglang': SGLang's own ModelRunner on this rank (features/sglang_worker.py, run in the SGLang environment)."""
+    from eagle3_core.features.sglang_worker import load_sglang
+    return load_sglang(cfg, device, log)
+
+
 BACKENDS: dict[str, Backend] = {b.name: b for b in [
     Backend("hf", False, load_hf, "HF transformers in process (HFExtractor)"),
     Backend("hf_tp", True, load_hf_tp,
@@ -109,6 +115,9 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in [
     Backend("ep_int4", True, load_ep_int4,
             "{w} torchrun ranks, routed experts kept INT4 as stored, 1/{w} of them per rank, MLA heads split (this "
             "project's plan for DeepSeek-V3 / Kimi-K2.5: target/ep_loading.py)"),
+    Backend("sglang", True, _load_sglang,
+            "SGLang's own ModelRunner in {w} torchrun ranks (tensor parallel, its kernels and INT4 MoE), in the "
+            "environment of the config's sglang_python (features/sglang_worker.py)"),
     Backend("specforge_import", False, load_specforge_import,
             "SpecForge's offline feature files imported (features.import_from); no target forward"),
 ]}

@@ -116,7 +116,7 @@ def deploy_sglang_skip(cfg: PipelineConfig) -> str | None:
         return "deploy_sglang.enabled is 'off'"
     if d.enabled == "auto" and gguf_path(cfg.target) is not None:
         return "the target is a GGUF file: the llama.cpp deployment stage serves it (SGLang serves HF checkpoints)"
-    if not (d.baseline_url and d.eagle3_url) and not sglang_installed():
+    if not (d.baseline_url and d.eagle3_url) and not sglang_installed(cfg.sglang_python):
         why = ("SGLang is not installed here (it needs CUDA: on a GPU host `pip install -e '.[sglang]'`), and "
                "deploy_sglang.baseline_url / eagle3_url do not name running servers")
         if d.enabled == "on":
@@ -171,7 +171,7 @@ def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
         result = run_benchmark(cfg.target.model, spec, prompts, d.concurrency, out, d.max_new_tokens,
                                d.max_running_requests, d.cuda_graph_max_bs, server_args,
                                {"baseline": d.baseline_url, "eagle3": d.eagle3_url}, host=cfg.server.host,
-                               startup_timeout_s=d.startup_timeout_s)
+                               startup_timeout_s=d.startup_timeout_s, python=cfg.sglang_python)
         v = result["verdict"]
         log(f"deploy-sglang: tau {v['tau'] if v['tau'] is None else round(v['tau'], 2)}; {v['summary']}")
         for w in v["warnings"]:

@@ -29,7 +29,7 @@ FEATURE_RESULT_FIELDS = ("aux_layer_ids", "max_length", "shard_samples", "format
 # the ones that change how the same forwards are batched, computed and written, not what is stored (import_from
 # counts through import_key, what the imported files are)
 FEATURE_HOW_FIELDS = ("batch_tokens", "writer_threads", "backend", "tp_size", "expert_parallel", "shard_attention",
-                      "mix_backends", "import_from")
+                      "mix_backends", "import_from", "mem_fraction_static")
 
 
 def features_key(cfg: PipelineConfig, up: dict | None = None) -> str:
@@ -148,7 +148,7 @@ def _launch(cfg: PipelineConfig, skey: str, workers: int | None, log, **rdzv) ->
     module = "eagle3_core.features.tp_extract" if backend.torchrun else "eagle3_core.features.extract_workers"
     run_torchrun(["-m", module, "--config", str(config_file), "--store-key", skey],
                  f.tp_size // nnodes if backend.torchrun else workers, on_line=log,
-                 log_path=out / "torchrun.log" if backend.torchrun else None, **rdzv)
+                 log_path=out / "torchrun.log" if backend.torchrun else None, **rdzv, **foreign_python(cfg))
     manifest = read_manifest(out / "manifest.json")
     if manifest is None or not manifest.get("complete"):
         raise RuntimeError(f"features: {out}/manifest.json does not list every shard after the torchrun (node "
@@ -159,14 +159,27 @@ def _launch(cfg: PipelineConfig, skey: str, workers: int | None, log, **rdzv) ->
                            if backend.torchrun else {}), "how": how}
 
 
+def foreign_python(cfg: PipelineConfig) -> dict:
+    """run_torchrun's `python` and `env` for the run's features backend: backend 'sglang' with cfg.sglang_python
+    runs the ranks with that interpreter and this project first on PYTHONPATH (its eagle3_core, the SGLang
+    environment's packages); every other backend runs with this process's python ({})."""
+    if cfg.features.backend != "sglang" or not cfg.sglang_python:
+        return {}
+    import os
+    root = str(Path(__file__).resolve().parents[2])
+    return {"python": cfg.sglang_python,
+            "env": {"PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}}
+
+
 def run_features(cfg: PipelineConfig, log=print, workers: int | None = None, **rdzv) -> dict:
     """The features stage, every shard in one call; returns its manifest (features/manifest.json: the store's
     record with the inputs key). Per-shard backends extract in this process (the flow runs one task per shard
     instead: run_features_shard, finish_features), or with `workers` worker processes per node under torchrun
-    (one per GPU, each loading the whole target); torchrun backends ('hf_tp', 'ep_int4') run one torchrun of
-    features.tp_size ranks. `rdzv`: nnodes, node_rank, rdzv_endpoint when the ranks span hosts (node 0's call
-    returns the manifest). Done already (key, and every listed shard intact): the manifest, nothing run; a shard
-    missing or changed since written is extracted again alone. Raises TorchrunError if a rank fails (finished
+    (one per GPU, each loading the whole target); torchrun backends ('hf_tp', 'ep_int4', 'sglang': in the
+    environment of cfg.sglang_python, foreign_python) run one torchrun of features.tp_size ranks. `rdzv`: nnodes,
+    node_rank, rdzv_endpoint when the ranks span hosts (node 0's call returns the manifest). Done already (key,
+    and every listed shard intact): the manifest, nothing run; a shard missing or changed since written is extracted
+    again alone. Raises TorchrunError if a rank fails (finished
     shards are kept: rerun to finish), ValueError for an unknown backend or a store mixing backends."""
     out, backend = RunLayout(cfg.run_dir).features, selected_backend(cfg)
     key, skey = features_key(cfg), store_key(cfg)

@@ -185,7 +185,7 @@ def generation_servers(cfg: PipelineConfig):
             yield [url]
     elif s.kind == "sglang":
         with sglang_server(cfg.target.model, log_path, s.host, s.port, cfg.target.revision,
-                           cfg.target.trust_remote_code, s.startup_timeout_s, s.extra_args) as url:
+                           cfg.target.trust_remote_code, s.startup_timeout_s, s.extra_args, cfg.sglang_python) as url:
             yield [url]
     elif s.kind == "transformers":
         yield []
