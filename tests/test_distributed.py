@@ -151,18 +151,14 @@ def test_train_stage_under_torchrun_equals_the_one_process_stage(tmp_path):
     from safetensors.torch import load_file
 
     from conftest import ROOT
-    from eagle3_core.config import DraftConfig, FeatureConfig, PipelineConfig, TargetConfig, TrainConfig
     from eagle3_core.contract.manifest import read_manifest
     from eagle3_core.pipeline.features_stage import run_features
     from eagle3_core.pipeline.train_stage import run_train
     from eagle3_core.pipeline.vocab_stage import run_vocab
     from tiny_targets import build
-    from tokenized_rows import random_rows, write_tokenized
-    one = PipelineConfig(run_dir=tmp_path / "one", target=TargetConfig(model=str(build("llama", tmp_path / "t"))),
-                         features=FeatureConfig(max_length=64, shard_samples=4, batch_tokens=128),
-                         draft=DraftConfig(draft_vocab_size=64),
-                         train=TrainConfig(epochs=2, lr=3e-3, batch_tokens=48, ttt_length=2, eval_frac=0.25,
-                                           grad_accum=2, checkpoint_every=2, device="cpu"))
+    from tokenized_rows import random_rows, tiny_train_run, write_tokenized
+    one = tiny_train_run(tmp_path / "one", build("llama", tmp_path / "t"), eval_frac=0.25, grad_accum=2,
+                         checkpoint_every=2)
     write_tokenized(one.run_dir, random_rows(16, lengths=(8, 30), prompt_part=3), inputs_key="sixteen-random-rows")
     torch.set_num_threads(1)                                 # the workers' kernels (OMP_NUM_THREADS=1)
     run_features(one, log=lambda s: None)

@@ -1,5 +1,6 @@
 """Tokenized rows for tests that start a run at the features stage: random token ids with a loss mask, written where
-the tokenize stage writes them (tokenized/train.parquet and its manifest), so the stages below run on them for real."""
+the tokenize stage writes them (tokenized/train.parquet and its manifest), so the stages below run on them for real;
+and the config of a tiny run that trains a draft on them."""
 from __future__ import annotations
 
 import random
@@ -8,6 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eagle3_core.config import DraftConfig, FeatureConfig, PipelineConfig, TargetConfig, TrainConfig
 from eagle3_core.contract.manifest import write_manifest
 
 
@@ -30,3 +32,13 @@ def write_tokenized(run_dir: Path, rows: list[dict], **manifest) -> None:
     (run_dir / "tokenized").mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), run_dir / "tokenized" / "train.parquet")
     write_manifest(run_dir / "tokenized" / "manifest.json", manifest)
+
+
+def tiny_train_run(run_dir: Path, target_dir: Path, **train) -> PipelineConfig:
+    """A run over the tiny target at `target_dir` whose features, vocab and train stages take seconds on CPU:
+    shards of 4 samples of at most 64 tokens, a 64-token draft vocab, 2 epochs of TTT length 2 over 48-token
+    batches at lr 3e-3; `train` (TrainConfig fields) on top."""
+    return PipelineConfig(run_dir=run_dir, target=TargetConfig(model=str(target_dir)),
+                          features=FeatureConfig(max_length=64, shard_samples=4, batch_tokens=128),
+                          draft=DraftConfig(draft_vocab_size=64),
+                          train=TrainConfig(epochs=2, lr=3e-3, batch_tokens=48, ttt_length=2, device="cpu", **train))
