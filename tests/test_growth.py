@@ -73,7 +73,7 @@ def test_growing_debug_tiny_from_6_to_12_prompts_does_only_the_new_ones(tmp_path
     assert [e["samples"] for e in store["shards"]] == [4, 2, 4, 2] and store["samples"] == 12
     assert store["shards_extracted"] == 2
     assert [i for e in store["shards"][2:] for i in e["ids"]] == grown["train_ids"][6:]
-    assert feature_status(cfg) == {"shards": [0, 1, 2, 3], "done": [0, 1, 2, 3]}
+    assert feature_status(cfg) == {"shards": [0, 1, 2, 3], "done": [0, 1, 2, 3], "per_shard": True}
     assert generation_status(cfg)["done"] == [0, 1, 2, 3]
 
 
