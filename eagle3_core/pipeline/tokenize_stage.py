@@ -26,6 +26,8 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
     ids where a token-id API returned them), every regenerated turn of turn-by-turn rows, every assistant turn of
     rows kept as they are (tokenize_rows.row_samples). Samples longer than features.max_length are cut or dropped
     (prompts.overlong), counted in the manifest, with the token source and a sample check of the server's ids."""
+    from eagle3_core.data.history import RoundTripError
+    from eagle3_core.data.markers import target_markers
     from eagle3_core.data.samples import check_server_ids, row_samples
     from eagle3_core.target.loading import load_tokenizer
     run = RunLayout(cfg.run_dir)
@@ -34,16 +36,21 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
 
     def body() -> dict:
         tok = load_tokenizer(cfg.target)
+        markers = target_markers(tok)
         kwargs = cfg.generation.chat_template_kwargs or None
-        rows, n_cut, dropped, rejects, per, sources, id_rows = [], 0, [], [], {}, {}, []
+        rows, n_cut, dropped, rejects, per, sources, id_rows, causes = [], 0, [], [], {}, {}, [], {}
         for shard in up["shards"]:
             for index, r in enumerate(prompts_mod.read_rows(run.generations / shard)):
                 st = per.setdefault(r.get("source") or "?", {"read": 0, "rejected": 0})
                 st["read"] += 1
                 try:
-                    samples, source = row_samples(tok, r, cfg.features.max_length, cfg.prompts.overlong, kwargs)
+                    samples, source = row_samples(tok, r, cfg.features.max_length, cfg.prompts.overlong, kwargs,
+                                                  markers=markers)
                 except (ValueError, TemplateError) as e:   # MaskError, or the template refusing this conversation
                     st["rejected"] += 1
+                    cause = e.cause if isinstance(e, RoundTripError) else type(e).__name__
+                    causes.setdefault(r.get("source") or "?", {}).setdefault(cause, 0)
+                    causes[r.get("source") or "?"][cause] += 1
                     rejects.append({"source": r.get("source") or "?", "file": f"generations/{shard}", "row": index,
                                     "id": r["id"], "reason": f"{type(e).__name__}: {e}"})
                     continue
@@ -54,7 +61,8 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
                     dropped.append(r["id"])
                     continue
                 n_cut += sum(s["cut"] for s in samples)
-                rows += [{"id": s["id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"]} for s in samples]
+                rows += [{"id": s["id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
+                          "source": r.get("source") or "?"} for s in samples]
         prompts_mod.finish_rejects(out / "rejects.jsonl", rejects, per, cfg.prompts.max_reject_frac)
         if not rows:
             raise ValueError(f"tokenize: every sample is longer than features.max_length {cfg.features.max_length} "
@@ -73,9 +81,12 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
             "overlong": {"policy": cfg.prompts.overlong, "max_length": cfg.features.max_length, "cut": n_cut,
                          "dropped": len(dropped), "dropped_ids": dropped[:100]},
             "rejected": len(rejects), "rejected_per_source": {k: v["rejected"] for k, v in per.items()},
+            "rejected_causes": causes, "rows": sum(v["read"] for v in per.values()) - len(rejects),
+            "marker_tokens": markers.texts,
             "rejects": str(out / "rejects.jsonl"),
-            "token_source": ("the server's own ids (prompt_ids + output_ids) for final-turn rows of a token-id "
-                             "API; the others re-tokenized with the target's chat template" if sources.get("server")
+            "token_source": ("the server's own ids (prompt_ids + output_ids) for the regenerated turns of a "
+                             "token-id API; the others re-tokenized with the target's chat template"
+                             if any("server" in k for k in sources)
                              else "re-tokenized with the target's chat template (the OpenAI API returns text, not "
                              "ids)"),
             "token_sources": sources, "server_ids_check": check}
