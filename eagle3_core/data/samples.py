@@ -73,6 +73,18 @@ def retokenized_sample(tokenizer, row: dict, max_length: int | None, overlong: s
     return out[0] if out else None
 
 
+def data_turns(row: dict) -> list[int]:
+    """Message indices of the assistant turns a row would train that come from the data, not the target: every
+    one of a mode 'keep' row, the turns a turn-by-turn row kept (its tool-call turns); none for a final-turn row."""
+    msgs = row["messages"]
+    if row.get("mode") == "keep":
+        return [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
+    if not row.get("turns"):
+        return []
+    regenerated = {t["index"] for t in json.loads(row["turns"])}
+    return [i for i, m in enumerate(msgs) if m.get("role") == "assistant" and i not in regenerated]
+
+
 def _turn_by_turn(tokenizer, markers: TargetMarkers, row: dict, render: dict, server: bool) -> list:
     """The trained turns of a turn-by-turn row, in conversation order (module docstring)."""
     msgs, turns = row["messages"], json.loads(row["turns"])
@@ -85,9 +97,9 @@ def _turn_by_turn(tokenizer, markers: TargetMarkers, row: dict, render: dict, se
         k = regenerated.get(i)
         if k is not None and server:
             out.append(server_turn(markers, i, row["turn_prompt_ids"][k], row["turn_output_ids"][k],
-                                   turns[k]["finish_reason"]))
+                                   turns[k].get("finish_reason", "")))
         else:
-            cut = k is not None and turns[k]["finish_reason"] == "length"
+            cut = k is not None and turns[k].get("finish_reason") == "length"
             out.append(template_turn(tokenizer, markers, msgs[:i + 1], i, row["id"], cut, **render))
     return out
 
@@ -99,9 +111,12 @@ def row_samples(tokenizer, row: dict, max_length: int, overlong: str, template_k
     max_length with overlong 'drop' is left out. token source: 'server' (the server's ids), 'template' (the text
     path) or 'server+template' (a turn-by-turn row with both). Samples of a row split by the merge rule are named
     '{row id}/turn{i}' (i: message index of their first turn). markers: the target's (computed when not given).
+    A row of a source with kept 'refuse' that holds data turns to train gives no sample, token source 'refused'.
     Raises MaskError (history.RoundTripError with its cause) / jinja2 TemplateError for a row the template cannot
     train (the caller records it)."""
     markers = markers or target_markers(tokenizer)
+    if row_meta(row).get("kept") == "refuse" and data_turns(row):
+        return [], "refused"
     render = dict(tools=row_tools(row), template_kwargs=template_kwargs)
     server = use_server_ids and uses_server_ids(row)
     if row.get("mode") == "keep" or not row.get("turns"):

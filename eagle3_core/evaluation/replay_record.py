@@ -41,7 +41,7 @@ def greedy_outputs(cfg, prompts: list[list[int]], eos_ids: set[int], log=print) 
         outs = [a["output_ids"] for a in answers]
     else:
         urls = cfg.server.urls or ([cfg.server.url] if cfg.server.url else [])
-        api = cfg.generation.api
+        api = cfg.generation.api_for(cfg.server.kind)
         if not urls or api not in ("sglang", "llama.cpp"):
             raise ValueError(f"eval.evaluator 'replay' records the target's greedy outputs through a token-id API: "
                              f"set server.url (a running server of the target) and generation.api 'sglang' or "

@@ -11,12 +11,18 @@ the target's last answer; its `turns` column lists each request (message index, 
 
 Tool calls (tool results cannot be re-run against a call the data did not make):
 - a data assistant turn with `tool_calls` is kept as it is, with the tool results after it, and is trained as the
-  template renders it (`train='all'`): it is not regenerated;
+  template renders it (or left untrained: the source's `kept` choice 'mask'); with `kept: 'regenerate'` it is
+  answered by the target like a text turn instead (and ends the row there if the target calls a tool, below);
 - a regenerated text turn that comes back with tool calls (the target chose a tool where the data answered in
   text) ends the row at that turn: the turn is kept, tool calls included, as the row's final trained turn, and the
   data's later turns are dropped (`turns[-1].ended = 'tool_call'`);
 - a turn cut at max_new_tokens (finish reason 'length') ends the row the same way (`ended = 'length'`): the next
   user turn would answer a text the target never finished.
+
+Token-id APIs: each answer's message (content, reasoning, tool calls) is read from the ids the server returned, by
+the target's own marker tokens (`parsed_answer`, data.markers), not from the server's text; the row keeps each
+request's prompt ids and output ids (`turn_prompt_ids`, `turn_output_ids`, one entry per request), which the
+tokenize stage trains as they are.
 
 Resume: a row is written once all its requests are answered, so a rerun resends the requests of unfinished rows
 only (resumable per row; at most one row per request slot repeats its earlier requests).
@@ -27,15 +33,16 @@ import json
 from collections.abc import Awaitable, Callable
 
 
-def answer_positions(messages: list[dict], max_turns: int | None) -> list[int]:
+def answer_positions(messages: list[dict], max_turns: int | None, tool_calls: bool = False) -> list[int]:
     """Indices in `messages` (a prompt row: ends with a user or tool turn) of the turns the target answers:
-    every assistant turn without tool calls, then len(messages) (the final answer); the first `max_turns` of
-    them (None: all). An assistant turn directly after another assistant turn is not answerable (no new input):
-    it is kept. Raises ValueError if the row does not end with a user or tool turn."""
+    every assistant turn without tool calls (with them too when `tool_calls`: the source's kept choice
+    'regenerate'), then len(messages) (the final answer); the first `max_turns` of them (None: all). An assistant
+    turn directly after another assistant turn is not answerable (no new input): it is kept. Raises ValueError if
+    the row does not end with a user or tool turn."""
     if not messages or messages[-1].get("role") not in ("user", "tool"):
         raise ValueError(f"turn-by-turn regeneration needs a conversation ending with a user or tool turn, got one "
                          f"ending with {messages[-1].get('role') if messages else 'nothing'}")
-    out = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and not m.get("tool_calls")
+    out = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and (tool_calls or not m.get("tool_calls"))
            and i > 0 and messages[i - 1].get("role") in ("user", "tool")]
     out.append(len(messages))
     return out if max_turns is None else out[:max_turns]
@@ -53,19 +60,33 @@ def answer_message(data: dict) -> dict:
     return msg
 
 
+def parsed_answer(tokenizer, markers, prompt_ids: list[int], output_ids: list[int]) -> dict:
+    """The answer fields (response, reasoning, tool_calls as JSON text or '') that a token-id answer's ids spell,
+    read by the target's marker tokens (data.markers.parse_answer; the prompt's last token says whether the answer
+    starts inside a think block the prompt opened)."""
+    from eagle3_core.data.markers import parse_answer
+    opened = markers.think is not None and bool(prompt_ids) and prompt_ids[-1] == markers.think[0]
+    msg = parse_answer(tokenizer, markers, output_ids, opened_think=opened)
+    return {"response": msg["content"], "reasoning": msg.get("reasoning_content") or "",
+            "tool_calls": json.dumps(msg["tool_calls"]) if msg.get("tool_calls") else ""}
+
+
 Ask = Callable[[list[dict]], Awaitable[tuple[dict, str, int]]]
 
 
-async def regenerate_row(messages: list[dict], max_turns: int | None, ask: Ask) -> dict:
+async def regenerate_row(messages: list[dict], max_turns: int | None, ask: Ask, tool_calls: bool = False) -> dict:
     """Answer the turns of one prompt row in order. `ask(sent_messages)` sends one request and returns (parsed
-    answer, server URL, attempts); its errors propagate (the caller records the row as failed).
+    answer, server URL, attempts); its errors propagate (the caller records the row as failed). tool_calls: the
+    data's tool-call turns are answered too (answer_positions).
 
     Returns the answer fields of the row's last request (response, reasoning, finish_reason, prompt_tokens,
     output_ids, model, tool_calls, ...) plus: messages (the regenerated conversation, ending with the last answer),
-    completion_tokens (summed over the requests), attempts (summed), turn_requests (int) and turns (JSON text:
+    completion_tokens (summed over the requests), attempts (summed), turn_requests (int), turns (JSON text:
     [{index, finish_reason, prompt_tokens, completion_tokens, attempts, server, ended?}], one per request, in the
-    order sent)."""
-    positions = answer_positions(messages, max_turns)
+    order sent) and turn_prompt_ids / turn_output_ids (each request's `prompt_ids` and `output_ids` as the answers
+    carry them; empty lists where they carry none)."""
+    positions = answer_positions(messages, max_turns, tool_calls)
+    prompts, outputs = [], []
     out: list[dict] = []
     turns: list[dict] = []
     cursor, data, attempts_sum, tokens_sum = 0, {}, 0, 0
@@ -78,6 +99,8 @@ async def regenerate_row(messages: list[dict], max_turns: int | None, ask: Ask) 
                 "completion_tokens": int(data.get("completion_tokens") or 0), "attempts": attempts, "server": url}
         out.append(answer)
         turns.append(turn)
+        prompts.append(list(data.get("prompt_ids") or []))
+        outputs.append(list(data.get("output_ids") or []))
         attempts_sum += attempts
         tokens_sum += turn["completion_tokens"]
         cursor = p + 1
@@ -89,4 +112,5 @@ async def regenerate_row(messages: list[dict], max_turns: int | None, ask: Ask) 
             turn["ended"] = "length"
             break
     return {**data, "messages": out, "completion_tokens": tokens_sum, "attempts": attempts_sum,
-            "turn_requests": len(turns), "turns": json.dumps(turns), "server": turns[-1]["server"]}
+            "turn_requests": len(turns), "turns": json.dumps(turns), "server": turns[-1]["server"],
+            "turn_prompt_ids": prompts, "turn_output_ids": outputs}

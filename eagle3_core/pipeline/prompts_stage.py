@@ -16,7 +16,11 @@ def prompts_key(cfg: PipelineConfig) -> str:
     token budget depends on (the target's template, max_length, max_new_tokens, chat-template arguments)."""
     g = cfg.generation
     pinned = {"eval_ids"} if cfg.prompts.eval_ids is None else set()      # unset: the key of runs before it existed
-    return stage_key(cfg.prompts.model_dump(mode="json", exclude=pinned), prompts_mod.source_fingerprints(cfg.prompts),
+    settings = cfg.prompts.model_dump(mode="json", exclude=pinned)
+    for s in (settings.get("mix") or {}).get("sources", []):               # the default: the key of runs before it
+        if s.get("kept") == "train":
+            del s["kept"]
+    return stage_key(settings, prompts_mod.source_fingerprints(cfg.prompts),
                      target_key(cfg),
                      {"max_length": cfg.features.max_length, "max_new_tokens": g.max_new_tokens,
                       "chat_template_kwargs": g.chat_template_kwargs})

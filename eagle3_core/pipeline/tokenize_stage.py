@@ -14,10 +14,20 @@ from eagle3_core.pipeline.keys import stage_key, target_key, upstream_manifest
 
 
 def tokenize_key(cfg: PipelineConfig) -> str:
-    """Inputs key of the tokenize stage: the generations, the max length and overlong policy, and the target (its
-    chat template)."""
+    """Inputs key of the tokenize stage: the generations, the max length and overlong policy, the target (its
+    chat template), and the history rule where it changed the samples (history_rule)."""
     return stage_key(upstream_manifest(cfg.run_dir, "generations")["inputs_key"], cfg.features.max_length,
-                     cfg.prompts.overlong, target_key(cfg))
+                     cfg.prompts.overlong, target_key(cfg), *history_rule(cfg))
+
+
+def history_rule(cfg: PipelineConfig) -> list[dict]:
+    """[the rule's name] for runs whose samples the history rule of eagle3_core.data.history changed (turn by turn,
+    rows kept as they are, a source's kept choice), else []: a final-turn row trains the tokens it trained before,
+    so such runs keep their key and their features."""
+    specs = cfg.prompts.mix.sources if cfg.prompts.mix is not None else []
+    if cfg.generation.turns == "all" or any(s.mode == "keep" or s.kept != "train" for s in specs):
+        return [{"history": "turns merged while the template keeps history, round trip checked"}]
+    return []
 
 
 def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
@@ -55,6 +65,9 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
                                     "id": r["id"], "reason": f"{type(e).__name__}: {e}"})
                     continue
                 sources[source] = sources.get(source, 0) + 1
+                if source == "refused":                  # the source's kept choice 'refuse' (SourceSpec.kept)
+                    st["refused"] = st.get("refused", 0) + 1
+                    continue
                 if source == "server" and len(id_rows) < 16:
                     id_rows.append(r)
                 if not samples:
@@ -81,7 +94,7 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
             "overlong": {"policy": cfg.prompts.overlong, "max_length": cfg.features.max_length, "cut": n_cut,
                          "dropped": len(dropped), "dropped_ids": dropped[:100]},
             "rejected": len(rejects), "rejected_per_source": {k: v["rejected"] for k, v in per.items()},
-            "rejected_causes": causes, "rows": sum(v["read"] for v in per.values()) - len(rejects),
+            "rejected_causes": causes, "kept_refused": {k: v["refused"] for k, v in per.items() if v.get("refused")}, "rows": sum(v["read"] for v in per.values()) - len(rejects),
             "marker_tokens": markers.texts,
             "rejects": str(out / "rejects.jsonl"),
             "token_source": ("the server's own ids (prompt_ids + output_ids) for the regenerated turns of a "
