@@ -29,9 +29,10 @@ TOOL_FORMATS = {
                  "<｜tool▁call▁end｜>"),
     "hermes": ("", "", "<tool_call>", "", "</tool_call>"),
 }
-# templates that print tool-call arguments with `| tojson` whatever their type (a JSON text would come out quoted):
-# they get the arguments as an object (DeepSeek-V3.1's template)
-ARGUMENTS_AS_OBJECT = ("deepseek",)
+# a template that prints tool-call arguments given as text as they are says so (Qwen3, Kimi); the others print them
+# with `| tojson` whatever their type (DeepSeek-V3.1, Qwen2.5), so a JSON text would come out quoted: they get the
+# arguments as an object
+ARGUMENTS_AS_TEXT = "arguments is string"
 
 
 def single_token(tokenizer, text: str) -> int | None:
@@ -53,13 +54,15 @@ class TargetMarkers:
     think: (open id, close id); tool_format: a TOOL_FORMATS name; tool_ids: its marker ids in TOOL_FORMATS order
     (None for a marker the format lacks, all None when the markers are not single tokens: the fallback reads them in
     the decoded text); think_text: the template writes <think> blocks but they are not single tokens (text fallback);
-    eot: the end-of-turn id (chat.end_of_turn); texts: marker text -> id of every single-token marker."""
+    eot: the end-of-turn id (chat.end_of_turn); texts: marker text -> id of every single-token marker;
+    arguments_as_object: the template prints tool-call arguments with `tojson` (ARGUMENTS_AS_TEXT absent)."""
     think: tuple[int, int] | None
     tool_format: str | None
     tool_ids: tuple[int | None, ...] = ()
     eot: int | None = None
     texts: dict[str, int] = field(default_factory=dict)
     think_text: bool = False
+    arguments_as_object: bool = False
 
     def vocab_ids(self) -> list[int]:
         """Every marker id (think, tool calls, end of turn), sorted: kept in the draft vocab whatever the counts."""
@@ -90,7 +93,7 @@ def target_markers(tokenizer) -> TargetMarkers:
         break
     eot, eot_text = end_of_turn(tokenizer)
     texts[eot_text] = eot
-    return TargetMarkers(think, fmt, ids, eot, texts, think is None and THINK[1] in src)
+    return TargetMarkers(think, fmt, ids, eot, texts, think is None and THINK[1] in src, ARGUMENTS_AS_TEXT not in src)
 
 
 def _raw_arguments(body: str) -> tuple[str, str]:
@@ -136,7 +139,7 @@ def _tool_calls(m: TargetMarkers, text: str, ids: list[int], decode) -> tuple[st
             name = call_id = name.strip()
             if m.tool_format == "kimi":                       # functions.NAME:INDEX, the id Kimi's template writes
                 name = name.split(".", 1)[-1].rsplit(":", 1)[0]
-        if m.tool_format in ARGUMENTS_AS_OBJECT:
+        if m.arguments_as_object:
             args = json.loads(args)
         calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
     return head, calls
@@ -144,8 +147,9 @@ def _tool_calls(m: TargetMarkers, text: str, ids: list[int], decode) -> tuple[st
 
 def parse_answer(tokenizer, m: TargetMarkers, ids: list[int], opened_think: bool = False) -> dict:
     """The assistant message an answer's ids spell: {'role': 'assistant', 'content', 'reasoning_content' (when the
-    answer has a reasoning span), 'tool_calls' (when it has tool calls)}; texts as written (not stripped: the chat
-    template strips what it strips, so the message renders back to the same tokens where the template allows).
+    answer has a reasoning span), 'tool_calls' (when it has tool calls)}; reasoning as written (the template strips
+    what it strips), content as written, or stripped where a reasoning span or tool calls were split off (module
+    docstring of eagle3_core.data.history: what the history then renders).
 
     ids [O]: the answer, with or without its end-of-turn token. opened_think: the prompt ends with the think open
     marker (K2.5 and DeepSeek-V3.1 in thinking mode, a template's forced <think>), so the answer starts inside its
@@ -176,7 +180,9 @@ def parse_answer(tokenizer, m: TargetMarkers, ids: list[int], opened_think: bool
         text, calls = _tool_calls(m, text, ids, decode)
         if calls:
             msg["tool_calls"] = calls
-    msg["content"] = text
+    # text split off a reasoning span or tool calls is stripped, as servers' parsers return it and templates expect
+    # it (Qwen3 writes a newline before a tool call only after non-empty content)
+    msg["content"] = text.strip() if "reasoning_content" in msg or "tool_calls" in msg else text
     return msg
 
 

@@ -13,9 +13,15 @@ Tool calls (tool results cannot be re-run against a call the data did not make):
 - a data assistant turn with `tool_calls` is kept as it is, with the tool results after it, and is trained as the
   template renders it (or left untrained: the source's `kept` choice 'mask'); with `kept: 'regenerate'` it is
   answered by the target like a text turn instead (and ends the row there if the target calls a tool, below);
-- a regenerated text turn that comes back with tool calls (the target chose a tool where the data answered in
+- a regenerated turn that comes back with the very tool calls of the data's turn there (same names, same
+  arguments once parsed) goes on with the data's tool results, which answer exactly those calls (their
+  `tool_call_id` renamed to the ids the target wrote): a tool-call chain the target writes as the data did is
+  regenerated whole;
+- a regenerated text turn that comes back with other tool calls (the target chose a tool where the data answered in
   text) ends the row at that turn: the turn is kept, tool calls included, as the row's final trained turn, and the
   data's later turns are dropped (`turns[-1].ended = 'tool_call'`);
+- a regenerated tool-call turn of the data (kept choice 'regenerate') that comes back as text or with other calls
+  ends the row there too (the data's results answer calls the target did not make);
 - a turn cut at max_new_tokens (finish reason 'length') ends the row the same way (`ended = 'length'`): the next
   user turn would answer a text the target never finished.
 
@@ -60,6 +66,14 @@ def answer_message(data: dict) -> dict:
     return msg
 
 
+def same_calls(answer: dict, data: dict) -> bool:
+    """True if the assistant messages `answer` and `data` make the same tool calls (names and parsed arguments, in
+    order; markers.same_message)."""
+    from eagle3_core.data.markers import same_message
+    return bool(data.get("tool_calls")) and same_message({"tool_calls": answer.get("tool_calls")},
+                                                         {"tool_calls": data["tool_calls"]}) is None
+
+
 def parsed_answer(tokenizer, markers, prompt_ids: list[int], output_ids: list[int]) -> dict:
     """The answer fields (response, reasoning, tool_calls as JSON text or '') that a token-id answer's ids spell,
     read by the target's marker tokens (data.markers.parse_answer; the prompt's last token says whether the answer
@@ -90,8 +104,10 @@ async def regenerate_row(messages: list[dict], max_turns: int | None, ask: Ask, 
     out: list[dict] = []
     turns: list[dict] = []
     cursor, data, attempts_sum, tokens_sum = 0, {}, 0, 0
+    renamed: dict[str, str] = {}                         # data tool-call id -> the id the target wrote for it
     for p in positions:
-        out += messages[cursor:p]
+        out += [{**m, "tool_call_id": renamed[m["tool_call_id"]]} if m.get("tool_call_id") in renamed else m
+                for m in messages[cursor:p]]
         data, url, attempts = await ask(list(out))
         answer = answer_message(data)
         turn = {"index": len(out), "finish_reason": data.get("finish_reason") or "",
@@ -105,8 +121,11 @@ async def regenerate_row(messages: list[dict], max_turns: int | None, ask: Ask, 
         tokens_sum += turn["completion_tokens"]
         cursor = p + 1
         more = p < len(messages)
-        if more and answer.get("tool_calls"):
-            turn["ended"] = "tool_call"
+        if more and answer.get("tool_calls") and same_calls(answer, messages[p]):
+            renamed.update({d["id"]: c["id"] for c, d in zip(answer["tool_calls"], messages[p]["tool_calls"])
+                            if d.get("id")})                  # the data's results answer the target's calls
+        elif more and (answer.get("tool_calls") or messages[p].get("tool_calls")):
+            turn["ended"] = "tool_call"                  # other calls than the data's: its results do not answer them
             break
         if more and turn["finish_reason"] == "length":
             turn["ended"] = "length"
