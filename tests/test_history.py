@@ -133,3 +133,122 @@ def test_regenerated_turns_train_the_servers_ids_in_the_templates_context(case, 
     assert [t.get("ended") for t in json.loads(row["turns"])] == [None, None]
     assert row["messages"][1]["tool_calls"][0]["function"]["name"] == "get_weather"
     check_row(tok, row, server, kwargs, TOOLS, n_chain)
+
+
+def masked_text(tok, sample) -> str:
+    return tok.decode([t for t, w in zip(sample["input_ids"], sample["loss_mask"]) if w])
+
+
+def test_kimi_reasoning_round_trip(toks, tmp_path):
+    """Kimi-K2.5 in thinking mode (its generation prompt ends in <think>): through the token API the trained tokens
+    are exactly what the target wrote, `Two plus two.</think>It is 4.<|im_end|>` (not the re-rendered
+    `</think><think>\\nTwo plus two.\\n</think>\\n\\nIt is 4.<|im_end|>` of inline reasoning), and the row's text
+    fields are read from the ids; the same answer on the text path is refused, naming the cause (K2.5 renders a
+    final plain answer with an empty think block)."""
+    tok = toks["kimi_k25"]
+    answer = "Two plus two.</think>It is 4.<|im_end|>"
+    row, server = regenerate_row(tmp_path, tok, CHAT[:1], [answer], {}, turns="final")
+    assert tok.decode(server.received[0]).endswith("<|im_assistant|>assistant<|im_middle|><think>")
+    assert (row["reasoning"], row["response"]) == ("Two plus two.", "It is 4.")
+    (sample,), source = row_samples(tok, row, 4096, "truncate")
+    assert source == "server" and masked_text(tok, sample) == answer
+    assert sample["input_ids"] == server.received[0] + server.returned[0]
+    text_row = {**row, "api": "openai", "prompt_ids": [], "output_ids": []}     # what the OpenAI API gives
+    with pytest.raises(RoundTripError, match="renders the turn's reasoning differently") as e:
+        row_samples(tok, text_row, 4096, "truncate")
+    assert e.value.cause == "reasoning"
+
+
+@pytest.mark.parametrize("name", ["kimi_k25", "kimi_k2_thinking"])
+def test_kept_rows_without_reasoning_would_teach_empty_thinking_and_are_refused(toks, name):
+    """Kept multi-turn rows of a non-thinking model (Kimi-K2's own trajectories) under a thinking Kimi: every turn
+    would train an empty think block (`</think>` right after the prompt's <think>, or `<think></think>`), which the
+    target in thinking mode never writes: refused, cause 'empty_thinking'. In non-thinking mode (K2.5's
+    `thinking: false`) the same turns are what the target writes and train, as one sample."""
+    tok = toks[name]
+    row = {"id": "k/1", "source": "k", "mode": "keep", "tools": "", "meta": "{}", "finish_reason": "kept",
+           "messages": CHAT[:1] + [{"role": "assistant", "content": "It is 4."}, CHAT[2],
+                                   {"role": "assistant", "content": "It is 6."}]}
+    with pytest.raises(RoundTripError, match="k/1: assistant turn 1: the target thinks") as e:
+        row_samples(tok, row, 4096, "truncate")
+    assert e.value.cause == "empty_thinking"
+    if name == "kimi_k25":
+        (sample,), _ = row_samples(tok, row, 4096, "truncate", {"thinking": False})
+        assert masked_text(tok, sample) == "It is 4.<|im_end|>It is 6.<|im_end|>"
+
+
+def test_deepseek_thinking_rows(toks, tmp_path):
+    """DeepSeek-V3.1 thinking rows (generation prompt `<｜Assistant｜><think>`, every earlier answer rendered with
+    `<think></think>`): the token path trains `reasoning</think>answer<｜end▁of▁sentence｜>` as the target wrote
+    it, one sample per turn (the template rewrites the history); on the text path a thinking turn is refused
+    naming the real cause, the dropped reasoning (it was refused before as 'rewrites earlier turns')."""
+    tok = toks["deepseek_v31"]
+    answers = ["Two plus two.</think>It is 4." + DS_END, "Three plus three.</think>It is 6." + DS_END]
+    row, server = regenerate_row(tmp_path, tok, CHAT, answers, {"thinking": True})
+    samples, _ = row_samples(tok, row, 4096, "truncate", {"thinking": True})
+    assert [masked_text(tok, s) for s in samples] == answers
+    assert "Two plus two." not in tok.decode(samples[1]["input_ids"])      # history as DeepSeek renders it
+    kept = {**row, "mode": "keep", "turns": None, "api": "kept"}
+    with pytest.raises(RoundTripError, match="assistant turn 1: the template renders the turn's reasoning") as e:
+        row_samples(tok, kept, 4096, "truncate", {"thinking": True})
+    assert e.value.cause == "reasoning"
+
+
+def test_kept_choices_mask_refuse_and_regenerate(toks, tmp_path):
+    """A source's kept choice for the data's turns: 'mask' leaves a kept tool-call turn untrained context,
+    'refuse' leaves the row untrained (counted), 'regenerate' makes mode 'keep' rows prompt rows; 'mask' with
+    mode 'keep' is refused at once (nothing would be left to train)."""
+    from eagle3_core.config.mix import SourceSpec
+    from eagle3_core.data.prompt_set import load_source
+    tok = toks["qwen3"]
+    answers = ["<think>\nThe tool says 21.\n</think>\n\nIt is 21 degrees.<|im_end|>"]
+    chain = [CHAIN[0], {**CHAIN[1], "reasoning_content": "I need the weather."}, CHAIN[2]]
+    row, _ = regenerate_row(tmp_path / "a", tok, chain, answers, {}, TOOLS)          # the data's call kept
+    both, _ = row_samples(tok, {**row, "meta": json.dumps({})}, 4096, "truncate")
+    masked, _ = row_samples(tok, {**row, "meta": json.dumps({"kept": "mask"})}, 4096, "truncate")
+    assert [s["turns"] for s in both] == [[1, 3]] and [s["turns"] for s in masked] == [[3]]
+    assert masked_text(tok, masked[0]) == answers[0] and QWEN_CALL in masked_text(tok, both[0])
+    assert QWEN_CALL in tok.decode(masked[0]["input_ids"])                            # still the context
+    assert row_samples(tok, {**row, "meta": json.dumps({"kept": "refuse"})}, 4096, "truncate") == ([], "refused")
+    path = tmp_path / "kept.jsonl"
+    path.write_text(json.dumps({"id": "x", "messages": CHAT + [{"role": "assistant", "content": "It is 6."}]}) + "\n")
+    (r,) = load_source(SourceSpec(path=str(path), mode="keep", kept="regenerate"))
+    assert r["mode"] == "prompt" and json.loads(r["meta"])["kept"] == "regenerate"
+    with pytest.raises(ValueError, match="kept 'mask' with mode 'keep' leaves nothing to train"):
+        SourceSpec(path=str(path), mode="keep", kept="mask")
+
+
+def test_marker_tokens_are_always_in_the_draft_vocab_and_coverage_is_per_source():
+    """The target's markers (think, tool calls, end of turn) are in the draft vocab even when rarer than every
+    other token; coverage is counted per source on its supervised tokens."""
+    import torch
+
+    from eagle3_core.data.vocab_map import build_vocab_map, coverage_by_source
+    counts = torch.tensor([9, 8, 7, 6, 0, 1])
+    d2t, t2d = build_vocab_map(counts, 3, always=[4, 5])
+    assert t2d.nonzero().flatten().tolist() == [0, 4, 5]
+    ids = [torch.tensor([0, 1, 4]), torch.tensor([0, 5, 2])]
+    masks = [torch.tensor([0, 1, 1]), torch.tensor([1, 1, 1])]
+    cov = coverage_by_source(ids, masks, ["a", "b"], t2d)
+    assert cov == {"a": {"supervised": 2, "in_vocab": 1, "coverage": 0.5},
+                   "b": {"supervised": 3, "in_vocab": 2, "coverage": 2 / 3}}
+
+
+def test_on_policy_fraction_counts_supervised_tokens_that_are_the_targets_argmax(tmp_path):
+    """features.on_policy on a shard in the store's layout: token t counts when target_top1[t - 1] == ids[t],
+    over supervised tokens after the first; per source; the early gate names a source below the limit."""
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle3_core.features.on_policy import check_on_policy, on_policy_by_source
+    ids = torch.tensor([5, 6, 7, 8, 5, 9, 9], dtype=torch.int32)
+    mask = torch.tensor([0, 1, 1, 1, 0, 1, 1], dtype=torch.int8)
+    top1 = torch.tensor([6, 7, 0, 1, 9, 1, 2], dtype=torch.int32)          # a: 6, 7 right, 8 wrong; b: 9 right, 9 wrong
+    save_file({"input_ids": ids, "loss_mask": mask, "target_top1": top1, "offsets": torch.tensor([0, 4, 7])},
+              str(tmp_path / "shard_00000.safetensors"), metadata={"ids": json.dumps(["a/1", "b/1"])})
+    per = on_policy_by_source(tmp_path, {"a/1": "a", "b/1": "b"}, ["shard_00000.safetensors"])
+    assert per == {"a": {"supervised": 3, "on_policy": 2, "fraction": 2 / 3},
+                   "b": {"supervised": 2, "on_policy": 1, "fraction": 0.5}}
+    check_on_policy(per, 0.5, "the first shard")
+    with pytest.raises(ValueError, match="source b: 50.0% of 2 supervised tokens .* below features.min_on_policy 60%"):
+        check_on_policy(per, 0.6, "the first shard")

@@ -27,7 +27,7 @@ def test_the_reference_plan_reproduces_9_2_tb_24_h_and_18_8_h_within_10_percent(
     assert _stage(bf16, "features")["hours"] == pytest.approx(18.8, rel=0.10)
     # exactly what the config changes: 99K train prompts (1K held out), of which the kept trajectories (deepswe
     # 2,800 + kimi-k2.5-2000x 2,000 of the mix's 100K) need no request
-    assert bf16["workload"] == {"samples": 99000, "regenerated": 99000 - 4752, "answer_tokens": 2000,
+    assert bf16["workload"] == {"samples": 99000, "rows": 99000, "regenerated": 99000 - 4752, "answer_tokens": 2000,
                                 "tokens": 2000}
     assert _stage(bf16, "generation")["hours"] == pytest.approx(94248 * 2000 / 2300 / 3600)
     assert all(r["rate"] is None or r["rate"]["status"] in ("measured", "given", "scaled") for r in bf16["stages"])

@@ -43,6 +43,7 @@ def run_features(cfg: PipelineConfig, log=print) -> dict:
                                 store_format=f.format, log=log, target=cfg.target.model_dump(),
                                 writer_threads=f.writer_threads)
     mark_store(cfg, manifest)
+    on_policy_gate(cfg, rows, [manifest["shards"][0]["file"]], log)
     log(f"features: {manifest['samples']} samples, {manifest['tokens']} tokens, aux layers {ids}, "
         f"format {f.format}, {manifest['bytes_per_token']:.0f} bytes/token")
     return write_manifest(out / "manifest.json", {**manifest, "inputs_key": key})
@@ -55,6 +56,17 @@ TORCHRUN_BACKENDS = ("hf_tp", "ep_int4")
 # the feature settings that change what the store holds; batch_tokens (how samples are batched into forwards),
 # writer_threads, backend, tp_size and expert_parallel (how the same forwards are computed and written) do not
 FEATURE_RESULT_FIELDS = ("aux_layer_ids", "max_length", "shard_samples", "format")
+
+
+def on_policy_gate(cfg: PipelineConfig, rows: list[dict], files: list[str], log=print) -> None:
+    """The early gate on the first shard (features.on_policy.check_on_policy): logs each source's on-policy
+    fraction and raises ValueError below features.min_on_policy. Nothing for a store without argmaxes."""
+    from eagle3_core.features.on_policy import check_on_policy, on_policy_by_source, on_policy_line, sources_of
+    if cfg.features.format == "online":
+        return
+    per = on_policy_by_source(RunLayout(cfg.run_dir).features, sources_of(rows), files)
+    log(f"features: on-policy on the first shard: {on_policy_line(per)}")
+    check_on_policy(per, cfg.features.min_on_policy, "the first shard")
 
 
 def features_key(cfg: PipelineConfig) -> str:
@@ -224,6 +236,8 @@ def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
         entry = next(e for e in store["shards"] if e["file"] == f"shard_{shard:05d}.safetensors")
         log(f"features: shard {shard}: {entry['samples']} samples, {entry['tokens']} tokens in "
             f"{time.monotonic() - t0:.1f} s")
+        if shard == 0:
+            on_policy_gate(cfg, rows, [entry["file"]], log)
     return {**entry, "shard": shard, "inputs_key": key, "extracted": extracted, "seconds": time.monotonic() - t0}
 
 

@@ -28,14 +28,16 @@ def init_key(cfg: PipelineConfig) -> dict | None:
 
 def vocab_key(cfg: PipelineConfig) -> str:
     """Inputs key of the vocab stage: the tokenized data and the draft vocab size, and the warm-start draft when
-    its map is kept."""
+    its map is kept. (The marker tokens kept in the map are not in it: end of turn, think and tool-call markers are
+    among the most frequent supervised tokens of any run that has them, so a finished map keeps its key; the
+    manifest names any marker a map lacks, `markers_missing`.)"""
     return stage_key(upstream_manifest(cfg.run_dir, "tokenized")["inputs_key"], cfg.draft.draft_vocab_size,
                      *([init_key(cfg)] if kept_init_vocab(cfg) else []))
 
 
 def run_vocab(cfg: PipelineConfig, log=print) -> dict:
     """Draft vocab map from loss-masked token counts (vocab/vocab_map.safetensors: d2t, t2d, counts)."""
-    from eagle3_core.data.vocab_map import build_vocab_map, count_tokens
+    from eagle3_core.data.vocab_map import build_vocab_map, count_tokens, coverage_by_source
     from eagle3_core.target.family import text_config
     run = RunLayout(cfg.run_dir)
     out = run.vocab
@@ -43,8 +45,10 @@ def run_vocab(cfg: PipelineConfig, log=print) -> dict:
     def body() -> dict:
         V = text_config(target_config(cfg)).vocab_size
         rows = pq.read_table(run.tokenized_train).to_pylist()
-        counts = count_tokens([torch.tensor(r["input_ids"]) for r in rows],
-                              [torch.tensor(r["loss_mask"]) for r in rows], V)
+        ids, masks = [torch.tensor(r["input_ids"]) for r in rows], [torch.tensor(r["loss_mask"]) for r in rows]
+        counts = count_tokens(ids, masks, V)
+        markers = upstream_manifest(cfg.run_dir, "tokenized").get("marker_tokens") or {}
+        always = sorted(t for t in markers.values() if t < V)
         N = min(cfg.draft.draft_vocab_size, V)
         if kept_init_vocab(cfg):
             from eagle3_core.data.vocab_map import check_vocab_map
@@ -58,13 +62,18 @@ def run_vocab(cfg: PipelineConfig, log=print) -> dict:
                                  f"{d2t.numel()}, or train.init_vocab to 'rebuild'")
             log(f"vocab: kept the map of the warm-start draft {where} (train.init_vocab 'keep')")
         else:
-            d2t, t2d = build_vocab_map(counts, N)
+            d2t, t2d = build_vocab_map(counts, N, always)
         out.mkdir(parents=True, exist_ok=True)
         save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(run.vocab_map))
         seen = int((counts > 0).sum())
         coverage = float(counts[t2d].sum() / counts.sum().clamp(min=1))
-        log(f"vocab: draft vocab {N} of {V}; {seen} distinct tokens seen; the map covers {coverage:.1%} of them")
+        per_source = coverage_by_source(ids, masks, [r.get("source") or "?" for r in rows], t2d)
+        missing = {k: t for k, t in markers.items() if t < V and not bool(t2d[t])}
+        log(f"vocab: draft vocab {N} of {V}; {seen} distinct tokens seen; the map covers {coverage:.1%} of the "
+            f"supervised tokens (" + ", ".join(f"{s} {c['coverage']:.1%}" for s, c in per_source.items()) + ")"
+            + (f"; marker tokens not in the map: {missing}" if missing else ""))
         return {"draft_vocab_size": N, "vocab_size": V, "distinct_seen": seen, "coverage": coverage,
+                "coverage_per_source": per_source, "always_in_vocab": markers, "markers_missing": missing,
                 "from": str(init_dir(cfg.train.init_from)) if kept_init_vocab(cfg) else "counts"}
 
     return run_stage(out, vocab_key(cfg), body)
