@@ -1,4 +1,4 @@
-"""The real chat templates of tests/data/templates (sources and licences in tests/data/README.md) on a stand-in
+"""The real chat templates of tests/data/chat_templates (sources and licences in tests/data/README.md) on a stand-in
 tokenizer: the embedded target's (SmolLM2-135M-Instruct's, loaded once per session) with each template's special
 tokens added as single tokens, as the real tokenizers have them (the real ones live on the model hub, out of reach
 here). Every template's marker tokens (think, tool calls, end of turn) are thus one id each, as in the target."""
@@ -9,22 +9,22 @@ from functools import lru_cache
 
 from conftest import SHARED_DATA
 
-TEMPLATES = SHARED_DATA / "templates"
+TEMPLATES = SHARED_DATA / "chat_templates"
 KIMI = ["<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<think>", "</think>",
         "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
         "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
 # name -> (template file, special tokens added, BOS token or None)
 STAND_INS = {
-    "qwen3": ("qwen3.jinja", ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+    "qwen3": ("Qwen-Qwen3-0.6B.jinja", ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
                               "</tool_response>"], None),
-    "kimi_k2_thinking": ("kimi_k2_thinking.jinja", KIMI, None),
-    "kimi_k25": ("kimi_k25_style.jinja", KIMI, None),
-    "deepseek_v31": ("deepseek_v31.jinja", ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>",
+    "kimi_k2_thinking": ("Kimi-K2-Thinking.jinja", KIMI, None),
+    "kimi_k25": ("Kimi-K2.5-style.jinja", KIMI, None),
+    "deepseek_v31": ("deepseek-ai-DeepSeek-V3.1.jinja", ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>",
                                             "<｜Assistant｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>",
                                             "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
                                             "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"],
                      "<｜begin▁of▁sentence｜>"),
-    "qwen25_tools": ("qwen25_tools.jinja", ["<tool_call>", "</tool_call>"], None),
+    "qwen25_tools": ("Qwen-Qwen2.5-7B-Instruct.jinja", ["<tool_call>", "</tool_call>"], None),
 }
 
 

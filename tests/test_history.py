@@ -1,5 +1,5 @@
 """What the target writes is what the draft learns: regeneration through a token API on real chat templates
-(tests/data/templates on the stand-in tokenizer of tests/chat_templates.py), the history rule of
+(tests/data/chat_templates on the stand-in tokenizer of tests/chat_templates.py), the history rule of
 eagle3_core/data/history.py, and the round trip of the text path.
 
 Each regeneration goes through `generation.regenerate` (the stage's own code) against `SGLangTokenStandIn`, which
@@ -252,3 +252,32 @@ def test_on_policy_fraction_counts_supervised_tokens_that_are_the_targets_argmax
     check_on_policy(per, 0.5, "the first shard")
     with pytest.raises(ValueError, match="source b: 50.0% of 2 supervised tokens .* below features.min_on_policy 60%"):
         check_on_policy(per, 0.6, "the first shard")
+
+
+def test_the_pipeline_regenerates_through_llama_servers_token_api_and_trains_its_ids(e2e_run):
+    """The session's end-to-end run (debug_tiny: the real llama-server on the embedded target, generation.api
+    'auto'): every prompt goes through /completion with the prompt as token ids, and every trained answer is,
+    token for token, the ids llama-server reported; the report gives each source's on-policy fraction and the
+    draft vocab's coverage of it."""
+    from eagle3_core.contract.layout import RunLayout
+    from eagle3_core.pipeline.report import collect, markdown
+    cfg, _ = e2e_run
+    run = RunLayout(cfg.run_dir)
+    gm = json.loads((run.generations / "manifest.json").read_text())
+    assert gm["api"] == "llama.cpp" and gm["token_ids"].startswith("from the server")
+    rows = {r["id"]: r for s in gm["shards"] for r in prompts_mod.read_rows(run.generations / s)}
+    samples = pq.read_table(run.tokenized_train).to_pylist()
+    assert sorted(s["id"] for s in samples) == sorted(rows)
+    eot = 2                                                                     # <|im_end|>
+    for s in samples:
+        r = rows[s["id"]]
+        out = r["output_ids"] + ([] if r["finish_reason"] == "length" or r["output_ids"][-1] == eot else [eot])
+        assert s["input_ids"] == r["prompt_ids"] + out
+        assert [t for t, w in zip(s["input_ids"], s["loss_mask"]) if w] == out
+    tm = json.loads((run.tokenized / "manifest.json").read_text())
+    assert tm["token_sources"] == {"server": len(rows)} and tm["marker_tokens"] == {"<|im_end|>": eot}
+    by_source = collect(cfg.run_dir)["by_source"]
+    (st,) = by_source.values()
+    assert st["samples"] == len(samples) and 0.5 < st["on_policy"] <= 1.0 and 0.5 < st["vocab_coverage"] <= 1.0
+    table = "| source | samples | supervised tokens | on-policy | draft vocab coverage |"
+    assert table in markdown(collect(cfg.run_dir))

@@ -83,6 +83,12 @@ def template_turn(tokenizer, markers: TargetMarkers, messages: list[dict], i: in
     def refuse(cause: str, detail: str = "") -> RoundTripError:
         return RoundTripError(f"row {row_id}: assistant turn {i}: {CAUSES[cause]}{detail}; refused", cause)
     if not full.startswith(prefix):
+        head = prefix.rstrip()
+        if head.endswith("<think>") and full.startswith(head[:-len("<think>")]):
+            # the generation prompt opens the reasoning and the rendered turn does not (DeepSeek-V3.1: `</think>`):
+            # the template drops the reasoning, not the history
+            raise refuse("reasoning", f" (the generation prompt ends in <think>, the rendered turn in "
+                                      f"{full[len(head) - len('<think>'):][:40]!r})")
         raise refuse("prefix")
     _, eot = end_of_turn(tokenizer)
     end = full.find(eot, len(prefix))

@@ -18,6 +18,7 @@ are found in the ids); a template naming no known format leaves tool calls in th
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 THINK = ("<think>", "</think>")
@@ -29,10 +30,10 @@ TOOL_FORMATS = {
                  "<｜tool▁call▁end｜>"),
     "hermes": ("", "", "<tool_call>", "", "</tool_call>"),
 }
-# a template that prints tool-call arguments given as text as they are says so (Qwen3, Kimi); the others print them
-# with `| tojson` whatever their type (DeepSeek-V3.1, Qwen2.5), so a JSON text would come out quoted: they get the
-# arguments as an object
-ARGUMENTS_AS_TEXT = "arguments is string"
+# a template that prints tool-call arguments with `| tojson` whatever their type (Qwen2.5) would quote a JSON text:
+# it gets the arguments as an object; one that tests `arguments is string` (Qwen3, Kimi) or concatenates them as
+# text (DeepSeek-V3.1) gets the text the target wrote
+ARGUMENTS_TOJSON = re.compile(r"arguments(?:'\])?\s*\|\s*tojson")
 
 
 def single_token(tokenizer, text: str) -> int | None:
@@ -55,7 +56,7 @@ class TargetMarkers:
     (None for a marker the format lacks, all None when the markers are not single tokens: the fallback reads them in
     the decoded text); think_text: the template writes <think> blocks but they are not single tokens (text fallback);
     eot: the end-of-turn id (chat.end_of_turn); texts: marker text -> id of every single-token marker;
-    arguments_as_object: the template prints tool-call arguments with `tojson` (ARGUMENTS_AS_TEXT absent)."""
+    arguments_as_object: the template prints tool-call arguments with `tojson` and never tests for text."""
     think: tuple[int, int] | None
     tool_format: str | None
     tool_ids: tuple[int | None, ...] = ()
@@ -93,7 +94,8 @@ def target_markers(tokenizer) -> TargetMarkers:
         break
     eot, eot_text = end_of_turn(tokenizer)
     texts[eot_text] = eot
-    return TargetMarkers(think, fmt, ids, eot, texts, think is None and THINK[1] in src, ARGUMENTS_AS_TEXT not in src)
+    as_object = bool(ARGUMENTS_TOJSON.search(src)) and "arguments is string" not in src
+    return TargetMarkers(think, fmt, ids, eot, texts, think is None and THINK[1] in src, as_object)
 
 
 def _raw_arguments(body: str) -> tuple[str, str]:

@@ -285,8 +285,8 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
         "sampling": {"temperature": g.temperature, "top_p": g.top_p, "max_new_tokens": g.max_new_tokens,
                      "greedy": g.temperature == 0.0, "chat_template_kwargs": g.chat_template_kwargs},
         "turns": {"mode": g.turns, "max_turns": g.max_turns, **_request_counts(records)},
-        "api": g.api_for(cfg.server.kind),
-        "token_ids": "from the server (prompt_ids, output_ids)" if g.api_for(cfg.server.kind) in TOKEN_ID_APIS else None,
+        "api": g.api_for(cfg.server.kind), "token_ids": "from the server (prompt_ids, output_ids)"
+        if g.api_for(cfg.server.kind) in TOKEN_ID_APIS else None,
         "server": _server_desc(cfg), "shards": [r["file"] for r in records],
         "seconds": seconds if seconds is not None else busy_seconds(records)})
 

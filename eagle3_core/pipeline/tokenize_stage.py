@@ -94,7 +94,8 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
             "overlong": {"policy": cfg.prompts.overlong, "max_length": cfg.features.max_length, "cut": n_cut,
                          "dropped": len(dropped), "dropped_ids": dropped[:100]},
             "rejected": len(rejects), "rejected_per_source": {k: v["rejected"] for k, v in per.items()},
-            "rejected_causes": causes, "kept_refused": {k: v["refused"] for k, v in per.items() if v.get("refused")}, "rows": sum(v["read"] for v in per.values()) - len(rejects),
+            "rejected_causes": causes, "rows": sum(v["read"] for v in per.values()) - len(rejects),
+            "kept_refused": {k: v["refused"] for k, v in per.items() if v.get("refused")},
             "marker_tokens": markers.texts,
             "rejects": str(out / "rejects.jsonl"),
             "token_source": ("the server's own ids (prompt_ids + output_ids) for the regenerated turns of a "
