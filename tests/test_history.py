@@ -19,7 +19,7 @@ from chat_templates import stand_in
 from eagle3_core.config import GenerationConfig, ServerConfig
 from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.chat import prompt_ids
-from eagle3_core.data.history import RoundTripError, tokenize_chat
+from eagle3_core.data.history import RoundTripError
 from eagle3_core.data.markers import target_markers
 from eagle3_core.data.samples import row_samples
 from eagle3_core.generation.regenerate import regenerate

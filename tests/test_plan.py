@@ -130,3 +130,18 @@ def test_plan_prints_the_ep_int4_projection_beside_the_given_features_rate(capsy
     hours = 99000 * 2000 / r["extraction_tok_s_per_replica"] / 3600
     assert "18.58 h at 1.48 samples/s (reference_kimi_k25, given)" in line
     assert f"; {hours:.2f} h (" in line and "kimi_k25_ep_int4_h200, scaled" in line and "not measured" in line
+
+
+def test_plan_counts_the_samples_after_the_history_split():
+    """A row whose template rewrites its history gives several samples (eagle3_core.data.history): with a measured
+    samples_per_row of 1.5, extraction, disk and training plan for 1.5x the samples of the prompt rows."""
+    cfg = load_config(KIMI)
+    rates = load_rates(RATES, "reference_kimi_k25")
+    one = plan_run(cfg, rates, gpus=8)
+    split = plan_run(cfg, {**rates, "samples_per_row": {"value": 1.5, "unit": "samples per row",
+                                                        "status": "measured", "source": "a test"}}, gpus=8)
+    assert split["workload"]["samples"] == round(1.5 * one["workload"]["samples"]) == 148500
+    assert split["workload"]["rows"] == one["workload"]["rows"] == 99000
+    assert split["disk_bytes"] == pytest.approx(1.5 * one["disk_bytes"])
+    assert _stage(split, "features")["hours"] == pytest.approx(1.5 * _stage(one, "features")["hours"])
+    assert _stage(split, "generation")["hours"] == _stage(one, "generation")["hours"]      # requests per row

@@ -83,11 +83,3 @@ def end_of_turn(tokenizer) -> tuple[int, str]:
                         f"tokenizer converted from GGUF, which 5.24 flags special: upgrade transformers, or point "
                         f"target.model at a directory with the model's own tokenizer files)")
     return first, tokenizer.convert_ids_to_tokens(first)
-
-
-def split_reasoning(content: str) -> tuple[str, str]:
-    """(reasoning, visible answer) of an assistant text with an inline <think> block."""
-    if THINK_CLOSE not in content:
-        return "", content.strip()
-    head, answer = content.rsplit(THINK_CLOSE, 1)
-    return head.split(THINK_OPEN)[-1].strip(), answer.strip()
