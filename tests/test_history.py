@@ -281,3 +281,22 @@ def test_the_pipeline_regenerates_through_llama_servers_token_api_and_trains_its
     assert st["samples"] == len(samples) and 0.5 < st["on_policy"] <= 1.0 and 0.5 < st["vocab_coverage"] <= 1.0
     table = "| source | samples | supervised tokens | on-policy | draft vocab coverage |"
     assert table in markdown(collect(cfg.run_dir))
+
+
+def test_a_tool_call_cut_short_stays_text_and_the_markers_fall_back_to_text(toks, tokenizer):
+    """An answer cut inside its tool call (max_new_tokens) reads back as text, never an error; a template whose
+    markers are not single tokens (Qwen3's on the bare embedded tokenizer) is read in the decoded text."""
+    from chat_templates import TEMPLATES
+    from eagle3_core.data.markers import parse_answer
+    tok = toks["qwen3"]
+    cut = tok("<think>\nGo.\n</think>\n\n<tool_call>\n{\"name\": \"get_wea", add_special_tokens=False)["input_ids"]
+    msg = parse_answer(tok, target_markers(tok), cut)
+    assert msg["reasoning_content"] == "\nGo.\n" and "tool_calls" not in msg and msg["content"].startswith("<tool")
+    bare = __import__("copy").deepcopy(tokenizer)
+    bare.chat_template = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
+    m = target_markers(bare)
+    assert m.think is None and m.think_text and m.tool_format == "hermes" and m.tool_ids == (None,) * 5
+    text = "<think>\nGo.\n</think>\n\n" + QWEN_CALL + "<|im_end|>"
+    msg = parse_answer(bare, m, bare(text, add_special_tokens=False)["input_ids"])
+    assert msg["reasoning_content"] == "\nGo.\n" and msg["content"] == ""
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}

@@ -156,7 +156,8 @@ def parse_answer(tokenizer, m: TargetMarkers, ids: list[int], opened_think: bool
     ids [O]: the answer, with or without its end-of-turn token. opened_think: the prompt ends with the think open
     marker (K2.5 and DeepSeek-V3.1 in thinking mode, a template's forced <think>), so the answer starts inside its
     reasoning. Reasoning runs to the think close marker (an answer cut before it is all reasoning); tool calls
-    start at the format's first marker. Raises ValueError for a tool call whose body is not what its format says."""
+    start at the format's first marker; calls whose body is not what the format says (cut at max_new_tokens,
+    malformed JSON) stay in the content as text."""
     ids = list(ids)
     if m.eot is not None and ids and ids[-1] == m.eot:
         ids = ids[:-1]
@@ -179,7 +180,10 @@ def parse_answer(tokenizer, m: TargetMarkers, ids: list[int], opened_think: bool
             msg["reasoning_content"], text = text.split(THINK[0], 1)[-1], ""
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] if m.tool_format else ids
     if m.tool_format is not None:
-        text, calls = _tool_calls(m, text, ids, decode)
+        try:
+            text, calls = _tool_calls(m, text, ids, decode)
+        except ValueError:                       # a call cut short or malformed: the text as written, no call
+            calls = []
         if calls:
             msg["tool_calls"] = calls
     # text split off a reasoning span or tool calls is stripped, as servers' parsers return it and templates expect
