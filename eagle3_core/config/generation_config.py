@@ -36,12 +36,13 @@ class ServerConfig(StrictModel):
 
 
 class GenerationConfig(StrictModel):
-    api: Literal["auto", "openai", "sglang", "llama.cpp"] = Field(
+    api: Literal["auto", "openai", "sglang", "llama.cpp", "vllm"] = Field(
         "auto", description="'auto': the token-id API of the server the stage starts (server.kind 'sglang' -> "
         "'sglang', 'llama.cpp' -> 'llama.cpp'), else 'openai'; 'openai': /v1/chat/completions, the server applies the "
         "chat template (SGLang, vLLM, llama.cpp) and answers in text; 'sglang': SGLang's /generate with token ids; "
-        "'llama.cpp': llama-server's /completion with token ids. Token-id APIs render the prompt with the target's "
-        "chat template here and train the exact output ids")
+        "'llama.cpp': llama-server's /completion with token ids; 'vllm': vLLM's /v1/completions with token ids and "
+        "return_token_ids (vLLM >= 0.10.2). Token-id APIs render the prompt with the target's chat template here "
+        "and train the exact output ids")
     max_new_tokens: int = Field(256, ge=1, description="always sent: servers default to 128 or unlimited")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy (the default for regeneration)")
     concurrency: int = Field(4, ge=1, description="requests in flight over all servers")
