@@ -56,8 +56,9 @@ def _workload(cfg: PipelineConfig, rates: dict) -> dict:
     S = cfg.prompts.num_train
     kept = 0
     if cfg.prompts.mix is not None:
-        counts = [(s.count, s.mode) for s in cfg.prompts.mix.sources]
-        kept = round(S * sum(c for c, m in counts if c and m == "keep") / max(sum(c for c, _ in counts if c), 1))
+        # rows kept as they are need no request; a keep source whose kept choice is 'regenerate' is answered
+        counts = [(s.count, s.mode == "keep" and s.kept != "regenerate") for s in cfg.prompts.mix.sources]
+        kept = round(S * sum(c for c, k in counts if c and k) / max(sum(c for c, _ in counts if c), 1))
     O = min(rates["output_tokens_per_sample"]["value"], cfg.generation.max_new_tokens)
     T = min(rates["tokens_per_sample"]["value"], cfg.features.max_length)
     per_row = rates.get("samples_per_row", {}).get("value", 1.0)

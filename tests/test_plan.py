@@ -145,3 +145,8 @@ def test_plan_counts_the_samples_after_the_history_split():
     assert split["disk_bytes"] == pytest.approx(1.5 * one["disk_bytes"])
     assert _stage(split, "features")["hours"] == pytest.approx(1.5 * _stage(one, "features")["hours"])
     assert _stage(split, "generation")["hours"] == _stage(one, "generation")["hours"]      # requests per row
+    # a keep source told to regenerate (SourceSpec.kept) is answered: its rows are requests again
+    mix = cfg.prompts.mix.model_copy(update={"sources": [s.model_copy(update={"kept": "regenerate"})
+                                                         if s.mode == "keep" else s for s in cfg.prompts.mix.sources]})
+    regen = plan_run(cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"mix": mix})}), rates, gpus=8)
+    assert one["workload"]["regenerated"] == 99000 - 4752 and regen["workload"]["regenerated"] == 99000
