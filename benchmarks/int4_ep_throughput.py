@@ -5,7 +5,7 @@ node's extraction rate projected from it.
   python benchmarks/int4_ep_throughput.py --tiny --out result.json   # CPU smoke run with small shapes
   python benchmarks/int4_ep_throughput.py --rates-from benchmarks/data/int4_ep_h200.json   # the rates profile
 
-Legend: B = 16,384 tokens per forward (features.batch_tokens of configs/kimi_k25_agentic_100k.json), H 7,168,
+Legend: B = 16,384 tokens per forward (features.batch_tokens of configs/kimi_k25_team_10k_to_100k.json), H 7,168,
 I 2,048 (expert width), E 384 routed experts of which 8 per token, W = 8 ranks (EP 8: 48 experts each; TP 8 for
 MLA: 8 of 64 heads each). Random weights; Kimi-K2.5's dimensions (transformers' Kimi_K25Config text_config).
 
@@ -22,7 +22,7 @@ Rows (each: median, min and max of 3 timings, each the mean of `--iters` calls a
 - end_to_end: a 4-layer Kimi-shaped model of one rank's share (8 heads, 48 experts top-1, so each MoE layer sees
   the B token-expert pairs one EP-8 rank sees; dense MLP at 1/8 width; full vocab) written as an INT4 checkpoint and
   run through the features stage (features.backend 'ep_int4', torchrun of one process, shards written in
-  features.format fp8 as configs/kimi_k25_agentic_100k.json writes them), on N and 2N samples of 2,048 tokens: the
+  features.format fp8 as the Kimi-K2.5 configs write them), on N and 2N samples of 2,048 tokens: the
   marginal tokens/s (the fixed costs, torchrun start and the load, cancel).
 Checks: the Triton dequantization against the torch reference (bit for bit) and the grouped matmul against the
 per-expert loop.

@@ -10,8 +10,14 @@ repeated or out-of-range aux ids (L-1 included), a rope the draft cannot run, dr
 context, a target too large for a stage that loads it whole in this process (features 'hf', evaluate 'decode'), a
 features backend and size whose bytes per GPU (target/memory.py: the checkpoint's bytes as stored, its
 quantization_config read, and transformers' own plans on a meta-device model) do not fit one GPU, or that split
-attention heads or routed experts unevenly; with `--draft DIR` (a warm start or a deployment) also the draft's
-architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft).
+attention heads or routed experts unevenly, expert parallelism on a target without experts, a server kind that
+cannot serve the target (serving.launcher.server_problems), a train.init_from that is missing or does not fit
+(training.warm_start.init_from_check), less free disk on run_dir's file system than the features stage writes
+(disk_check; in check_or_raise and the CLI), a token budget prompt-mode rows cannot fit (generation.max_new_tokens
+against features.max_length, the regenerating server's context against both: data.budget.budget_problems),
+generation.chat_template_kwargs the target's chat template does not read or reads as another type
+(data.template_kwargs; offline with `--chat-template FILE`); with `--draft DIR` (a warm start or a deployment)
+also the draft's architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft).
 CONFIG: a JSON file holding a PipelineConfig, or a preset name ('demo', 'debug_tiny').
 """
 from __future__ import annotations
@@ -22,8 +28,10 @@ from pathlib import Path
 
 from eagle3_core.config import PipelineConfig, config_or_preset
 from eagle3_core.config.eval_config import resolved_evaluator
+from eagle3_core.data.budget import budget_problems
 from eagle3_core.data.prompt_set import source_specs
 from eagle3_core.data.readers import missing_source_files
+from eagle3_core.data.template_kwargs import kwarg_problem
 from eagle3_core.features.store_formats import FORMATS, bytes_per_token
 from eagle3_core.target.family import (
     engine_readings,
@@ -93,13 +101,19 @@ def machine_memory_bytes() -> tuple[int, str]:
 
 
 def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=None,
-              memory: tuple[int, str] | None = None, gpus=DETECT) -> tuple[dict, list[tuple[str, str]]]:
+              memory: tuple[int, str] | None = None, gpus=DETECT, disk=None, chat_template=DETECT
+              ) -> tuple[dict, list[tuple[str, str]]]:
     """(facts, problems) of a run. target_config: the target's transformers config (default: read with
     target.load_target_config, no weights); memory: (bytes, description) for the in-process fit check (default:
     machine_memory_bytes()); gpus: (count, bytes per GPU) for the features backend's per-GPU check
-    (target.memory.backend_facts; default: this host's, None: no GPU). Facts are JSON-able; problems are (field,
-    message) pairs, empty when the run fits."""
+    (target.memory.backend_facts; default: this host's, None: no GPU); disk: None (not checked), DETECT (run_dir's
+    file system) or (free bytes, description) for disk_check; chat_template: the target's chat template (text)
+    that generation.chat_template_kwargs are checked against (data.template_kwargs; default: the target's
+    tokenizer's where the target's config is read from it, not checked where `target_config` is given; None: not
+    checked). Also checks the generation server against the target (server_problems) and train.init_from
+    (init_from_check). Facts are JSON-able; problems are (field, message) pairs, empty when the run fits."""
     from eagle3_core.evaluation.preflight import check_draft
+    from eagle3_core.serving.launcher import server_problems
     from eagle3_core.target.loading import load_target_config
     from eagle3_core.target.memory import backend_facts, gpu_memory
     tcfg = target_config if target_config is not None else load_target_config(cfg.target)
@@ -127,11 +141,26 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     if ctx is not None and cfg.features.max_length > ctx:
         problems.append(("features.max_length", f"{cfg.features.max_length} exceeds the target's context {ctx}; "
                                                 f"set it to {ctx} or less"))
+    facts["token_budget"], budget = budget_problems(cfg, ctx)
+    problems += budget
+    kwargs = cfg.generation.chat_template_kwargs
+    if chat_template is DETECT:
+        chat_template = None if target_config is not None or not kwargs else _template_of(cfg)
+    facts["chat_template_kwargs"] = ({"kwargs": kwargs, "checked against": "the target's chat template"}
+                                     if chat_template is not None else
+                                     {"kwargs": kwargs, "checked against": "no chat template here: the prompts "
+                                                                           "stage checks them"} if kwargs else "none")
+    if chat_template is not None:
+        field = "generation.chat_template_kwargs"
+        problems += [(field, str(p).removeprefix(field + ": ")) for k, v in kwargs.items()
+                     if (p := kwarg_problem(chat_template, k, v)) is not None]
     facts["disk_bytes_per_token"] = {f: bytes_per_token(f, H_t) for f in FORMATS}
     facts["disk_gb_per_1m_tokens"] = {f: round(b * 1e6 / 1e9, 2) for f, b in facts["disk_bytes_per_token"].items()}
     need = 2 * estimate_params(t)                                          # bf16 weights
     have, where = memory if memory is not None else machine_memory_bytes()
-    feats, fit_problems = backend_facts(cfg, tcfg, gpu_memory() if gpus is DETECT else gpus)
+    fit_cfg, ep_problems = expert_parallel_check(cfg, t)
+    problems += ep_problems
+    feats, fit_problems = backend_facts(fit_cfg, tcfg, gpu_memory() if gpus is DETECT else gpus)
     f = cfg.features
     feats["runs"] = BACKEND_RUNS[f.backend].format(w=f.tp_size)
     evaluator = resolved_evaluator(cfg.eval.evaluator, f.backend)
@@ -163,7 +192,76 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
             problems.append(("features.aux_layer_ids", f"resolves to {ids} but the draft {draft_dir} was trained "
                              f"on {draft_ids}: a warm start must extract the same layers; set "
                              f"features.aux_layer_ids to {draft_ids}"))
+    problems += server_problems(cfg)
+    if cfg.train.init_from is not None:
+        from eagle3_core.training.warm_start import init_from_check
+        facts["init_from"], more = init_from_check(cfg, tcfg, ids)
+        problems += more
+    if disk is not None:
+        facts["disk"], more = disk_check(cfg, H_t, disk)
+        problems += more
     return facts, problems
+
+
+def expert_parallel_check(cfg: PipelineConfig, t) -> tuple[PipelineConfig, list[tuple[str, str]]]:
+    """(the config the fit check counts with, problems): features.expert_parallel on a target without routed
+    experts (its text config `t` names none) is refused naming the field, and counted as tensor parallel
+    (transformers' plans would raise 'has no ep_plan')."""
+    f = cfg.features
+    experts = value(t, "n_routed_experts") or value(t, "num_local_experts") or value(t, "num_experts") or 0
+    if not f.expert_parallel or experts:
+        return cfg, []
+    plain = cfg.model_copy(update={"features": f.model_copy(update={"expert_parallel": False})})
+    return plain, [("features.expert_parallel", f"the target ({type(t).__name__}) has no routed experts: "
+                    f"expert parallelism has nothing to split; set features.expert_parallel to false (hf_tp then "
+                    f"splits its layers by tensor parallelism)")]
+
+
+def disk_check(cfg: PipelineConfig, H_t: int, disk) -> tuple[dict, list[tuple[str, str]]]:
+    """(facts, problems): the features stage's disk (plan's figure: num_train x tokens per sample x the format's
+    bytes per token, feature_formats.bytes_per_token) against the free space of run_dir's file system, less what
+    features/ already holds. Tokens per sample: the tokenize stage's mean where it ran, else the prompts' mean
+    prompt plus generation.max_new_tokens, else features.max_length (at most); at most max_length. disk: DETECT
+    (shutil.disk_usage of run_dir, or the nearest folder above it that exists) or (free bytes, description)."""
+    import json
+    import shutil
+    run, f = Path(cfg.run_dir), cfg.features
+    tok = run / "tokenized" / "manifest.json"
+    prm = run / "prompts" / "manifest.json"
+    T, source = f.max_length, "features.max_length (a sample stores at most that many tokens)"
+    if tok.exists() and (m := json.loads(tok.read_text())).get("samples"):
+        T, source = min(T, round(m["tokens"] / m["samples"])), "the tokenize stage's mean"
+    elif prm.exists() and (b := json.loads(prm.read_text()).get("budget")):
+        means = [(st["tokens"]["mean"], st["tokens"]["rows"]) for st in b.get("per_source", {}).values()
+                 if st.get("tokens", {}).get("rows")]
+        if means:
+            mean = sum(m * n for m, n in means) / sum(n for _, n in means)
+            T = min(T, round(mean + cfg.generation.max_new_tokens))
+            source = "the prompts' mean prompt + generation.max_new_tokens"
+    need = cfg.prompts.num_train * T * bytes_per_token(f.format, H_t)
+    held = sum(p.stat().st_size for p in (run / "features").glob("shard_*.safetensors"))
+    if disk is DETECT:
+        where = next(p for p in [run, *run.absolute().parents] if p.exists())
+        disk = (shutil.disk_usage(where).free, str(where))
+    free, where = disk
+    facts = {"features_gb": round(need / 1e9, 2), "tokens_per_sample": T, "from": source,
+             "already_written_gb": round(held / 1e9, 2), "free_gb": round(free / 1e9, 2), "where": where}
+    if need - held > free:
+        return facts, [("run_dir", f"the features stage stores ~{need / 1e9:.1f} GB (prompts.num_train "
+                        f"{cfg.prompts.num_train} x {T} tokens, {source}, x {bytes_per_token(f.format, H_t)} B/token "
+                        f"in features.format {f.format!r}; {held / 1e9:.1f} GB written) and {where} has "
+                        f"{free / 1e9:.1f} GB free: free space, put run_dir on a larger file system, set "
+                        f"features.format 'fp8' (about half) or 'online' (nothing stored), or lower "
+                        f"features.max_length or prompts.num_train")]
+    return facts, []
+
+
+def _template_of(cfg: PipelineConfig) -> str | None:
+    """The target's default chat template (its tokenizer's, read like the prompts stage reads it), or None."""
+    from eagle3_core.data.template_kwargs import tokenizer_templates
+    from eagle3_core.target.loading import load_tokenizer
+    templates = tokenizer_templates(load_tokenizer(cfg.target))
+    return templates.get("default") or next(iter(templates.values()), None)
 
 
 def render(facts: dict) -> str:
@@ -183,9 +281,10 @@ def render(facts: dict) -> str:
 
 def check_or_raise(cfg: PipelineConfig, draft_dir: Path | None = None, log=print, facts_on_refusal: bool = True,
                    **kw) -> dict:
-    """check_run, logging the facts; raises CheckError listing every problem with its fix (after logging the facts
-    only if `facts_on_refusal`: a flow run's log then opens with the cause). Returns the facts."""
-    facts, problems = check_run(cfg, draft_dir, **kw)
+    """check_run (with the disk of run_dir's file system unless `disk` says otherwise), logging the facts; raises
+    CheckError listing every problem with its fix (after logging the facts only if `facts_on_refusal`: a flow
+    run's log then opens with the cause). Returns the facts."""
+    facts, problems = check_run(cfg, draft_dir, **{"disk": DETECT, **kw})
     if problems and not facts_on_refusal:
         raise CheckError(problems)
     log("check:\n" + render(facts))
@@ -208,17 +307,39 @@ def target_config_file(path: str | Path):
     return AutoConfig.for_model(data.pop("model_type"), **data)
 
 
+def chat_template_file(path: str | Path) -> str:
+    """The chat template in a .jinja file, or the (default) 'chat_template' of a tokenizer_config.json. Raises
+    OSError for a missing file, ValueError for a JSON file without one."""
+    import json
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix != ".json":
+        return text
+    t = json.loads(text).get("chat_template")
+    if isinstance(t, list):                           # named templates: [{name, template}, ...]
+        t = next((x["template"] for x in t if x.get("name") == "default"), t[0]["template"] if t else None)
+    if not isinstance(t, str):
+        raise ValueError(f"{path}: no 'chat_template' in it; pass the template's .jinja file")
+    return t
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Check a run's config against its target (no weights read).")
     p.add_argument("config", help="JSON file with a PipelineConfig, or a preset name (demo, debug_tiny)")
     p.add_argument("--draft", default=None, help="a draft directory to check too (warm start or deployment)")
     p.add_argument("--target-config", default=None, metavar="CONFIG_JSON",
                    help="the target's config.json, read instead of target.model's: check a run offline with only "
-                        "that file downloaded")
+                        "that file downloaded (the free disk of run_dir is then not checked)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="the target's chat template (a .jinja file, or a tokenizer_config.json holding "
+                        "'chat_template'): generation.chat_template_kwargs are checked against it offline")
     a = p.parse_args(argv)
     try:
         cfg = config_or_preset(a.config)
-        kw = {"target_config": target_config_file(a.target_config)} if a.target_config else {}
+        # --target-config: a check made away from the run's host (offline), whose disk says nothing about it
+        kw = {"target_config": target_config_file(a.target_config), "disk": None} if a.target_config else {}
+        if a.chat_template:
+            kw["chat_template"] = chat_template_file(a.chat_template)
         check_or_raise(cfg, a.draft, **kw)
     except ValueError as e:                       # CheckError, or a config that does not validate
         print(str(e), file=sys.stderr)

@@ -72,9 +72,12 @@ def _rate(rates: dict, *names: str) -> tuple[str, dict] | None:
 def plan_run(cfg: PipelineConfig, rates: dict, gpus: int, hidden_size: int | None = None) -> dict:
     """The plan of `cfg` on `gpus` GPUs under `rates` (load_rates): {workload, stages: [{stage, hours (wall),
     gpu_hours, disk_bytes, rate (name, value, unit, status, source) or None, note}], total_hours}. hidden_size
-    H_t is needed only when the disk is planned from bytes per token. Raises ValueError for gpus < 1."""
+    H_t is needed only when the disk is planned from bytes per token (default: the profile's target_hidden_size).
+    Raises ValueError for gpus < 1."""
     if gpus < 1:
         raise ValueError(f"gpus {gpus}: plan for at least one GPU (a CPU-only machine counts as 1)")
+    if hidden_size is None and "target_hidden_size" in rates:
+        hidden_size = int(rates["target_hidden_size"]["value"])
     w, rows = _workload(cfg, rates), []
 
     def row(stage, hours, gpu_hours, rate, disk=0.0, note=""):

@@ -97,6 +97,18 @@ def fast_test_budget_s() -> float:
     return FAST_TEST_S * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
+# session fixtures that run the pipeline end to end (minutes): a test that asks for one is slow whatever it does
+SLOW_FIXTURES = ("e2e_run",)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark `slow` every test that uses a SLOW_FIXTURES fixture (directly or through another fixture), so that
+    `make test-fast` never starts the end-to-end run."""
+    for item in items:
+        if any(name in getattr(item, "fixturenames", ()) for name in SLOW_FIXTURES):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Fail an unmarked test whose call phase ran past fast_test_budget_s (fixtures are not counted: a session

@@ -99,7 +99,8 @@ def test_prompts_over_the_budget_are_measured_and_dropped_before_any_request(ser
 
 
 def test_last_turns_and_long_policies(tokenizer):
-    """'last_turns' keeps the system message and the last turns that fit; 'long' keeps the row whole, marked."""
+    """'last_turns' keeps the system message and the last turns that fit; 'long' keeps the row whole, marked, unless
+    its prompt alone has max_length tokens or more."""
     from eagle3_core.data.budget import apply_budget
     big = "word " * 300
     msgs = [SYSTEM, {"role": "user", "content": big}, {"role": "assistant", "content": big},
@@ -111,10 +112,16 @@ def test_last_turns_and_long_policies(tokenizer):
     assert meta["over_budget"] == "last_turns" and meta["messages_dropped"] == 2
     assert meta["tokens_after_cut"] == len(prompt_ids(tokenizer, [SYSTEM, msgs[3]]))
     assert meta["prompt_tokens"] == len(prompt_ids(tokenizer, msgs)) > 600
-    kept, st = apply_budget(tokenizer, [row], 16, 256, "long")
+    n = meta["prompt_tokens"]
+    kept, st = apply_budget(tokenizer, [row], 16, n + 8, "long")        # prompt + 16 new > n + 8: over, kept long
     assert kept[0]["messages"] == msgs and json.loads(kept[0]["meta"])["long"] is True
     assert st["per_source"]["s"]["long"] == 1 and st["per_source"]["s"]["over"] == 1
-    assert apply_budget(tokenizer, [row], 16, 256, "drop")[0] == []
+    assert apply_budget(tokenizer, [row], 16, n + 8, "drop")[0] == []
+    # 'long' never sends a prompt that alone fills max_length: no answer token would fit in a training sample
+    for limit in (n, n - 1, 256):
+        kept, st = apply_budget(tokenizer, [row], 16, limit, "long")
+        assert kept == [] and st["per_source"]["s"]["prompt_over_max_length"] == 1
+        assert st["per_source"]["s"]["long"] == 0 and st["per_source"]["s"]["dropped"] == 1
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ from pydantic import ValidationError
 
 from eagle3_core.config import PipelineConfig, PromptConfig
 from eagle3_core.contract.manifest import write_manifest
-from eagle3_core.data.prompt_set import RejectError, write_rows
+from eagle3_core.data.prompt_set import write_rows
+from eagle3_core.data.rejects import RejectError
 from eagle3_core.pipeline.prompts_stage import run_prompts
 from eagle3_core.pipeline.tokenize_stage import run_tokenize
 

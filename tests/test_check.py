@@ -11,7 +11,7 @@ from transformers import DeepseekV3Config, Kimi_K25Config, LlamaConfig
 
 from conftest import tiny_draft
 from eagle3_core.check import check_run, main
-from eagle3_core.config import DraftConfig, FeatureConfig, PipelineConfig
+from eagle3_core.config import DraftConfig, FeatureConfig, GenerationConfig, PipelineConfig
 from eagle3_core.training.checkpoint import save_draft
 
 TB = 1 << 40                                    # memory given to the fit check where the test is not about it
@@ -70,7 +70,9 @@ TARGET = LlamaConfig(hidden_size=32, num_hidden_layers=8, vocab_size=100, max_po
 
 
 def _cfg(**kw):
-    return PipelineConfig(features=FeatureConfig(max_length=256, **kw.pop("features", {})), **kw)
+    # 64 new tokens: a 256-token sample keeps room for the prompt (the token budget check)
+    return PipelineConfig(features=FeatureConfig(max_length=256, **kw.pop("features", {})),
+                          generation=GenerationConfig(max_new_tokens=64), **kw)
 
 
 def _fields(cfg, draft=None, target=TARGET):
@@ -154,7 +156,9 @@ def test_all_zero_d2t_is_legal_when_the_draft_vocab_is_the_target_vocab(tmp_path
 def test_cli_prints_the_facts_and_passes(tmp_path, capsys, tiny_target_dirs):
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"target": {"model": str(tiny_target_dirs["kimi_k25"])},
-                                "features": {"max_length": 256}, "draft": {"draft_vocab_size": 64}}))
+                                "server": {"kind": "transformers"},
+                                "features": {"max_length": 256}, "generation": {"max_new_tokens": 64},
+                                "draft": {"draft_vocab_size": 64}}))
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "family: mla" in out and "Kimi_K25Config" in out and "check: passed" in out

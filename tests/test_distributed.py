@@ -89,6 +89,37 @@ def test_failed_torchrun_raises_with_its_output(tmp_path):
     assert "about to fail" in lines and sys.executable
 
 
+TORCHRUN_LOGS = Path(__file__).parent / "data" / "torchrun"
+
+
+def test_the_first_failing_ranks_own_error_is_named_not_the_peers_gloo_error():
+    """torchrun's whole output (tests/data/torchrun, torch 2.13): rank 1 fails, rank 0 then reports gloo's
+    'Connection closed by peer' (what the hf_tp features task used to show); root_cause names rank 1's error, from
+    torchrun's 'Root Cause' summary, and without it from the first rank error that is not a peer's loss."""
+    from eagle3_core.distributed.launch import root_cause
+    raised = (TORCHRUN_LOGS / "rank1_raised.log").read_text().splitlines()
+    assert root_cause(raised) == "rank 1: ValueError: the real cause: shard 3 is bad"
+    cut = [x for x in raised[:next(i for i, x in enumerate(raised) if x.startswith("Root Cause"))]]
+    assert root_cause(cut) == "rank 1: ValueError: the real cause: shard 3 is bad"
+    rank0_only = [x for x in cut if not x.startswith("[rank1]")]
+    assert root_cause(rank0_only).startswith("rank 0: RuntimeError: [") and "Connection closed by peer" in \
+        root_cause(rank0_only)                                         # nothing better to say
+    killed = (TORCHRUN_LOGS / "rank1_killed.log").read_text().splitlines()
+    assert root_cause(killed).startswith("rank 1 was killed by SIGKILL (the kernel's out-of-memory killer")
+    assert root_cause(["about to fail"]) is None
+
+
+@pytest.mark.slow
+def test_a_failed_torchrun_leads_with_the_failing_ranks_error(tmp_path):
+    from conftest import ROOT
+    with pytest.raises(TorchrunError) as err:
+        run_torchrun([str(ROOT / "tests" / "cases" / "failing_rank.py")], 2, on_line=lambda _: None, env=ENV,
+                     grace_s=5, log_path=tmp_path / "torchrun.log")
+    first, second = str(err.value).splitlines()[:2]
+    assert first == "rank 1: ValueError: the real cause: shard 3 is bad"
+    assert second.startswith(f"torchrun exited with code 1 (every line in {tmp_path / 'torchrun.log'})")
+
+
 def test_worker_lines_stay_whole_when_ranks_share_a_pipe():
     """Two unbuffered processes on one pipe, 3,000 lines each through emit_line: every line arrives whole. (print()
     writes the newline apart; two ranks' 'ready' lines once arrived as 'rank 0 pid P readyrank 1 pid Q ready' and

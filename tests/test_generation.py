@@ -150,38 +150,48 @@ def test_sglang_generate_request_and_response_fields():
 @pytest.mark.slow
 def test_server_killed_mid_run_and_restarted_every_prompt_answered_once(tmp_path, spawned):
     """Two servers share the load; one is SIGKILLed with a request in flight and restarted on its port. The run
-    completes, every prompt answered exactly once, the lost request retried, the restarted server used again."""
+    completes, every prompt answered exactly once, the lost request retried, the restarted server used again.
+
+    Synchronised on events, not time: each server sits behind a HoldingProxy. Server 0's proxy holds its second
+    request, and the kill comes once it is held (in flight for sure); server 1's proxy then holds every new request
+    until server 0's proxy has answered a health probe of the restarted server, so that prompts are left for it."""
+    from recording_proxy import HoldingProxy
     ports = [free_port(), free_port()]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    direct = [f"http://127.0.0.1:{p}" for p in ports]
     procs: dict[int, subprocess.Popen] = {}
 
     def start(i: int) -> None:
         argv = llama_server_argv(embedded_gguf_path(), "127.0.0.1", ports[i], parallel=1, ctx_per_slot=1024,
                                  extra_args=["-t", "1"])
         procs[i] = spawned(spawn_server(argv, tmp_path / f"server{i}.log"))     # stopped by the fixture too
-        wait_healthy(urls[i], procs[i], 120)
+        wait_healthy(direct[i], procs[i], 120)
 
     start(0)
     start(1)
-    cfg = make_run(tmp_path / "run", 16, urls, progress_interval_s=0.05, max_new_tokens=24)
-    snaps, result, lines = [], [], []
-    worker = threading.Thread(target=lambda: result.append(run_generation(
-        cfg, log=lines.append, on_progress=snaps.append)))
-    try:
-        worker.start()
-        deadline = time.monotonic() + 300
-        while not (snaps and snaps[-1]["answered"] >= 3 and snaps[-1]["servers"][urls[0]]["in_flight"] > 0):
-            assert time.monotonic() < deadline and worker.is_alive(), "run ended before the kill"
-            time.sleep(0.05)
-        os.killpg(procs[0].pid, signal.SIGKILL)
-        procs[0].wait()
-        answered_before = snaps[-1]["servers"][urls[0]]["answered"]
-        time.sleep(1.0)
-        start(0)
-        worker.join(600)
-    finally:
-        for p in procs.values():
-            stop(p)
+    after_kill = threading.Event()
+    with HoldingProxy(direct[0], hold=lambda n, body: n == 2) as p0, \
+            HoldingProxy(direct[1], hold=lambda n, body: after_kill.is_set()) as p1:
+        urls = [p0.url, p1.url]
+        cfg = make_run(tmp_path / "run", 16, urls, progress_interval_s=0.05, max_new_tokens=24)
+        snaps, result, lines = [], [], []
+        worker = threading.Thread(target=lambda: result.append(run_generation(
+            cfg, log=lines.append, on_progress=snaps.append)))
+        try:
+            worker.start()
+            assert p0.held.wait(300), "server 0 never got a second request"
+            after_kill.set()
+            os.killpg(procs[0].pid, signal.SIGKILL)
+            procs[0].wait()
+            answered_before = sum("answer" in e for e in p0.posts)
+            p0.health_ok.clear()                          # from here on only the restarted server answers /health
+            p0.release()                                  # its forward fails: the client's connection drops
+            start(0)
+            assert p0.health_ok.wait(300), "the pool never probed the restarted server"
+            p1.release()
+            worker.join(600)
+        finally:
+            for p in procs.values():
+                stop(p)
     assert result, "the run did not finish"
     m = result[0]
     assert m["samples"] == 16 and m["failed"] == 0 and m["retry_kinds"].get("connection", 0) >= 1
@@ -194,15 +204,21 @@ def test_server_killed_mid_run_and_restarted_every_prompt_answered_once(tmp_path
 
 @pytest.mark.slow
 def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_only_unfinished_shards(
-        prefect_server, tmp_path):
+        prefect_server, tmp_path, monkeypatch):
     """The generation flow (called by a parent flow, as the pipeline does) starts llama-server itself; it is
-    SIGKILLed once a shard has finished. The run fails within seconds through the launcher's watch, not after
+    SIGKILLed once shard 0 has finished. The run fails within seconds through the launcher's watch, not after
     server.down_timeout_s (1800 s): the error names the signal and that attempt's log, the parent run's log names
     the failed shards. A rerun starts a new server (its own log; the first attempt's is kept) and runs only the
-    shards that had not finished (the finished one comes back Cached)."""
+    shards that had not finished (the finished one comes back Cached).
+
+    Synchronised on events, not time: the shard tasks of shards 1-3 wait at a gate (the real shard function runs
+    once it opens) while shard 0 runs; the server is killed when shard 0's record says it finished, then the gate
+    opens. (Waiting for a record file to exist raced: a record is also written for a shard that failed, and on a
+    loaded machine the kill came before any shard had finished.)"""
     import psutil
     from prefect import flow
 
+    import tasks.stage_tasks
     from eagle3_core.serving import launcher
     from eagle3_core.serving.launcher import ServerExited
     from flows.stage_flows import generation_flow
@@ -213,6 +229,13 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
                               probe_interval_s=0.5)
     assert cfg.server.down_timeout_s == 1800.0
     out = cfg.run_dir / "generations"
+    gate, real = threading.Event(), tasks.stage_tasks.run_generation_shard
+
+    def gated(config, shard, *args, **kwargs):
+        if shard != 0:
+            assert gate.wait(600), "the gate never opened"
+        return real(config, shard, *args, **kwargs)
+    monkeypatch.setattr(tasks.stage_tasks, "run_generation_shard", gated)
 
     @flow(name="generation-parent")
     def parent() -> dict:
@@ -223,8 +246,8 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
     worker.start()
     try:
         deadline = time.monotonic() + 600
-        while not (out / "shard_00000.json").exists() and not (out / "shard_00001.json").exists():
-            assert time.monotonic() < deadline and worker.is_alive(), "the run ended before a shard finished"
+        while not generation_shard_done(cfg, 0):                         # the event: shard 0's complete record
+            assert time.monotonic() < deadline and worker.is_alive(), "the run ended before shard 0 finished"
             time.sleep(0.1)
         # the stage's server (the module's shared `server` fixture may be running too): the one logging here
         (pid,) = [proc.pid for proc, log in launcher._watched.values() if log.parent == out]
@@ -233,7 +256,9 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
         server.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
     finally:
+        gate.set()
         worker.join(600)
+    monkeypatch.setattr(tasks.stage_tasks, "run_generation_shard", real)
     failed_after = time.monotonic() - killed_at
     state = result["state"]
     assert state.is_failed() and failed_after < 120, (state, failed_after)
@@ -243,7 +268,7 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
         state.result()
     finished = [k for k in range(4) if generation_shard_done(cfg, k)]
     unfinished = [k for k in range(4) if k not in finished]
-    assert finished and unfinished, finished
+    assert finished == [0] and unfinished == [1, 2, 3], finished
     # the line to act on is in the parent run's log, not only in the generation subflow's
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
@@ -374,21 +399,32 @@ def test_fault_proxy_503_stalls_and_drops_every_prompt_completes(server, tmp_pat
 def test_client_killed_mid_run_then_rerun_no_duplicates_no_losses(server, tmp_path, spawned):
     """The generating process is SIGKILLed with one shard finished and another partly flushed; rerunning through
     the shard contract leaves the finished shard's files untouched, keeps the flushed answers and answers every
-    prompt exactly once."""
+    prompt exactly once. Synchronised on events: a proxy holds the prompts of rows 6 on (shard 1's last two), so
+    shard 1 cannot finish before the kill, which comes once shard 0's record and shard 1's two flushed answers
+    are on disk (polling for files raced: shard 1 could finish, and its parts be merged, before the kill)."""
+    from recording_proxy import HoldingProxy
     cfg = make_run(tmp_path, 12, [server])
-    (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
-    code = ("import sys; from pathlib import Path; from eagle3_core.pipeline.generation_stage import run_generation; "
-            "from eagle3_core.config import PipelineConfig; "
-            "run_generation(PipelineConfig.model_validate_json(Path(sys.argv[1]).read_text()))")
-    child = spawned(subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cfg.json")], cwd=ROOT,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL))
+    rows = json.loads((cfg.run_dir / "prompts" / "manifest.json").read_text())["train_ids"]
+    from eagle3_core.data.prompt_set import read_rows
+    late = {json.dumps(r["messages"][-1]["content"]) for r in read_rows(cfg.run_dir / "prompts" / "train.parquet")
+            if r["id"] in rows[6:]}
     out = cfg.run_dir / "generations"
-    deadline = time.monotonic() + 300
-    while not ((out / "shard_00000.json").exists() and list(out.glob("partial/shard_00001/part_*.parquet"))):
-        assert time.monotonic() < deadline and child.poll() is None, "child ended before the kill"
-        time.sleep(0.02)
-    child.kill()
-    child.wait()
+    with HoldingProxy(server, hold=lambda n, body: json.dumps((body.get("messages") or [{}])[-1].get("content"))
+                      in late) as proxy:
+        (tmp_path / "cfg.json").write_text(cfg.model_copy(update={"server": cfg.server.model_copy(
+            update={"urls": [proxy.url]})}).model_dump_json())
+        code = ("import sys; from pathlib import Path; from eagle3_core.pipeline.generation_stage import "
+                "run_generation; from eagle3_core.config import PipelineConfig; "
+                "run_generation(PipelineConfig.model_validate_json(Path(sys.argv[1]).read_text()))")
+        child = spawned(subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cfg.json")], cwd=ROOT,
+                                         env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL))
+        deadline = time.monotonic() + 300
+        while not ((out / "shard_00000.json").exists()
+                   and len(list(out.glob("partial/shard_00001/part_*.parquet"))) == 2):
+            assert time.monotonic() < deadline and child.poll() is None, "child ended before the kill"
+            time.sleep(0.05)
+        child.kill()
+        child.wait()
     finished = {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in out.glob("shard_00000.*")}
     flushed = {r["id"] for p in out.glob("partial/shard_00001/part_*.parquet") for r in pq.read_table(p).to_pylist()}
     assert not (out / "manifest.json").exists() and flushed

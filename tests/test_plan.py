@@ -10,6 +10,8 @@ from eagle3_core.plan import compare, load_rates, main, measured_rates, plan_run
 
 RATES = ROOT / "configs" / "rates.json"
 KIMI = ROOT / "configs" / "kimi_k25_agentic_100k.json"
+# the team's own arithmetic (max length 2048, ~2,000 tokens a sample): docs/reference_case.md
+TEAM = ROOT / "configs" / "kimi_k25_team_10k_to_100k.json"
 
 
 def _stage(p, name):
@@ -17,7 +19,7 @@ def _stage(p, name):
 
 
 def test_the_reference_plan_reproduces_9_2_tb_24_h_and_18_8_h_within_10_percent():
-    cfg = load_config(KIMI)
+    cfg = load_config(TEAM)
     rates = load_rates(RATES, "reference_kimi_k25")
     bf16 = plan_run(cfg.model_copy(update={"features": cfg.features.model_copy(update={"format": "bf16"})}),
                     rates, gpus=8)
@@ -50,11 +52,12 @@ def test_a_rate_without_a_source_or_status_is_refused_naming_it(tmp_path):
     path.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match=r"rates\.json: profile 'reference_kimi_k25' rate 'gpus_per_server'"):
         load_rates(path, "reference_kimi_k25")
-    with pytest.raises(ValueError, match=r"no profile 'nope'; profiles: \['demo_cpu', 'kimi_k25_ep_int4_h200', "
-                                         r"'reference_kimi_k25'\]"):
+    with pytest.raises(ValueError, match=r"no profile 'nope'; profiles: \['demo_cpu', 'kimi_k25_agentic', "
+                                         r"'kimi_k25_ep_int4_h200', 'reference_kimi_k25'\]"):
         load_rates(path, "nope")
 
 
+@pytest.mark.slow                 # the session's end-to-end run
 def test_a_finished_runs_measured_rates_plan_it_back(e2e_run, tmp_path, capsys):
     """The session's end-to-end run measured its own rates; planning the same config with them gives each stage's
     measured time back (the arithmetic is consistent), and the CLI writes and reads the profile."""
@@ -125,7 +128,7 @@ def test_plan_prints_the_ep_int4_projection_beside_the_given_features_rate(capsy
     assert r["extraction_tok_s_per_replica"] == pytest.approx(min(16384 / t_ms * 1e3, r["writer_tok_s"]), rel=1e-4)
     assert r["extraction_tok_s_per_replica_slow"] < r["extraction_tok_s_per_replica"] \
         < r["extraction_tok_s_per_replica_fast"]
-    main([str(KIMI), "--profile", "reference_kimi_k25", "--gpus", "8"])
+    main([str(TEAM), "--profile", "reference_kimi_k25", "--gpus", "8"])
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("features beside the given rate"))
     hours = 99000 * 2000 / r["extraction_tok_s_per_replica"] / 3600
     assert "18.58 h at 1.48 samples/s (reference_kimi_k25, given)" in line
@@ -150,3 +153,34 @@ def test_plan_counts_the_samples_after_the_history_split():
                                                          if s.mode == "keep" else s for s in cfg.prompts.mix.sources]})
     regen = plan_run(cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"mix": mix})}), rates, gpus=8)
     assert one["workload"]["regenerated"] == 99000 - 4752 and regen["workload"]["regenerated"] == 99000
+
+
+def test_the_agentic_reference_config_plans_its_own_lengths_and_the_teams_config_is_refused_by_check(capsys):
+    """configs/kimi_k25_agentic_100k.json (max_length 32,768, 8,192 new tokens; docs/reference_case.md) planned
+    with the per-token profile kimi_k25_agentic: its tokens per sample, disk from Kimi-K2.5's hidden size and the
+    fp8 format, hours from the team's rates per token. The team's 2048-token config is kept for its arithmetic,
+    and check refuses it: 2,048 new tokens leave no room for a prompt in max_length 2,048."""
+    from eagle3_core.check import check_run
+    from eagle3_core.features.store_formats import bytes_per_token
+    cfg = load_config(KIMI)
+    rates = load_rates(RATES, "kimi_k25_agentic")
+    p = plan_run(cfg, rates, gpus=8)
+    assert {k: p["workload"][k] for k in ("samples", "regenerated", "answer_tokens", "tokens")} == \
+        {"samples": 99000, "regenerated": 94248, "answer_tokens": 2600, "tokens": 5200}
+    assert p["disk_bytes"] == 99000 * 5200 * bytes_per_token("fp8", 7168)                 # 14.8 TB of fp8
+    assert _stage(p, "generation")["hours"] == pytest.approx(94248 * 2600 / 2300 / 3600)   # 29.6 h
+    assert _stage(p, "features")["hours"] == pytest.approx(99000 * 5200 / (1.48 * 2000) / 3600)   # 48.3 h
+    assert _stage(p, "train")["hours"] == pytest.approx(4 * 99000 * 5200 / (9750 * 8 * 0.9) / 3600)
+    main([str(KIMI), "--profile", "kimi_k25_agentic", "--gpus", "8"])
+    out = capsys.readouterr().out
+    assert "99000 samples (94248 regenerated), 5200 tokens and 2600 answer tokens per sample" in out
+    assert "| total | 86.05 | | 14.77 TB |" in out and "| total | 86.05 | | 29.53 TB |" in out      # fp8, bf16
+    from eagle3_core.check import target_config_file
+    kimi = target_config_file(ROOT / "tests" / "data" / "kimi_k25" / "config.json")
+    facts, problems = check_run(load_config(TEAM), target_config=kimi, memory=(128 << 30, "head node"),
+                                gpus=(8, 141 << 30))
+    assert [f for f, _ in problems] == ["generation.max_new_tokens"], problems
+    assert "2048 leaves no room for a prompt in features.max_length 2048" in problems[0][1]
+    assert facts["token_budget"]["room_for_the_prompt"] == 0
+    facts, problems = check_run(cfg, target_config=kimi, memory=(128 << 30, "head node"), gpus=(8, 141 << 30))
+    assert problems == [] and facts["token_budget"]["server_context"] == 33792

@@ -9,7 +9,8 @@ import pytest
 from conftest import SHARED_DATA
 from eagle3_core.config import PipelineConfig, PromptConfig
 from eagle3_core.config.mix import DataMix, SourceSpec
-from eagle3_core.data.prompt_set import RejectError, build_prompts, load_source
+from eagle3_core.data.prompt_set import build_prompts, load_source
+from eagle3_core.data.rejects import RejectError
 
 FIX = Path(__file__).parent / "fixtures" / "prompt_formats"
 U, A, S, T = "user", "assistant", "system", "tool"

@@ -9,7 +9,15 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3_core.check import check_run
-from eagle3_core.config import DraftConfig, FeatureConfig, PipelineConfig, TargetConfig, TrainConfig
+from eagle3_core.config import (
+    DraftConfig,
+    FeatureConfig,
+    GenerationConfig,
+    PipelineConfig,
+    ServerConfig,
+    TargetConfig,
+    TrainConfig,
+)
 from eagle3_core.data.vocab_map import build_vocab_map, count_tokens
 from eagle3_core.evaluation.preflight import check_draft
 from eagle3_core.features.extract import HFExtractor
@@ -35,7 +43,8 @@ def _rows(n=6, seed=0):
 
 def _run_config(family_name, target_dir, tmp_path):
     return PipelineConfig(run_dir=tmp_path / "run", target=TargetConfig(model=str(target_dir)),
-                          features=FeatureConfig(max_length=256),
+                          server=ServerConfig(kind="transformers"), features=FeatureConfig(max_length=256),
+                          generation=GenerationConfig(max_new_tokens=64),
                           draft=DRAFT.get(family_name, DraftConfig(draft_vocab_size=64)))
 
 
@@ -98,7 +107,9 @@ def test_family_features_vocab_train_export_preflight_check_reload(family_name, 
 def test_gpt_oss_default_geometry_is_refused_before_anything_runs(tiny_target_dirs, tmp_path):
     """GPT-OSS's yarn rope copied into the draft would fail at the first training step: check names the field."""
     cfg = PipelineConfig(target=TargetConfig(model=str(tiny_target_dirs["gpt_oss"])),
-                         features=FeatureConfig(max_length=256), draft=DraftConfig(draft_vocab_size=64))
+                         server=ServerConfig(kind="transformers"),
+                         features=FeatureConfig(max_length=256), generation=GenerationConfig(max_new_tokens=64),
+                         draft=DraftConfig(draft_vocab_size=64))
     _, problems = check_run(cfg)
     assert [f for f, _ in problems] == ["draft.rope_scaling"]
     assert "'yarn'" in problems[0][1] and "'none'" in problems[0][1]

@@ -46,15 +46,15 @@ def _run_worker(out_dir: Path, pause_at_step: int | None = None) -> str:
 
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run_bit_for_bit(tmp_path):
-    """Acceptance: a real process killed with SIGKILL mid-epoch (after step 4's checkpoint: epoch 1, batch 1 of
-    3) and restarted ends with the same weights and optimizer state, bit for bit, as a run never interrupted."""
+    """Acceptance: a real process killed with SIGKILL mid-epoch (after step 4's checkpoint: epoch 2, batch 1 of
+    3; epochs count from 1 in logs) and restarted ends with the same weights and optimizer state, bit for bit, as a run never interrupted."""
     _run_worker(tmp_path / "full")
     killed = _run_worker(tmp_path / "killed", pause_at_step=4)
-    assert "train: checkpoint step 4 (epoch 1, batch 1)" in killed and "epoch 1 loss" not in killed
+    assert "train: checkpoint step 4 (epoch 2, batch 1)" in killed and "epoch 2 of" not in killed
     state, path = load_latest_training_state(tmp_path / "killed", log=lambda s: None)
     assert path.name == "step_000000004.pt" and (state["epoch"], state["batch"]) == (1, 1)
     resumed = _run_worker(tmp_path / "killed")
-    assert "resumed from step_000000004.pt (epoch 1, batch 1, step 4)" in resumed
+    assert "resumed from step_000000004.pt (epoch 2, batch 1, step 4)" in resumed
     a, _ = load_latest_training_state(tmp_path / "full", log=lambda s: None)
     b, _ = load_latest_training_state(tmp_path / "killed", log=lambda s: None)
     assert a["step"] == b["step"] == 9
@@ -107,7 +107,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
 def test_non_finite_loss_names_the_step_and_saves_nothing_corrupt(tmp_path):
     data = samples()
     data[3]["aux"][0, 0] = float("nan")
-    with pytest.raises(FloatingPointError, match=r"epoch 0, step \d+, batch \d+ \(samples .*s3") as err:
+    with pytest.raises(FloatingPointError, match=r"epoch 1, step \d+, batch \d+ \(samples .*s3") as err:
         train(tiny_draft(), data, [], torch.randn(100, 32), CFG, tmp_path, log=lambda s: None)
     failed_step = int(re.search(r"step (\d+)", str(err.value)).group(1))
     assert not (tmp_path / "last").exists()
@@ -152,3 +152,54 @@ def test_one_function_holds_the_epoch_loop_for_one_and_many_ranks():
             if isinstance(node, ast.ImportFrom) and (node.module or "").rsplit(".", 1)[-1] in training:
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, f"{p.relative_to(root)} imports private {private} from {node.module}"
+
+
+def test_a_non_finite_loss_names_the_shard_file_whose_features_hold_nan(tiny_target_dirs, tmp_path):
+    """A store written by the tiny Llama target (features.store), one sample's aux states made NaN in its shard (the
+    record updated, as a writer that stored NaN would have left it): training stops naming that sample and its
+    shard file, with advice to re-extract it (not the learning rate). Finite features (the draft's weights blown up
+    instead): the advice is train.lr."""
+    from safetensors.torch import save_file
+
+    from eagle3_core.config import TargetConfig
+    from eagle3_core.contract.manifest import file_stamp, sha256_file
+    from eagle3_core.features.extract import HFExtractor
+    from eagle3_core.features.reader import load_head, load_samples
+    from eagle3_core.features.store import extract_features
+    from eagle3_core.target.loading import load_target
+    from eagle3_core.training.draft_model import Eagle3Draft
+    from conftest import tiny_shape
+    model = load_target(TargetConfig(model=str(tiny_target_dirs["llama"])))
+    g = torch.Generator().manual_seed(0)
+    rows = [{"id": f"r{i}", "input_ids": torch.randint(0, 128, (12,), generator=g).tolist(),
+             "loss_mask": [0] * 4 + [1] * 8} for i in range(6)]
+    store = tmp_path / "features"
+    extract_features(HFExtractor(model, [1, 3, 4]), rows, store, [1, 3, 4], shard_samples=2, batch_tokens=64,
+                     log=lambda *_: None)
+    draft = Eagle3Draft(tiny_shape(vocab_size=128, aux_layer_ids=[1, 3, 4]))
+    draft.init_weights(0)
+    lm_head = load_head(store)[1]
+    diverged = Eagle3Draft(draft.shape)
+    diverged.load_state_dict(draft.state_dict())
+    with torch.no_grad():
+        diverged.fc.weight[0, 0] = float("inf")                         # what a runaway learning rate leaves
+    with pytest.raises(FloatingPointError, match=r"the batch's features are finite \(.*features/shard_0000\d\."
+                                                 r"safetensors.*\): the training diverged; lower train.lr \(now "):
+        train(diverged, load_samples(store), [], lm_head, CFG, tmp_path / "a", log=lambda s: None)
+    victim = store / "shard_00001.safetensors"
+    tensors = load_file(str(victim))
+    from safetensors import safe_open
+    with safe_open(str(victim), "pt") as f:
+        meta = f.metadata()
+    key = next(k for k in tensors if k not in ("input_ids", "loss_mask", "offsets") and tensors[k].is_floating_point())
+    tensors[key][0] = float("nan")                                         # the first sample of shard 1: r2
+    save_file(tensors, str(victim), metadata=meta)
+    manifest = json.loads((store / "manifest.json").read_text())
+    entry = next(e for e in manifest["shards"] if e["file"] == victim.name)
+    entry.update({"sha256": sha256_file(victim), **file_stamp(victim)})
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FloatingPointError) as err:
+        train(draft, load_samples(store), [], lm_head, CFG, tmp_path / "b", log=lambda s: None)
+    msg = str(err.value)
+    assert "the features of sample(s) ['r2'] hold NaN or inf, in " + str(victim) in msg
+    assert "Delete that shard file and rerun the features stage" in msg and "train.lr" not in msg

@@ -1,9 +1,12 @@
 """The Prefect UI in a real browser (Debian's chromium, headless, driven by Playwright): `make server` serves the
-UI on 127.0.0.1:4200 and `make deploy` serves the deployments; the browser finds the end-to-end deployment of the
-smallest preset, starts a custom run with one parameter changed, and watches it complete, seeing the evaluation's
-progress artifact before the stage ends; the report artifact's embedded plots load; a second run (another run
-directory) leaves the first run's artifacts in place; a failed run's log names the cause. Screenshots go to
-test-artifacts/ui/. Run with `make test-ui` (CI: .ci/run); needs port 4200 free."""
+UI on 127.0.0.1 at a port other than Prefect's default (PREFECT_PORT, the Makefile's one place for it) and `make
+deploy` serves the deployments; the browser finds the end-to-end deployment of the smallest preset, starts a custom
+run with one parameter changed, and watches it complete, seeing the evaluation's progress artifact before the stage
+ends and the running stage's progress on the pipeline run's own page; the report artifact's embedded plots load; a
+nightly run on the finished run keeps its num_train and its export and says so in its log; a second run (another
+run directory) leaves the first run's artifacts in place; a failed run's log opens with the cause. Screenshots go
+to test-artifacts/ui/. Run with `make test-ui` (CI: .ci/run); needs the port (EAGLE3_UI_TEST_PORT) free."""
+import json
 import os
 import shlex
 import shutil
@@ -19,7 +22,9 @@ import pytest
 pytestmark = pytest.mark.ui
 
 ROOT = Path(__file__).resolve().parents[1]
-UI = "http://127.0.0.1:4200"
+# not Prefect's default 4200: the UI must find its API through PREFECT_UI_API_URL, which the Makefile sets from it
+PORT = int(os.environ.get("EAGLE3_UI_TEST_PORT", "4217"))
+UI = f"http://127.0.0.1:{PORT}"
 SHOTS = Path(os.environ.get("EAGLE3_TEST_ARTIFACTS", ROOT / "test-artifacts")) / "ui"
 CHROMIUM = os.environ.get("EAGLE3_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 # the whole debug_tiny pipeline runs behind the UI: ~4 min on an idle 2-core machine, far longer on a busy one
@@ -59,10 +64,10 @@ def _wait_for(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     with socket.socket() as s:
-        assert s.connect_ex(("127.0.0.1", 4200)) != 0, "port 4200 is in use: stop that server first"
+        assert s.connect_ex(("127.0.0.1", PORT)) != 0, f"port {PORT} is in use: stop that server first"
     tmp = tmp_path_factory.mktemp("ui")
     env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect"), "EAGLE3_RUN_ROOT": str(tmp / "runs"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_PORT": str(PORT)}
     env.pop("PREFECT_API_URL", None)
     server = _start("server", env, tmp / "server.log")
     procs = [server]
@@ -111,9 +116,20 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
             page.goto(run_url, wait_until="networkidle")
             state = page.locator(".state-badge").first
             deadline, last_reload, eval_progress = time.monotonic() + RUN_TIMEOUT_S, time.monotonic(), None
+            parent_progress = None
             while time.monotonic() < deadline and state.inner_text().strip() not in ("Completed", "Failed",
                                                                                      "Crashed", "Cancelled"):
                 time.sleep(1)
+                if parent_progress is None:       # the running stage's progress, on the pipeline run's own page
+                    art = _artifacts("pipeline-progress-debug-tiny")
+                    if art and art[0]["data"] is not None and 0 < art[0]["data"] < 100 and \
+                            art[0]["description"].startswith("stage "):
+                        parent_progress = art[0]["description"]
+                        assert art[0]["flow_run_id"] == run_url.rsplit("/", 1)[1], art[0]
+                        page.get_by_role("tab", name="Artifacts").click()
+                        page.get_by_text("pipeline-progress-debug-tiny").first.wait_for()
+                        page.screenshot(path=SHOTS / "3a-pipeline-run-progress.png", full_page=True)
+                        page.goto(run_url, wait_until="networkidle")
                 if eval_progress is None:         # the evaluation's progress artifact, seen before it reaches 100
                     art = _artifacts("evaluate-progress-debug-tiny")
                     if art and art[0]["data"] is not None and art[0]["data"] < 100:
@@ -128,6 +144,7 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
             page.screenshot(path=SHOTS / "2-flow-run.png", full_page=True)
             assert state.inner_text().strip() == "Completed", (SHOTS / "2-flow-run.png")
             assert eval_progress is not None, "no evaluate progress artifact below 100% was seen during the run"
+            assert parent_progress is not None, "the pipeline run showed no stage progress while it ran"
 
             (report,) = _artifacts("eagle3-report-debug-tiny")
             page.goto(f"{UI}/artifacts/artifact/{report['latest_id']}", wait_until="networkidle")   # its content
@@ -136,6 +153,20 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
                                                       ".map(e => e.naturalWidth)")
             page.screenshot(path=SHOTS / "4-report-artifact.png", full_page=True)
             assert len(widths) >= 2 and all(w > 0 for w in widths), widths      # the plots render
+            keys_before = {a["key"] for a in _artifacts("-debug-tiny-")}
+
+            # the nightly schedule's run on the finished run: same num_train, the export kept, said in its log
+            run_dir = served / "runs" / "debug_tiny"
+            export = {p.name: p.read_bytes() for p in (run_dir / "draft" / "export").iterdir()}
+            night = _run_deployment(run_dir, epochs=3, nightly=True)
+            assert night["state"]["type"] == "COMPLETED", night["state"]
+            nights = json.loads((run_dir / "nights.json").read_text())["nights"]
+            assert [(n["night"], n["num_train"], n["promoted"]) for n in nights] == [(0, 6, True), (1, 6, False)]
+            assert {p.name: p.read_bytes() for p in (run_dir / "draft" / "export").iterdir()} == export
+            assert {p.name: p.read_bytes() for p in (run_dir / "promoted").iterdir()} == export
+            page.goto(f"{UI}/runs/flow-run/{night['id']}", wait_until="networkidle")
+            page.get_by_text("continues the finished run").first.wait_for()
+            page.screenshot(path=SHOTS / "3b-nightly-on-a-finished-run.png")
             keys_before = {a["key"] for a in _artifacts("-debug-tiny-")}
 
             # a second run in another run directory: its artifacts sit beside the first run's
@@ -153,12 +184,14 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
             page.goto(f"{UI}/runs/flow-run/{failed['id']}", wait_until="networkidle")
             cause = page.get_by_text("no/such/prompts.jsonl").first
             cause.wait_for()
-            cause.scroll_into_view_if_needed()        # the log pane scrolls inside the page: show the cause's line
             page.screenshot(path=SHOTS / "5-failed-run-log.png")
+            # among the first lines, on the first screen: the cause and its fix, not under a dump or a traceback
+            assert cause.bounding_box()["y"] < 1000, cause.bounding_box()
+            assert "give an existing" in cause.inner_text()
+            assert page.get_by_text("Traceback").count() == 0
         finally:
             browser.close()
     # the run used the changed parameter: 3 training epochs in the draft's manifest
-    import json
     draft = json.loads((served / "runs" / "debug_tiny" / "draft" / "manifest.json").read_text())
     assert len(draft["history"]) == 3
 
@@ -183,9 +216,10 @@ def _flow_run_id(name: str, timeout_s: float = 120) -> str:
     raise AssertionError(f"no flow run named {name!r} {timeout_s} s after the form was submitted")
 
 
-def _run_deployment(run_dir: Path, epochs: int | None = None, sources: list[str] | None = None) -> dict:
+def _run_deployment(run_dir: Path, epochs: int | None = None, sources: list[str] | None = None,
+                    nightly: bool = False) -> dict:
     """A run of eagle3-pipeline/debug-tiny through the REST API with run_dir (and epochs / prompt sources)
-    changed, waited for until it ends; returns the flow run."""
+    changed, as the nightly schedule starts it if `nightly`, waited for until it ends; returns the flow run."""
     dep = httpx.get(f"{UI}/api/deployments/name/eagle3-pipeline/debug-tiny", timeout=30).json()
     config = dep["parameters"]["config"]
     config["run_dir"] = str(run_dir)
@@ -194,7 +228,8 @@ def _run_deployment(run_dir: Path, epochs: int | None = None, sources: list[str]
     if sources is not None:
         config["prompts"]["sources"] = sources
     run = httpx.post(f"{UI}/api/deployments/{dep['id']}/create_flow_run",
-                     json={"parameters": {"config": config, "refresh": False}}, timeout=30).json()
+                     json={"parameters": {"config": config, "refresh": False, "nightly": nightly}},
+                     timeout=30).json()
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline:
         run = httpx.get(f"{UI}/api/flow_runs/{run['id']}", timeout=30).json()

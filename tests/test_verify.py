@@ -139,3 +139,31 @@ def test_a_shard_is_reused_only_for_the_same_loss_masks(target_model, tokenizer,
     again = extract_features(target_model, changed, tmp_path, [1, 14, 26], shard_samples=2, batch_tokens=512)
     assert again["shards_extracted"] == 1
     assert load_samples(tmp_path)[3]["loss_mask"].tolist() == [True] * len(rows[3]["input_ids"])
+
+
+def test_the_generation_stage_function_redoes_a_shard_quarantine_moved_aside(tmp_path, capsys):
+    """verify --quarantine says the next run redoes the shard: run_generation (the stage function, not only the
+    Prefect flow's shard tasks) did not, returning its manifest. Rows in mode 'keep' (no server) in 3 shards."""
+    from conftest import SHARED_DATA
+    from eagle3_core.config import PromptConfig, preset
+    from eagle3_core.config.mix import DataMix, SourceSpec
+    from eagle3_core.pipeline.generation_stage import run_generation
+    from eagle3_core.pipeline.prompts_stage import run_prompts
+    cfg = preset("debug_tiny", run_dir=tmp_path / "run")
+    cfg.prompts = PromptConfig(mix=DataMix(sources=[SourceSpec(path=str(SHARED_DATA / "gsm8k" / "train.jsonl"),
+                                                               mode="keep", max_rows=40)]), num_train=6, num_eval=2)
+    cfg.generation.shard_size = 2
+    run_prompts(cfg, log=lambda *_: None)
+    first = run_generation(cfg, log=lambda *_: None)
+    out = cfg.run_dir / "generations"
+    victim = out / "shard_00001.parquet"
+    before = {p.name: p.read_bytes() for p in out.glob("shard_*.parquet")}
+    _flip_keeping_stamp(victim, offset=200)
+    assert verify.main([str(cfg.run_dir), "--quarantine"]) == 1
+    assert not victim.exists()
+    capsys.readouterr()
+    lines = []
+    again = run_generation(cfg, log=lines.append)
+    assert lines[0] == "generation: 2 of 3 shards already finished" and again["samples"] == first["samples"] == 6
+    assert {p.name: p.read_bytes() for p in out.glob("shard_*.parquet")} == before
+    assert verify.main([str(cfg.run_dir)]) == 0

@@ -16,7 +16,7 @@ Formats (detected from the row's fields unless the source names one):
   prompt_response a prompt field (prompt/question/problem/query) and optional response and reasoning fields
                   (HumanEval `prompt`, GSM8K `question`/`answer`, problem/thinking/solution sets)
   spec_bench      `turns`: [user turn, ...]; only the first turn is a prompt (later turns need the target's own
-                  earlier answers; their count is kept in meta)
+                  earlier answers: kept in meta.later_user_turns, answered under generation.turns 'all')
 Mode 'prompt' cuts the conversation before its final assistant turn (the target regenerates it); mode 'keep' needs
 a conversation that ends with an assistant turn.
 """
@@ -92,6 +92,7 @@ def normalize(row, spec) -> tuple[list[dict], dict]:
         turns = row.get("turns") or []
         msgs = [{"role": "user", "content": _text(turns[0], 0)}] if turns else []
         meta["later_turns"] = max(len(turns) - 1, 0)
+        meta["later_user_turns"] = [_text(t, k) for k, t in enumerate(turns[1:], 1)]
     elif fmt == "alpaca":
         extra = row.get("input") or ""
         msgs = [{"role": "user", "content": (row.get("instruction") or "") + ("\n\n" + extra if extra else "")}]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +29,43 @@ _PR_SET_PDEATHSIG = 1
 
 
 class TorchrunError(RuntimeError):
-    """torchrun exited with a non-zero code; the message holds the command and the last lines of its output."""
+    """torchrun exited with a non-zero code; the message leads with the first failing rank's own error
+    (root_cause), then the command and the last lines of its output."""
+
+
+# what a rank raises when another rank died first: the cause is elsewhere (gloo's pair.cc, NCCL, c10d)
+PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "DistBackendError", "NCCL communicator",
+             "ProcessGroupNCCL", "Broken pipe", "Socket Timeout", "Timed out waiting", "Connection refused")
+_RANK_ERROR = re.compile(r"^\[rank(\d+)\]:\s*((?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt|Exit)\b.*)$")
+_SUMMARY_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*)$")
+
+
+def root_cause(lines: list[str]) -> str | None:
+    """The first failing rank's own error in torchrun's output (`lines`: torchrun's and its workers' lines): the
+    rank torchrun's summary names under 'Root Cause (first observed failure)' (torch/distributed/elastic/
+    multiprocessing/errors: ChildFailedError.format_msg), with its exception line as the workers print it
+    ('[rankN]: ValueError: ...', torch's excepthook prefix) or its signal; failing that, the first rank exception
+    that is not a peer's loss (PEER_LOSS: gloo's 'Connection closed by peer' on the rank that waited). E.g.
+    'rank 1: ValueError: shard 3 is bad'. None when the output names no failure."""
+    errors = [(int(m[1]), m[2].strip()) for m in map(_RANK_ERROR.match, lines) if m]
+    summary: dict[str, str] = {}
+    if any(x.startswith("Root Cause") for x in lines):
+        for x in lines[max(i for i, x in enumerate(lines) if x.startswith("Root Cause")):]:
+            if (m := _SUMMARY_FIELD.match(x)) and m[1] not in summary:
+                summary[m[1]] = m[2].strip()
+    if "rank" in summary and (first := re.match(r"\d+", summary["rank"])):
+        rank = int(first[0])
+        own = [e for r, e in errors if r == rank]
+        if own:
+            return f"rank {rank}: {own[-1]}"
+        code = summary.get("exitcode", "")
+        if (sig := re.search(r"\((SIG\w+)\)", code)) is not None:
+            return (f"rank {rank} was killed by {sig[1]}" + (" (the kernel's out-of-memory killer sends SIGKILL: "
+                                                           "see dmesg)" if sig[1] == "SIGKILL" else ""))
+        return f"rank {rank} exited with code {code.split()[0] if code else '?'} (its lines above say why)"
+    own = [(r, e) for r, e in errors if not any(p in e for p in PEER_LOSS)]
+    r, e = (own or errors or [(None, None)])[0]
+    return None if e is None else f"rank {r}: {e}"
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
@@ -149,7 +186,8 @@ def run_torchrun(args: list[str], nproc_per_node: int, on_line: Callable[[str], 
     (without the newline) and to `log_path` if given. Whatever ends the wait (the run finishing, an exception in
     `on_line`, KeyboardInterrupt, Prefect's TerminationSignal) the process tree is stopped (stop_tree) before this
     returns or raises; a signal arriving during that stop is held until it is done (deferred_signals). Raises
-    TorchrunError (command, exit code, last 50 lines) on a non-zero exit.
+    TorchrunError (the first failing rank's own error: root_cause; command, exit code, last 50 lines) on a
+    non-zero exit.
 
     OMP_NUM_THREADS, unless the caller's environment sets it: the host's cores divided among the local workers
     (torchrun's own default is 1, which made the workers' CPU side, shard encoding, hashing and writing, the
@@ -160,6 +198,8 @@ def run_torchrun(args: list[str], nproc_per_node: int, on_line: Callable[[str], 
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
     tail: deque[str] = deque(maxlen=50)
+    evidence: list[str] = []                # rank exceptions and torchrun's failure summary, for root_cause
+    summary: deque[str] = deque(maxlen=400)
     log = open(log_path, "a") if log_path else None                     # noqa: SIM115 (closed in finally)
     # own session and process group: a signal meant for the caller's group (Ctrl-C, the runner's SIGTERM) does not
     # hit the workers mid-collective; the caller stops them through stop_tree instead
@@ -170,6 +210,9 @@ def run_torchrun(args: list[str], nproc_per_node: int, on_line: Callable[[str], 
         for line in proc.stdout:
             line = line.rstrip("\n")
             tail.append(line)
+            summary.append(line)
+            if _RANK_ERROR.match(line) and len(evidence) < 1000:
+                evidence.append(line)
             if log:
                 log.write(line + "\n")
                 log.flush()
@@ -182,4 +225,7 @@ def run_torchrun(args: list[str], nproc_per_node: int, on_line: Callable[[str], 
         if log:
             log.close()
     if proc.returncode != 0:
-        raise TorchrunError(f"torchrun exited with code {proc.returncode}: {' '.join(cmd)}\n" + "\n".join(tail))
+        cause = root_cause(evidence + list(summary))
+        raise TorchrunError((f"{cause}\n" if cause else "") + f"torchrun exited with code {proc.returncode}"
+                            + (f" (every line in {log_path})" if log_path else "") + f": {' '.join(cmd)}\n"
+                            + "\n".join(tail))

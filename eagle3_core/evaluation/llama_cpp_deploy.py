@@ -100,9 +100,12 @@ def _tokens_and_gaps(logprobs_json: str) -> tuple[list[int], list[float]]:
     return ids, gaps
 
 
-def run_requests(url: str, prompts: list[dict], max_new_tokens: int, log=None, label: str = "") -> list[dict]:
+def run_requests(url: str, prompts: list[dict], max_new_tokens: int, log=None, label: str = "",
+                 template_kwargs: dict | None = None) -> list[dict]:
     """Greedy answers, one request at a time (single-stream speed), with llama.cpp timings and top-2 logprobs.
-    log: called with 'deploy: <label>: n of N prompts, ETA ...' after each answer."""
+    Each request carries its row's tools and `template_kwargs` (the run's generation.chat_template_kwargs): the
+    server (--jinja) renders the prompt as regeneration did. log: called with 'deploy: <label>: n of N prompts,
+    ETA ...' after each answer."""
     import time
     t0, done = time.monotonic(), []
 
@@ -113,7 +116,7 @@ def run_requests(url: str, prompts: list[dict], max_new_tokens: int, log=None, l
         if log is not None:
             log(f"deploy: {label}: {n} of {N} prompts{eta}")
     rows = asyncio.run(generate_all(url, prompts, max_new_tokens, 0.0, 1, 2, 600, on_done=on_done,
-                                    extra={"logprobs": True, "top_logprobs": 2}))
+                                    extra={"logprobs": True, "top_logprobs": 2}, template_kwargs=template_kwargs))
     for r in rows:
         t = json.loads(r["timings"])
         r["predicted_n"] = int(t.get("predicted_n", r["completion_tokens"]))

@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
     p.add_argument("--out", default="sglang_bench")
+    p.add_argument("--chat-template-kwargs", default="{}", metavar="JSON",
+                   help="chat-template arguments the prompts are rendered with, as the run's "
+                        "generation.chat_template_kwargs (e.g. '{\"thinking\": true}'); checked against the template")
     p.add_argument("--tiny", action="store_true", help="1 prompt per category, 32 new tokens, concurrency 1,2")
     p.add_argument("--dry-run", action="store_true", help="print the server commands and first request only")
     a = p.parse_args(argv)
@@ -165,13 +168,16 @@ def main(argv: list[str] | None = None) -> dict | None:
     from transformers import AutoConfig, AutoTokenizer
 
     from eagle3_core.data.chat import prompt_ids
+    from eagle3_core.data.template_kwargs import check_tokenizer_kwargs
     from eagle3_core.evaluation.preflight import preflight
     from eagle3_core.serving.launcher import free_port
     preflight(Path(a.draft), AutoConfig.from_pretrained(a.target, trust_remote_code=a.trust_remote_code,
                                                         revision=a.revision))
     tok = AutoTokenizer.from_pretrained(a.target, trust_remote_code=a.trust_remote_code, revision=a.revision)
+    kwargs = json.loads(a.chat_template_kwargs) or None
+    check_tokenizer_kwargs(tok, kwargs, "--chat-template-kwargs")
     rows = benchmark_prompts(None if a.no_spec_bench else Path(a.spec_bench), not a.no_human_eval, a.per_category)
-    prompts = [{**r, "input_ids": prompt_ids(tok, r["messages"])} for r in rows]
+    prompts = [{**r, "input_ids": prompt_ids(tok, r["messages"], None, kwargs)} for r in rows]
     port = a.port or free_port(a.host)
     url = f"http://{a.host}:{port}"
     extra = target_server_args(a.tp_size, a.ep_size, a.trust_remote_code, a.revision)

@@ -40,6 +40,12 @@ class FeatureSample(Mapping):
             return self._source.features(self._own["id"], self._where, self._own["input_ids"])[key]
         raise KeyError(key)
 
+    @property
+    def shard_file(self) -> Path | None:
+        """The shard file holding this sample's features (None where they are computed on access: online)."""
+        store = getattr(self._source, "store_dir", None)
+        return None if store is None else Path(store) / self._where[0]
+
     def __iter__(self):
         return iter(self.KEYS)
 

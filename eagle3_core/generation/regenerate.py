@@ -47,7 +47,7 @@ from eagle3_core.config import GenerationConfig, ServerConfig
 from eagle3_core.generation.answer_shard import KEY_META, AnswerShardWriter
 from eagle3_core.generation.progress import Progress
 from eagle3_core.generation.quality import EarlyGate, gate_limits
-from eagle3_core.generation.turns import parsed_answer, regenerate_row
+from eagle3_core.generation.turns import later_user_turns, parsed_answer, regenerate_row
 from eagle3_core.serving.client import (
     TOKEN_ID_APIS,
     RequestRejected,
@@ -274,7 +274,8 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int] | dict[int
         try:
             if gen.turns == "all":
                 data = await regenerate_row(sent, gen.max_turns, ask,
-                                            json.loads(row.get("meta") or "{}").get("kept") == "regenerate")
+                                            json.loads(row.get("meta") or "{}").get("kept") == "regenerate",
+                                            later=later_user_turns(row))
                 data["messages"] = json.dumps(data["messages"])
                 url, attempts = data.pop("server"), data.pop("attempts")
             else:

@@ -30,6 +30,12 @@ the target's own marker tokens (`parsed_answer`, data.markers), not from the ser
 request's prompt ids and output ids (`turn_prompt_ids`, `turn_output_ids`, one entry per request), which the
 tokenize stage trains as they are.
 
+User turns given apart: a Spec-Bench row (MT-bench's two-turn questions) holds only its first turn as the prompt;
+its later user turns, which need the target's own earlier answers, are in `meta.later_user_turns`
+(data.row_formats). Turn by turn they are answered in order after the row's last answer, each appended as a user
+message; the tool-call and length rules above end the row the same way. `unanswered_turns` says, per source, which
+user turns a run will not answer and why (logged by the prompts stage).
+
 Resume: a row is written once all its requests are answered, so a rerun resends the requests of unfinished rows
 only (resumable per row; at most one row per request slot repeats its earlier requests).
 """
@@ -88,10 +94,48 @@ def parsed_answer(tokenizer, markers, prompt_ids: list[int], output_ids: list[in
 Ask = Callable[[list[dict]], Awaitable[tuple[dict, str, int]]]
 
 
-async def regenerate_row(messages: list[dict], max_turns: int | None, ask: Ask, tool_calls: bool = False) -> dict:
-    """Answer the turns of one prompt row in order. `ask(sent_messages)` sends one request and returns (parsed
-    answer, server URL, attempts); its errors propagate (the caller records the row as failed). tool_calls: the
-    data's tool-call turns are answered too (answer_positions).
+def _meta(row: dict) -> dict:
+    """A row's `meta` (JSON text or a dict) as a dict."""
+    meta = row.get("meta")
+    return json.loads(meta) if isinstance(meta, str) and meta else meta or {}
+
+
+def later_user_turns(row: dict) -> list[str]:
+    """The user turns a prompt row gives apart from its messages (`meta.later_user_turns`: Spec-Bench's second
+    turns), or []."""
+    return [str(t) for t in _meta(row).get("later_user_turns") or []]
+
+
+def unanswered_turns(rows: list[dict], turns: str, max_turns: int | None) -> dict[str, dict]:
+    """{source: {rows, turns, reason}} of the user turns of prompt rows (`messages` decoded) that regeneration in
+    mode `turns` ('final' | 'all') with `max_turns` will not answer: under 'final', the later user turns given
+    apart (later_user_turns); under 'all', turns past max_turns. Sources with none are left out."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r.get("mode") == "keep":
+            continue
+        later = later_user_turns(r)
+        if turns == "final":
+            n = len(later)
+            reason = ("generation.turns is 'final': only the first turn is a prompt; set generation.turns 'all' to "
+                      "answer the later turns after the target's own answers")
+        else:
+            n = len(answer_positions(r["messages"], None, _meta(r).get("kept") == "regenerate")) + len(later) \
+                - (max_turns or 10**9)
+            reason = f"generation.max_turns {max_turns} caps the turns answered per row"
+        if n > 0:
+            st = out.setdefault(r["source"], {"rows": 0, "turns": 0, "reason": reason})
+            st["rows"] += 1
+            st["turns"] += n
+    return out
+
+
+async def regenerate_row(messages: list[dict], max_turns: int | None, ask: Ask, tool_calls: bool = False, *,
+                         later: list[str] = ()) -> dict:
+    """Answer the turns of one prompt row in order, then each user turn of `later` (later_user_turns) appended
+    after the last answer. `ask(sent_messages)` sends one request and returns (parsed answer, server URL,
+    attempts); its errors propagate (the caller records the row as failed). tool_calls: the data's tool-call turns
+    are answered too (answer_positions).
 
     Returns the answer fields of the row's last request (response, reasoning, finish_reason, prompt_tokens,
     output_ids, model, tool_calls, ...) plus: messages (the regenerated conversation, ending with the last answer),
@@ -99,7 +143,12 @@ async def regenerate_row(messages: list[dict], max_turns: int | None, ask: Ask, 
     [{index, finish_reason, prompt_tokens, completion_tokens, attempts, server, ended?}], one per request, in the
     order sent) and turn_prompt_ids / turn_output_ids (each request's `prompt_ids` and `output_ids` as the answers
     carry them; empty lists where they carry none)."""
-    positions = answer_positions(messages, max_turns, tool_calls)
+    messages = list(messages)
+    positions = answer_positions(messages, None, tool_calls)
+    for text in later:                                      # each later user turn follows the previous answer
+        messages += [{"role": "assistant", "content": ""}, {"role": "user", "content": text}]
+        positions.append(len(messages))
+    positions = positions if max_turns is None else positions[:max_turns]
     prompts, outputs = [], []
     out: list[dict] = []
     turns: list[dict] = []

@@ -22,7 +22,8 @@ def deploy_llama_cpp_key(cfg: PipelineConfig) -> str:
 
 def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
     """Deploy the exported draft on llama.cpp (GGUF conversion, `--spec-type draft-eagle3`) and benchmark it
-    against the same server without a draft on the held-out prompts, greedy, one stream (deploy_llama_cpp/).
+    against the same server without a draft on the held-out prompts (with their tools and
+    generation.chat_template_kwargs), greedy, one stream (deploy_llama_cpp/).
     Skipped (manifest says why) when the target is not a GGUF file llama.cpp can serve."""
     from eagle3_core.evaluation.llama_cpp_deploy import LLAMA_CPP_TIE_GAP, convert_draft, run_requests, summarize
     from eagle3_core.serving.launcher import llama_server
@@ -38,14 +39,15 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
         draft_gguf = convert_draft(Path(up["export_dir"]), Path(local_model_dir(cfg.target)), out / "draft.gguf")
         rows = prompts_mod.read_rows(RunLayout(cfg.run_dir).prompts_eval)
         S, n_new = cfg.eval.num_draft_steps, cfg.eval.max_new_tokens
+        kwargs = cfg.generation.chat_template_kwargs or None     # the server renders each row with them, its tools
         common = dict(host=cfg.server.host, parallel=1, ctx_per_slot=cfg.server.ctx_per_slot * 2,
                       startup_timeout_s=cfg.server.startup_timeout_s)
         with llama_server(gguf, out / "baseline.log", **common) as url:
-            base = run_requests(url, rows, n_new, log, "no draft")
+            base = run_requests(url, rows, n_new, log, "no draft", kwargs)
         spec_args = ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(S),
                      "--spec-draft-n-min", str(S)]
         with llama_server(gguf, out / "eagle3.log", extra_args=spec_args, **common) as url:
-            spec = run_requests(url, rows, n_new, log, "EAGLE-3 draft")
+            spec = run_requests(url, rows, n_new, log, "EAGLE-3 draft", kwargs)
         summary = {**summarize(base, spec, LLAMA_CPP_TIE_GAP), "num_draft_steps": S, "max_new_tokens": n_new,
                    "tie_gap": LLAMA_CPP_TIE_GAP, "draft_gguf": str(draft_gguf),
                    "server_args": spec_args[2:]}                                 # without the local -md path
@@ -102,11 +104,19 @@ def deploy_sglang_skip(cfg: PipelineConfig) -> str | None:
     return None
 
 
+def deploy_sglang_prompts(cfg: PipelineConfig, tok, rows: list[dict]) -> list[dict]:
+    """The SGLang benchmark's rows ({id, category, messages}) with `input_ids`: rendered by the target's chat template
+    with generation.chat_template_kwargs (the thinking mode the draft was trained in) and the generation prompt, as
+    /generate takes them (it applies no template)."""
+    kwargs = cfg.generation.chat_template_kwargs or None
+    return [{**r, "input_ids": prompt_ids(tok, r["messages"], None, kwargs)} for r in rows]
+
+
 def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
     """Phase 6 on SGLang (deploy_sglang/): pre-flight of the exported draft against the target, then the same
-    Spec-Bench and HumanEval prompts through /generate on the baseline and the EAGLE3 server at each concurrency:
-    output tok/s, tau = sum(completion_tokens) / sum(spec_verify_ct), speed-up and break-even tau per level
-    (serving.sglang_deploy.run_benchmark). Skipped (no manifest, so a later run on a GPU host does the work) where
+    Spec-Bench and HumanEval prompts (deploy_sglang_prompts) through /generate on the baseline and the EAGLE3
+    server at each concurrency: output tok/s, tau = sum(completion_tokens) / sum(spec_verify_ct), speed-up and
+    break-even tau per level (serving.sglang_deploy.run_benchmark). Skipped (no manifest, so a later run on a GPU host does the work) where
     deploy_sglang_skip says why: a skip the config decides (GGUF target, 'off') writes a manifest saying so; one
     this machine decides (no SGLang) writes none, so that a later run on a GPU host does the work, and returns
     {'skipped': reason}."""
@@ -130,8 +140,7 @@ def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
     spec = SpecArgs(up["export_dir"], steps, d.topk, d.num_draft_tokens or steps + 1)
     preflight(Path(up["export_dir"]), load_target_config(cfg.target))
     tok = load_tokenizer(cfg.target)
-    rows = benchmark_prompts(DEFAULT_SPEC_BENCH, True, d.per_category)
-    prompts = [{**r, "input_ids": prompt_ids(tok, r["messages"])} for r in rows]
+    prompts = deploy_sglang_prompts(cfg, tok, benchmark_prompts(DEFAULT_SPEC_BENCH, True, d.per_category))
     server_args = target_server_args(d.tp_size, d.ep_size, cfg.target.trust_remote_code, cfg.target.revision,
                                      d.extra_args)
     log(f"deploy-sglang: {len(prompts)} prompts at concurrency {d.concurrency} on the baseline and the EAGLE3 "

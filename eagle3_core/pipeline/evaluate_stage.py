@@ -29,6 +29,15 @@ def category(row: dict) -> str:
     return str(meta.get("category") or row.get("source") or "all")
 
 
+def held_out_prompt_ids(cfg: PipelineConfig, tok, rows: list[dict]) -> list[list[int]]:
+    """Token ids of each held-out row ({messages, tools (JSON text)}) as the target was asked during regeneration:
+    the chat template with the row's tools and generation.chat_template_kwargs (the thinking mode the draft was
+    trained in) and the generation prompt. What every offline evaluator decodes from (both evaluators of the
+    evaluate stage, the replay recording, studies.scaling_study.held_out_prompts)."""
+    kwargs = cfg.generation.chat_template_kwargs or None
+    return [prompt_ids(tok, r["messages"], json.loads(r["tools"]) if r.get("tools") else None, kwargs) for r in rows]
+
+
 def _replay(cfg: PipelineConfig, tok, prompts, cats, drafts: dict, eos: set[int], log) -> dict:
     """eval.evaluator 'replay': the target's greedy outputs from the serving engine, their aux states from the
     features backend (replay_recordings), each draft replayed against them, tau overall and by category, context
@@ -98,9 +107,7 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
         preflight(Path(up["export_dir"]), target_config(cfg))
         tok = load_tokenizer(cfg.target)
         rows = prompts_mod.read_rows(RunLayout(cfg.run_dir).prompts_eval)
-        kwargs = cfg.generation.chat_template_kwargs or None          # the thinking mode the draft was trained in
-        prompts = [prompt_ids(tok, r["messages"], json.loads(r["tools"]) if r.get("tools") else None, kwargs)
-                   for r in rows]
+        prompts = held_out_prompt_ids(cfg, tok, rows)
         trained = load_draft(Path(up["export_dir"]))
         untrained, _ = fresh_draft(cfg)
         ids = trained.shape.aux_layer_ids

@@ -132,7 +132,11 @@ def generation_shard_needs_server(cfg: PipelineConfig, shard: int) -> bool:
 
 
 def _server_desc(cfg: PipelineConfig) -> str:
+    """What answered the prompts, for the manifest: none when every row is kept as it is (no request was sent,
+    whatever server.kind says: a Hugging Face target under the default kind 'llama.cpp' has no GGUF to name)."""
     from eagle3_core.target.loading import gguf_path
+    if all(m == "keep" for m in prompt_rows(cfg)[2]):
+        return "none (every row kept as it is)"
     if cfg.server.kind == "llama.cpp":
         return f"llama.cpp llama-server ({gguf_path(cfg.target).name})"
     if cfg.server.kind == "sglang":
@@ -304,11 +308,15 @@ def run_generation(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     """Regenerate answers for the train prompts: all shards in one pass (no idle server slots between shards),
     then the quality gate (`finish_generation`). Starts and stops the server for kinds 'llama.cpp' / 'sglang'.
 
-    Resumable at any point: finished shards are kept untouched, answered prompts are not sent again. Returns the
-    stage manifest; raises like `finish_generation` and ServerError when no server answers.
+    Resumable at any point: finished shards are kept untouched, answered prompts are not sent again. A finished
+    stage whose shard is missing or changed (e.g. moved aside by `verify --quarantine`) redoes that shard alone, as
+    the Prefect flow's shard tasks do. Returns the stage manifest; raises like `finish_generation` and ServerError
+    when no server answers.
     """
     out = RunLayout(cfg.run_dir).generations
-    if (m := cached_manifest(out / "manifest.json", generation_stage_key(cfg))):
+    m = cached_manifest(out / "manifest.json", generation_stage_key(cfg))
+    status = generation_status(cfg)                      # data on disk is the source of truth: one stat per shard
+    if m and len(status["done"]) == len(status["shards"]):
         return m
     t0 = time.monotonic()
     shards = generation_shards(cfg)

@@ -7,6 +7,7 @@ from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest
 from eagle3_core.contract.run_stage import run_stage
 from eagle3_core.data import prompt_set as prompts_mod
+from eagle3_core.data.held_out import digests_from_files, eval_set_digest
 from eagle3_core.pipeline.keys import stage_key, target_key
 
 
@@ -28,26 +29,42 @@ def prompts_key(cfg: PipelineConfig) -> str:
 
 def run_prompts(cfg: PipelineConfig, log=print) -> dict:
     """Read, normalize, reject, dedupe, sample and split the prompt sources into prompts/{train,eval}.parquet;
-    bad rows go to prompts/rejects.jsonl with source, row and reason. Every train row is then measured with the
-    target's chat template and the token budget applied (prompts.over_budget; eagle3_core.data.budget): the length
-    distribution and the policy's counts per source are logged and kept in the manifest (`budget`)."""
-    from eagle3_core.data.budget import apply_budget, budget_line
+    bad rows go to prompts/rejects.jsonl with source, row and reason. generation.chat_template_kwargs are checked
+    against the target's chat template first (data.template_kwargs). Every train row is measured with the template
+    and the token budget applied as the train set is filled (prompts.over_budget; eagle3_core.data.budget: a row
+    left out is replaced by a spare row of its source): the length distribution and the policy's counts per source
+    are logged and kept in the manifest (`budget`), and so are the user turns generation.turns will not answer, per
+    source with the reason (`stats.unanswered_turns`)."""
+    from eagle3_core.data.budget import RowBudget, budget_line
+    from eagle3_core.data.template_kwargs import check_tokenizer_kwargs
+    from eagle3_core.generation.turns import unanswered_turns
     from eagle3_core.target.loading import load_tokenizer
     run = RunLayout(cfg.run_dir)
     out = run.prompts
 
     def body() -> dict:
         out.mkdir(parents=True, exist_ok=True)
+        tok = load_tokenizer(cfg.target)
+        g = cfg.generation
+        check_tokenizer_kwargs(tok, g.chat_template_kwargs)          # before anything is rendered with them
         earlier = prompts_mod.earlier_prompts(read_manifest(out / "manifest.json"), cfg.prompts)
+        if earlier is not None:                  # a manifest from before digests were kept: its files have them
+            earlier = digests_from_files(earlier, run.prompts_eval, run.prompts_train)
+        budget = RowBudget(tok, g.max_new_tokens, cfg.features.max_length, cfg.prompts.over_budget,
+                           g.chat_template_kwargs or None, str(run.prompts_train))
         train, evals, stats = prompts_mod.build_prompts(cfg.prompts, rejects_path=out / "rejects.jsonl",
-                                                        earlier=earlier)
-        train, budget = apply_budget(load_tokenizer(cfg.target), train, cfg.generation.max_new_tokens,
-                                     cfg.features.max_length, cfg.prompts.over_budget,
-                                     cfg.generation.chat_template_kwargs or None, str(run.prompts_train))
-        log(budget_line(budget))
+                                                        earlier=earlier, budget=budget)
+        digest = stats.pop("content_digests")        # of the rows as the sources hold them, before the budget trims
+        budget = budget.stats()
+        log(budget_line(budget) + (f"; the train set is {stats['train_short']} short of prompts.num_train: no spare "
+                                   f"rows of those sources fit" if stats["train_short"] else ""))
+        stats["unanswered_turns"] = unanswered_turns(train, g.turns, g.max_turns)
+        for source, u in stats["unanswered_turns"].items():
+            log(f"prompts: source {source}: {u['turns']} user turn(s) of {u['rows']} row(s) will not be answered: "
+                f"{u['reason']}")
         if not train:
             raise ValueError(f"prompts: every train row is over the token budget (prompt + generation.max_new_tokens "
-                             f"{cfg.generation.max_new_tokens} > features.max_length {cfg.features.max_length}) and "
+                             f"{g.max_new_tokens} > features.max_length {cfg.features.max_length}) and "
                              f"prompts.over_budget is {cfg.prompts.over_budget!r}: raise max_length, lower "
                              f"max_new_tokens or choose 'last_turns' / 'long'")
         stats["train"] = len(train)
@@ -67,12 +84,17 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
             log(f"prompts: grown from the earlier run in {out}: {stats['train_from_earlier']} of its "
                 f"{len(earlier['train_ids'])} train prompts kept first, in their order, "
                 f"{len(train) - stats['train_from_earlier']} new; held-out set {stats['eval_chosen']}")
+            for lost in stats["eval_lost"]:
+                log(f"prompts: WARNING earlier held-out prompt {lost['id']}: {lost['why']}")
         log(f"prompts: {len(train)} train ({kept} with responses kept), {len(evals)} held-out, {stats['rejected']} "
             f"rejected, {stats['duplicates_dropped']} duplicates; per source: "
             + ", ".join(f"{k} {v.get('train', 0)}+{v.get('eval', 0)}" for k, v in stats["per_source"].items()))
         specs = prompts_mod.source_specs(cfg.prompts)
         return {"stats": stats, "budget": budget, "seed": cfg.prompts.seed, "train_ids": [r["id"] for r in train],
                 "eval_ids": [r["id"] for r in evals],
+                # what each row asks (held_out.content_digest): a later run finds them again by content
+                "train_digests": [digest[r["id"]] for r in train], "eval_digests": [digest[r["id"]] for r in evals],
+                "eval_set": eval_set_digest([digest[r["id"]] for r in evals]),
                 "sources": [s.model_dump(exclude_defaults=True) for s in specs],
                 "unpinned": [s.label for s in specs if s.hf and not s.revision and s.hf not in ("json", "parquet")],
                 "rejects": str(out / "rejects.jsonl")}

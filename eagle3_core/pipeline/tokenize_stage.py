@@ -10,6 +10,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.run_stage import run_stage
 from eagle3_core.data import prompt_set as prompts_mod
+from eagle3_core.data.rejects import finish_rejects
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_manifest
 
 
@@ -34,11 +35,14 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
     """Tokenize each conversation with the target's chat template (tools and generation.chat_template_kwargs as the
     requests had them); loss mask over assistant tokens: the regenerated final turn of prompt rows (the server's own
     ids where a token-id API returned them), every regenerated turn of turn-by-turn rows, every assistant turn of
-    rows kept as they are (tokenize_rows.row_samples). Samples longer than features.max_length are cut or dropped
-    (prompts.overlong), counted in the manifest, with the token source and a sample check of the server's ids."""
+    rows kept as they are (tokenize_rows.row_samples). A row whose tool calls cannot be trained (a function its tools
+    do not declare, arguments that are no complete JSON object: data.tool_calls) is rejected with the reason.
+    Samples longer than features.max_length are cut or dropped (prompts.overlong), counted in the manifest, with the
+    token source and a sample check of the server's ids."""
     from eagle3_core.data.history import RoundTripError
     from eagle3_core.data.markers import target_markers
     from eagle3_core.data.samples import check_server_ids, row_samples
+    from eagle3_core.data.tool_calls import check_generation_tool_calls
     from eagle3_core.target.loading import load_tokenizer
     run = RunLayout(cfg.run_dir)
     out = run.tokenized
@@ -54,9 +58,10 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
                 st = per.setdefault(r.get("source") or "?", {"read": 0, "rejected": 0})
                 st["read"] += 1
                 try:
+                    check_generation_tool_calls(r)
                     samples, source = row_samples(tok, r, cfg.features.max_length, cfg.prompts.overlong, kwargs,
                                                   markers=markers)
-                except (ValueError, TemplateError) as e:   # MaskError, or the template refusing this conversation
+                except (ValueError, TemplateError) as e:   # MaskError, RoundTripError, ToolCallError, template refusal
                     st["rejected"] += 1
                     cause = e.cause if isinstance(e, RoundTripError) else type(e).__name__
                     causes.setdefault(r.get("source") or "?", {}).setdefault(cause, 0)
@@ -76,7 +81,7 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
                 n_cut += sum(s["cut"] for s in samples)
                 rows += [{"id": s["id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
                           "source": r.get("source") or "?"} for s in samples]
-        prompts_mod.finish_rejects(out / "rejects.jsonl", rejects, per, cfg.prompts.max_reject_frac)
+        finish_rejects(out / "rejects.jsonl", rejects, per, cfg.prompts.max_reject_frac)
         if not rows:
             raise ValueError(f"tokenize: every sample is longer than features.max_length {cfg.features.max_length} "
                              f"and prompts.overlong is 'drop'; raise max_length or use 'truncate'")

@@ -23,6 +23,17 @@ def draft_shape(cfg: PipelineConfig):
                        overrides=cfg.draft.geometry())
 
 
+def init_default_aux_ids(cfg: PipelineConfig) -> list[int] | None:
+    """The aux layer ids a warm-start draft whose config names none was trained on: those SGLang captures for such
+    a draft on this target (config.default_aux_layer_ids); None for a target too shallow for them."""
+    from eagle3_core.config import default_aux_layer_ids
+    from eagle3_core.target.family import num_layers
+    try:
+        return default_aux_layer_ids(num_layers(target_config(cfg)))
+    except ValueError:
+        return None
+
+
 def fresh_draft(cfg: PipelineConfig, log=print):
     """(the draft training starts from, the target's lm_head): the draft built from draft_shape with the target's
     embedding (features/head) and the vocab map (vocab/), seeded by draft.seed; with train.init_from, carrying the
@@ -40,10 +51,14 @@ def fresh_draft(cfg: PipelineConfig, log=print):
     draft = build_draft(shape, emb, vocab["d2t"], vocab["t2d"], cfg.draft.seed)
     if cfg.train.init_from is not None:
         from eagle3_core.training.warm_start import load_init, warm_draft
-        init = load_init(cfg.train.init_from, shape, keep_vocab=cfg.train.init_vocab == "keep")
+        init = load_init(cfg.train.init_from, shape, keep_vocab=cfg.train.init_vocab == "keep",
+                         default_aux_ids=init_default_aux_ids(cfg))
         draft, info = warm_draft(init, draft)
         log(f"train: warm start from {cfg.train.init_from}: vocab map {info['vocab']}, "
-            f"{info['lm_head_rows_carried']} of {info['lm_head_rows']} lm_head rows carried by target token id")
+            f"{info['lm_head_rows_carried']} of {info['lm_head_rows']} lm_head rows carried by target token id"
+            + ("" if init.shape.max_position_embeddings == shape.max_position_embeddings else
+               f"; its {init.shape.max_position_embeddings} positions become {shape.max_position_embeddings} "
+               f"(plain RoPE: no weight depends on them)"))
     return draft, lm
 
 

@@ -17,13 +17,14 @@ def kept_init_vocab(cfg: PipelineConfig) -> bool:
 
 
 def init_key(cfg: PipelineConfig) -> dict | None:
-    """What identifies the warm-start draft in a key: its directory and the sha256 of its weights (hashed again
-    only when their size or mtime changes); None without train.init_from."""
+    """What identifies the warm-start draft in a key: its directory and the sha256 of its weights (model.safetensors,
+    or a SpecForge checkpoint's training_state.pt; hashed again only when their size or mtime changes); None
+    without train.init_from."""
     if cfg.train.init_from is None:
         return None
-    from eagle3_core.training.warm_start import init_dir
-    path = init_dir(cfg.train.init_from)
-    return {"dir": str(path), "sha256": sha256_unchanged_file(path / "model.safetensors")}
+    from eagle3_core.training.warm_start import init_source
+    src = init_source(cfg.train.init_from)
+    return {"dir": str(src.dir), "sha256": sha256_unchanged_file(src.weights)}
 
 
 def vocab_key(cfg: PipelineConfig) -> str:

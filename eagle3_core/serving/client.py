@@ -224,9 +224,11 @@ async def check_reachable(url: str) -> None:
 
 
 async def generate_all(url: str, prompts: list[dict], max_new_tokens: int, temperature: float, concurrency: int,
-                       max_retries: int, timeout_s: float, on_done=None, extra: dict | None = None) -> list[dict]:
-    """Answer a short in-memory list of prompt rows ({id, messages, ...}) through /v1/chat/completions; rows with
-    the answer fields of `parse_response`, in input order. For benchmarks and deployment checks; the pipeline's
+                       max_retries: int, timeout_s: float, on_done=None, extra: dict | None = None,
+                       template_kwargs: dict | None = None) -> list[dict]:
+    """Answer a short in-memory list of prompt rows ({id, messages, tools (JSON text, optional), ...}) through
+    /v1/chat/completions, each with its tools and `template_kwargs` (chat_template_kwargs); rows with the answer
+    fields of `parse_response`, in input order. For benchmarks and deployment checks; the pipeline's
     regeneration uses `eagle3_core.generation.regenerate` (streaming, shards, resume).
 
     `on_done(row)` is called as each answer arrives; `extra` adds fields to every request body (e.g.
@@ -238,7 +240,9 @@ async def generate_all(url: str, prompts: list[dict], max_new_tokens: int, tempe
         async def one(row: dict) -> dict:
             async with sem:
                 t0 = time.monotonic()
-                body = request_body("openai", row["messages"], None, max_new_tokens, temperature, extra)
+                tools = json.loads(row["tools"]) if row.get("tools") else None
+                body = request_body("openai", row["messages"], None, max_new_tokens, temperature, extra,
+                                    tools=tools, template_kwargs=template_kwargs)
                 try:
                     out, _, _ = await request_with_retries(pool, client, "openai", body, max_retries, 0.5)
                 except (RetryableError, RequestRejected) as e:

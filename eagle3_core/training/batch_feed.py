@@ -57,6 +57,30 @@ def item_ids(samples: list[dict], item: list, pack: bool) -> list:
     return [samples[p[0] if pack else p]["id"] for p in item]
 
 
+def nonfinite_loss_advice(samples: list[dict], item: list, pack: bool, lr: float) -> str:
+    """What a non-finite loss on one epoch_batches item means and what to do, by looking at its samples' features:
+    samples whose aux or final states hold NaN or inf are named with their shard file (features.reader.FeatureSample
+    .shard_file; a sample without one, e.g. online, by id): they were stored that way, and lowering the learning
+    rate would not help; finite features mean the training diverged (lower train.lr)."""
+    bad, files = [], []
+    for i in dict.fromkeys(p[0] if pack else p for p in item):
+        s = samples[i]
+        if not all(bool(torch.isfinite(s[k]).all()) for k in ("aux", "final")):
+            bad.append(s["id"])
+            if (f := getattr(s, "shard_file", None)) is not None and str(f) not in files:
+                files.append(str(f))
+    if not bad:
+        where = sorted({str(f) for i in item if (f := getattr(samples[i[0] if pack else i], "shard_file", None))})
+        return (f"the batch's features are finite{' (' + ', '.join(where) + ')' if where else ''}: the training "
+                f"diverged; lower train.lr (now {lr:g})")
+    return (f"the features of sample(s) {bad[:4]}{' ...' if len(bad) > 4 else ''} hold NaN or inf"
+            + (f", in {', '.join(files)}" if files else "") + ": they were stored that way (an extraction or import "
+            "gone wrong, a bad disk), and a lower learning rate would not help. Delete "
+            + ("that shard file" if len(files) == 1 else "those shard files" if files else "those samples' shards")
+            + " and rerun the features stage (it extracts exactly the missing shards again); for features imported "
+            "from SpecForge (features.import_from), fix or drop the source file and import again")
+
+
 def device_feed(make: Callable, items: Iterable, device: torch.device) -> Iterator:
     """The trainer's feed on `device`: on CUDA `prefetch` two ahead, pinned; elsewhere make(item) in the caller's
     thread. On a CPU a second thread's torch calls bring their own OpenMP team onto the cores torch's training

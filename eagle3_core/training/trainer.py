@@ -34,6 +34,7 @@ from eagle3_core.training.batch_feed import (
     device_feed,
     epoch_batches,
     item_ids,
+    nonfinite_loss_advice,
     make_batch,
     packed,
     to_device,
@@ -248,8 +249,8 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                                  + (f", rank {dp.rank}" if dp.world > 1 else "")
                                  + f" (samples {item_ids(train_samples, batch_ids or [], pack)[:4]}...)")
                         raise FloatingPointError(
-                            f"non-finite loss {loss.item()} at {where}; lower train.lr or check the features of "
-                            f"these samples" if not finite else
+                            f"non-finite loss {loss.item()} at {where}: "
+                            f"{nonfinite_loss_advice(train_samples, batch_ids, pack, cfg.lr)}" if not finite else
                             f"non-finite loss on another rank at epoch {epoch + 1}, step {step}; see its error")
                     (loss / cfg.grad_accum if real else loss * 0.0).backward()
                 if real:

@@ -1,0 +1,227 @@
+"""`generation.chat_template_kwargs` checked against what the target's chat template reads.
+
+A Jinja template reads its arguments as free variables: `{%- if enable_thinking is defined and enable_thinking is
+false %}` (Qwen3's tokenizer_config.json), `{%- if not thinking %}` (DeepSeek-V3.1's). A key the template never
+reads is dropped without a word by every renderer (transformers' `apply_chat_template`, SGLang's and vLLM's
+`chat_template_kwargs`), so `{"enable_thinkng": false}` trains in the other thinking mode; a string where the
+template tests a boolean is just as silent: `"false"` is truthy, and `"false" is false` is not true. Both are
+refused here, before anything is rendered.
+
+How a template uses a variable is read from its AST (jinja2's parser and `jinja2.meta.find_undeclared_variables`):
+  strict   tested with `is true` / `is false` / `is boolean`, or compared with a boolean literal: only a JSON
+           boolean works (0 and 1 are not `false` / `true` to Jinja's tests)
+  truth    used only as a condition (`if x`, `not x`, `x and y`, a ternary's test): a string is refused
+  value    rendered, compared with a non-boolean, filtered, indexed, iterated, passed to a call: any JSON value
+  defined  `is defined` / `is undefined` / `is none` only: any value
+A variable assigned from another (`{% set thinking = enable_thinking %}`, also through `| default(...)`) passes its
+uses on to the one it is assigned from.
+"""
+from __future__ import annotations
+
+import difflib
+from functools import lru_cache
+
+# what the renderer passes itself (transformers chat_template_utils.render_jinja_template; SGLang and vLLM the same)
+RENDERER_SET = ("messages", "tools", "documents", "add_generation_prompt")
+# globals the renderer adds to jinja2's own (transformers chat_template_utils._compile_jinja_template)
+RENDERER_GLOBALS = ("raise_exception", "strftime_now")
+_STRICT_TESTS = {"true", "false", "boolean"}
+_NEUTRAL_TESTS = {"defined", "undefined", "none"}
+
+
+class TemplateKwargsError(ValueError):
+    """chat_template_kwargs the template does not read, or reads as another type; the message names the key, the
+    template's nearest variable or the type to write. `kind`: 'unknown', 'type' or 'reserved'."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _environment():
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """`{% generation %} ... {% endgeneration %}` (transformers' assistant-mask marker) parsed as its body."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                         extensions=[loopcontrols, GenerationTag])
+
+
+def _alias_source(node) -> str | None:
+    """The variable an assigned expression is (`x`, or `x | default(...)`), or None."""
+    from jinja2 import nodes
+    while isinstance(node, nodes.Filter) and node.name in ("default", "d"):
+        node = node.node
+    return node.name if isinstance(node, nodes.Name) else None
+
+
+@lru_cache(maxsize=16)
+def template_variables(template: str) -> dict[str, frozenset[str]]:
+    """{variable: uses} for every variable `template` reads without defining it (jinja2.meta), uses a subset of
+    {'strict', 'truth', 'value', 'defined'} (module docstring). Raises jinja2.TemplateSyntaxError for a template
+    that does not parse."""
+    from jinja2 import meta, nodes
+    env = _environment()
+    ast = env.parse(template)
+    free = meta.find_undeclared_variables(ast)
+    uses: dict[str, set[str]] = {}
+    aliases: dict[str, set[str]] = {}
+
+    def visit(node, ctx: str) -> None:
+        if isinstance(node, nodes.Name):
+            if node.ctx == "load":
+                uses.setdefault(node.name, set()).add(ctx)
+            return
+        if isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name):
+            if (src := _alias_source(node.node)) is not None:
+                aliases.setdefault(node.target.name, set()).add(src)
+                uses.setdefault(src, set())
+                return
+        if isinstance(node, (nodes.If, nodes.CondExpr)):
+            visit(node.test, "truth")
+            rest = [n for f in node.fields if f != "test" for n in _children(getattr(node, f))]
+            for child in rest:
+                visit(child, ctx if isinstance(node, nodes.CondExpr) else "value")
+            return
+        if isinstance(node, nodes.Not):
+            visit(node.node, "truth")
+            return
+        if isinstance(node, (nodes.And, nodes.Or)):
+            for child in (node.left, node.right):
+                visit(child, ctx if ctx in ("truth", "strict") else "value")
+            return
+        if isinstance(node, nodes.Test):
+            inner = "strict" if node.name in _STRICT_TESTS else "defined" if node.name in _NEUTRAL_TESTS else "value"
+            visit(node.node, inner)
+            for child in [*node.args, *node.kwargs]:
+                visit(child, "value")
+            return
+        if isinstance(node, nodes.Compare):
+            operands = [node.expr, *(op.expr for op in node.ops)]
+            boolean = any(isinstance(o, nodes.Const) and isinstance(o.value, bool) for o in operands)
+            for child in operands:
+                visit(child, "strict" if boolean else "value")
+            return
+        if isinstance(node, nodes.Filter) and node.name in ("default", "d") and node.node is not None:
+            visit(node.node, ctx)
+            for child in [*node.args, *node.kwargs]:
+                visit(child, "value")
+            return
+        for child in node.iter_child_nodes():
+            visit(child, "value")
+
+    visit(ast, "value")
+    changed = True
+    while changed:                                      # uses flow from an alias back to what it was set from
+        changed = False
+        for target, sources in aliases.items():
+            for src in sources:
+                if not uses.get(target, set()) <= uses.setdefault(src, set()):
+                    uses[src] |= uses[target]
+                    changed = True
+    return {name: frozenset(uses.get(name, set())) for name in sorted(free)}
+
+
+def _children(value) -> list:
+    from jinja2 import nodes
+    if isinstance(value, nodes.Node):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, nodes.Node)]
+    return []
+
+
+def template_arguments(template: str, reserved=()) -> list[str]:
+    """The variables a caller can set through chat_template_kwargs: what the template reads, less what the renderer
+    sets itself (RENDERER_SET, jinja2's and the renderer's globals, `reserved`: e.g. the tokenizer's special
+    tokens)."""
+    taken = set(RENDERER_SET) | set(RENDERER_GLOBALS) | set(_environment().globals) | set(reserved)
+    return [name for name in template_variables(template) if name not in taken]
+
+
+def kwarg_problem(template: str, key: str, value, reserved=(), where: str = "generation.chat_template_kwargs",
+                  template_name: str = "the target's chat template") -> TemplateKwargsError | None:
+    """What is wrong with one chat_template_kwargs entry for `template`, or None: a key it does not read (the error
+    names its nearest variable, or every variable it reads), one the renderer sets itself, or a value it would read
+    as another type (a non-boolean where it tests `is true/false`, a string where it only tests truth)."""
+    if key in RENDERER_SET or key in reserved:
+        return TemplateKwargsError(f"{where}: {key!r} is set by the renderer itself (messages, tools, the generation "
+                                   f"prompt, the tokenizer's special tokens), not a template argument; remove it",
+                                   "reserved")
+    args = template_arguments(template, reserved)
+    if key not in args:
+        near = difflib.get_close_matches(key, args, n=1, cutoff=0.6)
+        hint = (f"did you mean {near[0]!r}?" if near else
+                f"it reads {args}" if args else "it reads no argument: remove chat_template_kwargs")
+        return TemplateKwargsError(f"{where}: {template_name} does not read {key!r} (the renderer would drop it "
+                                   f"without a word); {hint}", "unknown")
+    uses = template_variables(template)[key]
+    if "strict" in uses and not isinstance(value, bool):
+        return TemplateKwargsError(
+            f"{where}: {key!r} = {value!r} ({type(value).__name__}), but {template_name} tests {key!r} with "
+            f"`is true` / `is false`, which only a JSON boolean passes; write {_boolean(value)}", "type")
+    if "truth" in uses and "value" not in uses and isinstance(value, str):
+        return TemplateKwargsError(
+            f"{where}: {key!r} = {value!r} is a string, but {template_name} uses {key!r} only as a condition, "
+            f"where every non-empty string is true; write {_boolean(value)}", "type")
+    return None
+
+
+def check_template_kwargs(template: str, kwargs: dict | None, reserved=(),
+                          where: str = "generation.chat_template_kwargs") -> None:
+    """Raise the kwarg_problem of the first bad entry of `kwargs` for `template` (TemplateKwargsError)."""
+    for key, value in (kwargs or {}).items():
+        if (problem := kwarg_problem(template, key, value, reserved, where)) is not None:
+            raise problem
+
+
+def _boolean(value) -> str:
+    text = str(value).strip().lower()
+    return "false (a JSON boolean)" if text in ("false", "0", "no", "off", "") else "true (a JSON boolean)"
+
+
+def tokenizer_templates(tokenizer) -> dict[str, str]:
+    """{name: template} of the templates a tokenizer renders with: its one template ('default'), or each of its
+    named ones (transformers picks 'tool_use' when tools are given, else 'default'). Empty without a template."""
+    t = getattr(tokenizer, "chat_template", None)
+    if isinstance(t, dict):
+        return dict(t)
+    return {"default": t} if t else {}
+
+
+def tokenizer_kwargs_problems(tokenizer, kwargs: dict | None, where: str = "generation.chat_template_kwargs"
+                              ) -> list[TemplateKwargsError]:
+    """kwarg_problem of each entry against the templates of `tokenizer` (tokenizer_templates), its special tokens
+    reserved: with named templates ({'default', 'tool_use'}) a key must be read by one of them, and none may read
+    it as another type. A tokenizer without a template reads no argument. Empty when every entry is right."""
+    if not kwargs:
+        return []
+    templates = tokenizer_templates(tokenizer)
+    if not templates:
+        return [TemplateKwargsError(f"{where}: the tokenizer has no chat template, so no argument is read; remove "
+                                    f"it", "unknown")]
+    reserved = tuple(getattr(tokenizer, "special_tokens_map", {}) or {})
+    out = []
+    for key, value in kwargs.items():
+        found = [kwarg_problem(t, key, value, reserved, where,
+                               "the target's chat template" + (f" {name!r}" if len(templates) > 1 else ""))
+                 for name, t in templates.items()]
+        typed = [p for p in found if p is not None and p.kind != "unknown"]
+        if typed or all(p is not None for p in found):
+            out.append((typed or found)[0])
+    return out
+
+
+def check_tokenizer_kwargs(tokenizer, kwargs: dict | None, where: str = "generation.chat_template_kwargs") -> None:
+    """Raise the first of tokenizer_kwargs_problems (TemplateKwargsError)."""
+    if problems := tokenizer_kwargs_problems(tokenizer, kwargs, where):
+        raise problems[0]
