@@ -300,3 +300,40 @@ def test_a_tool_call_cut_short_stays_text_and_the_markers_fall_back_to_text(toks
     msg = parse_answer(bare, m, bare(text, add_special_tokens=False)["input_ids"])
     assert msg["reasoning_content"] == "\nGo.\n" and msg["content"] == ""
     assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+@pytest.fixture(scope="module")
+def qwen3_target(tmp_path_factory):
+    """The Qwen3 stand-in tokenizer saved as a local target directory (what run_tokenize loads)."""
+    target = tmp_path_factory.mktemp("qwen3_tokenizer")
+    stand_in("qwen3").save_pretrained(target)
+    return target
+
+
+def test_the_tokenize_stage_counts_round_trip_refusals_per_source_and_cause(qwen3_target, toks, tmp_path):
+    """The text path's refusals in the tokenize stage (run_tokenize on a hand-made generations output, the target
+    the Qwen3 stand-in, thinking by default): a kept Kimi-K2-style trajectory without reasoning is refused, counted in
+    tokenized/manifest.json's rejected_causes under its source and cause, with its reason in rejects.jsonl; answers
+    with their reasoning (the OpenAI API's text) train as the template renders them after the generation prompt."""
+    from eagle3_core.config import PipelineConfig, PromptConfig, TargetConfig
+    from eagle3_core.contract.manifest import write_manifest
+    from eagle3_core.pipeline.tokenize_stage import run_tokenize
+    kept = {"id": "k2/1", "source": "k2", "mode": "keep", "tools": "", "meta": "{}", "finish_reason": "kept",
+            "response": "", "reasoning": "", "messages": json.dumps(CHAT + [{"role": "assistant", "content": "6."}])}
+    answered = [{"id": f"own/{i}", "source": "own", "mode": "prompt", "tools": "", "meta": "{}",
+                 "finish_reason": "stop", "response": "It is 4.", "reasoning": "Two plus two.",
+                 "messages": json.dumps(CHAT[:1])} for i in range(3)]
+    cfg = PipelineConfig(run_dir=tmp_path / "run", target=TargetConfig(model=str(qwen3_target)),
+                         prompts=PromptConfig(max_reject_frac=1.0))
+    gen = cfg.run_dir / "generations"
+    gen.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(answered + [kept]), gen / "shard_00000.parquet")
+    write_manifest(gen / "manifest.json", {"inputs_key": "hand-made", "shards": ["shard_00000.parquet"]})
+    m = run_tokenize(cfg, log=lambda *_: None)
+    assert m["rejected_causes"] == {"k2": {"empty_thinking": 1}} and m["rejected_per_source"] == {"own": 0, "k2": 1}
+    (reject,) = [json.loads(x) for x in (cfg.run_dir / "tokenized" / "rejects.jsonl").read_text().splitlines()]
+    assert reject["id"] == "k2/1" and reject["row"] == 3 and reject["reason"].startswith("RoundTripError")
+    assert "assistant turn 1: the target thinks" in reject["reason"] and m["samples"] == 3
+    samples = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
+    want = "<think>\nTwo plus two.\n</think>\n\nIt is 4.<|im_end|>"
+    assert {masked_text(toks["qwen3"], s) for s in samples} == {want}
