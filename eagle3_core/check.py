@@ -32,6 +32,8 @@ from eagle3_core.data.budget import budget_problems
 from eagle3_core.data.prompt_set import source_specs
 from eagle3_core.data.readers import missing_source_files
 from eagle3_core.data.template_kwargs import kwarg_problem
+from eagle3_core.features.backends import BACKENDS, backend_name
+from eagle3_core.features.sglang_env import probe_sglang, sglang_env_problems
 from eagle3_core.features.store_formats import FORMATS, bytes_per_token
 from eagle3_core.target.family import (
     engine_readings,
@@ -45,16 +47,10 @@ from eagle3_core.target.family import (
 )
 from eagle3_core.training.draft_geometry import draft_geometry, geometry_problems
 
-BACKEND_RUNS = {"hf": "HF transformers in process (HFExtractor)",
-                "hf_tp": "transformers' tensor-parallel plan over {w} torchrun ranks (features/tp_extract.py)",
-                "ep_int4": "{w} torchrun ranks, routed experts kept INT4 as stored, 1/{w} of them per rank, MLA heads "
-                           "split (this project's plan for DeepSeek-V3 / Kimi-K2.5: target/ep_loading.py)"}
 EVALUATE_RUNS = {"decode": "HF transformers in process: the target verifies each draft step (speculate)",
                  "replay": "the target's greedy outputs on the held-out prompts, recorded once with their aux "
                            "states by the features backend; the draft replayed against them (replay_eval)"}
 DETECT = "detect"                                  # check_run(gpus=DETECT): this host's GPUs
-
-
 class CheckError(ValueError):
     """The run would fail later; `problems` lists (field, message) pairs."""
 
@@ -101,8 +97,8 @@ def machine_memory_bytes() -> tuple[int, str]:
 
 
 def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=None,
-              memory: tuple[int, str] | None = None, gpus=DETECT, disk=None, chat_template=DETECT
-              ) -> tuple[dict, list[tuple[str, str]]]:
+              memory: tuple[int, str] | None = None, gpus=DETECT, disk=None, chat_template=DETECT,
+              sglang_env=DETECT) -> tuple[dict, list[tuple[str, str]]]:
     """(facts, problems) of a run. target_config: the target's transformers config (default: read with
     target.load_target_config, no weights); memory: (bytes, description) for the in-process fit check (default:
     machine_memory_bytes()); gpus: (count, bytes per GPU) for the features backend's per-GPU check
@@ -110,7 +106,8 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     file system) or (free bytes, description) for disk_check; chat_template: the target's chat template (text)
     that generation.chat_template_kwargs are checked against (data.template_kwargs; default: the target's
     tokenizer's where the target's config is read from it, not checked where `target_config` is given; None: not
-    checked). Also checks the generation server against the target (server_problems) and train.init_from
+    checked); sglang_env: probe_sglang's answer for sglang_python (default: probed here, with backend 'sglang'
+    only). Also checks the generation server against the target (server_problems) and train.init_from
     (init_from_check). Facts are JSON-able; problems are (field, message) pairs, empty when the run fits."""
     from eagle3_core.evaluation.preflight import check_draft
     from eagle3_core.serving.launcher import server_problems
@@ -160,9 +157,19 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     have, where = memory if memory is not None else machine_memory_bytes()
     fit_cfg, ep_problems = expert_parallel_check(cfg, t)
     problems += ep_problems
-    feats, fit_problems = backend_facts(fit_cfg, tcfg, gpu_memory() if gpus is DETECT else gpus)
+    gpus = gpu_memory() if gpus is DETECT else gpus
+    feats, fit_problems = backend_facts(fit_cfg, tcfg, gpus)
     f = cfg.features
-    feats["runs"] = BACKEND_RUNS[f.backend].format(w=f.tp_size)
+    if backend_name(cfg) in BACKENDS:
+        feats["runs"] = BACKENDS[backend_name(cfg)].runs.format(w=f.tp_size)
+    else:
+        problems.append(("features.backend", f"{f.backend!r} is not a features backend; choose one of "
+                                             f"{[n for n in BACKENDS if n != 'specforge_import']}"))
+    if f.backend == "sglang":
+        env = probe_sglang(cfg.sglang_python) if sglang_env is DETECT else sglang_env
+        feats["sglang_env"] = env if gpus or env["version"] else {**env, "note": "not refused here: no GPU on this "
+                                                                  "host, which is not where the stage runs"}
+        problems += sglang_env_problems(env, bool(gpus))
     evaluator = resolved_evaluator(cfg.eval.evaluator, f.backend)
     facts["backends"] = {"features": feats,
                          "evaluate": {"evaluator": evaluator, "runs": EVALUATE_RUNS[evaluator],

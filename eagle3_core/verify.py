@@ -51,7 +51,7 @@ def verify_run(run_dir: Path, threads: int = 4) -> VerifyReport:
         raise FileNotFoundError(f"{run_dir} is not a run directory")
     layout, report, t0 = RunLayout(run_dir), VerifyReport(), time.monotonic()
     for stage, out, entries in [
-            ("features", layout.features, (read_manifest(layout.features / "manifest.json") or {}).get("shards", [])),
+            ("features", layout.features, (read_manifest(layout.manifest("features")) or {}).get("shards", [])),
             ("generation", layout.generations, _generation_records(layout.generations))]:
         report.checked[stage] = len(entries)
         report.bytes_read += sum((out / e["file"]).stat().st_size for e in entries if (out / e["file"]).exists())

@@ -142,15 +142,17 @@ def generation_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dic
 
 @flow(name="features", flow_run_name=run_name("features"))
 def features_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
-    """Tokenize with loss masks, then extract the target's aux hidden states, one task per shard, one after
-    another (the target stays loaded between them; more GPUs = more workers of the GPU pool). Backend 'hf_tp':
-    one torchrun task whose features.tp_size ranks share the sharded target and extract every shard."""
+    """Tokenize with loss masks, then extract the target's aux hidden states with features.backend: a per-shard
+    backend ('hf', an import) one task per shard, one after another (the target stays loaded between them; more
+    GPUs = more workers of the GPU pool); a torchrun backend ('hf_tp', 'ep_int4') one torchrun task whose
+    features.tp_size ranks share the sharded target and extract every shard."""
     with stage_run(config, "features", refresh, "tokenize", "features"):
         run_stage(t.tokenize_task, config, "tokenize")
-        if config.features.backend != "hf" and not config.features.import_from:     # an import runs no target
+        plan = plan_features_task(config)
+        if not plan["per_shard"]:
             from tasks.distributed import features_tp_task
             return summarize("features", features_tp_task(config))
-        shards = run_shards(t.features_shard_task, config, "features", plan_features_task(config))
+        shards = run_shards(t.features_shard_task, config, "features", plan)
         return summarize("features", run_stage(t.finish_features_task, config, "features", shards))
 
 

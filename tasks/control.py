@@ -93,12 +93,14 @@ def plan_generation_task(config: PipelineConfig) -> dict:
 
 @task(name="plan-features", task_run_name="plan-features", cache_policy=NO_CACHE)
 def plan_features_task(config: PipelineConfig) -> dict:
-    """The features stage's shards: {'shards': every id, 'done': those intact on disk for the current inputs}."""
+    """The features stage's shards: {'shards': every id, 'done': those intact on disk for the current inputs (read
+    without loading the target), 'per_shard': whether the backend runs one task per shard (else one torchrun task
+    for all: features.backends)}."""
     status = feature_status(config)
     ids, done = status["shards"], status["done"]
-    get_run_logger().info("features: %s shards, %s finished, %s to extract", len(ids), len(done),
-                          len(ids) - len(done))
-    return {"shards": ids, "done": done}
+    get_run_logger().info("features: %s shards, %s finished, %s to extract%s", len(ids), len(done),
+                          len(ids) - len(done), "" if status["per_shard"] else " in one torchrun")
+    return status
 
 
 _servers: dict[str, ExitStack] = {}

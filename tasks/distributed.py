@@ -19,7 +19,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest
 from eagle3_core.distributed.launch import run_torchrun
-from eagle3_core.pipeline.features_stage import run_features_distributed, run_features_tp
+from eagle3_core.pipeline.features_stage import run_features
 
 
 @task(name="torchrun", cache_policy=NO_CACHE, tags=["gpu"])
@@ -46,15 +46,17 @@ def train_ddp_task(config: PipelineConfig, nproc_per_node: int, nnodes: int = 1,
 @task(name="features-multi-gpu", cache_policy=NO_CACHE, tags=["gpu"])
 def features_distributed_task(config: PipelineConfig, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
                               rdzv_endpoint: str | None = None) -> dict:
-    """The features stage with one extraction worker per GPU; returns the features manifest."""
-    return run_features_distributed(config, nproc_per_node, log=get_run_logger().info, nnodes=nnodes,
-                                    node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+    """The features stage with one extraction worker per GPU, each loading the whole target (run_features with
+    `workers`); returns the features manifest."""
+    return run_features(config, log=get_run_logger().info, workers=nproc_per_node, nnodes=nnodes,
+                        node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
 
 
 @task(name="features-tp", cache_policy=NO_CACHE, tags=["gpu"])
 def features_tp_task(config: PipelineConfig, nnodes: int = 1, node_rank: int = 0,
                      rdzv_endpoint: str | None = None) -> dict:
-    """The features stage for features.backend 'hf_tp': the target sharded over features.tp_size GPUs (all
-    shards in one torchrun, every rank's lines in the run log and features/torchrun.log); returns the manifest."""
-    return run_features_tp(config, log=get_run_logger().info, nnodes=nnodes, node_rank=node_rank,
-                           rdzv_endpoint=rdzv_endpoint)
+    """The features stage for a torchrun backend ('hf_tp', 'ep_int4': features.backends): the target sharded over
+    features.tp_size GPUs (all shards in one torchrun, every rank's lines in the run log and features/torchrun.log);
+    returns the manifest."""
+    return run_features(config, log=get_run_logger().info, nnodes=nnodes, node_rank=node_rank,
+                        rdzv_endpoint=rdzv_endpoint)

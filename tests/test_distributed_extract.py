@@ -11,7 +11,7 @@ from eagle3_core.config import FeatureConfig, PipelineConfig, TargetConfig
 from eagle3_core.contract.manifest import read_manifest, sha256_file, write_manifest
 from eagle3_core.features.extract import HFExtractor
 from eagle3_core.features.extract_workers import extract_owned, merge_parts
-from eagle3_core.pipeline.features_stage import run_features, run_features_distributed
+from eagle3_core.pipeline.features_stage import feature_status, run_features, run_features_shard
 from eagle3_core.target.loading import load_target
 from tiny_targets import build
 
@@ -20,7 +20,9 @@ SHARD_KEYS = ("file", "sha256", "bytes", "ids", "tokens", "samples", "content_ke
 
 def _run_dir(root, target_dir, rows):
     cfg = PipelineConfig(run_dir=root, target=TargetConfig(model=str(target_dir)),
-                         features=FeatureConfig(max_length=64, shard_samples=3, batch_tokens=96, format="bf16"))
+                         # random tokens are not what the random target writes: the on-policy gate (test_history) off
+                         features=FeatureConfig(max_length=64, shard_samples=3, batch_tokens=96, format="bf16",
+                                                min_on_policy=0.0))
     (root / "tokenized").mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows), root / "tokenized" / "train.parquet")
     write_manifest(root / "tokenized" / "manifest.json", {"inputs_key": "eleven-random-rows"})
@@ -46,7 +48,7 @@ def stores(tmp_path_factory):
     finally:
         torch.set_num_threads(threads)
     lines = []
-    run_features_distributed(two, 2, log=lines.append)
+    run_features(two, workers=2, log=lines.append)
     return one, two, lines, rows
 
 
@@ -70,8 +72,27 @@ def test_two_workers_write_the_same_shards_as_one_process(stores):
     assert [s["file"] for s in part["shards"]] == ["shard_00001.safetensors", "shard_00003.safetensors"]
     # the stage's cache: a rerun with the same inputs launches nothing
     again = []
-    run_features_distributed(two, 2, log=again.append)
+    run_features(two, workers=2, log=again.append)
     assert again == []
+
+
+def test_the_next_run_accepts_the_workers_store_without_loading_the_target(stores, monkeypatch):
+    """The workers' store carries head.json (rank 0's merge goes through the store's one writer): the next run's
+    plan finds every shard done, each shard task and the stage return at once, and no target is loaded."""
+    from eagle3_core.pipeline.features_stage import store_key
+    from eagle3_core.target import loading
+    _, two, _, _ = stores
+    out = two.run_dir / "features"
+    merged = read_manifest(out / "manifest.json")
+    assert read_manifest(out / "head.json") == {"inputs_key": store_key(two), "target_id": merged["target_id"]}
+    assert {e["backend"] for e in merged["shards"]} == {"hf"}
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+    monkeypatch.setattr(loading, "load_target", no_target)
+    assert feature_status(two) == {"shards": [0, 1, 2, 3], "done": [0, 1, 2, 3], "per_shard": True}
+    assert [run_features_shard(two, k, log=lambda s: None)["extracted"] for k in range(4)] == [False] * 4
+    assert run_features(two, log=lambda s: None) == merged
 
 
 def test_a_workers_missing_and_corrupt_shards_are_redone(stores, tmp_path):
@@ -87,7 +108,7 @@ def test_a_workers_missing_and_corrupt_shards_are_redone(stores, tmp_path):
     model = load_target(two.target)
     ex = HFExtractor(model)
     header = {k: before[k] for k in ("store_version", "format", "aux_layer_ids", "hidden_size", "target",
-                                     "target_id", "samples")}
+                                     "target_id", "samples", "store_key")}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

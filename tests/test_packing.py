@@ -256,12 +256,13 @@ def test_eval_reuses_the_training_graphs_and_the_compile_policy_is_restored(comp
 def test_a_run_trained_before_packing_existed_stays_done(tmp_path):
     """train_key leaves train.batching and train.window_context out while they are at their defaults: the key is
     the one of the train settings as they were before (the 17 fields below), so a finished run is not retrained
-    after an upgrade; set either, and the key changes."""
+    after an upgrade; set either, and the key changes. Since the keys hash results only, that formula is the older
+    key the train stage still accepts (train_older_keys, contract.compat.train_fields_v4)."""
     import json
 
     from eagle3_core.config import preset
     from eagle3_core.pipeline.keys import stage_key
-    from eagle3_core.pipeline.train_stage import train_key
+    from eagle3_core.pipeline.train_stage import train_older_keys
     before = ["epochs", "lr", "warmup_frac", "batch_tokens", "grad_accum", "grad_clip", "ttt_length", "step_weight",
               "eval_frac", "seed", "checkpoint_every", "keep_checkpoints", "device", "attention", "compile",
               "init_from", "init_vocab"]
@@ -270,8 +271,8 @@ def test_a_run_trained_before_packing_existed_stays_done(tmp_path):
         (tmp_path / stage / "manifest.json").write_text(json.dumps({"inputs_key": key}))
     cfg = preset("demo", tmp_path)
     old = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k in before}
-    assert len(old) == len(before) and train_key(cfg) == stage_key("f", "v", old, cfg.draft)
-    assert train_key(cfg.model_copy(update={"train": cfg.train.model_copy(update={"batching": "packed"})})) \
-        != train_key(cfg)
-    assert train_key(cfg.model_copy(update={"train": cfg.train.model_copy(update={"window_context": 64})})) \
-        != train_key(cfg)
+    assert len(old) == len(before) and train_older_keys(cfg) == (stage_key("f", "v", old, cfg.draft),)
+    assert train_older_keys(cfg.model_copy(update={"train": cfg.train.model_copy(update={"batching": "packed"})})) \
+        != train_older_keys(cfg)
+    assert train_older_keys(cfg.model_copy(update={"train": cfg.train.model_copy(update={"window_context": 64})})) \
+        != train_older_keys(cfg)

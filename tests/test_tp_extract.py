@@ -22,7 +22,7 @@ from eagle3_core.contract.manifest import read_manifest, sha256_file, write_mani
 from eagle3_core.distributed.launch import TorchrunError, run_torchrun
 from eagle3_core.features.store import bad_shards
 from eagle3_core.features.reader import load_samples
-from eagle3_core.pipeline.features_stage import run_features, run_features_tp
+from eagle3_core.pipeline.features_stage import feature_status, run_features
 from eagle3_core.target.loading import load_target_config
 from eagle3_core.target.memory import BYTES_PER_PARAM, meta_model, param_bytes_per_rank
 from tiny_targets import build
@@ -73,7 +73,7 @@ def stores(tmp_path_factory):
             tp = _run_dir(root / fam / f"tp_ep{int(ep)}", targets[fam], _rows(5), backend="hf_tp", tp_size=2,
                           expert_parallel=ep)
             lines = []
-            run_features_tp(tp, log=lines.append)
+            run_features(tp, log=lines.append)
             made[fam, ep] = (targets[fam, "one"], tp, lines)
         return made[fam, ep]
     return get
@@ -108,8 +108,11 @@ def test_sharded_target_stores_the_one_process_features(stores, fam, ep):
     assert same >= 0.95 * total, f"{same} of {total} elements bit-identical"
     # the stage's cache: a rerun with the same inputs launches nothing
     again = []
-    run_features_tp(tp, log=again.append)
+    run_features(tp, log=again.append)
     assert again == []
+    # the store's own records (head.json, written by rank 0 through the store's writer) say every shard is done:
+    # the next flow run plans no shard and loads no target
+    assert feature_status(tp) == {"shards": [0, 1, 2], "done": [0, 1, 2], "per_shard": False}
 
 
 @pytest.mark.slow
@@ -131,7 +134,7 @@ def test_a_killed_rank_leaves_only_intact_shards_and_a_rerun_finishes(stores, tm
     killed = read_manifest(out / "manifest.json")
     assert killed is not None and not killed["complete"] and 1 <= len(killed["shards"]) < 4, lines[-20:]
     assert bad_shards(out, killed["shards"]) == []
-    manifest = run_features_tp(cfg, log=lines.append)
+    manifest = run_features(cfg, log=lines.append)
     assert manifest["complete"] and len(manifest["shards"]) == 4 and not bad_shards(out, manifest["shards"])
     assert {s["file"] for s in killed["shards"]} <= {s["file"] for s in manifest["shards"]}
     assert [s["ids"] for s in manifest["shards"]] == [[f"k{i}", f"k{i + 1}"] for i in range(0, 8, 2)]

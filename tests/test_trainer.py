@@ -120,8 +120,46 @@ def test_non_finite_loss_names_the_step_and_saves_nothing_corrupt(tmp_path):
 def test_checkpoint_for_other_data_is_refused(tmp_path):
     lm_head = torch.randn(100, 32)
     train(tiny_draft(), samples(), [], lm_head, CFG.model_copy(update={"epochs": 1}), tmp_path, log=lambda s: None)
-    with pytest.raises(ValueError, match="other training data"):
+    with pytest.raises(ValueError, match=r"written with the train samples \(ids and lengths"):
         train(tiny_draft(), samples(8), [], lm_head, CFG, tmp_path, log=lambda s: None)
+
+
+def test_a_resume_under_another_resolved_batching_is_refused_naming_it(tmp_path):
+    """The checkpoint's resume key (checkpoint.resume_key) holds the batching as it resolved: 'auto' on the CPU
+    is padded batches, so a resume with packed rows (other batches from the same position) is refused naming
+    train.batching and both values, and so is another W*G; a setting outside the resume key (keep_checkpoints)
+    resumes."""
+    lm_head = torch.randn(100, 32)
+    auto = CFG.model_copy(update={"batching": "auto"})                  # device 'cpu': padded
+    train(tiny_draft(), samples(), [], lm_head, auto, tmp_path, log=lambda s: None, stop_after_steps=2)
+    with pytest.raises(ValueError, match=r"train\.batching \(resolved.*\) = 'padded', this run has 'packed'"):
+        train(tiny_draft(), samples(), [], lm_head, CFG.model_copy(update={"batching": "packed"}), tmp_path,
+              log=lambda s: None)
+    with pytest.raises(ValueError, match=r"train\.grad_accum x the world size = 1, this run has 2"):
+        train(tiny_draft(), samples(), [], lm_head, auto.model_copy(update={"grad_accum": 2}), tmp_path,
+              log=lambda s: None)
+    lines = []
+    train(tiny_draft(), samples(), [], lm_head, auto.model_copy(update={"keep_checkpoints": 5}), tmp_path,
+          log=lines.append, stop_after_steps=1)
+    assert any("resumed from step_000000002.pt" in x for x in lines), lines
+
+
+def test_a_checkpoint_written_before_resume_keys_resumes_by_its_fingerprint(tmp_path):
+    """Checkpoints of earlier versions hold the `data` fingerprint (compat.checkpoint_fingerprint_v4) instead of
+    a resume key: the same data and batches resume, other data is refused."""
+    from eagle3_core.contract.compat import checkpoint_fingerprint_v4
+    lm_head = torch.randn(100, 32)
+    train(tiny_draft(), samples(), [], lm_head, CFG, tmp_path, log=lambda s: None, stop_after_steps=2)
+    path = tmp_path / "checkpoints" / "step_000000002.pt"
+    state = torch.load(path, weights_only=True)
+    del state["resume"]
+    state["data"] = checkpoint_fingerprint_v4(samples(), CFG, 1, False)
+    torch.save(state, path)
+    with pytest.raises(ValueError, match="step_000000002.pt was written for other training data or batching"):
+        train(tiny_draft(), samples(8), [], lm_head, CFG, tmp_path, log=lambda s: None)
+    lines = []
+    train(tiny_draft(), samples(), [], lm_head, CFG, tmp_path, log=lines.append, stop_after_steps=1)
+    assert any("resumed from step_000000002.pt" in x for x in lines), lines
 
 
 def _functions_with_an_epoch_loop(path: Path) -> list[str]:

@@ -8,6 +8,7 @@ run directory) leaves the first run's artifacts in place; a failed run's log ope
 to test-artifacts/ui/. Run with `make test-ui` (CI: .ci/run); needs the port (EAGLE3_UI_TEST_PORT) free."""
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -126,9 +127,11 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
                             art[0]["description"].startswith("stage "):
                         parent_progress = art[0]["description"]
                         assert art[0]["flow_run_id"] == run_url.rsplit("/", 1)[1], art[0]
-                        page.get_by_role("tab", name="Artifacts").click()
-                        page.get_by_text("pipeline-progress-debug-tiny").first.wait_for()
-                        page.screenshot(path=SHOTS / "3a-pipeline-run-progress.png", full_page=True)
+                        page.get_by_text("Artifacts", exact=True).first.click()          # the run's tab
+                        try:
+                            page.get_by_text(re.compile(r"stage \d+ of \d+: ")).first.wait_for()   # its line
+                        finally:
+                            page.screenshot(path=SHOTS / "3a-pipeline-run-progress.png", full_page=True)
                         page.goto(run_url, wait_until="networkidle")
                 if eval_progress is None:         # the evaluation's progress artifact, seen before it reaches 100
                     art = _artifacts("evaluate-progress-debug-tiny")

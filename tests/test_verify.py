@@ -101,28 +101,39 @@ LEGACY = Path(__file__).resolve().parent / "data" / "legacy_run"
 
 def test_a_run_written_by_an_earlier_main_is_recognised(tmp_path):
     """tests/data/legacy_run: the data stages of a tiny run as main wrote them before shard records kept their
-    mtime (commit in its COMMIT file; tests/data/legacy_run/make.py wrote it). Today's code finds every stage and
-    shard done (records without mtime_ns are checked by sha256) and a rerun of the stages rewrites nothing."""
+    mtime (commit in its COMMIT file), and its train stage as main wrote it before the keys hashed results only
+    (TRAIN_COMMIT; tests/data/legacy_run/make.py wrote both). Today's code finds every stage and shard done
+    (records without mtime_ns are checked by sha256; the prompts and train manifests hold their older key formula,
+    contract.compat), a rerun of the stages rewrites nothing, and the stages below train key on the key its
+    manifest holds."""
     from eagle3_core.config import load_config
     from eagle3_core.pipeline.features_stage import feature_shard_done, feature_shards, run_features
     from eagle3_core.pipeline.generation_stage import generation_shard_done, generation_shards
     from eagle3_core.pipeline.prompts_stage import run_prompts
-    from eagle3_core.pipeline.table import stage_done
+    from eagle3_core.pipeline.table import STAGES, inputs_key, stage_done
     from eagle3_core.pipeline.tokenize_stage import run_tokenize
+    from eagle3_core.pipeline.train_stage import run_train
     from eagle3_core.pipeline.vocab_stage import run_vocab
     shutil.copytree(LEGACY, tmp_path / "legacy")
     cfg = load_config(tmp_path / "legacy" / "config.json")
     cfg.run_dir = tmp_path / "legacy" / "run"
     entries = json.loads((cfg.run_dir / "features" / "manifest.json").read_text())["shards"]
     assert len(entries) == 2 and not any("mtime_ns" in e for e in entries)          # the earlier record format
-    for stage in ("prompts", "generation", "tokenize", "features", "vocab"):
+    trained = json.loads((cfg.run_dir / "draft" / "manifest.json").read_text())
+    assert trained["inputs_key"] != inputs_key(cfg, "train")                      # the older formula's key
+    for stage in ("prompts", "generation", "tokenize", "features", "vocab", "train"):
         assert stage_done(cfg, stage), stage
     assert all(generation_shard_done(cfg, k) for k in generation_shards(cfg))
     assert all(feature_shard_done(cfg, i) for i in feature_shards(cfg))
     before = {p: p.read_bytes() for p in cfg.run_dir.rglob("*") if p.is_file()}
-    for run in (run_prompts, run_tokenize, run_features, run_vocab):
+    for run in (run_prompts, run_tokenize, run_features, run_vocab, run_train):
         run(cfg, log=lambda *_: None)
     assert {p: p.read_bytes() for p in cfg.run_dir.rglob("*") if p.is_file()} == before
+    up = {"train": trained["inputs_key"], "prompts": json.loads((cfg.run_dir / "prompts" / "manifest.json")
+                                                                  .read_text())["inputs_key"]}
+    assert inputs_key(cfg, "evaluate") == STAGES["evaluate"].key(cfg, up)
+    changed = cfg.model_copy(update={"train": cfg.train.model_copy(update={"lr": 1e-4})})
+    assert not stage_done(changed, "train") and stage_done(changed, "vocab")       # a field in the key: redone
     corrupt = cfg.run_dir / "features" / entries[1]["file"]
     _flip_keeping_stamp(corrupt)
     assert not feature_shard_done(cfg, 1) and feature_shard_done(cfg, 0)   # no stamp: hashed

@@ -22,7 +22,7 @@ def check_tree_params(num_steps: int, topk: int, num_draft_tokens: int) -> None:
                          f"{num_steps} and topk {topk} (root + at most {candidates} candidates)")
 
 
-SHARDED_BACKENDS = ("hf_tp", "ep_int4")           # features backends whose target no single process holds
+SHARDED_BACKENDS = ("hf_tp", "ep_int4", "sglang")         # features backends whose target no single process holds
 
 
 class EvalConfig(StrictModel):

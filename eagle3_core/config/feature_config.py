@@ -7,6 +7,10 @@ from pydantic import Field, field_validator, model_validator
 
 from eagle3_core.config.strict import StrictModel
 
+# the SGLang release the 'sglang' backend is written against (sglang_runner.py's list of its internals); SpecForge
+# 0.2.0 pins the same one. check refuses another version in the environment of PipelineConfig.sglang_python.
+SGLANG_VERSION = "0.5.14"
+
 
 class FeatureConfig(StrictModel):
     aux_layer_ids: list[int] | None = Field(None, description="None: default_aux_layer_ids(L)")
@@ -23,17 +27,26 @@ class FeatureConfig(StrictModel):
     import_from: str | None = Field(None, description="a directory of SpecForge offline features (*.ckpt from its "
                                     "prepare_hidden_states.py): the stage imports them, checked against this run's "
                                     "tokenization, instead of running the target (features.specforge_import)")
-    backend: Literal["hf", "hf_tp", "ep_int4"] = Field(
-        "hf", description="'hf': the whole target in this process on one device (HFExtractor); 'hf_tp': "
-                          "transformers' tensor-parallel plan over tp_size processes under torchrun, one per GPU "
-                          "(distributed/tp_extract.py), for targets that fit no single GPU; 'ep_int4': DeepSeek-V3 "
-                          "/ Kimi-K2.5 with routed experts kept packed INT4 as the checkpoint stores them, split "
-                          "over tp_size ranks (target/ep_loading.py), same torchrun as 'hf_tp'")
-    tp_size: int = Field(1, ge=1, description="processes (GPUs) the 'hf_tp' backend shards the target over; "
-                                              "torchrun's --nproc-per-node (1 with backend 'hf')")
+    backend: str = Field(
+        "hf", description="the extraction backend (eagle3_core.features.backends.BACKENDS): 'hf': the whole target in "
+                          "this process on one device (HFExtractor); 'hf_tp': transformers' tensor-parallel plan over "
+                          "tp_size processes under torchrun, one per GPU (features/tp_extract.py), for targets that "
+                          "fit no single GPU; 'ep_int4': DeepSeek-V3 / Kimi-K2.5 with routed experts kept packed "
+                          "INT4 as the checkpoint stores them, split over tp_size ranks (target/ep_loading.py), same "
+                          "torchrun as 'hf_tp'; 'sglang': SGLang's own model runner (sglang=="
+                          f"{SGLANG_VERSION}) in each of tp_size torchrun ranks, in the environment of the run's "
+                          "sglang_python (features/sglang_worker.py). Recorded per shard, out of every key")
+    mix_backends: bool = Field(False, description="let a run add shards of this backend to a store whose finished "
+                                                  "shards another backend wrote (False: refused, naming them)")
+    tp_size: int = Field(1, ge=1, description="processes (GPUs) the 'hf_tp', 'ep_int4' and 'sglang' backends shard "
+                                              "the target over; torchrun's --nproc-per-node (1 with backend 'hf')")
     expert_parallel: bool = Field(False, description="'hf_tp' on an MoE target: routed experts whole on one rank "
                                                      "each (transformers' base_model_ep_plan, ep_size = tp_size) "
-                                                     "instead of every expert split over the ranks")
+                                                     "instead of every expert split over the ranks; 'sglang': "
+                                                     "SGLang's ep_size = tp_size (else 1: experts tensor-parallel)")
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1, description="'sglang': SGLang's "
+                                              "--mem-fraction-static, the share of each GPU for weights and KV "
+                                              "cache; None: SGLang's default for the GPU")
     shard_attention: bool = Field(True, description="'ep_int4': MLA heads split over the ranks (False: whole "
                                                     "attention on every rank)")
 
@@ -62,7 +75,7 @@ class FeatureConfig(StrictModel):
     def _parallel_needs_hf_tp(self):
         if self.backend == "hf" and (self.tp_size != 1 or self.expert_parallel):
             raise ValueError(f"features.tp_size = {self.tp_size}, expert_parallel = {self.expert_parallel} need "
-                             f"features.backend 'hf_tp' or 'ep_int4' (backend 'hf' loads the whole target in one "
-                             f"process)")
+                             f"features.backend 'hf_tp', 'ep_int4' or 'sglang' (backend 'hf' loads the whole target "
+                             f"in one process)")
         return self
 

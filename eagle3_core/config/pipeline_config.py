@@ -25,6 +25,11 @@ class PipelineConfig(StrictModel):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     deploy_sglang: SGLangDeployConfig = SGLangDeployConfig()
+    sglang_python: str | None = Field(None, description="the python of an environment holding SGLang with its own "
+                                      "pinned torch and transformers (`make sglang-env`: '.venv-sglang/bin/python', "
+                                      "relative to the directory the run starts in): it runs features.backend "
+                                      "'sglang' and the SGLang servers of generation (server.kind 'sglang') and "
+                                      "deploy-sglang. None: this process's python")
 
 
 def preset(name: str, run_dir: str | Path | None = None) -> PipelineConfig:

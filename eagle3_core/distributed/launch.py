@@ -87,13 +87,14 @@ def emit_line(text: str) -> None:
 
 
 def torchrun_command(args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
-                     rdzv_endpoint: str | None = None) -> list[str]:
-    """The torchrun command line for `args` (e.g. ['-m', 'eagle3_core.pipeline.train_ddp', '--config', f]).
+                     rdzv_endpoint: str | None = None, python: str | None = None) -> list[str]:
+    """The torchrun command line for `args` (e.g. ['-m', 'eagle3_core.pipeline.train_ddp', '--config', f]), run by
+    `python` (another environment's interpreter, e.g. sglang_python) or this process's.
 
     One node: `--standalone` (a local rendezvous on a free port, so parallel runs do not collide). Several nodes:
     the c10d rendezvous at `rdzv_endpoint` (host:port of node 0), run the same command on every node with its
     `node_rank`. Raises ValueError if nnodes > 1 without an endpoint."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
+    cmd = [python or sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
     if nnodes == 1:
         cmd.append("--standalone")
     else:
@@ -179,8 +180,9 @@ def deferred_signals(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM))
 
 def run_torchrun(args: list[str], nproc_per_node: int, on_line: Callable[[str], None] = print,
                  log_path: Path | None = None, env: dict[str, str] | None = None, grace_s: float = 30.0,
-                 cwd: Path | None = None, **rdzv) -> None:
-    """Run torchrun on `args` (torchrun_command; `rdzv`: nnodes, node_rank, rdzv_endpoint) and wait for it.
+                 cwd: Path | None = None, python: str | None = None, **rdzv) -> None:
+    """Run torchrun on `args` (torchrun_command; `rdzv`: nnodes, node_rank, rdzv_endpoint; `python`: the
+    interpreter, default this one) and wait for it.
 
     Every output line of torchrun and its workers (stdout and stderr, unbuffered) goes to `on_line` as it comes
     (without the newline) and to `log_path` if given. Whatever ends the wait (the run finishing, an exception in
@@ -194,7 +196,7 @@ def run_torchrun(args: list[str], nproc_per_node: int, on_line: Callable[[str], 
     bottleneck: hf_tp extraction at world size 1 ran at 0.68x the in-process backend on an H200,
     benchmarks/tp_extract_throughput.py).
     """
-    cmd = torchrun_command(args, nproc_per_node, **rdzv)
+    cmd = torchrun_command(args, nproc_per_node, python=python, **rdzv)
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
     tail: deque[str] = deque(maxlen=50)

@@ -28,11 +28,21 @@ SEGMENT_MARKERS = {"reasoning": (("<think>", "</think>"), ("<|think|>", "<|/thin
 def greedy_outputs(cfg, prompts: list[list[int]], eos_ids: set[int], log=print) -> list[list[int]]:
     """The target's greedy continuation (temperature 0, at most eval.max_new_tokens, cut at EOS by
     speculate.stop_greedy) of every prompt (token ids), from the run's serving engine: server.kind 'transformers'
-    in process (hf_generate.BatchedGenerator), any other kind through the token-id API of server.url / server.urls
-    (SGLang `/generate`, llama.cpp `/completion`: generation.api). Raises ValueError when the kind serves no
-    token API here (no URL given), naming the field."""
+    in process (hf_generate.BatchedGenerator), 'sglang' through `/generate` of an SGLang server started here for
+    the recording as the generation stage starts it (the run's sglang_python; log eval/replay_server.log), any
+    other kind through the token-id API of server.url / server.urls (SGLang `/generate`, llama.cpp `/completion`:
+    generation.api). Raises ValueError when the kind serves no token API here (no URL given), naming the field."""
     max_new = cfg.eval.max_new_tokens
-    if cfg.server.kind == "transformers":
+    if cfg.server.kind == "sglang":
+        from eagle3_core.contract.layout import RunLayout
+        from eagle3_core.serving.launcher import sglang_server
+        s, log_path = cfg.server, RunLayout(cfg.run_dir).eval / "replay_server.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with sglang_server(cfg.target.model, log_path, s.host, s.port, cfg.target.revision,
+                           cfg.target.trust_remote_code, s.startup_timeout_s, s.extra_args, cfg.sglang_python) as url:
+            outs = asyncio.run(_token_api(url, "sglang", prompts, max_new, cfg.generation.concurrency,
+                                          cfg.generation.request_timeout_s))
+    elif cfg.server.kind == "transformers":
         from eagle3_core.serving.hf_generate import BatchedGenerator
         from eagle3_core.target.loading import load_target, load_tokenizer
         gen = BatchedGenerator(load_target(cfg.target), load_tokenizer(cfg.target), cfg.generation.concurrency,

@@ -45,15 +45,18 @@ class SpecArgs:
 
 
 def server_command(model: str, host: str, port: int, max_running_requests: int, cuda_graph_max_bs: int,
-                   spec: SpecArgs | None = None, extra_args: list[str] | None = None) -> list[str]:
-    """`python -m sglang.launch_server ...` for the baseline (spec None) or the EAGLE3 server.
+                   spec: SpecArgs | None = None, extra_args: list[str] | None = None,
+                   python: str | None = None) -> list[str]:
+    """`python -m sglang.launch_server ...` for the baseline (spec None) or the EAGLE3 server, run by `python` (the
+    run's sglang_python) or this process's.
 
     `--cuda-graph-max-bs` is a deprecated alias of `--cuda-graph-max-bs-decode` in sglang 0.5.14 and the only name
     in older releases, so it works with both. Raises ValueError for algorithm other than EAGLE3 or tree parameters
     SGLang would reject (topk 1 needs num_draft_tokens = num_steps + 1), and a None or empty draft directory.
     """
     from eagle3_core.config.eval_config import check_tree_params
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", str(port),
+    cmd = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port",
+           str(port),
            "--max-running-requests", str(max_running_requests), "--cuda-graph-max-bs", str(cuda_graph_max_bs)]
     if spec is not None:
         if spec.algorithm != "EAGLE3":

@@ -82,17 +82,25 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def sglang_installed() -> bool:
-    """True if `sglang` can be imported here (its launch_server is what the stage starts)."""
+def sglang_installed(python: str | None = None) -> bool:
+    """True if `sglang` can be imported here, or by the interpreter `python` (the run's sglang_python: asked by
+    running it, nothing imported): its launch_server is what the stage starts."""
     import importlib.util
-    return importlib.util.find_spec("sglang") is not None
+    if python is None:
+        return importlib.util.find_spec("sglang") is not None
+    import subprocess
+    try:
+        probe = "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)"
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def run_benchmark(target: str, spec: SpecArgs, prompts: list[dict], levels: list[int], out: Path,
                   max_new_tokens: int, max_running_requests: int, cuda_graph_max_bs: int,
                   server_args: list[str] | None = None, urls: dict[str, str | None] | None = None,
                   host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 1800.0,
-                  transport=None) -> dict:
+                  transport=None, python: str | None = None) -> dict:
     """Benchmark the baseline and the EAGLE3 server on `prompts` ({id, category, input_ids}) at each concurrency
     of `levels`; writes sglang_bench.{json,md} and tok_s_vs_concurrency.png under `out` and returns the result
     (args, prompts, baseline, eagle3, verdict with tau, speed-up and break-even tau per level).
@@ -108,7 +116,7 @@ def run_benchmark(target: str, spec: SpecArgs, prompts: list[dict], levels: list
     results, warnings = {}, []
     for name, sp in (("baseline", None), ("eagle3", spec)):
         cmd = server_command(target, host, port or free_port(host), max_running_requests, cuda_graph_max_bs, sp,
-                             server_args)
+                             server_args, python)
         if urls.get(name):
             results[name] = asyncio.run(benchmark_server(urls[name].rstrip("/"), prompts, levels, max_new_tokens,
                                                          transport=transport))

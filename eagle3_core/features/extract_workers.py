@@ -1,7 +1,7 @@
 """Feature extraction with one worker process per GPU, each owning whole shards: `torchrun --nproc-per-node 8 -m
 eagle3_core.features.extract_workers --config run.json` (several hosts: the same command on each with torchrun's
---nnodes/--node-rank/--rdzv-endpoint; docs/scaling.md). `run_features_distributed` is the stage function that
-launches it (pipeline.features_stage) and returns the features manifest, like run_features.
+--nnodes/--node-rank/--rdzv-endpoint; docs/scaling.md). The features stage launches it
+(pipeline.features_stage.run_features with `workers`) and returns the features manifest.
 
 Legend: W workers (global ranks), S samples per shard.
 The shard plan is the one of features.extract_features (shard i = rows [i*S, (i+1)*S), the same content key), and
@@ -9,32 +9,33 @@ worker r owns shards r, r+W, r+2W, ... Inside a shard the batches are the same (
 shard's rows), so a store written by W workers has the same shard files, byte for byte on CPU, as one written
 by one process (tests/test_distributed_extract.py). Each worker writes its finished shards into its own part
 manifest (features/parts/rank_{r}.json, rewritten atomically after every shard, so a killed run keeps them);
-after a barrier rank 0 merges the parts into manifest.json. Rank 0 alone writes head.safetensors. The workers join
-a gloo process group for these few small messages only; the target forwards never communicate.
+after a barrier rank 0 merges the parts into manifest.json through the store's one writer (store.write_record,
+which writes head.json too). Rank 0 alone writes head.safetensors. The workers join a gloo process group for these
+few small messages only; the target forwards never communicate.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import threading
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from eagle3_core.config import PipelineConfig, load_config
 from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.compat import shard_backend
 from eagle3_core.contract.manifest import read_manifest, write_manifest
 from eagle3_core.distributed.launch import die_with_parent, emit_line
-from eagle3_core.features.extract import HFExtractor
 from eagle3_core.features.store import (
     STORE_VERSION,
     bad_shards,
     entry_holds,
+    refuse_mixed_backends,
     shard_entry,
     shard_plan,
     write_head,
+    write_record,
     write_shards,
 )
 
@@ -42,8 +43,10 @@ PARTS = "parts"
 
 
 def _known_shards(out_dir: Path) -> dict[str, dict]:
-    """Shard records of an earlier merged manifest and of every part manifest (any world size), by file."""
-    known = {s["file"]: s for s in (read_manifest(out_dir / "manifest.json") or {}).get("shards", [])}
+    """Shard records of an earlier merged manifest and of every part manifest (any world size), by file, each
+    with its backend (compat.shard_backend for records written before entries named it)."""
+    merged = read_manifest(out_dir / "manifest.json") or {}
+    known = {s["file"]: {**s, "backend": shard_backend(s, merged)} for s in merged.get("shards", [])}
     for part in sorted((out_dir / PARTS).glob("rank_*.json")):
         known.update({s["file"]: s for s in (read_manifest(part) or {}).get("shards", [])})
     return known
@@ -51,9 +54,11 @@ def _known_shards(out_dir: Path) -> dict[str, dict]:
 
 def extract_owned(extractor, rows: list[dict], out_dir: Path, shard_samples: int, batch_tokens: int,
                   store_format: str, rank: int, world: int, target_id: str, header: dict, writer_threads: int = 2,
-                  log=print) -> dict:
+                  log=print, backend: str = "hf", mix_backends: bool = False) -> dict:
     """Extract the shards worker `rank` of `world` owns (plan[rank::world]) that are not already on disk with
-    their checksum and content key; returns and writes its part manifest parts/rank_{rank:05d}.json."""
+    their checksum and content key; returns and writes its part manifest parts/rank_{rank:05d}.json. Each new
+    entry names `backend`; kept shards of another backend are refused unless `mix_backends`
+    (store.refuse_mixed_backends)."""
     plan = shard_plan(rows, shard_samples, extractor.aux_layer_ids, store_format, target_id,
                       (read_manifest(out_dir / "manifest.json") or {}).get("shards", []))
     mine = plan[rank::world]
@@ -62,6 +67,8 @@ def extract_owned(extractor, rows: list[dict], out_dir: Path, shard_samples: int
                   and entry_holds(out_dir, known[f], part, extractor.aux_layer_ids, store_format, target_id, key)]
     bad = set(bad_shards(out_dir, candidates))
     done = {e["file"]: e for e in candidates if e["file"] not in bad}
+    if len(done) < len(mine):
+        refuse_mixed_backends(list(done.values()), {}, backend, mix_backends, out_dir)
     for f, _, _ in mine:                                   # stale or half-written files of my shards only
         if f not in done:
             (out_dir / f).unlink(missing_ok=True)
@@ -76,7 +83,7 @@ def extract_owned(extractor, rows: list[dict], out_dir: Path, shard_samples: int
                                           "shards": sorted(done.values(), key=lambda e: e["file"]), **(extra or {})})
 
     def record(path: Path, sha: str, nbytes: int, part: list[dict]) -> None:
-        entry = shard_entry(path, sha, nbytes, part, by_file[path.name])
+        entry = shard_entry(path, sha, nbytes, part, by_file[path.name], backend)
         with lock:
             done[path.name] = entry
             publish()
@@ -92,16 +99,17 @@ def extract_owned(extractor, rows: list[dict], out_dir: Path, shard_samples: int
 
 
 def merge_parts(out_dir: Path, world: int) -> dict:
-    """manifest.json from the part manifests of ranks 0..world-1 (the layout of features.extract_features'
-    manifest, with 'workers' and per-worker throughput added); parts of ranks >= world (an earlier run on more
-    workers) are deleted afterwards. Raises ValueError if parts disagree on the store's header or shards are
-    missing (rerun the stage: it extracts only those)."""
+    """manifest.json (and head.json: store.write_record, the store's one writer) from the part manifests of ranks
+    0..world-1 (the layout of features.extract_features' manifest, with 'workers' and per-worker throughput
+    added); parts of ranks >= world (an earlier run on more workers) are deleted afterwards. Raises ValueError if
+    parts disagree on the store's header or shards are missing (rerun the stage: it extracts only those)."""
     paths = [out_dir / PARTS / f"rank_{r:05d}.json" for r in range(world)]
     parts = [read_manifest(p) for p in paths if p.exists()]
-    head_keys = ("store_version", "format", "aux_layer_ids", "hidden_size", "target", "target_id", "samples")
-    header = {k: parts[0][k] for k in head_keys} if parts else {}
+    head_keys = ("store_version", "format", "aux_layer_ids", "hidden_size", "target", "target_id", "samples",
+                 "store_key")
+    header = {k: parts[0].get(k) for k in head_keys} if parts else {}
     for p in parts:
-        if {k: p[k] for k in head_keys} != header:
+        if {k: p.get(k) for k in head_keys} != header:
             raise ValueError(f"part manifests in {out_dir / PARTS} disagree on the store (rank {p['rank']}); delete "
                              f"{out_dir / PARTS} and rerun the features stage")
     shards = sorted((s for p in parts for s in p["shards"]), key=lambda e: e["file"])
@@ -119,23 +127,21 @@ def merge_parts(out_dir: Path, world: int) -> dict:
     if not complete:
         raise ValueError(f"features: {out_dir} has {len(shards)} of {parts[0]['num_shards'] if parts else '?'} "
                          f"shards from {len(parts)} of {world} workers; rerun the stage to finish it")
-    return write_manifest(out_dir / "manifest.json", manifest)
+    return write_record(out_dir / "manifest.json", manifest)
 
 
-def run_worker(cfg: PipelineConfig, log=print) -> None:
-    """One extraction worker of an initialised gloo process group (torchrun): rank 0 writes the target head and
-    broadcasts the target id, every rank extracts its shards, rank 0 merges the parts after a barrier."""
+def run_worker(cfg: PipelineConfig, store_key: str | None = None, log=print) -> None:
+    """One extraction worker of an initialised gloo process group (torchrun) of a per-shard backend
+    (features.backends; each worker loads it whole on its device): rank 0 writes the target head and broadcasts
+    the target id, every rank extracts its shards, rank 0 merges the parts after a barrier (`store_key` in the
+    manifest and head.json)."""
     import pyarrow.parquet as pq
 
-    from eagle3_core.target.family import num_layers, resolve_aux_ids
-    from eagle3_core.target.loading import load_target
+    from eagle3_core.features.backends import local_device, selected_backend
     rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
     out = RunLayout(cfg.run_dir).features
-    model = load_target(cfg.target, device)
-    f = cfg.features
-    extractor = HFExtractor(model, resolve_aux_ids(f.aux_layer_ids, num_layers(model.config)))
+    backend, f = selected_backend(cfg), cfg.features
+    extractor = backend.load(cfg, local_device(), log)
     rows = pq.read_table(RunLayout(cfg.run_dir).tokenized_train).to_pylist()
     box = [None]
     if rank == 0:
@@ -144,9 +150,9 @@ def run_worker(cfg: PipelineConfig, log=print) -> None:
     dist.broadcast_object_list(box, src=0)
     header = {"store_version": STORE_VERSION, "format": f.format, "aux_layer_ids": extractor.aux_layer_ids,
               "hidden_size": extractor.hidden_size, "target": cfg.target.model_dump(), "target_id": box[0],
-              "samples": len(rows)}
+              "samples": len(rows), "store_key": store_key}
     extract_owned(extractor, rows, out, f.shard_samples, f.batch_tokens, f.format, rank, world, box[0], header,
-                  f.writer_threads, log)
+                  f.writer_threads, log, backend.name, f.mix_backends)
     dist.barrier()
     if rank == 0:
         merge_parts(out, world)
@@ -156,12 +162,13 @@ def run_worker(cfg: PipelineConfig, log=print) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, type=Path, help="a PipelineConfig JSON file")
+    ap.add_argument("--store-key", default=None, help="the store key recorded in the manifest and head.json")
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
     die_with_parent()
     dist.init_process_group("gloo")                 # coordination only: a few small CPU messages
     try:
-        run_worker(cfg, log=emit_line)
+        run_worker(cfg, args.store_key, log=emit_line)
     finally:
         dist.destroy_process_group()
 

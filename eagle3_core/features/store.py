@@ -6,8 +6,9 @@ A shard `shard_{i:05d}.safetensors` holds S samples concatenated along T: the fo
 (feature_formats.py; e.g. bf16 aux [sum T, 3H_t], final [sum T, H_t], target_top1 int32 [sum T]) plus
 input_ids int32 [sum T], loss_mask int8 [sum T], offsets int64 [S + 1], and its sample ids in the metadata.
 `head.safetensors` holds the target's embedding and lm_head. `manifest.json` lists the finished shards only, each
-with its sha256, byte size, mtime, sample ids, token count and a content key (samples, tokens, loss masks, layers,
-format, target); it is rewritten atomically after every shard, so it never names a shard that is not complete on disk.
+with its sha256, byte size, mtime, sample ids, token count, a content key (samples, tokens, loss masks, layers,
+format, target) and the extraction backend that wrote it; it is rewritten atomically after every shard, so it never
+names a shard that is not complete on disk. `write_record` is its one writer (and head.json's).
 """
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle3_core.contract.compat import content_key_before_loss_mask, shard_backend, stored_loss_mask_equals
 from eagle3_core.contract.manifest import file_intact, read_manifest, sha256_json, write_manifest
 from eagle3_core.contract.shard_plan import plan_ranges
 from eagle3_core.data.samples import batches_by_tokens
@@ -114,14 +115,13 @@ def write_shards(extractor, jobs: list[tuple[Path, list[dict]]], store_format: s
     return n_tokens
 
 
-def shard_entry(path: Path, sha: str, nbytes: int, part: list[dict], content_key: str) -> dict:
+def shard_entry(path: Path, sha: str, nbytes: int, part: list[dict], content_key: str, backend: str) -> dict:
     """The manifest entry of one finished shard: file name, sha256, bytes, mtime_ns (manifest.file_stamp, so that
-    done checks need no read), samples, tokens, sample ids and the content key that says which samples, tokens,
-    layers, format and target it holds."""
+    done checks need no read), samples, tokens, sample ids, the content key that says which samples, tokens,
+    layers, format and target it holds, and the extraction backend that wrote it (out of the content key)."""
     return {"file": path.name, "sha256": sha, "bytes": nbytes, "mtime_ns": path.stat().st_mtime_ns,
-            "samples": len(part),
-            "tokens": sum(len(r["input_ids"]) for r in part), "ids": [r["id"] for r in part],
-            "content_key": content_key}
+            "samples": len(part), "tokens": sum(len(r["input_ids"]) for r in part), "ids": [r["id"] for r in part],
+            "content_key": content_key, "backend": backend}
 
 
 def content_key(part: list[dict], aux_layer_ids: list[int], store_format: str, target_id: str) -> str:
@@ -132,29 +132,46 @@ def content_key(part: list[dict], aux_layer_ids: list[int], store_format: str, t
     return sha256_json([STORE_VERSION, "loss_mask", rows, aux_layer_ids, store_format, target_id])
 
 
-def _key_without_loss_mask(part: list[dict], aux_layer_ids: list[int], store_format: str, target_id: str) -> str:
-    # the content key of shards written before loss masks were part of it
-    return sha256_json([STORE_VERSION, [[r["id"], list(r["input_ids"])] for r in part], aux_layer_ids,
-                        store_format, target_id])
-
-
 def entry_holds(store_dir: Path, entry: dict, part: list[dict], aux_layer_ids: list[int], store_format: str,
                 target_id: str, key: str | None = None) -> bool:
     """Whether manifest entry `entry` was written for tokenized rows `part` with these layers, format and target:
     its content key is content_key(...) (`key`, if already computed), or, for an entry written before loss masks
-    were in the key, it has that older key and the shard's stored loss_mask (int8 [sum T], one tensor: 1 byte per
-    token read, not the features) equals the rows' masks. False if the file cannot be read."""
+    were in the key (compat.content_key_before_loss_mask), the shard stores the rows' loss masks."""
     key = key or content_key(part, aux_layer_ids, store_format, target_id)
     if entry.get("content_key") == key:
         return True
-    if entry.get("content_key") != _key_without_loss_mask(part, aux_layer_ids, store_format, target_id):
+    if entry.get("content_key") != content_key_before_loss_mask(part, aux_layer_ids, store_format, target_id):
         return False
-    try:
-        with safe_open(str(Path(store_dir) / entry["file"]), "pt") as f:
-            stored = f.get_tensor("loss_mask").tolist()
-    except (OSError, KeyError, RuntimeError):
-        return False
-    return stored == [int(m) for r in part for m in r["loss_mask"]]
+    return stored_loss_mask_equals(Path(store_dir) / entry["file"], part)
+
+
+def write_record(path: Path, record: dict) -> dict:
+    """The one writer of a feature store's manifest.json (`path`): the store's record (header, finished shards) as
+    the store rewrites it after every shard, the worker merge, and the features stage's manifest (the same record
+    with its inputs_key, contract.run_stage's `write`). Where the record names its store key, head.json beside it
+    gets {inputs_key: store key, target_id} too, on every path, so that a later run checks its shards without
+    loading the target (pipeline.features_stage.feature_status). Returns `record`."""
+    path = Path(path)
+    write_manifest(path, record)
+    if record.get("store_key") and record.get("target_id"):
+        head = {"inputs_key": record["store_key"], "target_id": record["target_id"]}
+        if read_manifest(path.with_name("head.json")) != head:
+            write_manifest(path.with_name("head.json"), head)
+    return record
+
+
+def refuse_mixed_backends(kept: list[dict], store: dict, backend: str, allowed: bool, where: Path) -> None:
+    """Raise ValueError (naming the shards, their backend and features.mix_backends) if `backend` would add shards
+    to a store whose `kept` entries another backend wrote, unless `allowed`: the backend is out of the key (it
+    changes how features are computed, not what), but one store is one backend's unless the config says
+    otherwise."""
+    other = sorted({shard_backend(e, store) for e in kept} - {backend})
+    if other and not allowed:
+        files = [e["file"] for e in kept if shard_backend(e, store) != backend]
+        raise ValueError(f"feature store {where} holds shards of backend {other} ({files[:3]}"
+                         f"{' ...' if len(files) > 3 else ''}) and this run extracts with {backend!r}: set "
+                         f"features.mix_backends true to keep them beside the new ones, or features.backend "
+                         f"{other[0]!r} to finish the store with the backend that began it, or refresh the stage")
 
 
 def shard_plan(rows: list[dict], shard_samples: int, aux_layer_ids: list[int], store_format: str, target_id: str,
@@ -166,21 +183,26 @@ def shard_plan(rows: list[dict], shard_samples: int, aux_layer_ids: list[int], s
 
 def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list[int] | None, shard_samples: int,
                      batch_tokens: int, store_format: str = "bf16", log=print, target: dict | None = None,
-                     writer_threads: int = 2, only_shards: set[int] | None = None) -> dict:
+                     writer_threads: int = 2, only_shards: set[int] | None = None, backend: str = "hf",
+                     store_key: str | None = None, mix_backends: bool = False) -> dict:
     """Extract and store features for tokenized `rows` ({id, input_ids, loss_mask}); resumable per shard.
 
-    model: an HF causal LM (wrapped in HFExtractor) or an Extractor. aux_layer_ids None: the config's defaults.
-    store_format: one of feature_formats.FORMATS; 'online' stores only tokens and needs `target` (the TargetConfig
-    as a dict) so that training can load the target. Shards listed in an earlier manifest for the same content
-    that are intact (bad_shards: size and mtime as recorded) are kept; any other shard (missing, corrupt, other inputs)
-    is extracted again. Returns the manifest (also out_dir/manifest.json); when nothing was left to do it says so via
-    `log`. only_shards: extract just these plan indices (shard i holds rows plan_ranges(...)[i], shard_samples each
-    unless an earlier entry keeps its own); other
-    shards' files are left alone and their earlier manifest entries kept (unverified) while their content key still
-    matches, and an incomplete store is no error (the caller finishes the others; the manifest says `complete`).
-    Raises ValueError on an unknown format, an online store without `target` or an index in only_shards out of
-    range; RuntimeError if a full extraction (only_shards None) leaves shards missing. The model runs on its own
-    device.
+    model: an HF causal LM (wrapped in HFExtractor) or an Extractor (extract.Extractor: what a features backend
+    gives, features.backends). aux_layer_ids None: the config's defaults. store_format: one of
+    feature_formats.FORMATS; 'online' stores only tokens and needs `target` (the TargetConfig as a dict) so that
+    training can load the target. Shards listed in an earlier manifest for the same content that are intact
+    (bad_shards: size and mtime as recorded) are kept; any other shard (missing, corrupt, other inputs) is extracted
+    again. backend: the name recorded in each new shard's entry (out of its content key); a store whose kept shards
+    another backend wrote is refused unless `mix_backends` (refuse_mixed_backends). store_key: the store's key
+    (pipeline.features_stage.store_key) recorded in the manifest and head.json (write_record). Returns the
+    manifest (also out_dir/manifest.json, rewritten after every shard by write_record); when nothing was left to
+    do it says so via `log`. only_shards: extract just these plan indices (shard i holds rows
+    plan_ranges(...)[i], shard_samples each unless an earlier entry keeps its own); other shards' files are left
+    alone and their earlier manifest entries kept (unverified) while their content key still matches, and an
+    incomplete store is no error (the caller finishes the others; the manifest says `complete`).
+    Raises ValueError on an unknown format, an online store without `target`, an index in only_shards out of
+    range or mixed backends; RuntimeError if a full extraction (only_shards None) leaves shards missing. The model
+    runs on its own device.
     """
     ff.check_format(store_format)
     if store_format == "online" and target is None:
@@ -193,13 +215,13 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     ids = extractor.aux_layer_ids
     header = {"store_version": STORE_VERSION, "format": store_format, "aux_layer_ids": ids,
               "hidden_size": extractor.hidden_size, "target": target, "target_id": target_id,
-              "samples": len(rows)}
+              "samples": len(rows), "store_key": store_key}
     plan = shard_plan(rows, shard_samples, ids, store_format, target_id, previous.get("shards", []))
     if only_shards is not None and (outside := sorted(set(only_shards) - set(range(len(plan))))):
         raise ValueError(f"features: shard indices {outside} are out of range: {len(rows)} rows make {len(plan)} "
                          f"shards of {shard_samples} samples")
     selected = {plan[i][0] for i in (range(len(plan)) if only_shards is None else only_shards)}
-    prev = {s["file"]: s for s in previous.get("shards", [])}
+    prev = {s["file"]: {**s, "backend": shard_backend(s, previous)} for s in previous.get("shards", [])}
     candidates = [prev[f] for f, part, key in plan
                   if f in prev and entry_holds(out_dir, prev[f], part, ids, store_format, target_id, key)]
     # shards outside only_shards keep their entries unverified: their own extraction (or a full run) checks them
@@ -207,6 +229,9 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     done = {e["file"]: e for e in candidates if e["file"] not in bad}
     if bad:
         log(f"features: {len(bad)} shard(s) failed their checksum or are missing, extracting again: {sorted(bad)}")
+    todo = [(f, part, key) for f, part, key in plan if f in selected and f not in done]
+    if todo:
+        refuse_mixed_backends(list(done.values()), previous, backend, mix_backends, out_dir)
 
     def ours(name: str) -> bool:                  # a file this call may replace: a selected shard or a leftover tmp
         if name.startswith("."):
@@ -222,17 +247,16 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
     def publish(extra: dict | None = None) -> dict:
         shards = sorted(done.values(), key=lambda e: e["file"])
         n_tok, n_bytes = sum(s["tokens"] for s in shards), sum(s["bytes"] for s in shards)
-        return write_manifest(out_dir / "manifest.json", {
+        return write_record(out_dir / "manifest.json", {
             **header, "shards": shards, "complete": len(shards) == len(plan), "tokens": n_tok, "bytes": n_bytes,
             "bytes_per_token": n_bytes / max(n_tok, 1), **(extra or {})})
 
-    todo = [(f, part, key) for f, part, key in plan if f in selected and f not in done]
     if not todo:
         log(f"features: all {len(selected)} shards asked for in {out_dir} are complete; nothing to extract")
     by_file = {file: key for file, _, key in todo}
 
     def record(path: Path, sha: str, nbytes: int, part: list[dict]) -> None:
-        entry = shard_entry(path, sha, nbytes, part, by_file[path.name])
+        entry = shard_entry(path, sha, nbytes, part, by_file[path.name], backend)
         with lock:
             done[path.name] = entry
             publish()

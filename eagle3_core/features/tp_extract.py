@@ -1,22 +1,23 @@
-"""Feature extraction from a target sharded over several GPUs with transformers' own tensor-parallel plan (and its
-expert-parallel plan for MoE targets): the `hf_tp` backend; with features.backend 'ep_int4' the same ranks hold a
-DeepSeek-V3 / Kimi-K2.5 target with its routed experts packed INT4 (target.ep_loading), the rest unchanged. `torchrun
---nproc-per-node N -m eagle3_core.features.tp_extract --config run.json` with features.tp_size = N; `run_features_tp` is
-the stage function that launches it (pipeline.features_stage) and returns the features manifest, like run_features.
+"""The torchrun worker of the features backends that shard one target over several GPUs (features.backends rows
+with `torchrun`: `hf_tp`, transformers' tensor-parallel plan, and its expert-parallel plan for MoE targets;
+`ep_int4`, a DeepSeek-V3 / Kimi-K2.5 target with its routed experts packed INT4, target.ep_loading). `torchrun
+--nproc-per-node N -m eagle3_core.features.tp_extract --config run.json` with features.tp_size = N; the features
+stage launches it (pipeline.features_stage.run_features) and returns the features manifest.
 
 Legend: W = tp_size ranks (one process per GPU), B batch, T padded length, H_t target hidden.
-Every rank holds 1/W of the sharded weights (target.load_target with tp_size; plans: the config's
-`base_model_tp_plan`, `base_model_ep_plan`) and all ranks run every forward together: the collectives inside the
+Every rank loads its share of the target (the backend's `load`; plans: the config's `base_model_tp_plan`,
+`base_model_ep_plan`, or ep_loading's) and all ranks run every forward together: the collectives inside the
 sharded layers need each rank on the same batch. The residual stream is replicated after each decoder layer
 (row-wise projections all-reduce their outputs), so the aux capture of extract.HFExtractor applies unchanged and
 every rank ends up holding the same aux [B, T, 3H_t] and final [B, T, H_t].
 
-Shards are written once, by rank 0 (the leader), through the one-process code path itself: rank 0 runs
-features.extract_features with a `Leader` extractor whose every forward first tells the other ranks (followers)
-which sequences to run (a broadcast of the token ids), so the store's plan, content keys, checksums, resume and
-manifest are those of the `hf` backend (same file names and manifest format). A killed rank ends the run (torchrun
-stops the others); the shard writer's tmp-fsync-rename and the manifest rewritten after each finished shard mean
-that what the manifest lists is complete, and a rerun extracts only the rest.
+Rank roles: shards are written once, by rank 0 (the leader), through the one-process code path itself: rank 0
+runs features.extract_features with a `Leader` extractor whose every forward first tells the other ranks
+(followers) which sequences to run (a broadcast of the token ids), so the store's plan, content keys, checksums,
+resume, manifest and head.json are those of the `hf` backend, written by the store's one writer
+(store.write_record). A killed rank ends the run (torchrun stops the others); the shard writer's
+tmp-fsync-rename and the manifest rewritten after each finished shard mean that what the manifest lists is
+complete, and a rerun extracts only the rest.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def _send(command: tuple) -> tuple:
 
 
 class Leader:
-    """Rank 0's Extractor (extract.Extractor) over a tensor-parallel HFExtractor: each call is first broadcast to
+    """Rank 0's Extractor (extract.Extractor) over its rank's HFExtractor: each call is first broadcast to
     the followers (`follow`), then run here; `stop()` releases them. Outputs as HFExtractor's."""
 
     def __init__(self, inner: HFExtractor):
@@ -94,27 +95,25 @@ def init_group() -> None:
     dist.init_process_group(backend)
 
 
-def run_worker(cfg: PipelineConfig, log=print) -> dict | None:
-    """One rank of the `hf_tp` extraction (an initialised process group of features.tp_size ranks): load the
-    target's shard, then lead (rank 0: features.extract_features, the store written here) or follow. Returns the
-    store manifest on rank 0, None elsewhere. Raises ValueError if the world size is not features.tp_size."""
+def run_worker(cfg: PipelineConfig, store_key: str | None = None, log=print) -> dict | None:
+    """One rank of a torchrun backend's extraction (an initialised process group of features.tp_size ranks):
+    load the target's share (the backend's `load`), then lead (rank 0: features.extract_features, the store
+    written here, with `store_key` in its manifest and head.json) or follow. Returns the store manifest on rank 0,
+    None elsewhere. Raises ValueError if the world size is not features.tp_size or the backend is not a torchrun
+    one."""
     import pyarrow.parquet as pq
 
+    from eagle3_core.features.backends import selected_backend
     from eagle3_core.features.store import extract_features
-    from eagle3_core.target.family import num_layers, resolve_aux_ids
-    from eagle3_core.target.loading import load_target
     f, rank, world = cfg.features, dist.get_rank(), dist.get_world_size()
+    backend = selected_backend(cfg)
+    if not backend.torchrun:
+        raise ValueError(f"features.backend {backend.name!r} is not sharded over torchrun ranks (features.backends)")
     if world != f.tp_size:
         raise ValueError(f"features.tp_size = {f.tp_size} but torchrun started {world} processes; launch with "
                          f"--nproc-per-node {f.tp_size} (times nodes)")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if f.backend == "ep_int4":               # INT4 experts and the project's own plan (target.ep_loading)
-        from eagle3_core.target.ep_loading import load_int4_target
-        model = load_int4_target(cfg.target, torch.device(device, torch.cuda.current_device()) if device == "cuda"
-                                 else device, rank, world, shard_attention=f.shard_attention)
-    else:
-        model = load_target(cfg.target, device, tp_size=f.tp_size, expert_parallel=f.expert_parallel)
-    inner = HFExtractor(model, resolve_aux_ids(f.aux_layer_ids, num_layers(model.config)))
+    inner = backend.load(cfg, "cuda" if torch.cuda.is_available() else "cpu", log)
+    model = inner.model
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
     held = local + list(model.buffers())          # ep_int4's packed experts are buffers
     log(f"features: rank {rank}/{world} holds {sum(p.numel() for p in local)} parameters "
@@ -127,9 +126,10 @@ def run_worker(cfg: PipelineConfig, log=print) -> dict | None:
     leader = Leader(inner)
     try:
         rows = pq.read_table(RunLayout(cfg.run_dir).tokenized_train).to_pylist()
-        manifest = extract_features(leader, rows, RunLayout(cfg.run_dir).features, inner.aux_layer_ids, f.shard_samples,
-                                    f.batch_tokens, store_format=f.format, log=log, target=cfg.target.model_dump(),
-                                    writer_threads=f.writer_threads)
+        manifest = extract_features(leader, rows, RunLayout(cfg.run_dir).features, inner.aux_layer_ids,
+                                    f.shard_samples, f.batch_tokens, store_format=f.format, log=log,
+                                    target=cfg.target.model_dump(), writer_threads=f.writer_threads,
+                                    backend=backend.name, store_key=store_key, mix_backends=f.mix_backends)
     finally:
         leader.stop()                 # on an error too: the followers leave their loop and the run ends at once
     dist.barrier()
@@ -139,12 +139,14 @@ def run_worker(cfg: PipelineConfig, log=print) -> dict | None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, type=Path, help="a PipelineConfig JSON file")
+    ap.add_argument("--store-key", default=None, help="the store key recorded in the manifest and head.json "
+                                                      "(pipeline.features_stage.store_key)")
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
     die_with_parent()
     init_group()
     try:
-        run_worker(cfg, log=emit_line)
+        run_worker(cfg, args.store_key, log=emit_line)
     finally:
         dist.destroy_process_group()
 

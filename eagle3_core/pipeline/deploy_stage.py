@@ -2,22 +2,31 @@
 against the same server without it (deploy_llama_cpp/, deploy_sglang/)."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from eagle3_core.config import PipelineConfig
+from eagle3_core.contract.compat import DEPLOY_SGLANG_FIELDS_V4, EVAL_FIELDS_V4, fields_v4
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.contract.manifest import cached_manifest, write_manifest
-from eagle3_core.contract.run_stage import run_stage
+from eagle3_core.contract.run_stage import done_manifest, run_stage
 from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.chat import prompt_ids
-from eagle3_core.pipeline.keys import stage_key, upstream_manifest
+from eagle3_core.pipeline.keys import stage_key, upstream_keys, upstream_manifest
 
 
-def deploy_llama_cpp_key(cfg: PipelineConfig) -> str:
-    """Inputs key of the llama.cpp deployment stage: the trained draft, eval settings, host, held-out prompts."""
-    return stage_key(upstream_manifest(cfg.run_dir, "draft")["inputs_key"], cfg.eval, cfg.server.host,
-                     upstream_manifest(cfg.run_dir, "prompts")["inputs_key"])
+def deploy_llama_cpp_key(cfg: PipelineConfig, up: dict | None = None) -> str:
+    """Inputs key of the llama.cpp deployment stage: the trained draft and the held-out prompts (`up`: {'train',
+    'prompts': their keys}; default: read from their manifests), and the draft steps and tokens per prompt it
+    measures with (the server's address and the other eval settings do not change what it measures)."""
+    up = upstream_keys(cfg, "deploy-llama-cpp") if up is None else up
+    return stage_key(up["train"], {"num_draft_steps": cfg.eval.num_draft_steps,
+                                   "max_new_tokens": cfg.eval.max_new_tokens}, up["prompts"])
+
+
+def deploy_llama_cpp_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
+    """The key a llama.cpp deployment finished before the keys hashed results only holds (every eval setting and
+    server.host)."""
+    up = upstream_keys(cfg, "deploy-llama-cpp") if up is None else up
+    return (stage_key(up["train"], fields_v4(cfg.eval, EVAL_FIELDS_V4), cfg.server.host, up["prompts"]),)
 
 
 def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
@@ -29,7 +38,7 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
     from eagle3_core.serving.launcher import llama_server
     from eagle3_core.target.loading import gguf_path, local_model_dir
     out = RunLayout(cfg.run_dir).deploy_llama_cpp
-    up = upstream_manifest(cfg.run_dir, "draft")
+    up = upstream_manifest(cfg.run_dir, "train")
 
     def body() -> dict:
         gguf = gguf_path(cfg.target)
@@ -59,7 +68,8 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
             f"{summary['lossless']}")
         return {"summary": summary}
 
-    return run_stage(out, deploy_llama_cpp_key(cfg), body)
+    return run_stage(out, deploy_llama_cpp_key(cfg), body, accepted=deploy_llama_cpp_older_keys(cfg),
+                     outputs=("draft.gguf",), log=log)
 
 
 def generation_speed_warnings(cfg: PipelineConfig, summary: dict) -> list[str]:
@@ -67,7 +77,7 @@ def generation_speed_warnings(cfg: PipelineConfig, summary: dict) -> list[str]:
     stage (evaluation.speedup.speed_disagreement); [] when generation ran on another server kind or generated
     nothing."""
     from eagle3_core.evaluation.speedup import speed_disagreement
-    gen = upstream_manifest(cfg.run_dir, "generations")
+    gen = upstream_manifest(cfg.run_dir, "generation")
     if cfg.server.kind != "llama.cpp" or not gen.get("completion_tokens") or not gen.get("seconds"):
         return []
     rate = gen["completion_tokens"] / gen["seconds"]
@@ -77,10 +87,22 @@ def generation_speed_warnings(cfg: PipelineConfig, summary: dict) -> list[str]:
     return [w for w in found if w]
 
 
-def deploy_sglang_key(cfg: PipelineConfig) -> str:
-    """Inputs key of the SGLang deployment stage: the trained draft, the target, the stage's own settings."""
-    return stage_key(upstream_manifest(cfg.run_dir, "draft")["inputs_key"], cfg.target, cfg.eval.num_draft_steps,
-                     cfg.deploy_sglang)
+def deploy_sglang_key(cfg: PipelineConfig, up: dict | None = None) -> str:
+    """Inputs key of the SGLang deployment stage: the trained draft (`up`: {'train': its key}; default: read from
+    its manifest), the target, the draft steps it serves with (deploy_sglang.num_steps, else eval.num_draft_steps)
+    and the stage's own settings but the server start timeout."""
+    up = upstream_keys(cfg, "deploy-sglang") if up is None else up
+    d = cfg.deploy_sglang
+    return stage_key(up["train"], cfg.target, d.num_steps or cfg.eval.num_draft_steps,
+                     d.model_dump(mode="json", exclude={"startup_timeout_s", "num_steps"}))
+
+
+def deploy_sglang_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
+    """The key an SGLang deployment finished before the keys hashed results only holds (eval.num_draft_steps and
+    every deploy_sglang setting)."""
+    up = upstream_keys(cfg, "deploy-sglang") if up is None else up
+    return (stage_key(up["train"], cfg.target, cfg.eval.num_draft_steps,
+                      fields_v4(cfg.deploy_sglang, DEPLOY_SGLANG_FIELDS_V4)),)
 
 
 def deploy_sglang_skip(cfg: PipelineConfig) -> str | None:
@@ -94,7 +116,7 @@ def deploy_sglang_skip(cfg: PipelineConfig) -> str | None:
         return "deploy_sglang.enabled is 'off'"
     if d.enabled == "auto" and gguf_path(cfg.target) is not None:
         return "the target is a GGUF file: the llama.cpp deployment stage serves it (SGLang serves HF checkpoints)"
-    if not (d.baseline_url and d.eagle3_url) and not sglang_installed():
+    if not (d.baseline_url and d.eagle3_url) and not sglang_installed(cfg.sglang_python):
         why = ("SGLang is not installed here (it needs CUDA: on a GPU host `pip install -e '.[sglang]'`), and "
                "deploy_sglang.baseline_url / eagle3_url do not name running servers")
         if d.enabled == "on":
@@ -122,37 +144,38 @@ def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
     {'skipped': reason}."""
     from eagle3_core.target.loading import gguf_path
     out = RunLayout(cfg.run_dir).deploy_sglang
-    key = deploy_sglang_key(cfg)
-    if (m := cached_manifest(out / "manifest.json", key)):
+    key, older = deploy_sglang_key(cfg), deploy_sglang_older_keys(cfg)
+    if (m := done_manifest(out, [key, *older])):
         return m
     if (why := deploy_sglang_skip(cfg)) is not None:
         log(f"deploy-sglang: skipped: {why}")
         if cfg.deploy_sglang.enabled == "off" or gguf_path(cfg.target) is not None:   # the config decides: done
-            return write_manifest(out / "manifest.json", {"inputs_key": key, "skipped": why, "seconds": 0.0})
+            return run_stage(out, key, lambda: {"skipped": why, "seconds": 0.0})
         return {"skipped": why}                                   # this machine decides: a GPU host will run it
-    from eagle3_core.evaluation.preflight import preflight
-    from eagle3_core.evaluation.sglang_bench import SpecArgs, target_server_args
-    from eagle3_core.evaluation.sglang_deploy import DEFAULT_SPEC_BENCH, benchmark_prompts, run_benchmark
-    from eagle3_core.target.loading import load_target_config, load_tokenizer
-    t0 = time.monotonic()
-    d, up = cfg.deploy_sglang, upstream_manifest(cfg.run_dir, "draft")
-    steps = d.num_steps or cfg.eval.num_draft_steps
-    spec = SpecArgs(up["export_dir"], steps, d.topk, d.num_draft_tokens or steps + 1)
-    preflight(Path(up["export_dir"]), load_target_config(cfg.target))
-    tok = load_tokenizer(cfg.target)
-    prompts = deploy_sglang_prompts(cfg, tok, benchmark_prompts(DEFAULT_SPEC_BENCH, True, d.per_category))
-    server_args = target_server_args(d.tp_size, d.ep_size, cfg.target.trust_remote_code, cfg.target.revision,
-                                     d.extra_args)
-    log(f"deploy-sglang: {len(prompts)} prompts at concurrency {d.concurrency} on the baseline and the EAGLE3 "
-        f"server ({'running at ' + d.eagle3_url if d.eagle3_url else 'started here'}; {' '.join(server_args)})")
-    result = run_benchmark(cfg.target.model, spec, prompts, d.concurrency, out, d.max_new_tokens,
-                           d.max_running_requests, d.cuda_graph_max_bs, server_args,
-                           {"baseline": d.baseline_url, "eagle3": d.eagle3_url}, host=cfg.server.host,
-                           startup_timeout_s=d.startup_timeout_s)
-    v = result["verdict"]
-    log(f"deploy-sglang: tau {v['tau'] if v['tau'] is None else round(v['tau'], 2)}; {v['summary']}")
-    for w in v["warnings"]:
-        log(f"deploy-sglang: WARNING {w}")
-    return write_manifest(out / "manifest.json", {"inputs_key": key, "verdict": v, "prompts": len(prompts),
-                                                  "report": str(out / "sglang_bench.md"),
-                                                  "seconds": time.monotonic() - t0})
+
+    def body() -> dict:
+        from eagle3_core.evaluation.preflight import preflight
+        from eagle3_core.evaluation.sglang_bench import SpecArgs, target_server_args
+        from eagle3_core.evaluation.sglang_deploy import DEFAULT_SPEC_BENCH, benchmark_prompts, run_benchmark
+        from eagle3_core.target.loading import load_target_config, load_tokenizer
+        d, up = cfg.deploy_sglang, upstream_manifest(cfg.run_dir, "train")
+        steps = d.num_steps or cfg.eval.num_draft_steps
+        spec = SpecArgs(up["export_dir"], steps, d.topk, d.num_draft_tokens or steps + 1)
+        preflight(Path(up["export_dir"]), load_target_config(cfg.target))
+        tok = load_tokenizer(cfg.target)
+        prompts = deploy_sglang_prompts(cfg, tok, benchmark_prompts(DEFAULT_SPEC_BENCH, True, d.per_category))
+        server_args = target_server_args(d.tp_size, d.ep_size, cfg.target.trust_remote_code, cfg.target.revision,
+                                         d.extra_args)
+        log(f"deploy-sglang: {len(prompts)} prompts at concurrency {d.concurrency} on the baseline and the EAGLE3 "
+            f"server ({'running at ' + d.eagle3_url if d.eagle3_url else 'started here'}; {' '.join(server_args)})")
+        result = run_benchmark(cfg.target.model, spec, prompts, d.concurrency, out, d.max_new_tokens,
+                               d.max_running_requests, d.cuda_graph_max_bs, server_args,
+                               {"baseline": d.baseline_url, "eagle3": d.eagle3_url}, host=cfg.server.host,
+                               startup_timeout_s=d.startup_timeout_s, python=cfg.sglang_python)
+        v = result["verdict"]
+        log(f"deploy-sglang: tau {v['tau'] if v['tau'] is None else round(v['tau'], 2)}; {v['summary']}")
+        for w in v["warnings"]:
+            log(f"deploy-sglang: WARNING {w}")
+        return {"verdict": v, "prompts": len(prompts), "report": str(out / "sglang_bench.md")}
+
+    return run_stage(out, key, body, outputs=("sglang_bench.md",), log=log)

@@ -8,19 +8,30 @@ from pathlib import Path
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.config.eval_config import resolved_evaluator
+from eagle3_core.contract.compat import EVAL_FIELDS_V4, fields_v4
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.run_stage import run_stage
 from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.chat import prompt_ids
-from eagle3_core.pipeline.keys import stage_key, target_config, upstream_manifest
+from eagle3_core.pipeline.keys import stage_key, target_config, upstream_keys, upstream_manifest
 from eagle3_core.pipeline.train_stage import fresh_draft
 from eagle3_core.training.checkpoint import load_draft
 
 
-def evaluate_key(cfg: PipelineConfig) -> str:
-    """Inputs key of the evaluate stage: the trained draft, the eval settings and the held-out prompts."""
-    return stage_key(upstream_manifest(cfg.run_dir, "draft")["inputs_key"], cfg.eval,
-                     upstream_manifest(cfg.run_dir, "prompts")["inputs_key"])
+def evaluate_key(cfg: PipelineConfig, up: dict | None = None) -> str:
+    """Inputs key of the evaluate stage: the trained draft and the held-out prompts (`up`: {'train', 'prompts':
+    their keys}; default: read from their manifests) and the eval settings (every one changes the report), the
+    evaluator as it resolves ('auto': replay for a sharded features backend, else decode)."""
+    up = upstream_keys(cfg, "evaluate") if up is None else up
+    e = cfg.eval
+    return stage_key(up["train"], {**e.model_dump(mode="json"),
+                                    "evaluator": resolved_evaluator(e.evaluator, cfg.features.backend)}, up["prompts"])
+
+
+def evaluate_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
+    """The key an evaluate stage finished before the keys hashed results only holds (the evaluator unresolved)."""
+    up = upstream_keys(cfg, "evaluate") if up is None else up
+    return (stage_key(up["train"], fields_v4(cfg.eval, EVAL_FIELDS_V4), up["prompts"]),)
 
 
 def category(row: dict) -> str:
@@ -101,7 +112,7 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     from eagle3_core.evaluation.speculate import TargetRunner
     from eagle3_core.target.loading import load_target, load_tokenizer
     out = RunLayout(cfg.run_dir).eval
-    up = upstream_manifest(cfg.run_dir, "draft")
+    up = upstream_manifest(cfg.run_dir, "train")
 
     def body() -> dict:
         preflight(Path(up["export_dir"]), target_config(cfg))
@@ -164,6 +175,7 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
             + f"{report['consistency']['steps_compared']} steps")
         return {"report": str(out / "report.json"), "summary": report, "sampling": report["sampling"]}
 
-    return run_stage(out, evaluate_key(cfg), body)
+    return run_stage(out, evaluate_key(cfg), body, accepted=evaluate_older_keys(cfg), outputs=("report.json",),
+                     log=log)
 
 

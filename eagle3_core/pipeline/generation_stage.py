@@ -13,9 +13,9 @@ import torch
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.contract.manifest import busy_seconds, cached_manifest, write_manifest
-from eagle3_core.pipeline.features_stage import loaded_target
-from eagle3_core.pipeline.keys import stage_key, target_key, upstream_manifest
+from eagle3_core.contract.manifest import busy_seconds, write_manifest
+from eagle3_core.contract.run_stage import run_stage
+from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
 
 
 def _sampling(cfg: PipelineConfig) -> dict:
@@ -25,12 +25,13 @@ def _sampling(cfg: PipelineConfig) -> dict:
             "turns": g.turns, "max_turns": g.max_turns}
 
 
-def generation_key(cfg: PipelineConfig) -> str:
-    """Key of the generation stage's answers as a whole: what they depend on (sampling, the prompts stage's key,
-    the target, the server kind; not concurrency, retries or server addresses, so a rerun with other servers
-    resumes). Shard records written before shards named their own rows carry it (accepted for the same prompts)."""
-    return stage_key({**_sampling(cfg), "shard_size": cfg.generation.shard_size},
-                     upstream_manifest(cfg.run_dir, "prompts")["inputs_key"], target_key(cfg))
+def generation_key(cfg: PipelineConfig, up: dict | None = None) -> str:
+    """Key of the generation stage's answers as a whole: what they depend on (sampling, the prompts stage's key
+    (`up`: {'prompts': its key}; default: read from its manifest), the target, the server kind; not concurrency,
+    retries or server addresses, so a rerun with other servers resumes). Shard records written before shards named
+    their own rows carry it (accepted for the same prompts)."""
+    up = upstream_keys(cfg, "generation") if up is None else up
+    return stage_key({**_sampling(cfg), "shard_size": cfg.generation.shard_size}, up["prompts"], target_key(cfg))
 
 
 def generation_shard_key(cfg: PipelineConfig) -> str:
@@ -38,6 +39,15 @@ def generation_shard_key(cfg: PipelineConfig) -> str:
     names it and the digest of its rows (shard_plan.rows_digest), so that a shard is reused for the same rows
     whatever else the prompt set holds (a grown run keeps every finished shard)."""
     return stage_key(_sampling(cfg), target_key(cfg))
+
+
+@lru_cache(maxsize=1)
+def loaded_target(target_json: str, device: str, dtype: torch.dtype | None = None):
+    """The target, loaded once per process for all in-process generation shards of a run (fp32; cleared by
+    finish_generation). dtype None: load_target's default."""
+    from eagle3_core.config import TargetConfig
+    from eagle3_core.target.loading import load_target
+    return load_target(TargetConfig.model_validate_json(target_json), device, dtype)
 
 
 @lru_cache(maxsize=4)
@@ -110,9 +120,16 @@ def _gate_limits(g) -> dict:
             "degenerate": g.max_degenerate_frac}
 
 
-def generation_stage_key(cfg: PipelineConfig) -> str:
-    """Inputs key of the generation stage's manifest: the shards' key and the quality gate's limits."""
-    return stage_key(generation_key(cfg), _gate_limits(cfg.generation))
+# the generation settings that change the answers (_sampling, shard_size) or the gate's verdict (_gate_limits); the
+# rest say how they are fetched (concurrency, retries, timeouts, flushing, progress) and stay out of the key
+GENERATION_HOW_FIELDS = ("concurrency", "max_retries", "retry_backoff_s", "request_timeout_s", "flush_rows",
+                         "flush_s", "progress_interval_s", "gate_after")
+
+
+def generation_stage_key(cfg: PipelineConfig, up: dict | None = None) -> str:
+    """Inputs key of the generation stage's manifest: the shards' key (generation_key over `up`) and the quality
+    gate's limits."""
+    return stage_key(generation_key(cfg, up), _gate_limits(cfg.generation))
 
 
 def generation_shard_done(cfg: PipelineConfig, shard: int) -> dict | None:
@@ -168,7 +185,7 @@ def generation_servers(cfg: PipelineConfig):
             yield [url]
     elif s.kind == "sglang":
         with sglang_server(cfg.target.model, log_path, s.host, s.port, cfg.target.revision,
-                           cfg.target.trust_remote_code, s.startup_timeout_s, s.extra_args) as url:
+                           cfg.target.trust_remote_code, s.startup_timeout_s, s.extra_args, cfg.sglang_python) as url:
             yield [url]
     elif s.kind == "transformers":
         yield []
@@ -259,40 +276,45 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
     from eagle3_core.serving.client import TOKEN_ID_APIS
     loaded_target.cache_clear()
     out, key, g = RunLayout(cfg.run_dir).generations, generation_shard_key(cfg), cfg.generation
-    manifest_key = generation_stage_key(cfg)
-    if (m := cached_manifest(out / "manifest.json", manifest_key)):
-        return m
-    records, plan, legacy = [], generation_plan(cfg), generation_key(cfg)
-    for k in range(len(plan)):
-        rec = _record_ok(out, k, plan, key, legacy)
-        if rec is None:
-            raise RuntimeError(f"generation shard {k} has not finished for these inputs ({out}/shard_{k:05d}.json): "
-                               f"run run_generation_shard(cfg, {k}) (or the generation stage) again")
-        records.append(rec)
-    for m in shard_manifests:
-        if m["sha256"] != records[m["shard"]]["sha256"]:
-            raise ValueError(f"the record given for generation shard {m['shard']} is not the one on disk: pass "
-                             f"the records of this run's run_generation_shard calls")
-    report = quality_report(records, _gate_limits(g))
-    write_manifest(out / "quality.json", report)
-    check_quality(report, str(out))
-    finish, kinds = {}, {}
-    for r in records:
-        for d, acc in ((r["finish_reasons"], finish), (r["retry_kinds"], kinds)):
-            for k, v in d.items():
-                acc[k] = acc.get(k, 0) + v
-    return write_manifest(out / "manifest.json", {
-        "inputs_key": manifest_key, "shards_key": key, "samples": report["answered"], "prompts": report["prompts"],
-        "completion_tokens": sum(r["completion_tokens"] for r in records), "finish_reasons": finish,
-        "failed": report["counts"]["failed"], "failures": [f for r in records for f in r["failures"]][:100],
-        "retries": sum(r["retries"] for r in records), "retry_kinds": kinds, "quality": report,
-        "sampling": {"temperature": g.temperature, "top_p": g.top_p, "max_new_tokens": g.max_new_tokens,
-                     "greedy": g.temperature == 0.0, "chat_template_kwargs": g.chat_template_kwargs},
-        "turns": {"mode": g.turns, "max_turns": g.max_turns, **_request_counts(records)},
-        "api": g.api_for(cfg.server.kind), "token_ids": "from the server (prompt_ids, output_ids)"
-        if g.api_for(cfg.server.kind) in TOKEN_ID_APIS else None,
-        "server": _server_desc(cfg), "shards": [r["file"] for r in records],
-        "seconds": seconds if seconds is not None else busy_seconds(records)})
+    plan, legacy = generation_plan(cfg), generation_key(cfg)
+
+    def changed(manifest: dict) -> list[str]:       # run_stage's intact check: every shard's record and file
+        return [f"shard_{k:05d}.parquet" for k in range(len(plan)) if _record_ok(out, k, plan, key, legacy) is None]
+
+    def body() -> dict:
+        records = []
+        for k in range(len(plan)):
+            rec = _record_ok(out, k, plan, key, legacy)
+            if rec is None:
+                raise RuntimeError(f"generation shard {k} has not finished for these inputs ({out}/shard_{k:05d}"
+                                   f".json): run run_generation_shard(cfg, {k}) (or the generation stage) again")
+            records.append(rec)
+        for m in shard_manifests:
+            if m["sha256"] != records[m["shard"]]["sha256"]:
+                raise ValueError(f"the record given for generation shard {m['shard']} is not the one on disk: pass "
+                                 f"the records of this run's run_generation_shard calls")
+        report = quality_report(records, _gate_limits(g))
+        write_manifest(out / "quality.json", report)
+        check_quality(report, str(out))
+        finish, kinds = {}, {}
+        for r in records:
+            for d, acc in ((r["finish_reasons"], finish), (r["retry_kinds"], kinds)):
+                for k, v in d.items():
+                    acc[k] = acc.get(k, 0) + v
+        return {
+            "shards_key": key, "samples": report["answered"], "prompts": report["prompts"],
+            "completion_tokens": sum(r["completion_tokens"] for r in records), "finish_reasons": finish,
+            "failed": report["counts"]["failed"], "failures": [f for r in records for f in r["failures"]][:100],
+            "retries": sum(r["retries"] for r in records), "retry_kinds": kinds, "quality": report,
+            "sampling": {"temperature": g.temperature, "top_p": g.top_p, "max_new_tokens": g.max_new_tokens,
+                         "greedy": g.temperature == 0.0, "chat_template_kwargs": g.chat_template_kwargs},
+            "turns": {"mode": g.turns, "max_turns": g.max_turns, **_request_counts(records)},
+            "api": g.api_for(cfg.server.kind), "token_ids": "from the server (prompt_ids, output_ids)"
+            if g.api_for(cfg.server.kind) in TOKEN_ID_APIS else None,
+            "server": _server_desc(cfg), "shards": [r["file"] for r in records],
+            "seconds": seconds if seconds is not None else busy_seconds(records)}
+
+    return run_stage(out, generation_stage_key(cfg), body, intact=changed)
 
 
 def _request_counts(records: list[dict]) -> dict:
@@ -313,11 +335,6 @@ def run_generation(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     the Prefect flow's shard tasks do. Returns the stage manifest; raises like `finish_generation` and ServerError
     when no server answers.
     """
-    out = RunLayout(cfg.run_dir).generations
-    m = cached_manifest(out / "manifest.json", generation_stage_key(cfg))
-    status = generation_status(cfg)                      # data on disk is the source of truth: one stat per shard
-    if m and len(status["done"]) == len(status["shards"]):
-        return m
     t0 = time.monotonic()
     shards = generation_shards(cfg)
     status = generation_status(cfg)

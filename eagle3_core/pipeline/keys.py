@@ -1,15 +1,26 @@
 """Inputs keys of the stages, and the target as every stage reads it. A stage whose manifest holds the key of its
-current inputs is done (manifest.cached_manifest); keys chain: each names its upstream stages' keys."""
+current inputs is done (contract.run_stage.done_manifest); keys chain: each names its upstream stages' keys.
+
+A key hashes what changes the stage's result and nothing else (docs/architecture.md, "A stage field"): each stage's
+key function takes `up`, {upstream stage: its manifest's inputs_key} (upstream_keys: the stages of UPSTREAM, read
+by stage name), so that a key is a pure function of the config and those keys (tests/test_keys.py)."""
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 
 from eagle3_core.config import PipelineConfig
-from eagle3_core.contract.manifest import sha256_file, sha256_json
+from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.manifest import read_manifest, sha256_file, sha256_json
 
 CODE_VERSION = "4"  # bump when a stage's output format or semantics change
+
+# the stages whose outputs each stage reads, and whose inputs keys its own key names (the stage table,
+# pipeline.table.STAGES, reads its `upstream` from here)
+UPSTREAM: dict[str, tuple[str, ...]] = {
+    "prompts": (), "generation": ("prompts",), "tokenize": ("generation",), "features": ("tokenize",),
+    "vocab": ("tokenize",), "train": ("features", "vocab"), "evaluate": ("train", "prompts"),
+    "deploy-llama-cpp": ("train", "prompts"), "deploy-sglang": ("train",)}
 
 
 def stage_key(*parts) -> str:
@@ -19,12 +30,18 @@ def stage_key(*parts) -> str:
 
 
 def upstream_manifest(run_dir: Path, stage: str) -> dict:
-    """The manifest of the stage written in directory `stage` of `run_dir` (e.g. 'tokenized', 'draft'). Raises
-    FileNotFoundError naming it when that stage has not run."""
-    path = run_dir / stage / "manifest.json"
-    if not path.exists():
+    """The manifest of stage `stage` (a name of the stage table: 'tokenize', 'train', ...) under `run_dir`.
+    Raises FileNotFoundError naming the stage and the file when that stage has not run."""
+    path = RunLayout(run_dir).manifest(stage)
+    if (manifest := read_manifest(path)) is None:
         raise FileNotFoundError(f"{path} missing: run the {stage} stage first")
-    return json.loads(path.read_text())
+    return manifest
+
+
+def upstream_keys(cfg: PipelineConfig, stage: str) -> dict[str, str]:
+    """{upstream stage: the inputs_key its manifest holds} for each stage UPSTREAM[stage] names: the `up` of
+    `stage`'s key function. Raises FileNotFoundError naming an upstream stage that has not run."""
+    return {u: upstream_manifest(cfg.run_dir, u)["inputs_key"] for u in UPSTREAM[stage]}
 
 
 def target_key(cfg: PipelineConfig) -> dict:

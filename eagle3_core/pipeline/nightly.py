@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from eagle3_core.config import PipelineConfig
+from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest, write_manifest
 
 
@@ -64,7 +65,7 @@ def plan_night(cfg: PipelineConfig, log=print) -> tuple[PipelineConfig, dict]:
     map; a night whose prompts did not change keeps the last night's settings, so every stage is done and nothing
     runs again. Raises ValueError if the sources hold no more than num_eval prompts."""
     from eagle3_core.data.prompt_set import available_prompts
-    from eagle3_core.pipeline.prompts_stage import prompts_key
+    from eagle3_core.pipeline.prompts_stage import prompts_key, prompts_older_keys
     run, nights = Path(cfg.run_dir), history(cfg.run_dir)
     if not nights and (before := _finished_run_record(run)) is not None:
         write_manifest(nights_path(run), {"nights": [before]})
@@ -88,8 +89,9 @@ def plan_night(cfg: PipelineConfig, log=print) -> tuple[PipelineConfig, dict]:
     if last is not None:
         if not last.get("before_nights"):          # the settings the current draft was trained with
             tonight.train.init_from, tonight.train.init_vocab = last.get("init_from"), "keep"
-        done = read_manifest(run / "prompts" / "manifest.json") or {}
-        if done.get("inputs_key") == prompts_key(tonight) and last.get("num_train") == n:
+        done = read_manifest(RunLayout(run).manifest("prompts")) or {}
+        same = (prompts_key(tonight), *prompts_older_keys(tonight))           # an older formula's: same prompts
+        if done.get("inputs_key") in same and last.get("num_train") == n:
             log(f"night {len(nights)}: {n} train prompts, as night {last['night']}{source_note}: nothing new to "
                 f"train on, no stage runs again; promoted/ stays")
             return tonight, {"night": len(nights), "started_at": time.time(), "new": False,
@@ -115,7 +117,7 @@ def finish_night(tonight: PipelineConfig, plan: dict, log=print) -> dict:
     init_from, promoted, promoted_night (the night whose draft promoted/ now holds)."""
     run = Path(tonight.run_dir)
     nights = history(run)
-    summary = (read_manifest(run / "eval" / "manifest.json") or {})["summary"]["trained"]
+    summary = (read_manifest(RunLayout(run).manifest("evaluate")) or {})["summary"]["trained"]
     records = [json.loads(p.read_text()) for p in sorted((run / "generations").glob("shard_*.json"))]
     generated = sum(r.get("generated", 0) for r in records if r.get("started_at", 0) >= plan["started_at"])
     best = next((n for n in reversed(nights) if n["night"] == (nights[-1]["promoted_night"] if nights else -1)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from eagle3_core.config import PipelineConfig
+from eagle3_core.contract.compat import prompt_fields_v4
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest
 from eagle3_core.contract.run_stage import run_stage
@@ -11,18 +12,32 @@ from eagle3_core.data.held_out import digests_from_files, eval_set_digest
 from eagle3_core.pipeline.keys import stage_key, target_key
 
 
-def prompts_key(cfg: PipelineConfig) -> str:
-    """Inputs key of the prompts stage: the prompt settings, what makes each source's rows what they are
+# the prompt settings that change the rows or the stage's verdict (max_reject_frac); overlong, the tokenize stage's,
+# stays out
+PROMPT_RESULT_FIELDS = ("sources", "mix", "num_train", "num_eval", "eval_ids", "seed", "max_reject_frac",
+                        "over_budget")
+
+
+def prompts_key(cfg: PipelineConfig, up: dict | None = None) -> str:
+    """Inputs key of the prompts stage (no upstream stage: `up` unused): the prompt settings that change the rows
+    or the stage's verdict (PROMPT_RESULT_FIELDS; eval_ids only when set), what makes each source's rows what they are
     (prompts.source_fingerprints: local files' sha256, Hugging Face data sets' name/split/revision) and what the
     token budget depends on (the target's template, max_length, max_new_tokens, chat-template arguments)."""
+    fields = [f for f in PROMPT_RESULT_FIELDS if f != "eval_ids" or cfg.prompts.eval_ids is not None]
+    return _prompts_key(cfg, cfg.prompts.model_dump(mode="json", include=set(fields)))
+
+
+def prompts_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
+    """The key a prompts stage finished before the keys hashed results only holds (compat.prompt_fields_v4)."""
+    return (_prompts_key(cfg, prompt_fields_v4(cfg.prompts)),)
+
+
+def _prompts_key(cfg: PipelineConfig, prompt_fields: dict) -> str:
     g = cfg.generation
-    pinned = {"eval_ids"} if cfg.prompts.eval_ids is None else set()      # unset: the key of runs before it existed
-    settings = cfg.prompts.model_dump(mode="json", exclude=pinned)
-    for s in (settings.get("mix") or {}).get("sources", []):               # the default: the key of runs before it
+    for s in (prompt_fields.get("mix") or {}).get("sources", []):     # the default: the key of runs before it
         if s.get("kept") == "train":
             del s["kept"]
-    return stage_key(settings, prompts_mod.source_fingerprints(cfg.prompts),
-                     target_key(cfg),
+    return stage_key(prompt_fields, prompts_mod.source_fingerprints(cfg.prompts), target_key(cfg),
                      {"max_length": cfg.features.max_length, "max_new_tokens": g.max_new_tokens,
                       "chat_template_kwargs": g.chat_template_kwargs})
 
@@ -99,4 +114,5 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
                 "unpinned": [s.label for s in specs if s.hf and not s.revision and s.hf not in ("json", "parquet")],
                 "rejects": str(out / "rejects.jsonl")}
 
-    return run_stage(out, prompts_key(cfg), body)
+    return run_stage(out, prompts_key(cfg), body, accepted=prompts_older_keys(cfg),
+                     outputs=("train.parquet", "eval.parquet"), log=log)

@@ -1,31 +1,44 @@
-"""The stage table: one row per stage (name, inputs key, upstream stages; its directory is contract.layout's
-STAGE_DIRS). `inputs_key`, `stage_done` and `invalidate_stage` read it, and so do the task layer (tasks/cache.py)
-and docs/architecture.md (checked by tests/test_architecture.py)."""
+"""The stage table: one row per stage (name, inputs key, the older key formulas it still accepts, upstream stages
+from keys.UPSTREAM; its directory is contract.layout's STAGE_DIRS). `inputs_key`, `stage_done` and
+`invalidate_stage` read it, and so do the task layer (tasks/cache.py) and docs/architecture.md (checked by
+tests/test_architecture.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
 from eagle3_core.config import PipelineConfig
-from eagle3_core.contract.layout import STAGE_DIRS
-from eagle3_core.contract.manifest import cached_manifest
-from eagle3_core.pipeline.deploy_stage import deploy_llama_cpp_key, deploy_sglang_key
-from eagle3_core.pipeline.evaluate_stage import evaluate_key
+from eagle3_core.contract.layout import STAGE_DIRS, RunLayout
+from eagle3_core.contract.run_stage import done_manifest
+from eagle3_core.pipeline.deploy_stage import (
+    deploy_llama_cpp_key,
+    deploy_llama_cpp_older_keys,
+    deploy_sglang_key,
+    deploy_sglang_older_keys,
+)
+from eagle3_core.pipeline.evaluate_stage import evaluate_key, evaluate_older_keys
 from eagle3_core.pipeline.features_stage import features_key
 from eagle3_core.pipeline.generation_stage import generation_stage_key
-from eagle3_core.pipeline.prompts_stage import prompts_key
+from eagle3_core.pipeline.keys import UPSTREAM, upstream_keys
+from eagle3_core.pipeline.prompts_stage import prompts_key, prompts_older_keys
 from eagle3_core.pipeline.tokenize_stage import tokenize_key
-from eagle3_core.pipeline.train_stage import train_key
+from eagle3_core.pipeline.train_stage import train_key, train_older_keys
 from eagle3_core.pipeline.vocab_stage import vocab_key
 
 
 @dataclass(frozen=True)
 class Stage:
-    """A row of the stage table. key(cfg): the inputs key its manifest holds when it is done (needs the upstream
-    manifests). upstream: the stages whose outputs it reads."""
+    """A row of the stage table. key(cfg, up): the inputs key its manifest holds when it is done, from the config
+    and `up`, {upstream stage: its manifest's inputs_key}. older(cfg, up): the keys of older formulas a finished
+    run's manifest may hold for the same settings (contract.compat), also done."""
     name: str
-    key: Callable[[PipelineConfig], str]
-    upstream: tuple[str, ...]
+    key: Callable[[PipelineConfig, dict], str]
+    older: Callable[[PipelineConfig, dict], tuple[str, ...]] = lambda cfg, up: ()
+
+    @property
+    def upstream(self) -> tuple[str, ...]:
+        """The stages whose outputs it reads and whose keys its own names (keys.UPSTREAM)."""
+        return UPSTREAM[self.name]
 
     @property
     def directory(self) -> str:
@@ -34,34 +47,36 @@ class Stage:
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in [
-    Stage("prompts", prompts_key, ()),
-    Stage("generation", generation_stage_key, ("prompts",)),
-    Stage("tokenize", tokenize_key, ("generation",)),
-    Stage("features", features_key, ("tokenize",)),
-    Stage("vocab", vocab_key, ("tokenize",)),
-    Stage("train", train_key, ("features", "vocab")),
-    Stage("evaluate", evaluate_key, ("train", "prompts")),
-    Stage("deploy-llama-cpp", deploy_llama_cpp_key, ("train", "prompts")),
-    Stage("deploy-sglang", deploy_sglang_key, ("train",)),
+    Stage("prompts", prompts_key, prompts_older_keys),
+    Stage("generation", generation_stage_key),
+    Stage("tokenize", tokenize_key),
+    Stage("features", features_key),
+    Stage("vocab", vocab_key),
+    Stage("train", train_key, train_older_keys),
+    Stage("evaluate", evaluate_key, evaluate_older_keys),
+    Stage("deploy-llama-cpp", deploy_llama_cpp_key, deploy_llama_cpp_older_keys),
+    Stage("deploy-sglang", deploy_sglang_key, deploy_sglang_older_keys),
 ]}
 
-assert set(STAGES) == set(STAGE_DIRS), "every stage has a directory in contract.layout.STAGE_DIRS and a row here"
+assert set(STAGES) == set(STAGE_DIRS) == set(UPSTREAM), "every stage has a directory, upstream stages and a row"
 
 
 def inputs_key(cfg: PipelineConfig, stage: str) -> str:
     """The inputs key stage `stage` (a key of STAGE_DIRS) writes into its manifest: a stage whose manifest holds
-    it is done. Needs the upstream stages' manifests; raises FileNotFoundError naming a missing one."""
-    return STAGES[stage].key(cfg)
+    it is done. Reads the upstream stages' manifests by stage name; raises FileNotFoundError naming a missing one."""
+    return STAGES[stage].key(cfg, upstream_keys(cfg, stage))
 
 
 def stage_done(cfg: PipelineConfig, stage: str) -> bool:
-    """True if stage `stage` has a manifest for its current inputs under cfg.run_dir."""
-    return cached_manifest(cfg.run_dir / STAGE_DIRS[stage] / "manifest.json", inputs_key(cfg, stage)) is not None
+    """True if stage `stage` has a manifest under cfg.run_dir for its current inputs (its key, or an older formula
+    of it: Stage.older) whose recorded output files are intact (run_stage.done_manifest)."""
+    up, row = upstream_keys(cfg, stage), STAGES[stage]
+    return done_manifest(RunLayout(cfg.run_dir).stage_dir(stage), [row.key(cfg, up), *row.older(cfg, up)]) is not None
 
 
 def invalidate_stage(cfg: PipelineConfig, stage: str) -> None:
     """Forget that stage `stage` is done under cfg.run_dir (its manifest and its shards' sidecars), so that its
     next run recomputes everything. Data files stay until they are overwritten."""
-    out = cfg.run_dir / STAGE_DIRS[stage]
+    out = RunLayout(cfg.run_dir).stage_dir(stage)
     for path in [out / "manifest.json", out / "head.json", *out.glob("shard_*.json")]:
         path.unlink(missing_ok=True)

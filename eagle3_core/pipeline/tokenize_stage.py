@@ -11,14 +11,16 @@ from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.run_stage import run_stage
 from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.rejects import finish_rejects
-from eagle3_core.pipeline.keys import stage_key, target_key, upstream_manifest
+from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
 
 
-def tokenize_key(cfg: PipelineConfig) -> str:
-    """Inputs key of the tokenize stage: the generations, the max length and overlong policy, the target (its
-    chat template), and the history rule where it changed the samples (history_rule)."""
-    return stage_key(upstream_manifest(cfg.run_dir, "generations")["inputs_key"], cfg.features.max_length,
-                     cfg.prompts.overlong, target_key(cfg), *history_rule(cfg))
+def tokenize_key(cfg: PipelineConfig, up: dict | None = None) -> str:
+    """Inputs key of the tokenize stage: the generations (`up`: {'generation': its key}; default: read from its
+    manifest), the max length and overlong policy, the target (its chat template), and the history rule where it
+    changed the samples (history_rule)."""
+    up = upstream_keys(cfg, "tokenize") if up is None else up
+    return stage_key(up["generation"], cfg.features.max_length, cfg.prompts.overlong, target_key(cfg),
+                     *history_rule(cfg))
 
 
 def history_rule(cfg: PipelineConfig) -> list[dict]:
@@ -46,7 +48,7 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
     from eagle3_core.target.loading import load_tokenizer
     run = RunLayout(cfg.run_dir)
     out = run.tokenized
-    up = upstream_manifest(cfg.run_dir, "generations")
+    up = upstream_manifest(cfg.run_dir, "generation")
 
     def body() -> dict:
         tok = load_tokenizer(cfg.target)
@@ -110,4 +112,4 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
                              "ids)"),
             "token_sources": sources, "server_ids_check": check}
 
-    return run_stage(out, tokenize_key(cfg), body)
+    return run_stage(out, tokenize_key(cfg), body, outputs=("train.parquet",), log=log)

@@ -2,15 +2,16 @@
 (draft/export) and checked by reloading it strictly."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from safetensors.torch import load_file
 
 from eagle3_core.config import PipelineConfig
+from eagle3_core.contract.compat import train_fields_v4
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.contract.manifest import cached_manifest, read_manifest, write_manifest
-from eagle3_core.pipeline.keys import aux_ids, stage_key, target_config, upstream_manifest
+from eagle3_core.contract.manifest import read_manifest, write_manifest
+from eagle3_core.contract.run_stage import run_stage
+from eagle3_core.pipeline.keys import aux_ids, stage_key, target_config, upstream_keys
 from eagle3_core.training.checkpoint import EXPORT_DTYPE, clear_training_state, export_draft, load_draft
 
 
@@ -44,7 +45,7 @@ def fresh_draft(cfg: PipelineConfig, log=print):
     vocab = load_file(str(RunLayout(cfg.run_dir).vocab_map))
     emb, lm = load_head(RunLayout(cfg.run_dir).features)
     shape = draft_shape(cfg)
-    store_ids = (read_manifest(RunLayout(cfg.run_dir).features / "manifest.json") or {}).get("aux_layer_ids")
+    store_ids = (read_manifest(RunLayout(cfg.run_dir).manifest("features")) or {}).get("aux_layer_ids")
     if store_ids is not None and store_ids != shape.aux_layer_ids:
         raise ValueError(f"features.aux_layer_ids resolves to {shape.aux_layer_ids} but the feature store "
                          f"{RunLayout(cfg.run_dir).features} holds layers {store_ids}: rerun the features stage")
@@ -71,7 +72,7 @@ def train_split(cfg: PipelineConfig, dp=None) -> tuple[list, list]:
     from eagle3_core.features.store import bad_shards
     from eagle3_core.features.reader import load_samples
     dp, store = dp or DataParallel(), RunLayout(cfg.run_dir).features
-    shards = (read_manifest(store / "manifest.json") or {}).get("shards", [])   # none: load_samples says so
+    shards = (read_manifest(RunLayout(cfg.run_dir).manifest("features")) or {}).get("shards", [])   # none: says so
     bad = bad_shards(store, dp.shard(shards))
     if n_bad := dp.sum_int(len(bad)):
         raise ValueError(f"{n_bad} feature shard(s) corrupt or missing (changed since written), here "
@@ -82,57 +83,89 @@ def train_split(cfg: PipelineConfig, dp=None) -> tuple[list, list]:
     return samples[n_eval:], samples[:n_eval]
 
 
-def claim_training_dir(out: Path, key: str) -> None:
+def claim_training_dir(out: Path, key: str, accepted: tuple[str, ...] = ()) -> None:
     """Make `out` the training directory of inputs `key`: training state written for other inputs is deleted
-    (never resumed from); state of the same inputs stays, so training resumes."""
+    (never resumed from); state of the same inputs (`key`, or an older formula of it: `accepted`) stays, so
+    training resumes (each checkpoint's resume key then refuses other batches: checkpoint.check_resume)."""
     out.mkdir(parents=True, exist_ok=True)
-    if (out / "inputs_key").exists() and (out / "inputs_key").read_text() != key:
+    if (out / "inputs_key").exists() and (out / "inputs_key").read_text() not in (key, *accepted):
         clear_training_state(out)
     (out / "inputs_key").write_text(key)
 
 
-def train_key(cfg: PipelineConfig) -> str:
-    """Inputs key of the training stage: features, vocab map, train and draft settings (any number of GPUs), and
-    the warm-start draft's weights (train.init_from). train.batching, train.window_context and train.graph count only
-    when set away from their defaults, so that a run trained before they existed stays done."""
+# the train settings that change the trained draft; batching (resolved) and window_context (packed rows only)
+# count as resolved_train_fields says
+TRAIN_RESULT_FIELDS = ("epochs", "lr", "warmup_frac", "batch_tokens", "grad_accum", "grad_clip", "ttt_length",
+                       "step_weight", "eval_frac", "seed", "init_from", "init_vocab")
+# the ones that change how the same steps are computed or kept, not the draft: out of the key, so that changing
+# them resumes a half-trained run (attention and compile give the same results; graph compiles the same step)
+TRAIN_HOW_FIELDS = ("checkpoint_every", "keep_checkpoints", "device", "attention", "compile", "graph")
+
+
+def resolved_train_fields(cfg: PipelineConfig) -> dict:
+    """The train settings the train key hashes: TRAIN_RESULT_FIELDS, batching as it resolves here
+    (setup.resolved_batching: 'auto' is packed rows on CUDA, padded batches on CPU) and, for packed rows, the
+    window context in effect (TrainConfig.context_tokens; padded batches have no windows)."""
+    from eagle3_core.training.setup import resolved_batching
+    t = cfg.train
+    batching = resolved_batching(t)
+    return {**t.model_dump(mode="json", include=set(TRAIN_RESULT_FIELDS)), "batching": batching,
+            "window_context": t.context_tokens() if batching == "packed" else None}
+
+
+def train_key(cfg: PipelineConfig, up: dict | None = None) -> str:
+    """Inputs key of the training stage: the features and vocab keys (`up`: {'features', 'vocab': their keys};
+    default: read from their manifests), the train settings that change the draft (resolved_train_fields; any
+    number of GPUs), the draft settings, and the warm-start draft's weights (train.init_from)."""
     from eagle3_core.pipeline.vocab_stage import init_key
-    new_defaults = {k for k in ("batching", "window_context", "graph")
-                    if getattr(cfg.train, k) == type(cfg.train).model_fields[k].default}
-    return stage_key(upstream_manifest(cfg.run_dir, "features")["inputs_key"],
-                     upstream_manifest(cfg.run_dir, "vocab")["inputs_key"],
-                     cfg.train.model_dump(mode="json", exclude=new_defaults), cfg.draft,
+    up = upstream_keys(cfg, "train") if up is None else up
+    return stage_key(up["features"], up["vocab"], resolved_train_fields(cfg), cfg.draft,
                      *([init_key(cfg)] if cfg.train.init_from is not None else []))
+
+
+def train_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
+    """The keys a train stage finished before the keys hashed results only holds for the same settings
+    (compat.train_fields_v4: every train field hashed): such a run stays done, and its checkpoints resume."""
+    from eagle3_core.pipeline.vocab_stage import init_key
+    up = upstream_keys(cfg, "train") if up is None else up
+    return (stage_key(up["features"], up["vocab"], train_fields_v4(cfg.train), cfg.draft,
+                      *([init_key(cfg)] if cfg.train.init_from is not None else [])),)
 
 
 def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
     """Train the draft with TTT (draft/), then export the best epoch as an SGLang-loadable directory
     (draft/export), validated by reloading it strictly and comparing logits exactly. The same on every rank of an
     initialised process group (torchrun: distributed/train_ddp.py): each rank trains its share (trainer.train),
-    rank 0 alone exports and writes the manifest (its `world_size` says how many ranks trained). Logs 'epoch e of
-    E' with an ETA; on_epoch(epochs_done, epochs) after each epoch (rank 0)."""
+    rank 0 alone exports and writes the manifest (its `world_size` says how many ranks trained; its `files` the
+    export's, checked by the next run's done check). Logs 'epoch e of E' with an ETA; on_epoch(epochs_done,
+    epochs) after each epoch (rank 0)."""
     from eagle3_core.distributed.data_parallel import DataParallel
     from eagle3_core.training.trainer import train
     dp = DataParallel.from_process_group()
     out = RunLayout(cfg.run_dir).draft
-    key = train_key(cfg)
-    if (m := cached_manifest(out / "manifest.json", key)):
-        return m
-    t0 = time.monotonic()
-    train_s, eval_s = train_split(cfg, dp)
-    draft, lm_head = fresh_draft(cfg, log)
-    if dp.is_main:
-        claim_training_dir(out, key)
-    dp.barrier()                                   # no rank resumes from state of other inputs
-    summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log, on_epoch=on_epoch)
-    manifest = None
-    if dp.is_main:
+    up = upstream_keys(cfg, "train")
+    key, older = train_key(cfg, up), train_older_keys(cfg, up)
+
+    def body() -> dict:
+        train_s, eval_s = train_split(cfg, dp)
+        draft, lm_head = fresh_draft(cfg, log)
+        if dp.is_main:
+            claim_training_dir(out, key, older)
+        dp.barrier()                                   # no rank resumes from state of other inputs
+        summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log, on_epoch=on_epoch)
+        if not dp.is_main:
+            return {}
         export = export_draft(load_draft(out / "best"), out / "export")      # bf16, probed bit for bit
         log(f"train: best epoch {summary['best']['epoch']} (tau_sim {summary['best']['tau_sim']:.2f}); "
             f"exported to {export}")
-        manifest = write_manifest(out / "manifest.json", {
-            "inputs_key": key, "export_dir": str(export), "export_dtype": str(EXPORT_DTYPE).removeprefix("torch."),
-            "best": summary["best"], "steps": summary["steps"],
-            "history": summary["history"], "train_samples": len(train_s), "eval_samples": len(eval_s),
-            "world_size": dp.world, "seconds": time.monotonic() - t0})
+        return {"export_dir": str(export), "export_dtype": str(EXPORT_DTYPE).removeprefix("torch."),
+                "best": summary["best"], "steps": summary["steps"], "history": summary["history"],
+                "train_samples": len(train_s), "eval_samples": len(eval_s), "world_size": dp.world}
+
+    manifest = run_stage(out, key, body, accepted=older, outputs=EXPORT_FILES, log=log,
+                         write=write_manifest if dp.is_main else (lambda path, m: m))
     dp.barrier()                                   # the manifest exists when any rank returns
-    return manifest or read_manifest(out / "manifest.json")
+    return manifest if dp.is_main else read_manifest(out / "manifest.json")
+
+
+EXPORT_FILES = ("export/model.safetensors", "export/config.json")     # the train stage's outputs later stages read

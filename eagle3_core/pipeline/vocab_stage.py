@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.run_stage import run_stage
-from eagle3_core.pipeline.keys import sha256_unchanged_file, stage_key, target_config, upstream_manifest
+from eagle3_core.pipeline.keys import sha256_unchanged_file, stage_key, target_config, upstream_keys
 
 
 def kept_init_vocab(cfg: PipelineConfig) -> bool:
@@ -27,13 +27,14 @@ def init_key(cfg: PipelineConfig) -> dict | None:
     return {"dir": str(src.dir), "sha256": sha256_unchanged_file(src.weights)}
 
 
-def vocab_key(cfg: PipelineConfig) -> str:
-    """Inputs key of the vocab stage: the tokenized data and the draft vocab size, and the warm-start draft when
-    its map is kept. (The marker tokens kept in the map are not in it: end of turn, think and tool-call markers are
-    among the most frequent supervised tokens of any run that has them, so a finished map keeps its key; the
-    manifest names any marker a map lacks, `markers_missing`.)"""
-    return stage_key(upstream_manifest(cfg.run_dir, "tokenized")["inputs_key"], cfg.draft.draft_vocab_size,
-                     *([init_key(cfg)] if kept_init_vocab(cfg) else []))
+def vocab_key(cfg: PipelineConfig, up: dict | None = None) -> str:
+    """Inputs key of the vocab stage: the tokenized data (`up`: {'tokenize': its key}; default: read from its
+    manifest) and the draft vocab size, and the warm-start draft when its map is kept. (The marker tokens kept in
+    the map are not in it: end of turn, think and tool-call markers are among the most frequent supervised tokens of
+    any run that has them, so a finished map keeps its key; the manifest names any marker a map lacks,
+    `markers_missing`.)"""
+    up = upstream_keys(cfg, "vocab") if up is None else up
+    return stage_key(up["tokenize"], cfg.draft.draft_vocab_size, *([init_key(cfg)] if kept_init_vocab(cfg) else []))
 
 
 def run_vocab(cfg: PipelineConfig, log=print) -> dict:
@@ -77,4 +78,4 @@ def run_vocab(cfg: PipelineConfig, log=print) -> dict:
                 "coverage_per_source": per_source, "always_in_vocab": markers, "markers_missing": missing,
                 "from": str(init_dir(cfg.train.init_from)) if kept_init_vocab(cfg) else "counts"}
 
-    return run_stage(out, vocab_key(cfg), body)
+    return run_stage(out, vocab_key(cfg), body, outputs=("vocab_map.safetensors",), log=log)

@@ -288,12 +288,13 @@ def sglang_server_argv(model: str, host: str, port: int, revision: str | None = 
 @contextmanager
 def sglang_server(model: str, log_path: Path, host: str = "127.0.0.1", port: int = 0, revision: str | None = None,
                   trust_remote_code: bool = False, startup_timeout_s: float = 1800.0,
-                  extra_args: list[str] | None = None):
-    """Run an SGLang server on `model` for the duration of the block; yields its base URL. SGLang's /health answers
-    503 until the model is loaded. Its scheduler and detokenizer processes die with it (SGLang sets their
-    PDEATHSIG) and share its process group. Raises ServerError naming the URL and log on failure."""
+                  extra_args: list[str] | None = None, python: str | None = None):
+    """Run an SGLang server on `model` for the duration of the block (with `python`, e.g. the run's sglang_python,
+    else this one); yields its base URL. SGLang's /health answers 503 until the model is loaded. Its scheduler and
+    detokenizer processes die with it (SGLang sets their PDEATHSIG) and share its process group. Raises
+    ServerError naming the URL and log on failure."""
     port = port or free_port(host)
-    argv = sglang_server_argv(model, host, port, revision, trust_remote_code, extra_args)
+    argv = sglang_server_argv(model, host, port, revision, trust_remote_code, extra_args, python)
     with launch(argv, f"http://{host}:{port}", log_path, startup_timeout_s) as url:
         yield url
 

@@ -154,6 +154,61 @@ def ep_int4_bytes_per_rank(model: torch.nn.Module, q: dict | None, world: int, s
     return int(total + BYTES_PER_PARAM * math.ceil(layer / world))
 
 
+# what SGLang's model files split over the tensor-parallel ranks (models/deepseek_v2.py, llama.py: attention's
+# column/row-parallel projections, the dense and shared MLPs, the vocab-parallel embedding and lm_head); routed
+# experts split by expert or by slice, as stored (its compressed-tensors MoE keeps INT4); the rest (norms, routers,
+# MLA's ReplicatedLinear q_a / kv_a projections, a vision tower) whole on every rank
+SGLANG_SPLIT = EP_INT4_SPLIT + (".self_attn.k_proj.", ".self_attn.v_proj.", "embed_tokens.", "lm_head.")
+SGLANG_DEFAULT_MEM_FRACTION = 0.8        # counted when features.mem_fraction_static is None (SGLang's own default
+#                                          depends on the GPU, server_args.py _handle_gpu_memory_settings)
+
+
+def sglang_bytes_per_rank(model: torch.nn.Module, q: dict | None, world: int) -> int:
+    """Weight bytes one of `world` ranks holds with backend 'sglang' (SGLang's tensor-parallel layout): routed
+    experts as stored (stored_bytes) / world, the SGLANG_SPLIT parameters / world in bf16, every other parameter
+    whole in bf16. An estimate from the config: SGLang's padding of the vocab and of kv heads below the rank count
+    is left out."""
+    total = stored_bytes(model, q)["routed_experts"] / world
+    experts = {id(p) for m in model.modules() if _fused_experts(m) for p in m.parameters(recurse=False)}
+    for name, p in model.named_parameters():
+        if id(p) not in experts:
+            total += BYTES_PER_PARAM * p.numel() / (world if any(k in name for k in SGLANG_SPLIT) else 1)
+    return int(total)
+
+
+def kv_bytes_per_token(t, world: int) -> int:
+    """KV-cache bytes (bf16) one rank holds per token of text config `t`: MLA's latent (kv_lora_rank +
+    qk_rope_head_dim per layer, the same on every rank), else 2 x ceil(kv heads / world) x head_dim per layer."""
+    L = t.num_hidden_layers
+    if getattr(t, "kv_lora_rank", None):
+        return BYTES_PER_PARAM * L * (t.kv_lora_rank + t.qk_rope_head_dim)
+    heads = getattr(t, "num_key_value_heads", None) or t.num_attention_heads
+    hd = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    return BYTES_PER_PARAM * L * 2 * math.ceil(heads / world) * hd
+
+
+def sglang_fit(f, t, model, q, gpus) -> tuple[dict, list[tuple[str, str]]]:
+    """(facts, problems) of backend 'sglang': GB of weights per rank (sglang_bytes_per_rank) plus the KV cache of
+    one prefill batch (features.batch_tokens tokens, kv_bytes_per_token) against SGLang's static share of a GPU
+    (features.mem_fraction_static, SGLANG_DEFAULT_MEM_FRACTION when None); activations take the rest."""
+    weights, kv = sglang_bytes_per_rank(model, q, f.tp_size), kv_bytes_per_token(t, f.tp_size) * f.batch_tokens
+    frac = f.mem_fraction_static or SGLANG_DEFAULT_MEM_FRACTION
+    facts = {"gb_per_gpu": round(weights / 1e9, 2), "kv_gb_per_batch": round(kv / 1e9, 2),
+             "mem_fraction_static": f.mem_fraction_static or f"None (SGLang's default; counted {frac})",
+             "expert_parallel": f.expert_parallel}
+    problems = [("features.tp_size", m + ": SGLang's tensor parallelism splits whole heads")
+                for m in head_divisibility(t, f.tp_size)]
+    if f.expert_parallel and _uneven(t, f.tp_size):
+        problems.append(("features.expert_parallel", f"SGLang's ep_size = tp_size = {f.tp_size} must divide the "
+                         f"{_experts(t)} routed experts; set it false (experts split by slice)"))
+    if gpus and weights + kv > frac * gpus[1]:
+        problems.append(("features.tp_size", f"{weights / 1e9:.1f} GB of weights and {kv / 1e9:.1f} GB of KV cache "
+                         f"per GPU with backend 'sglang' at tp_size {f.tp_size} exceed mem_fraction_static {frac} "
+                         f"of one GPU ({gpus[1] / 1e9:.0f} GB): raise features.tp_size or "
+                         f"features.mem_fraction_static, or lower features.batch_tokens"))
+    return facts, problems
+
+
 def gpu_memory() -> tuple[int, int] | None:
     """(GPU count, bytes of the smallest GPU) on this host, None without CUDA."""
     if not torch.cuda.is_available():
@@ -220,6 +275,10 @@ def backend_facts(cfg, tcfg, gpus: tuple[int, int] | None) -> tuple[dict, list[t
     if budget is not None:
         facts["needs"] = _needs(t, sizes, per_rank, int4, budget, gpus[1])
     problems = []
+    if f.backend == "sglang":                      # its own layout and budget (sglang_fit)
+        sg, problems = sglang_fit(f, t, model, q, gpus)
+        facts.update(sg)
+        chosen = None
     if f.backend in ("hf_tp", "ep_int4"):
         problems += [("features.tp_size", m + ": the tensor-parallel plan splits whole heads")
                      for m in head_divisibility(t, f.tp_size)]

@@ -5,6 +5,7 @@ export and load check it strictly (SGLang silently keeps random weights for name
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -234,6 +235,43 @@ def load_latest_training_state(out_dir: Path, log=print) -> tuple[dict, Path] | 
         except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:  # damaged: try an older one
             log(f"train: skipping unreadable checkpoint {path} ({type(e).__name__}: {e})")
     return None, None
+
+
+# what each field of a checkpoint's resume key is, in the words a refusal names it
+RESUME_FIELDS = {"batching": "train.batching (resolved: 'auto' is packed rows on CUDA, padded batches on CPU)",
+                 "batch_tokens": "train.batch_tokens", "grad_accum_x_world": "train.grad_accum x the world size",
+                 "seed": "train.seed", "window_context": "train.window_context (packed rows)",
+                 "samples": "the train samples (ids and lengths of the feature store's samples)"}
+
+
+def resume_key(samples: list[dict], batching: str, batch_tokens: int, global_accum: int, seed: int,
+               window_context: int | None) -> dict:
+    """What fixes the batches and optimizer steps a checkpoint's position (epoch, batch) refers to, stored in each
+    checkpoint: the resolved batching ('packed' or 'padded'), the token budget, batches per optimizer step W*G
+    (2 ranks x 1 equals 1 process x 2), the seed, the window context of packed rows (None for padded) and the
+    sha256 of the samples' ids and lengths. Field names: RESUME_FIELDS."""
+    digest = hashlib.sha256(json.dumps([[s["id"], len(s["input_ids"])] for s in samples]).encode()).hexdigest()
+    return {"batching": batching, "batch_tokens": batch_tokens, "grad_accum_x_world": global_accum, "seed": seed,
+            "window_context": window_context, "samples": digest}
+
+
+def check_resume(state: dict, key: dict, path: Path, fingerprint_v4=None) -> None:
+    """Refuse to resume from checkpoint `state` (at `path`) unless it was written for the batches `key`
+    (resume_key) gives: ValueError naming the first field that differs (RESUME_FIELDS), its value then and now,
+    and what to do. A checkpoint written before checkpoints held a resume key is compared by its `data`
+    fingerprint against fingerprint_v4() (compat.checkpoint_fingerprint_v4)."""
+    fix = f"set it back to resume, or delete {Path(path).parent} to train from scratch"
+    if "resume" not in state:
+        if fingerprint_v4 is None or state.get("data") != fingerprint_v4():
+            raise ValueError(f"checkpoint {path} was written for other training data or batching (here: "
+                             f"{RESUME_FIELDS['grad_accum_x_world']} = {key['grad_accum_x_world']}, "
+                             f"{RESUME_FIELDS['batching']} = {key['batching']!r}); {fix}")
+        return
+    for field, now in key.items():
+        then = state["resume"].get(field)
+        if then != now:
+            raise ValueError(f"checkpoint {path} was written with {RESUME_FIELDS[field]} = {then!r}, this run has "
+                             f"{now!r}: resuming would train other batches from its position; {fix}")
 
 
 def clear_training_state(out_dir: Path) -> None:

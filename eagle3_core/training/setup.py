@@ -46,6 +46,16 @@ def lr_lambda(step: int, total: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def resolved_batching(cfg: TrainConfig) -> str:
+    """'packed' or 'padded': cfg.batching, with 'auto' resolved as the trainer resolves it (batch_feed.packed):
+    packed rows when training runs on CUDA (cfg.device 'auto' with a GPU here, or a 'cuda' device), else padded
+    batches. Part of the train key and of each checkpoint's resume key (the two give other batches)."""
+    if cfg.batching != "auto":
+        return cfg.batching
+    name = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    return "packed" if name.split(":")[0] == "cuda" else "padded"
+
+
 def resolve_device(cfg: TrainConfig) -> torch.device:
     """cfg.device as a torch.device: 'auto' is CUDA when available, else CPU; 'cuda' is the current CUDA device
     (under torchrun cuda:LOCAL_RANK, set by distributed.train_ddp.init_distributed), so that one config, and one

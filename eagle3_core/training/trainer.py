@@ -12,12 +12,12 @@ Recipe defaults follow SpecForge / EAGLE (SpecForge `scripts/train_eagle3.py`, E
 Resumable state (checkpoint.save_training_state, the keys written in `train` and read in restore_training_state):
 weights, optimizer, scheduler, epoch, position in the epoch's batch order (the order is a pure function of (seed,
 epoch, sample lengths)), optimizer steps, metric sums and tokens of the epoch so far (all ranks), best score,
-history and RNG states (rank 0's), and a fingerprint of the data and the global batch W*G.
+history and RNG states (rank 0's), and the resume key (checkpoint.resume_key: resolved batching, batch tokens,
+W*G, seed, window context, the samples), checked field by field before a resume (checkpoint.check_resume).
 """
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
 import json
 import math
@@ -39,10 +39,13 @@ from eagle3_core.training.batch_feed import (
     packed,
     to_device,
 )
+from eagle3_core.contract.compat import checkpoint_fingerprint_v4
 from eagle3_core.training.checkpoint import (
+    check_resume,
     load_latest_training_state,
     rng_states,
     save_draft,
+    resume_key,
     save_training_state,
     set_rng_states,
 )
@@ -50,16 +53,6 @@ from eagle3_core.training.draft_model import Eagle3Draft
 from eagle3_core.training.packing import compiled, compiled_training, packed_ttt_loss
 from eagle3_core.training.setup import lr_lambda, prepare_training, resolve_device
 from eagle3_core.training.ttt import summarize, ttt_loss
-
-
-def _data_fingerprint(samples: list[dict], cfg: TrainConfig, global_accum: int, pack: bool = False) -> str:
-    """Identifies the batch orders and step groups a checkpoint's position refers to: sample ids and lengths,
-    budget, seed, batches per optimizer step (W*G: the same for 2 ranks x 1 as for 1 process x 2), and for packed
-    rows the window context."""
-    key = [[s["id"], len(s["input_ids"])] for s in samples] + [cfg.batch_tokens, cfg.seed, global_accum]
-    if pack:
-        key += ["packed", cfg.context_tokens()]
-    return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
 
 def _autocast(device: torch.device):
@@ -150,7 +143,7 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
     One process, or every rank of an initialised torch.distributed process group (torchrun; cfg.device 'auto' or 'cuda'
     is then this rank's cuda:LOCAL_RANK, see resolve_device). W ranks with grad_accum G take the optimizer steps of one
     process with grad_accum W*G (distributed/data_parallel.py says why) and write checkpoints with the same keys and
-    data fingerprint, so a run resumes on another world size with the same global batch. Every rank passes the same
+    resume key, so a run resumes on another world size with the same global batch. Every rank passes the same
     samples (read lazily: a rank touches only its micro-batches) and the same seeded draft; rank 0 alone logs and
     writes files.
 
@@ -159,8 +152,9 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
     cfg.checkpoint_every optimizer steps and at each epoch end (the newest cfg.keep_checkpoints kept), and
     TensorBoard scalars under out_dir/tensorboard unless `tensorboard` is False (hosts without the package).
     Raises FloatingPointError on every rank, naming epoch, step and batch, on a non-finite loss (any rank) or
-    gradient norm, before that step changes the weights or anything is saved; ValueError if the checkpoint was
-    written for other data or another global batch. `stop_after_epochs` / `stop_after_steps` end this call after
+    gradient norm, before that step changes the weights or anything is saved; ValueError naming the field if the
+    checkpoint was written for other batches (checkpoint.check_resume: resolved batching, batch tokens, W*G, seed,
+    window context, samples). `stop_after_epochs` / `stop_after_steps` end this call after
     that many epochs / optimizer steps (time-boxed runs, resume tests); calling again resumes. `on_step(step, loss)`
     runs on every rank after each optimizer step (loss: the step's mean micro-batch loss over all ranks);
     `on_epoch(epochs_done, epochs)` on rank 0 after each epoch, its out_dir/last written (progress bars, snapshots).
@@ -181,15 +175,13 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
     total_steps = math.ceil(len(epoch_batches(train_samples, cfg, 0, pack)) / group_size) * cfg.epochs
     warmup = max(1, int(cfg.warmup_frac * total_steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, total_steps, warmup))
-    fingerprint = _data_fingerprint(train_samples, cfg, group_size, pack)
+    resume = resume_key(train_samples, "packed" if pack else "padded", cfg.batch_tokens, group_size, cfg.seed,
+                        cfg.context_tokens() if pack else None)
 
-    # --- resume: the newest complete checkpoint, or a fresh start
+    # --- resume: the newest complete checkpoint (written for the same batches), or a fresh start
     state, path = load_latest_training_state(out_dir, say)
     if state is not None:
-        if state["data"] != fingerprint:
-            raise ValueError(f"checkpoint {path} was written for other training data or batching (here: world size "
-                             f"x grad_accum = {group_size} batches per step); delete {path.parent} to train from "
-                             f"scratch, or restore the original data and settings")
+        check_resume(state, resume, path, lambda: checkpoint_fingerprint_v4(train_samples, cfg, group_size, pack))
         epoch0, batch0, step, sums, n_tokens, best, history = restore_training_state(state, draft, opt, sched, device)
         say(f"train: resumed from {path.name} (epoch {epoch0 + 1}, batch {batch0}, step {step}){ranks}")
     else:
@@ -207,7 +199,7 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
         if dp.is_main:
             save_training_state(out_dir, {
                 "model": draft.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "epoch": epoch, "batch": batch, "step": step, "data": fingerprint, "tokens": tokens,
+                "epoch": epoch, "batch": batch, "step": step, "resume": resume, "tokens": tokens,
                 "sums": {k: v.cpu() for k, v in all_sums.items()} if sums is not None else {},
                 "best": best, "history": json.dumps(history), "rng": rng_states()}, step, cfg.keep_checkpoints)
         say(f"train: checkpoint step {step} (epoch {epoch + 1}, batch {batch})")

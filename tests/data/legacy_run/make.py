@@ -6,6 +6,13 @@ redone). The target's head.safetensors (113 MB of embedding rows, read by traini
     cd <checkout of the commit to freeze> && .venv/bin/python /path/to/tests/data/legacy_run/make.py OUT_DIR
 
 OUT_DIR gets config.json (the run's PipelineConfig, run_dir relative) and run/ (the stage directories).
+
+    cd <checkout of a later commit> && .venv/bin/python /path/to/tests/data/legacy_run/make.py --train OUT_DIR
+
+adds the train stage to OUT_DIR as that checkout writes it (the fixture's draft/ came from the commit in
+TRAIN_COMMIT, before the keys hashed results only): head.safetensors written again from the target for training,
+then deleted with everything in draft/ but its manifest (the export and checkpoints: ~150 MB, read by no done
+check).
 """
 import json
 import shutil
@@ -51,5 +58,26 @@ def main(out: Path) -> None:
     shutil.rmtree(cfg.run_dir / ".prefect", ignore_errors=True)
 
 
+def add_train(out: Path) -> None:
+    from eagle3_core.config import load_config
+    from eagle3_core.features.extract import HFExtractor
+    from eagle3_core.features.store import write_head
+    from eagle3_core.pipeline.train_stage import run_train
+    from eagle3_core.target.loading import load_target
+    cfg = load_config(out / "config.json")
+    cfg.run_dir = out / "run"
+    write_head(HFExtractor(load_target(cfg.target)), cfg.run_dir / "features", None)
+    run_train(cfg)
+    (cfg.run_dir / "features" / "head.safetensors").unlink()
+    for p in (cfg.run_dir / "draft").iterdir():
+        if p.name != "manifest.json":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (out / "TRAIN_COMMIT").write_text(commit + "\n")
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]).resolve())
+    if sys.argv[1] == "--train":
+        add_train(Path(sys.argv[2]).resolve())
+    else:
+        main(Path(sys.argv[1]).resolve())

@@ -1,0 +1,96 @@
+"""A half-trained tiny run (tiny Llama target, 12 tokenized rows, the features, vocab and train stages run for real):
+a setting that cannot change the draft (train.keep_checkpoints) keeps the checkpoints and resumes from them; a field
+in a key redoes its stage and the stages below it, none above."""
+from __future__ import annotations
+
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from eagle3_core.config import DraftConfig, FeatureConfig, PipelineConfig, TargetConfig, TrainConfig
+from eagle3_core.contract.manifest import write_manifest
+from eagle3_core.pipeline.features_stage import run_features
+from eagle3_core.pipeline.table import inputs_key, stage_done
+from eagle3_core.pipeline.train_stage import run_train
+from eagle3_core.pipeline.vocab_stage import run_vocab
+from eagle3_core.training import trainer
+from tiny_targets import build
+
+DIRS = {"tokenize": "tokenized", "features": "features", "vocab": "vocab", "train": "draft", "evaluate": "eval"}
+
+
+def _manifests(cfg) -> dict[str, str]:
+    return {s: (cfg.run_dir / d / "manifest.json").read_text() for s, d in DIRS.items()}
+
+
+def _with(cfg: PipelineConfig, section: str, **fields) -> PipelineConfig:
+    return cfg.model_copy(update={section: getattr(cfg, section).model_copy(update=fields)})
+
+
+@pytest.fixture
+def half_trained(tmp_path, monkeypatch):
+    """A run whose train stage died after 2 of its optimizer steps (checkpoints step 1 and 2 on disk)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    rows = [{"id": f"r{i}", "input_ids": [rng.randrange(128) for _ in range(n)],
+             "loss_mask": [int(t >= n // 3) for t in range(n)]} for i, n in enumerate(rng.randint(8, 24)
+                                                                                     for _ in range(12))]
+    cfg = PipelineConfig(run_dir=tmp_path / "run", target=TargetConfig(model=str(build("llama", tmp_path / "t"))),
+                         features=FeatureConfig(max_length=64, shard_samples=4, batch_tokens=128),
+                         draft=DraftConfig(draft_vocab_size=64),
+                         train=TrainConfig(epochs=2, lr=3e-3, batch_tokens=48, ttt_length=2, eval_frac=0.0,
+                                           checkpoint_every=1, keep_checkpoints=3, device="cpu"))
+    for stage, key in (("tokenized", "twelve-random-rows"), ("prompts", "the prompts")):
+        write_manifest(cfg.run_dir / stage / "manifest.json", {"inputs_key": key})
+    pq.write_table(pa.Table.from_pylist(rows), cfg.run_dir / "tokenized" / "train.parquet")
+    run_features(cfg, log=lambda s: None)
+    run_vocab(cfg, log=lambda s: None)
+    real = trainer.train
+
+    def killed(*args, **kwargs):
+        real(*args, **{**kwargs, "stop_after_steps": 2})
+        raise RuntimeError("the train stage's process died")
+    monkeypatch.setattr(trainer, "train", killed)
+    with pytest.raises(RuntimeError, match="died"):
+        run_train(cfg, log=lambda s: None)
+    monkeypatch.setattr(trainer, "train", real)
+    yield cfg
+    torch.set_num_threads(threads)
+
+
+def test_keep_checkpoints_resumes_and_a_key_field_redoes_its_stage_and_those_below(half_trained):
+    cfg = half_trained
+    ckpts = cfg.run_dir / "draft" / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*.pt")) == ["step_000000001.pt", "step_000000002.pt"]
+    assert not stage_done(cfg, "train")
+
+    kept = _with(cfg, "train", keep_checkpoints=1, checkpoint_every=5)        # not in the train key
+    assert inputs_key(kept, "train") == inputs_key(cfg, "train")
+    lines = []
+    done = run_train(kept, log=lines.append)
+    assert any("resumed from step_000000002.pt (epoch 1, batch 2, step 2)" in x for x in lines), lines
+    assert done["steps"] > 2 and stage_done(kept, "train") and stage_done(cfg, "train")
+    write_manifest(cfg.run_dir / "eval" / "manifest.json", {"inputs_key": inputs_key(kept, "evaluate")})
+    before = _manifests(kept)
+
+    lr = _with(kept, "train", lr=1e-3)                                        # in the train key
+    assert [stage_done(lr, s) for s in ("features", "vocab", "train")] == [True, True, False]
+    lines = []
+    for run in (run_features, run_vocab, run_train):
+        run(lr, log=lines.append)
+    assert not any("resumed" in x for x in lines), lines                     # other inputs: trained afresh
+    after = _manifests(lr)
+    assert {s for s in DIRS if after[s] != before[s]} == {"train"}
+    assert not stage_done(lr, "evaluate")                                     # below train: redone next
+
+    layers = _with(lr, "features", aux_layer_ids=[1, 2, 5])                   # in the features key
+    assert [stage_done(layers, s) for s in ("features", "vocab")] == [False, True]
+    for run in (run_features, run_vocab, run_train):
+        run(layers, log=lambda s: None)
+    final = _manifests(layers)
+    assert {s for s in DIRS if final[s] != after[s]} == {"features", "train"}
+    assert all(stage_done(layers, s) for s in ("features", "vocab", "train")) and not stage_done(layers, "evaluate")

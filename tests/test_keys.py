@@ -1,0 +1,182 @@
+"""Result-only stage keys (docs/architecture.md, "A stage field"): every field of the config flipped one at a time,
+each stage's key function changes exactly for the fields that change that stage's result, and for each of its
+upstream stages' keys. No stage runs: key functions are pure functions of the config and the upstream keys."""
+from __future__ import annotations
+
+import pytest
+
+from eagle3_core.config import PipelineConfig
+from eagle3_core.pipeline.keys import UPSTREAM
+from eagle3_core.pipeline.table import STAGES
+
+TARGET = ("target.model", "target.gguf_file", "target.revision", "target.trust_remote_code")
+EVAL = ("eval.evaluator", "eval.num_draft_steps", "eval.max_new_tokens", "eval.tie_gap", "eval.tree_topk",
+        "eval.tree_num_draft_tokens", "eval.tree_prompts", "eval.untrained_prompts")
+DRAFT = ("draft.draft_vocab_size", "draft.seed", "draft.num_attention_heads", "draft.num_key_value_heads",
+         "draft.head_dim", "draft.intermediate_size", "draft.rope_theta", "draft.rope_scaling",
+         "draft.max_position_embeddings")
+
+# the fields each stage's key hashes, at the base config below (fields that count only in some settings, e.g.
+# train.window_context for packed rows, are tested on their own further down)
+IN_KEY = {
+    "prompts": {"prompts.sources", "prompts.mix", "prompts.num_train", "prompts.num_eval", "prompts.eval_ids",
+                "prompts.seed", "prompts.max_reject_frac", "prompts.over_budget", *TARGET, "features.max_length",
+                "generation.max_new_tokens", "generation.chat_template_kwargs"},
+    "generation": {"generation.api", "generation.max_new_tokens", "generation.temperature", "generation.top_p",
+                   "generation.chat_template_kwargs", "generation.turns", "generation.max_turns",
+                   "generation.shard_size", "generation.max_failed_frac", "generation.max_empty_frac",
+                   "generation.max_truncated_frac", "generation.max_degenerate_frac", "server.kind", *TARGET},
+    "tokenize": {"features.max_length", "prompts.overlong", *TARGET},
+    "features": {"features.aux_layer_ids", "features.max_length", "features.shard_samples", "features.format",
+                 "features.import_from", *TARGET},
+    "vocab": {"draft.draft_vocab_size", "train.init_from"},
+    "train": {"train.epochs", "train.lr", "train.warmup_frac", "train.batch_tokens", "train.grad_accum",
+              "train.grad_clip", "train.ttt_length", "train.step_weight", "train.eval_frac", "train.seed",
+              "train.batching", "train.init_from", "train.init_vocab", *DRAFT},
+    "evaluate": set(EVAL),
+    "deploy-llama-cpp": {"eval.num_draft_steps", "eval.max_new_tokens"},
+    "deploy-sglang": {*TARGET, "eval.num_draft_steps", "deploy_sglang.enabled", "deploy_sglang.baseline_url",
+                      "deploy_sglang.eagle3_url", "deploy_sglang.tp_size", "deploy_sglang.ep_size",
+                      "deploy_sglang.extra_args", "deploy_sglang.num_steps", "deploy_sglang.topk",
+                      "deploy_sglang.num_draft_tokens", "deploy_sglang.concurrency",
+                      "deploy_sglang.max_running_requests", "deploy_sglang.cuda_graph_max_bs",
+                      "deploy_sglang.max_new_tokens", "deploy_sglang.per_category"},
+}
+
+
+def _flips(tmp_path) -> dict[str, object]:
+    """Another valid value for every field of PipelineConfig (dotted path), against the base config."""
+    draft = tmp_path / "warm"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    (draft / "model.safetensors").write_bytes(b"weights")
+    imported = tmp_path / "specforge"
+    imported.mkdir()
+    (imported / "data_0.ckpt").write_bytes(b"features")
+    return {
+        "target.model": "org/other-target", "target.gguf_file": "target.gguf", "target.revision": "abc123",
+        "target.trust_remote_code": True,
+        "prompts.sources": [str(tmp_path / "other.jsonl")], "prompts.num_train": 121, "prompts.num_eval": 17,
+        "prompts.mix": {"name": "m", "sources": [{"path": str(tmp_path / "m.jsonl"), "count": 136}]},
+        "prompts.eval_ids": [f"p{i}" for i in range(16)], "prompts.seed": 1, "prompts.max_reject_frac": 0.5,
+        "prompts.overlong": "drop", "prompts.over_budget": "long",
+        "server.kind": "sglang", "server.url": "http://127.0.0.1:30000", "server.urls": ["http://127.0.0.1:30001"],
+        "server.host": "0.0.0.0", "server.port": 8080, "server.parallel": 8, "server.ctx_per_slot": 4096,
+        "server.extra_args": ["--x"], "server.startup_timeout_s": 60.0, "server.probe_interval_s": 1.0,
+        "server.down_timeout_s": 60.0,
+        "generation.api": "sglang", "generation.max_new_tokens": 64, "generation.temperature": 0.7,
+        "generation.concurrency": 8, "generation.max_retries": 2, "generation.retry_backoff_s": 2.0,
+        "generation.request_timeout_s": 60.0, "generation.shard_size": 512, "generation.flush_rows": 8,
+        "generation.flush_s": 5.0, "generation.progress_interval_s": 5.0, "generation.max_failed_frac": 0.1,
+        "generation.max_empty_frac": 0.1, "generation.max_truncated_frac": 0.5, "generation.max_degenerate_frac": 0.1,
+        "generation.gate_after": 8, "generation.top_p": 0.9, "generation.chat_template_kwargs": {"enable_thinking": 0},
+        "generation.turns": "all", "generation.max_turns": 3,
+        "features.aux_layer_ids": [1, 2, 3], "features.max_length": 1024, "features.shard_samples": 32,
+        "features.batch_tokens": 8192, "features.format": "fp8", "features.writer_threads": 4,
+        "features.import_from": str(imported), "features.backend": "ep_int4", "features.mix_backends": True,
+        "features.tp_size": 4, "features.expert_parallel": True, "features.shard_attention": False,
+        "features.mem_fraction_static": 0.7,
+        "draft.draft_vocab_size": 16000, "draft.seed": 1, "draft.num_attention_heads": 8,
+        "draft.num_key_value_heads": 2, "draft.head_dim": 64, "draft.intermediate_size": 1024,
+        "draft.rope_theta": 1e6, "draft.rope_scaling": "none", "draft.max_position_embeddings": 4096,
+        "train.epochs": 3, "train.lr": 2e-3, "train.warmup_frac": 0.1, "train.batch_tokens": 2048,
+        "train.grad_accum": 2, "train.grad_clip": 1.0, "train.ttt_length": 5, "train.step_weight": 0.9,
+        "train.eval_frac": 0.1, "train.seed": 1, "train.checkpoint_every": 7, "train.keep_checkpoints": 1,
+        "train.device": "cuda:1", "train.attention": "eager", "train.compile": True, "train.batching": "packed",
+        "train.graph": "row", "train.window_context": 64, "train.init_from": str(draft), "train.init_vocab": "rebuild",
+        "eval.evaluator": "decode", "eval.num_draft_steps": 3, "eval.max_new_tokens": 64, "eval.tie_gap": 0.01,
+        "eval.tree_topk": 2, "eval.tree_num_draft_tokens": 4, "eval.tree_prompts": 3, "eval.untrained_prompts": 3,
+        "deploy_sglang.enabled": "off", "deploy_sglang.baseline_url": "http://127.0.0.1:1",
+        "deploy_sglang.eagle3_url": "http://127.0.0.1:2", "deploy_sglang.tp_size": 2, "deploy_sglang.ep_size": 2,
+        "deploy_sglang.extra_args": ["--y"], "deploy_sglang.num_steps": 3, "deploy_sglang.topk": 2,
+        "deploy_sglang.num_draft_tokens": 4, "deploy_sglang.concurrency": [1], "deploy_sglang.max_running_requests": 8,
+        "deploy_sglang.cuda_graph_max_bs": 8, "deploy_sglang.max_new_tokens": 64, "deploy_sglang.per_category": 2,
+        "deploy_sglang.startup_timeout_s": 60.0,
+    }
+
+
+def _base(tmp_path) -> dict:
+    """The base config as a dict: a local target directory (a GGUF file of 4 bytes beside it), padded batches
+    (so that the device cannot change how 'auto' resolves on whatever machine runs the test), explicit aux layers
+    (an import needs them) and the hf_tp backend on 2 ranks (so that the parallel fields can flip)."""
+    (tmp_path / "target").mkdir(exist_ok=True)
+    (tmp_path / "target" / "target.gguf").write_bytes(b"GGUF")
+    cfg = PipelineConfig(run_dir=tmp_path / "run", target={"model": str(tmp_path / "target")},
+                         train={"batching": "padded"},
+                         features={"aux_layer_ids": [1, 14, 26], "backend": "hf_tp", "tp_size": 2})
+    return cfg.model_dump(mode="json")
+
+
+def _with(base: dict, path: str, value) -> PipelineConfig:
+    section, field = path.split(".")
+    data = {**base, section: {**base[section], field: value}}
+    return PipelineConfig.model_validate(data)
+
+
+def _up(stage: str, **changed) -> dict:
+    return {u: changed.get(u, f"key of {u}") for u in UPSTREAM[stage]}
+
+
+def test_every_field_is_classified_and_each_key_changes_exactly_for_the_fields_in_it(tmp_path):
+    base, flips = _base(tmp_path), _flips(tmp_path)
+    leaves = {f"{s}.{f}" for s, v in base.items() if isinstance(v, dict) for f in v}
+    assert set(flips) == leaves, f"new config fields: give them a value here and a stage: {leaves ^ set(flips)}"
+    cfg0 = PipelineConfig.model_validate(base)
+    keys0 = {name: s.key(cfg0, _up(name)) for name, s in STAGES.items()}
+    changed = {name: set() for name in STAGES}
+    for path, value in flips.items():
+        cfg = _with(base, path, value)
+        for name, s in STAGES.items():
+            if s.key(cfg, _up(name)) != keys0[name]:
+                changed[name].add(path)
+    for name in STAGES:
+        assert changed[name] == IN_KEY[name], (name, "in the key but expected out:", changed[name] - IN_KEY[name],
+                                               "expected in the key:", IN_KEY[name] - changed[name])
+        for u in UPSTREAM[name]:                                   # keys chain: each upstream key counts
+            assert STAGES[name].key(cfg0, _up(name, **{u: "another key"})) != keys0[name], (name, u)
+
+
+def test_the_train_key_hashes_the_resolved_batching_not_the_device(tmp_path):
+    """'auto' is padded batches on a CPU and packed rows on CUDA (setup.resolved_batching): equal keys where the
+    resolution is equal, whatever the device; the window context counts for packed rows only."""
+    base, up = _base(tmp_path), _up("train")
+
+    def key(**train):
+        return STAGES["train"].key(PipelineConfig.model_validate({**base, "train": {**base["train"], **train}}), up)
+    assert key(batching="auto", device="cpu") == key(batching="padded") == key(batching="padded", device="cuda")
+    assert key(batching="auto", device="cuda:1") == key(batching="packed") != key(batching="padded")
+    assert key(batching="packed", window_context=64) != key(batching="packed")
+    assert key(batching="padded", window_context=64) == key(batching="padded")
+    assert key(batching="packed", device="cpu", keep_checkpoints=1, checkpoint_every=3, attention="eager",
+               compile=True, graph="row") == key(batching="packed")
+
+
+def test_the_evaluate_key_hashes_the_resolved_evaluator(tmp_path):
+    """eval.evaluator 'auto' is replay for a sharded features backend and decode for 'hf' (resolved_evaluator):
+    the backend counts where it changes the evaluator, and an explicit evaluator equal to the resolution is the
+    same key."""
+    base, up = _base(tmp_path), _up("evaluate")
+
+    def key(evaluator, **features):
+        data = {**base, "eval": {**base["eval"], "evaluator": evaluator}, "features": {**base["features"], **features}}
+        return STAGES["evaluate"].key(PipelineConfig.model_validate(data), up)
+    hf = {"backend": "hf", "tp_size": 1}
+    assert key("auto") == key("replay") == key("auto", backend="ep_int4") != key("auto", **hf)
+    assert key("auto", **hf) == key("decode", **hf) == key("decode")
+
+
+@pytest.mark.parametrize("stage", ["prompts", "train", "evaluate", "deploy-llama-cpp", "deploy-sglang"])
+def test_stages_whose_key_formula_changed_accept_the_older_key_of_the_same_settings(tmp_path, stage):
+    """An older formula's key is accepted only for the settings it was computed from (contract.compat): a run
+    finished before the keys hashed results only stays done, and changing a field its older key hashed (but the
+    new one does not) no longer matches it."""
+    base = _base(tmp_path)
+    cfg, up = PipelineConfig.model_validate(base), _up(stage)
+    older = STAGES[stage].older(cfg, up)
+    assert len(older) == 1 and older[0] != STAGES[stage].key(cfg, up)
+    moved = {"prompts": ("prompts.overlong", "truncate" if base["prompts"]["overlong"] == "drop" else "drop"),
+             "train": ("train.keep_checkpoints", 1), "evaluate": ("eval.evaluator", "replay"),
+             "deploy-llama-cpp": ("server.host", "0.0.0.0"), "deploy-sglang": ("deploy_sglang.startup_timeout_s", 9.0)}
+    other = _with(base, *moved[stage])
+    assert STAGES[stage].key(other, up) == STAGES[stage].key(cfg, up)          # out of today's key
+    assert STAGES[stage].older(other, up) != older                            # in the older one
