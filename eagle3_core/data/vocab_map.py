@@ -1,4 +1,5 @@
-"""The draft vocabulary: d2t offsets and t2d mask (SGLang `python/sglang/srt/models/llama_eagle3.py`; vLLM `llama_eagle3.py` reads the same offsets).
+"""The draft vocabulary: d2t offsets and t2d mask (SGLang `python/sglang/srt/models/llama_eagle3.py`; vLLM
+`llama_eagle3.py` reads the same offsets).
 
 The target's marker tokens (think, tool calls, end of turn: data.markers) and then the most frequent target tokens
 on loss-masked positions, N in all, form the draft vocab, sorted by target id.
