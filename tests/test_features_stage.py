@@ -101,8 +101,10 @@ def _run_dir(root: Path, target: Path, n: int = 7, **features) -> PipelineConfig
         k = rng.randint(4, 20)
         rows.append({"id": f"r{i}", "input_ids": [rng.randrange(128) for _ in range(k)],
                      "loss_mask": [int(t >= k // 2) for t in range(k)]})
+    # random tokens are not what the random target writes: the on-policy gate (test_history) off
     cfg = PipelineConfig(run_dir=root, target=TargetConfig(model=str(target)),
-                         features=FeatureConfig(max_length=64, shard_samples=3, batch_tokens=64, **features))
+                         features=FeatureConfig(max_length=64, shard_samples=3, batch_tokens=64,
+                                                **{"min_on_policy": 0.0, **features}))
     (root / "tokenized").mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows), root / "tokenized" / "train.parquet")
     write_manifest(root / "tokenized" / "manifest.json", {"inputs_key": "seven-random-rows"})

@@ -43,8 +43,10 @@ def _rows(n: int) -> list[dict]:
 
 
 def _run_dir(root, target_dir, rows, **features) -> PipelineConfig:
+    # random tokens are not what the random target writes: the on-policy gate (test_history) off
     cfg = PipelineConfig(run_dir=root, target=TargetConfig(model=str(target_dir)),
-                         features=FeatureConfig(max_length=64, shard_samples=2, batch_tokens=64, **features))
+                         features=FeatureConfig(max_length=64, shard_samples=2, batch_tokens=64,
+                                                **{"min_on_policy": 0.0, **features}))
     (root / "tokenized").mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows), root / "tokenized" / "train.parquet")
     write_manifest(root / "tokenized" / "manifest.json", {"inputs_key": "tp-rows", "samples": len(rows)})

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.run_stage import run_stage
-from eagle3_core.pipeline.keys import sha256_unchanged_file, stage_key, target_config, upstream_keys
+from eagle3_core.pipeline.keys import sha256_unchanged_file, stage_key, target_config, upstream_keys, upstream_manifest
 
 
 def kept_init_vocab(cfg: PipelineConfig) -> bool:
@@ -49,7 +49,7 @@ def run_vocab(cfg: PipelineConfig, log=print) -> dict:
         rows = pq.read_table(run.tokenized_train).to_pylist()
         ids, masks = [torch.tensor(r["input_ids"]) for r in rows], [torch.tensor(r["loss_mask"]) for r in rows]
         counts = count_tokens(ids, masks, V)
-        markers = upstream_manifest(cfg.run_dir, "tokenized").get("marker_tokens") or {}
+        markers = upstream_manifest(cfg.run_dir, "tokenize").get("marker_tokens") or {}
         always = sorted(t for t in markers.values() if t < V)
         N = min(cfg.draft.draft_vocab_size, V)
         if kept_init_vocab(cfg):
