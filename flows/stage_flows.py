@@ -120,11 +120,17 @@ def stage_run(config: PipelineConfig, stage: str, refresh: bool, *forgotten: str
         yield
 
 
+def one_task_stage(config: PipelineConfig, stage: str, refresh: bool, task) -> dict:
+    """The body of a stage flow that runs one task: the frame (stage_run), `task` through run_stage, the summary
+    line (summarize); returns the stage's manifest."""
+    with stage_run(config, stage, refresh):
+        return summarize(stage, run_stage(task, config, stage))
+
+
 @flow(name="prompts", flow_run_name=run_name("prompts"))
 def prompts_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Load, dedupe and split prompts into train and held-out sets."""
-    with stage_run(config, "prompts", refresh):
-        return summarize("prompts", run_stage(t.prompts_task, config, "prompts"))
+    return one_task_stage(config, "prompts", refresh, t.prompts_task)
 
 
 @flow(name="generation", flow_run_name=run_name("generation"), task_runner=ThreadPoolTaskRunner(max_workers=2))
@@ -159,34 +165,29 @@ def features_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
 @flow(name="vocab", flow_run_name=run_name("vocab"))
 def vocab_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Build the draft vocab map (d2t, t2d)."""
-    with stage_run(config, "vocab", refresh):
-        return summarize("vocab", run_stage(t.vocab_task, config, "vocab"))
+    return one_task_stage(config, "vocab", refresh, t.vocab_task)
 
 
 @flow(name="train", flow_run_name=run_name("train"))
 def train_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Train the EAGLE-3 draft with training-time test and export it for SGLang."""
-    with stage_run(config, "train", refresh):
-        return summarize("train", run_stage(t.train_task, config, "train"))
+    return one_task_stage(config, "train", refresh, t.train_task)
 
 
 @flow(name="evaluate", flow_run_name=run_name("evaluate"))
 def evaluate_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Measure tau of the trained and an untrained draft on held-out prompts."""
-    with stage_run(config, "evaluate", refresh):
-        return summarize("evaluate", run_stage(t.evaluate_task, config, "evaluate"))
+    return one_task_stage(config, "evaluate", refresh, t.evaluate_task)
 
 
 @flow(name="deploy-llama-cpp", flow_run_name=run_name("deploy-llama-cpp"))
 def deploy_llama_cpp_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Serve the draft on llama.cpp's EAGLE-3 mode and benchmark it against the same server without a draft."""
-    with stage_run(config, "deploy-llama-cpp", refresh):
-        return summarize("deploy-llama-cpp", run_stage(t.deploy_llama_cpp_task, config, "deploy-llama-cpp"))
+    return one_task_stage(config, "deploy-llama-cpp", refresh, t.deploy_llama_cpp_task)
 
 
 @flow(name="deploy-sglang", flow_run_name=run_name("deploy-sglang"))
 def deploy_sglang_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
     """Serve the draft on SGLang (EAGLE3) against the same server without it: tau, tok/s, speed-up and break-even
     tau per concurrency; skipped, saying why, for GGUF targets and where SGLang is not installed."""
-    with stage_run(config, "deploy-sglang", refresh):
-        return summarize("deploy-sglang", run_stage(t.deploy_sglang_task, config, "deploy-sglang"))
+    return one_task_stage(config, "deploy-sglang", refresh, t.deploy_sglang_task)

@@ -21,6 +21,12 @@ class RecordingProxy(LoopbackProxy):
         """The JSON bodies POSTed to `path`, in arrival order."""
         return [p["body"] for p in self.posts if p["path"] == path]
 
+    async def posted(self, entry: dict) -> None:
+        """Called with each POST's entry once it is recorded, before it is forwarded (HoldingProxy holds here)."""
+
+    def answered(self, method: str, path: str, resp: httpx.Response) -> None:
+        """Called with each upstream answer before the client gets it (HoldingProxy watches GET /health here)."""
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while (request := await self.read_request(reader)) is not None:
@@ -28,10 +34,12 @@ class RecordingProxy(LoopbackProxy):
                 entry = {"path": path, "body": json.loads(body)} if method == "POST" else None
                 if entry is not None:
                     self.posts.append(entry)                      # arrival order, before the answer
+                    await self.posted(entry)
                 try:
                     resp, head = await self.forward(*request)
-                except httpx.HTTPError:                           # the client hung up (e.g. a cancelled request)
+                except httpx.HTTPError:                           # upstream gone, or the client hung up
                     return
+                self.answered(method, path, resp)
                 if entry is not None:
                     entry["answer"] = resp.json()
                 writer.write(head + resp.content)
@@ -66,25 +74,11 @@ class HoldingProxy(RecordingProxy):
         self.release()
         super().__exit__(*exc)
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while (request := await self.read_request(reader)) is not None:
-                method, path, _, body = request
-                entry = {"path": path, "body": json.loads(body)} if method == "POST" else None
-                if entry is not None:
-                    self.posts.append(entry)
-                    if self.hold(len(self.posts), entry["body"]):
-                        self.held.set()
-                        await self._released().wait()
-                try:
-                    resp, head = await self.forward(*request)
-                except httpx.HTTPError:                       # upstream gone, or the client hung up
-                    return
-                if method == "GET" and path == "/health" and resp.status_code < 500:
-                    self.health_ok.set()
-                if entry is not None:
-                    entry["answer"] = resp.json()
-                writer.write(head + resp.content)
-                await writer.drain()
-        finally:
-            writer.close()
+    async def posted(self, entry: dict) -> None:
+        if self.hold(len(self.posts), entry["body"]):
+            self.held.set()
+            await self._released().wait()
+
+    def answered(self, method: str, path: str, resp: httpx.Response) -> None:
+        if method == "GET" and path == "/health" and resp.status_code < 500:
+            self.health_ok.set()

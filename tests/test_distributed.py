@@ -146,33 +146,20 @@ def test_train_stage_under_torchrun_equals_the_one_process_stage(tmp_path):
     """`python -m eagle3_core.pipeline.train_ddp --config run.json` is run_train on every rank: 2 ranks
     x grad_accum 1 train the same draft (float tolerance) as the one-process stage with grad_accum 2, after the
     same steps, and export it; rank 0 alone writes the manifest (world_size 2); a corrupt shard stops every rank."""
-    import random
     import shutil
 
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     from safetensors.torch import load_file
 
     from conftest import ROOT
-    from eagle3_core.config import DraftConfig, FeatureConfig, PipelineConfig, TargetConfig, TrainConfig
-    from eagle3_core.contract.manifest import read_manifest, write_manifest
+    from eagle3_core.contract.manifest import read_manifest
     from eagle3_core.pipeline.features_stage import run_features
     from eagle3_core.pipeline.train_stage import run_train
     from eagle3_core.pipeline.vocab_stage import run_vocab
     from tiny_targets import build
-    rng = random.Random(0)
-    rows = [{"id": f"r{i}", "input_ids": [rng.randrange(128) for _ in range(n)],
-             "loss_mask": [int(t >= n // 3) for t in range(n)]} for i, n in enumerate(rng.randint(8, 30)
-                                                                                     for _ in range(16))]
-    one = PipelineConfig(run_dir=tmp_path / "one", target=TargetConfig(model=str(build("llama", tmp_path / "t"))),
-                         # random tokens are not what the random target writes: the on-policy gate off
-                         features=FeatureConfig(max_length=64, shard_samples=4, batch_tokens=128, min_on_policy=0.0),
-                         draft=DraftConfig(draft_vocab_size=64),
-                         train=TrainConfig(epochs=2, lr=3e-3, batch_tokens=48, ttt_length=2, eval_frac=0.25,
-                                           grad_accum=2, checkpoint_every=2, device="cpu"))
-    (one.run_dir / "tokenized").mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist(rows), one.run_dir / "tokenized" / "train.parquet")
-    write_manifest(one.run_dir / "tokenized" / "manifest.json", {"inputs_key": "sixteen-random-rows"})
+    from tokenized_rows import random_rows, tiny_train_run, write_tokenized
+    one = tiny_train_run(tmp_path / "one", build("llama", tmp_path / "t"), eval_frac=0.25, grad_accum=2,
+                         checkpoint_every=2)
+    write_tokenized(one.run_dir, random_rows(16, lengths=(8, 30), prompt_part=3), inputs_key="sixteen-random-rows")
     torch.set_num_threads(1)                                 # the workers' kernels (OMP_NUM_THREADS=1)
     run_features(one, log=lambda s: None)
     run_vocab(one, log=lambda s: None)

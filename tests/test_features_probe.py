@@ -9,7 +9,8 @@ from eagle3_core.features.extract import HFExtractor
 from eagle3_core.features.store import extract_features
 from eagle3_core.features_probe import TOLERANCE, compare, main, render
 from eagle3_core.target.loading import load_target
-from test_tp_extract import _rows, _run_dir
+from feature_stores import features_run
+from tokenized_rows import random_rows
 
 
 class Relabelled:
@@ -35,7 +36,7 @@ def stores(tiny_target_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("probe")
     llama = load_target(TargetConfig(model=str(tiny_target_dirs["llama"])), "cpu")
     other = load_target(TargetConfig(model=str(build("llama", root / "other_target", seed=1))), "cpu")
-    rows = _rows(5)
+    rows = random_rows(5)
     out = {}
     for name, model, ids in (("a", llama, [1, 3, 4]), ("b", llama, [1, 3, 4]), ("other", other, [1, 3, 4]),
                              ("shifted", llama, [2, 4, 5])):
@@ -47,7 +48,7 @@ def stores(tiny_target_dirs, tmp_path_factory):
 
 def test_the_comparison_measures_each_layer_against_the_tolerance(stores):
     same = compare(stores["a"], stores["b"])
-    assert same["ok"] and same["tokens"] == sum(len(r["input_ids"]) for r in _rows(5))
+    assert same["ok"] and same["tokens"] == sum(len(r["input_ids"]) for r in random_rows(5))
     assert [x["layer"] for x in same["aux"]] == [1, 3, 4] and all(x["rel"] == 0 for x in same["aux"])
     assert same["final"]["rel"] == 0 and same["argmax_agree"] == 1.0
     # a layer-id mistake: every aux layer far beyond the tolerance, the final state and argmax untouched
@@ -67,7 +68,7 @@ def test_the_probe_command_compares_hf_with_hf_tp_on_cpu(tiny_target_dirs, tmp_p
     """The command on a run whose tokenize stage ran: `hf` in this process, `hf_tp` over 2 gloo ranks; they agree
     within the tolerance (sharded sums differ by a few 1e-6: tests/test_tp_extract.py), exit code 0, and a
     rerun reuses both stores."""
-    cfg = _run_dir(tmp_path / "run", tiny_target_dirs["llama"], _rows(6), backend="hf_tp", tp_size=2)
+    cfg = features_run(tmp_path / "run", tiny_target_dirs["llama"], random_rows(6), backend="hf_tp", tp_size=2)
     config = tmp_path / "run.json"
     config.write_text(cfg.model_dump_json())
     assert main([str(config), "--backends", "hf,hf_tp", "--samples", "4"]) == 0

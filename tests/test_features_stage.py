@@ -5,17 +5,14 @@ mixing backends is refused unless features.mix_backends."""
 from __future__ import annotations
 
 import ast
-import random
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
 from eagle3_core.config import FeatureConfig, PipelineConfig, TargetConfig
 from eagle3_core.contract import manifest as manifest_mod
-from eagle3_core.contract.manifest import read_manifest, write_manifest
+from eagle3_core.contract.manifest import read_manifest
 from eagle3_core.features import backends
 from eagle3_core.features.backends import BACKENDS, Backend
 from eagle3_core.features.reader import load_samples
@@ -28,6 +25,7 @@ from eagle3_core.pipeline.features_stage import (
     store_key,
 )
 from tiny_targets import build
+from tokenized_rows import random_rows, write_tokenized
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,19 +93,11 @@ def loads(monkeypatch):
 
 
 def _run_dir(root: Path, target: Path, n: int = 7, **features) -> PipelineConfig:
-    rng = random.Random(0)
-    rows = []
-    for i in range(n):
-        k = rng.randint(4, 20)
-        rows.append({"id": f"r{i}", "input_ids": [rng.randrange(128) for _ in range(k)],
-                     "loss_mask": [int(t >= k // 2) for t in range(k)]})
     # random tokens are not what the random target writes: the on-policy gate (test_history) off
     cfg = PipelineConfig(run_dir=root, target=TargetConfig(model=str(target)),
                          features=FeatureConfig(max_length=64, shard_samples=3, batch_tokens=64,
                                                 **{"min_on_policy": 0.0, **features}))
-    (root / "tokenized").mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist(rows), root / "tokenized" / "train.parquet")
-    write_manifest(root / "tokenized" / "manifest.json", {"inputs_key": "seven-random-rows"})
+    write_tokenized(root, random_rows(n, lengths=(4, 20)), inputs_key="seven-random-rows")
     return cfg
 
 

@@ -3,14 +3,10 @@ a setting that cannot change the draft (train.keep_checkpoints) keeps the checkp
 in a key redoes its stage and the stages below it, none above."""
 from __future__ import annotations
 
-import random
-
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eagle3_core.config import DraftConfig, FeatureConfig, PipelineConfig, TargetConfig, TrainConfig
+from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.manifest import write_manifest
 from eagle3_core.pipeline.features_stage import run_features
 from eagle3_core.pipeline.table import inputs_key, stage_done
@@ -18,6 +14,7 @@ from eagle3_core.pipeline.train_stage import run_train
 from eagle3_core.pipeline.vocab_stage import run_vocab
 from eagle3_core.training import trainer
 from tiny_targets import build
+from tokenized_rows import random_rows, tiny_train_run, write_tokenized
 
 DIRS = {"tokenize": "tokenized", "features": "features", "vocab": "vocab", "train": "draft", "evaluate": "eval"}
 
@@ -35,19 +32,10 @@ def half_trained(tmp_path, monkeypatch):
     """A run whose train stage died after 2 of its optimizer steps (checkpoints step 1 and 2 on disk)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    rng = random.Random(0)
-    rows = [{"id": f"r{i}", "input_ids": [rng.randrange(128) for _ in range(n)],
-             "loss_mask": [int(t >= n // 3) for t in range(n)]} for i, n in enumerate(rng.randint(8, 24)
-                                                                                     for _ in range(12))]
-    cfg = PipelineConfig(run_dir=tmp_path / "run", target=TargetConfig(model=str(build("llama", tmp_path / "t"))),
-                         # random tokens are not what the random target writes: the on-policy gate off
-                         features=FeatureConfig(max_length=64, shard_samples=4, batch_tokens=128, min_on_policy=0.0),
-                         draft=DraftConfig(draft_vocab_size=64),
-                         train=TrainConfig(epochs=2, lr=3e-3, batch_tokens=48, ttt_length=2, eval_frac=0.0,
-                                           checkpoint_every=1, keep_checkpoints=3, device="cpu"))
-    for stage, key in (("tokenized", "twelve-random-rows"), ("prompts", "the prompts")):
-        write_manifest(cfg.run_dir / stage / "manifest.json", {"inputs_key": key})
-    pq.write_table(pa.Table.from_pylist(rows), cfg.run_dir / "tokenized" / "train.parquet")
+    cfg = tiny_train_run(tmp_path / "run", build("llama", tmp_path / "t"), eval_frac=0.0, checkpoint_every=1,
+                         keep_checkpoints=3)
+    write_tokenized(cfg.run_dir, random_rows(12, lengths=(8, 24), prompt_part=3), inputs_key="twelve-random-rows")
+    write_manifest(cfg.run_dir / "prompts" / "manifest.json", {"inputs_key": "the prompts"})
     run_features(cfg, log=lambda s: None)
     run_vocab(cfg, log=lambda s: None)
     real = trainer.train

@@ -131,19 +131,14 @@ def test_the_ep_int4_features_stage_writes_the_bf16_backends_store(targets, fami
     the same shards, samples, tokens and argmax tokens, features equal within one bf16 rounding (the stores hold
     bf16; tolerance as in tests/test_tp_extract.py, and most elements bit-identical)."""
     from eagle3_core.contract.manifest import read_manifest
-    from eagle3_core.features.reader import load_samples
     from eagle3_core.features.store import bad_shards
     from eagle3_core.pipeline.features_stage import run_features
-    from test_tp_extract import _rows, _run_dir
+    from feature_stores import assert_same_samples, features_run, run_one_thread
+    from tokenized_rows import random_rows
     int4, twin = targets[family]
-    one = _run_dir(tmp_path / "bf16", twin, _rows(5), aux_layer_ids=AUX)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run_features(one, log=lambda s: None)
-    finally:
-        torch.set_num_threads(threads)
-    ep = _run_dir(tmp_path / "ep", int4, _rows(5), aux_layer_ids=AUX, backend="ep_int4", tp_size=2)
+    one = features_run(tmp_path / "bf16", twin, random_rows(5), aux_layer_ids=AUX)
+    run_one_thread(one)
+    ep = features_run(tmp_path / "ep", int4, random_rows(5), aux_layer_ids=AUX, backend="ep_int4", tp_size=2)
     lines = []
     m2 = run_features(ep, log=lines.append)
     m1 = read_manifest(one.run_dir / "features" / "manifest.json")
@@ -154,12 +149,4 @@ def test_the_ep_int4_features_stage_writes_the_bf16_backends_store(targets, fami
     assert [{k: s[k] for k in keys} for s in m1["shards"]] == [{k: s[k] for k in keys} for s in m2["shards"]]
     for k in ("store_version", "format", "aux_layer_ids", "hidden_size", "samples", "tokens", "bytes"):
         assert m1[k] == m2[k], k
-    same, total = 0, 0
-    for a, b in zip(load_samples(one.run_dir / "features"), load_samples(ep.run_dir / "features"), strict=True):
-        assert a["id"] == b["id"] and torch.equal(a["input_ids"], b["input_ids"])
-        assert torch.equal(a["target_top1"], b["target_top1"]), a["id"]
-        for k in ("aux", "final"):
-            torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=2 ** -7, msg=f"{family} {a['id']} {k}")
-            same += int((a[k] == b[k]).sum())
-            total += a[k].numel()
-    assert same >= 0.95 * total, f"{same} of {total} elements bit-identical"
+    assert_same_samples(one.run_dir / "features", ep.run_dir / "features", family)

@@ -2,9 +2,12 @@
 replayed on recorded greedy output, takes the same verify steps and accepts the same tokens as
 speculate.speculative_generate running the target at every verify step: exactly for a draft that reads no features,
 within float rounding for the trained one."""
+import json
 from pathlib import Path
 
 import pytest
+import torch
+from fault_proxy import LoopbackProxy
 
 from eagle3_core.data.chat import prompt_ids
 from eagle3_core.evaluation.acceptance import compare_outputs
@@ -95,7 +98,6 @@ def test_the_evaluate_stage_by_replay_measures_the_tau_of_decoding(e2e_run, tmp_
     (server.kind 'transformers': BatchedGenerator, temperature 0), aux states from the features stage on a run of
     their own, the drafts replayed. Same prompts, same draft: the tau of the decoding evaluator within the near-tie
     rule above; the breakdowns cover every verify step; a second call is done (its manifest)."""
-    import json
     import shutil
 
     from eagle3_core.contract.layout import RunLayout
@@ -141,3 +143,83 @@ def test_segments_follow_the_targets_own_markers():
     assert b["category"]["math"]["tau"] == (3 + 1 + 2) / 3
     # root 4 is the close marker (reasoning, a = 0); roots 1 and 5 are answer tokens (a = 2, 1)
     assert b["segment"]["reasoning"]["tau"] == 1 and b["segment"]["answer"]["tau"] == (3 + 2) / 2
+
+
+class GreedyTokenServer(LoopbackProxy):
+    """A token-id server of the embedded target for the replay recording: `POST /generate` in the shape of sglang
+    0.5.14's native API (`srt/managers/io_struct.py::GenerateReqInput`: input_ids, sampling_params; the response's
+    text, output_ids and meta_info with finish_reason, as `srt/managers/tokenizer_manager.py` writes them), answered
+    by HF generate (greedy, stopping at the tokenizer's EOS, which is returned) in this process; `GET /health`.
+    Every request body is kept in `requests`."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer, self.requests = model, tokenizer, []
+
+    def _generate(self, req: dict) -> dict:
+        ids, sp, eos = req["input_ids"], req["sampling_params"], self.tokenizer.eos_token_id
+        with torch.no_grad():
+            out = self.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=sp["max_new_tokens"],
+                                      eos_token_id=eos, pad_token_id=eos)[0, len(ids):].tolist()
+        finish = {"type": "stop", "matched": eos} if out[-1] == eos else {"type": "length", "length": len(out)}
+        return {"text": self.tokenizer.decode(out), "output_ids": out,
+                "meta_info": {"id": str(len(self.requests)), "finish_reason": finish, "prompt_tokens": len(ids),
+                              "completion_tokens": len(out)}}
+
+    async def _handle(self, reader, writer):
+        try:
+            while (request := await self.read_request(reader)) is not None:
+                method, path, _, body = request
+                payload = {}
+                if method == "POST":
+                    assert path == "/generate", path
+                    self.requests.append(json.loads(body))
+                    payload = self._generate(self.requests[-1])
+                data = json.dumps(payload).encode()
+                writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                             f"{len(data)}\r\n\r\n".encode() + data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+
+@pytest.mark.slow
+def test_replay_recorded_from_a_token_api_server_measures_the_tau_of_decoding(target_model, tokenizer, tmp_path):
+    """The replay path as a run without a whole target in one process takes it: greedy outputs recorded through a
+    server's token-id API (replay_record.greedy_outputs, server.url + generation.api 'sglang'), aux states over
+    prompt + output from one forward, the draft replayed. Against speculate.speculative_generate running the target
+    in this process on the same prompts: the same tokens, verify steps and tau (the scripted draft reads no features,
+    so the comparison is exact)."""
+    from eagle3_core.config import preset
+    from eagle3_core.evaluation.replay_record import greedy_outputs
+    runner = TargetRunner(target_model, [1, 14, 27])
+    eos = {tokenizer.eos_token_id}
+    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": t}])
+               for t in ["def add(a, b):", "Explain recursion in one sentence.", "List three prime numbers."]]
+    cfg = preset("debug_tiny", tmp_path / "run")
+    with GreedyTokenServer(target_model, tokenizer) as server:
+        cfg = cfg.model_copy(update={
+            "server": cfg.server.model_copy(update={"kind": "external", "url": server.url}),
+            "generation": cfg.generation.model_copy(update={"api": "sglang"}),
+            "eval": cfg.eval.model_copy(update={"max_new_tokens": 40})})
+        lines = []
+        served = greedy_outputs(cfg, prompts, eos, log=lines.append)
+    assert sorted(r["input_ids"] for r in server.requests) == sorted(prompts)              # token in
+    assert all(r["sampling_params"]["temperature"] == 0.0 for r in server.requests)
+    assert "recorded the target's greedy outputs on 3 held-out prompts" in lines[0]
+    in_process = record_target(runner, prompts, 40, eos)
+    assert served == [r["tokens"] for r in in_process]                                  # token out
+    recs = [{"prompt": p, "tokens": g, "aux": r["aux"]} for p, g, r in zip(prompts, served, in_process)]
+    for steps in (3, 4):
+        produced, verify_steps, replayed = 0, 0, []
+        for rec in recs:
+            seq = rec["prompt"] + rec["tokens"]
+            script = [(t + 1) % target_model.config.vocab_size if i * 37 % 11 < 3 else t for i, t in enumerate(seq)]
+            draft = ScriptedDraft(script, target_model.config.vocab_size)
+            spec = speculative_generate(runner, draft, rec["prompt"], 40, eos, steps)
+            rep = replay_chain(draft, rec, steps)
+            assert spec["tokens"] == rec["tokens"] and rep["verify_steps"] == spec["verify_steps"]
+            produced, verify_steps = produced + spec["tokens_from_verify"], verify_steps + spec["verify_steps"]
+            replayed.append(rep)
+        tau_decode = produced / verify_steps
+        tau_replay = sum(r["tokens_from_verify"] for r in replayed) / sum(r["verify_steps"] for r in replayed)
+        assert tau_replay == tau_decode and 1.2 < tau_decode < steps + 1, (steps, tau_replay, tau_decode)

@@ -390,26 +390,22 @@ def test_the_smoke_preset_passes_check_offline(capsys, kimi):
 # ---- 2 gloo ranks under torchrun ------------------------------------------------------------------------------
 
 def _cfg(root: Path, target: Path, rows: list[dict], **features) -> PipelineConfig:
-    from test_tp_extract import _run_dir
-    return _run_dir(root, target, rows, **features)
+    from feature_stores import features_run
+    return features_run(root, target, rows, **features)
 
 
 @pytest.fixture(scope="module")
 def stores(tiny_target_dirs, tmp_path_factory):
     """(hf cfg, sglang cfg, the sglang run's log lines): 5 rows in 3 shards of 2, tiny Llama; the sglang backend on
     2 gloo ranks over the stand-in (its python: this one, the stand-in on PYTHONPATH)."""
-    from test_tp_extract import _rows
+    from feature_stores import run_one_thread
+    from tokenized_rows import random_rows
 
     from eagle3_core.pipeline.features_stage import run_features
     root = tmp_path_factory.mktemp("sglang")
-    one = _cfg(root / "hf", tiny_target_dirs["llama"], _rows(5))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run_features(one, log=lambda s: None)
-    finally:
-        torch.set_num_threads(threads)
-    two = _cfg(root / "sglang", tiny_target_dirs["llama"], _rows(5), backend="sglang", tp_size=2).model_copy(
+    one = _cfg(root / "hf", tiny_target_dirs["llama"], random_rows(5))
+    run_one_thread(one)
+    two = _cfg(root / "sglang", tiny_target_dirs["llama"], random_rows(5), backend="sglang", tp_size=2).model_copy(
         update={"sglang_python": sys.executable})
     lines = []
     with pytest.MonkeyPatch.context() as mp:
@@ -420,8 +416,10 @@ def stores(tiny_target_dirs, tmp_path_factory):
 
 @pytest.mark.slow
 def test_two_gloo_ranks_lead_and_follow_and_store_the_hf_features(stores):
+    from feature_stores import assert_same_samples
+
     from eagle3_core.contract.manifest import read_manifest
-    from eagle3_core.features.reader import load_head, load_samples
+    from eagle3_core.features.reader import load_head
     from eagle3_core.features.store import bad_shards
     one, two, lines = stores
     d1, d2 = one.run_dir / "features", two.run_dir / "features"
@@ -434,45 +432,25 @@ def test_two_gloo_ranks_lead_and_follow_and_store_the_hf_features(stores):
     assert any("aux layers [1, 3, 4] = inputs of layers [2, 4, 5]" in x for x in lines), lines[-20:]
     for a, b in zip(load_head(d1), load_head(d2), strict=True):                  # read from the checkpoint
         assert torch.equal(a, b)
-    for a, b in zip(load_samples(d1), load_samples(d2), strict=True):
-        assert a["id"] == b["id"] and torch.equal(a["input_ids"], b["input_ids"])
-        assert torch.equal(a["loss_mask"], b["loss_mask"])
-        assert torch.equal(a["target_top1"], b["target_top1"]), a["id"]          # the all-gathered argmax
-        for k in ("aux", "final"):
-            torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=2 ** -7, msg=f"{a['id']} {k}")
+    assert_same_samples(d1, d2, "sglang", bit_identical=None)      # target_top1: the all-gathered argmax
 
 
 @pytest.mark.slow
 def test_a_killed_sglang_rank_leaves_only_intact_shards_and_a_rerun_finishes(stores, tmp_path, monkeypatch):
     """Rank 1 SIGKILLed at its 3rd forward while rank 0 writes: the run fails, every shard the manifest lists
     passes its sha256, and the normal rerun extracts only the rest."""
-    from test_tp_extract import _rows
+    from feature_stores import kill_a_rank_then_rerun
+    from tokenized_rows import random_rows
 
-    from eagle3_core.contract.manifest import read_manifest
-    from eagle3_core.distributed.launch import TorchrunError, run_torchrun
-    from eagle3_core.features.store import bad_shards
-    from eagle3_core.pipeline.features_stage import foreign_python, run_features
+    from eagle3_core.pipeline.features_stage import foreign_python
     _, ref, _ = stores
-    rows = _rows(8)
+    rows = random_rows(8)
     for i, r in enumerate(rows):
         r["id"] = f"k{i}"
     cfg = _cfg(tmp_path / "run", ref.target.model, rows, backend="sglang", tp_size=2).model_copy(
         update={"sglang_python": sys.executable})
-    out = cfg.run_dir / "features"
-    out.mkdir(parents=True)
-    (out / "tp_config.json").write_text(cfg.model_dump_json())
     monkeypatch.setenv("PYTHONPATH", str(sglang_names.STANDIN))
-    lines = []
-    with pytest.raises(TorchrunError):
-        run_torchrun([str(Path(__file__).parent / "sglang_kill_worker.py"), "--kill-at", "3", "--config",
-                      str(out / "tp_config.json")], 2, on_line=lines.append, grace_s=10, **foreign_python(cfg))
-    killed = read_manifest(out / "manifest.json")
-    assert killed is not None and not killed["complete"] and 1 <= len(killed["shards"]) < 4, lines[-20:]
-    assert bad_shards(out, killed["shards"]) == []
-    manifest = run_features(cfg, log=lines.append)
-    assert manifest["complete"] and len(manifest["shards"]) == 4 and not bad_shards(out, manifest["shards"])
-    assert {s["file"] for s in killed["shards"]} <= {s["file"] for s in manifest["shards"]}
-    assert manifest["shards_extracted"] == 4 - len(killed["shards"])
+    kill_a_rank_then_rerun(cfg, "sglang", **foreign_python(cfg))
 
 
 # ---- SGLang itself ---------------------------------------------------------------------------------------------
@@ -498,7 +476,7 @@ def test_sglang_itself_matches_hf_on_a_small_model_within_the_probe_tolerance(ti
     why = _real_sglang()
     if why is not None:
         skip_loudly(why, capsys)
-    from test_tp_extract import _rows
+    from tokenized_rows import random_rows
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from eagle3_core.features_probe import probe, render
@@ -511,7 +489,7 @@ def test_sglang_itself_matches_hf_on_a_small_model_within_the_probe_tolerance(ti
             if w.dim() == 2:
                 w.normal_(0, 0.05)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "small_llama")
-    cfg = _cfg(tmp_path / "run", tmp_path / "small_llama", _rows(5), backend="sglang", tp_size=1)
+    cfg = _cfg(tmp_path / "run", tmp_path / "small_llama", random_rows(5), backend="sglang", tp_size=1)
     report = probe(cfg, ["sglang", "hf"], 5, log=print)
     print(render(report))
     assert report["ok"], render(report)

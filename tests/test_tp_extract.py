@@ -9,48 +9,20 @@ absolute on values up to 11 with these weights, tiny Llama); bf16 rounding then 
 rounding boundary into one bf16 step. Allowed: |a - b| <= 1e-4 + 2^-7 |b| (one bf16 ulp, relative) per element;
 measured: most elements are bit-identical (asserted: at least 95%), the argmax token equal everywhere.
 """
-import random
-from pathlib import Path
-
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-import torch
 
-from eagle3_core.config import FeatureConfig, PipelineConfig, TargetConfig
-from eagle3_core.contract.manifest import read_manifest, sha256_file, write_manifest
-from eagle3_core.distributed.launch import TorchrunError, run_torchrun
+from eagle3_core.contract.manifest import read_manifest, sha256_file
 from eagle3_core.features.store import bad_shards
-from eagle3_core.features.reader import load_samples
 from eagle3_core.pipeline.features_stage import feature_status, run_features
 from eagle3_core.target.loading import load_target_config
 from eagle3_core.target.memory import BYTES_PER_PARAM, meta_model, param_bytes_per_rank
+from feature_stores import assert_same_samples, features_run, kill_a_rank_then_rerun, run_one_thread
 from tiny_targets import build
+from tokenized_rows import random_rows
 
 SHARD_KEYS = ("file", "ids", "tokens", "samples", "content_key")
 # (family, expert_parallel): plain TP for the dense target and one MoE, EP (experts whole per rank) for the others
 CASES = [("llama", False), ("qwen3_moe", False), ("qwen3_moe", True), ("deepseek_v3", True), ("kimi_k25", False)]
-
-
-def _rows(n: int) -> list[dict]:
-    rng = random.Random(0)
-    rows = []
-    for i in range(n):
-        k = rng.randint(5, 24)
-        rows.append({"id": f"r{i}", "input_ids": [rng.randrange(128) for _ in range(k)],
-                     "loss_mask": [int(t >= k // 2) for t in range(k)]})
-    return rows
-
-
-def _run_dir(root, target_dir, rows, **features) -> PipelineConfig:
-    # random tokens are not what the random target writes: the on-policy gate (test_history) off
-    cfg = PipelineConfig(run_dir=root, target=TargetConfig(model=str(target_dir)),
-                         features=FeatureConfig(max_length=64, shard_samples=2, batch_tokens=64,
-                                                **{"min_on_policy": 0.0, **features}))
-    (root / "tokenized").mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist(rows), root / "tokenized" / "train.parquet")
-    write_manifest(root / "tokenized" / "manifest.json", {"inputs_key": "tp-rows", "samples": len(rows)})
-    return cfg
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +35,12 @@ def stores(tmp_path_factory):
     def get(fam: str, ep: bool):
         if fam not in targets:
             targets[fam] = build(fam, root / "targets" / fam)
-            one = _run_dir(root / fam / "one", targets[fam], _rows(5))
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)                 # as each torchrun rank (OMP_NUM_THREADS=1)
-            try:
-                run_features(one, log=lambda s: None)
-            finally:
-                torch.set_num_threads(threads)
+            one = features_run(root / fam / "one", targets[fam], random_rows(5))
+            run_one_thread(one)
             targets[fam, "one"] = one
         if (fam, ep) not in made:
-            tp = _run_dir(root / fam / f"tp_ep{int(ep)}", targets[fam], _rows(5), backend="hf_tp", tp_size=2,
-                          expert_parallel=ep)
+            tp = features_run(root / fam / f"tp_ep{int(ep)}", targets[fam], random_rows(5), backend="hf_tp",
+                              tp_size=2, expert_parallel=ep)
             lines = []
             run_features(tp, log=lines.append)
             made[fam, ep] = (targets[fam, "one"], tp, lines)
@@ -98,16 +65,7 @@ def test_sharded_target_stores_the_one_process_features(stores, fam, ep):
     held = [x for x in lines if "rank 1/2 holds" in x][0].split("holds ")[1].split()[0]
     counted = param_bytes_per_rank(meta_model(load_target_config(tp.target)), 2, ep) // BYTES_PER_PARAM
     assert int(held) == counted
-    same, total = 0, 0
-    for a, b in zip(load_samples(d1), load_samples(d2), strict=True):
-        assert a["id"] == b["id"] and torch.equal(a["input_ids"], b["input_ids"])
-        assert torch.equal(a["loss_mask"], b["loss_mask"])
-        assert torch.equal(a["target_top1"], b["target_top1"]), a["id"]
-        for k in ("aux", "final"):
-            torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=2 ** -7, msg=f"{fam} {a['id']} {k}")
-            same += int((a[k] == b[k]).sum())
-            total += a[k].numel()
-    assert same >= 0.95 * total, f"{same} of {total} elements bit-identical"
+    assert_same_samples(d1, d2, fam)
     # the stage's cache: a rerun with the same inputs launches nothing
     again = []
     run_features(tp, log=again.append)
@@ -122,26 +80,12 @@ def test_a_killed_rank_leaves_only_intact_shards_and_a_rerun_finishes(stores, tm
     """Rank 1 SIGKILLed at its 3rd forward (shard 2 of 4) while rank 0 writes: the run fails, every shard the
     manifest lists passes its sha256, and the normal rerun extracts the rest, giving the uninterrupted store."""
     _, ref, _ = stores("llama", False)
-    rows = _rows(5) + _rows(8)[5:]
+    rows = random_rows(5) + random_rows(8)[5:]
     for i, r in enumerate(rows):
         r["id"] = f"k{i}"
-    cfg = _run_dir(tmp_path / "run", ref.target.model, rows, backend="hf_tp", tp_size=2)
-    out = cfg.run_dir / "features"
-    out.mkdir(parents=True)
-    (out / "tp_config.json").write_text(cfg.model_dump_json())
-    lines = []
-    with pytest.raises(TorchrunError):
-        run_torchrun([str(Path(__file__).parent / "tp_kill_worker.py"), "--kill-at", "3", "--config", str(out / "tp_config.json")], 2,
-                     on_line=lines.append, grace_s=10)
-    killed = read_manifest(out / "manifest.json")
-    assert killed is not None and not killed["complete"] and 1 <= len(killed["shards"]) < 4, lines[-20:]
-    assert bad_shards(out, killed["shards"]) == []
-    manifest = run_features(cfg, log=lines.append)
-    assert manifest["complete"] and len(manifest["shards"]) == 4 and not bad_shards(out, manifest["shards"])
-    assert {s["file"] for s in killed["shards"]} <= {s["file"] for s in manifest["shards"]}
+    cfg = features_run(tmp_path / "run", ref.target.model, rows, backend="hf_tp", tp_size=2)
+    manifest = kill_a_rank_then_rerun(cfg, "hf")
     assert [s["ids"] for s in manifest["shards"]] == [[f"k{i}", f"k{i + 1}"] for i in range(0, 8, 2)]
-    # the shards of the first run are kept, not extracted again
-    assert manifest["shards_extracted"] == 4 - len(killed["shards"])
 
 
 @pytest.mark.slow
@@ -154,7 +98,7 @@ def test_the_features_task_launches_torchrun_and_streams_every_rank_into_the_run
     from prefect_api import logs_of
     from tasks.distributed import features_tp_task
     _, ref, _ = stores("llama", False)
-    cfg = _run_dir(tmp_path / "run", ref.target.model, _rows(5), backend="hf_tp", tp_size=2)
+    cfg = features_run(tmp_path / "run", ref.target.model, random_rows(5), backend="hf_tp", tp_size=2)
 
     @flow
     def f():

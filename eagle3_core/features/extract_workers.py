@@ -15,18 +15,16 @@ few small messages only; the target forwards never communicate.
 """
 from __future__ import annotations
 
-import argparse
 import threading
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
-from eagle3_core.config import PipelineConfig, load_config
+from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.compat import shard_backend
 from eagle3_core.contract.manifest import read_manifest, write_manifest
-from eagle3_core.distributed.launch import die_with_parent, emit_line
 from eagle3_core.features.store import (
     STORE_VERSION,
     bad_shards,
@@ -38,6 +36,7 @@ from eagle3_core.features.store import (
     write_record,
     write_shards,
 )
+from eagle3_core.features.tp_extract import worker_main
 
 PARTS = "parts"
 
@@ -160,17 +159,8 @@ def run_worker(cfg: PipelineConfig, store_key: str | None = None, log=print) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True, type=Path, help="a PipelineConfig JSON file")
-    ap.add_argument("--store-key", default=None, help="the store key recorded in the manifest and head.json")
-    args = ap.parse_args(argv)
-    cfg = load_config(args.config)
-    die_with_parent()
-    dist.init_process_group("gloo")                 # coordination only: a few small CPU messages
-    try:
-        run_worker(cfg, args.store_key, log=emit_line)
-    finally:
-        dist.destroy_process_group()
+    # gloo: coordination only, a few small CPU messages
+    worker_main(argv, __doc__.split("\n")[0], run_worker, init=lambda: dist.init_process_group("gloo"))
 
 
 if __name__ == "__main__":

@@ -136,19 +136,27 @@ def run_worker(cfg: PipelineConfig, store_key: str | None = None, log=print) -> 
     return manifest
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def worker_main(argv: list[str] | None, description: str, run, init=init_group) -> None:
+    """The command line of a torchrun features worker: `--config` (a PipelineConfig JSON file, read before the
+    process group exists, so a bad file fails alone) and `--store-key`; then, dying with its parent, `init()` the
+    process group, `run(cfg, store_key, log=emit_line)` (its lines to torchrun's output), and destroy the group
+    on an error too."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--config", required=True, type=Path, help="a PipelineConfig JSON file")
     ap.add_argument("--store-key", default=None, help="the store key recorded in the manifest and head.json "
                                                       "(pipeline.features_stage.store_key)")
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
     die_with_parent()
-    init_group()
+    init()
     try:
-        run_worker(cfg, args.store_key, log=emit_line)
+        run(cfg, args.store_key, log=emit_line)
     finally:
         dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    worker_main(argv, __doc__.split("\n")[0], run_worker)
 
 
 if __name__ == "__main__":

@@ -128,11 +128,9 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
         def subset(n: int | None) -> list[int] | None:                     # the first n held-out prompts
             return None if n is None else list(range(min(n, len(prompts))))
 
-        cats = [category(r) for r in rows]
-        if resolved_evaluator(e.evaluator, cfg.features.backend) == "replay":
-            report = _replay(cfg, tok, prompts, cats, {"trained": (trained, None),
-                                                      "untrained": (untrained, subset(e.untrained_prompts))},
-                             eos, log)
+        def write_report(report: dict) -> dict:
+            """`report` (either evaluator's) completed with what both record, written to eval/report.json;
+            the stage's result."""
             report.update({"eval_ids": [r["id"] for r in rows], "num_draft_steps": S,
                            "max_new_tokens": e.max_new_tokens, "aux_layer_ids": ids, "preflight": "passed",
                            "sampling": {"temperature": 0.0, "top_p": 1.0, "greedy": True,
@@ -140,10 +138,18 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
                            "consistency": tau_consistency(report["trained"]["tau"], up, S)})
             out.mkdir(parents=True, exist_ok=True)
             (out / "report.json").write_text(json.dumps(report, indent=2))
+            return {"report": str(out / "report.json"), "summary": report, "sampling": report["sampling"]}
+
+        cats = [category(r) for r in rows]
+        if resolved_evaluator(e.evaluator, cfg.features.backend) == "replay":
+            report = _replay(cfg, tok, prompts, cats, {"trained": (trained, None),
+                                                      "untrained": (untrained, subset(e.untrained_prompts))},
+                             eos, log)
+            result = write_report(report)
             log(f"eval (replay): tau trained {report['trained']['tau']:.2f} (chain), untrained "
                 f"{report['untrained']['tau']:.2f}; by segment " + ", ".join(
                     f"{k} {v['tau']:.2f}" for k, v in report["trained"]["breakdown"]["segment"].items()))
-            return {"report": str(out / "report.json"), "summary": report, "sampling": report["sampling"]}
+            return result
         runs = {"trained": SpecRun(trained, S)}
         if e.tree_topk > 1:
             runs["trained_tree"] = SpecRun(trained, S, e.tree_topk, e.tree_num_draft_tokens, subset(e.tree_prompts))
@@ -160,20 +166,15 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
         model = load_target(cfg.target)
         report = measure(TargetRunner(model, ids), runs, prompts, cats, e.max_new_tokens,
                          eos, e.tie_gap, on_prompt=progress)
-        report.update({"evaluator": "decode", "eval_ids": [r["id"] for r in rows], "num_draft_steps": S,
-                       "max_new_tokens": e.max_new_tokens, "aux_layer_ids": ids, "preflight": "passed",
-                       "sampling": {"temperature": 0.0, "top_p": 1.0, "greedy": True,
-                                    "chat_template_kwargs": cfg.generation.chat_template_kwargs},
-                       "consistency": tau_consistency(report["trained"]["tau"], up, S)})
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(report, indent=2))
+        report["evaluator"] = "decode"
+        result = write_report(report)
         tree = report.get("trained_tree")
         log(f"eval: tau trained {report['trained']['tau']:.2f} (chain)"
             + (f", {tree['tau']:.2f} (tree k={e.tree_topk}, T={e.tree_num_draft_tokens})" if tree else "")
             + f", untrained {report['untrained']['tau']:.2f}; lossless {report['trained']['lossless']}; simulated "
             + f"tau {report['consistency']['tau_sim_at_steps']:.2f} over "
             + f"{report['consistency']['steps_compared']} steps")
-        return {"report": str(out / "report.json"), "summary": report, "sampling": report["sampling"]}
+        return result
 
     return run_stage(out, evaluate_key(cfg), body, accepted=evaluate_older_keys(cfg), outputs=("report.json",),
                      log=log)

@@ -9,7 +9,7 @@ do not absorb, so the flow run fails and a flow-run retry has to re-run that sha
 ConnectionError on the task's first attempt only (task retries absorb it). Several faults: comma-separated.
 
 `pause_mid_write` stops the shard writer half-way through one shard (SIGKILL tests: a real writer is too quick to
-kill mid-write reliably); the script of the killed process calls it (tests/test_features.py, tp_kill_worker.py).
+kill mid-write reliably); the script of the killed process calls it (tests/test_features.py, kill_worker.py).
 """
 from __future__ import annotations
 
