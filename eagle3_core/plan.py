@@ -50,15 +50,19 @@ def load_rates(path: str | Path, profile: str) -> dict[str, dict]:
 
 
 def _workload(cfg: PipelineConfig, rates: dict) -> dict:
-    """Samples, regenerated rows, answer and total tokens per sample for `cfg` under `rates`."""
+    """Samples, regenerated rows, answer and total tokens per sample for `cfg` under `rates`. Samples are counted
+    after splitting: a row whose template rewrites its history gives several (data.history; the rate
+    `samples_per_row`, measured by a finished run, 1 where the rates have none)."""
     S = cfg.prompts.num_train
     kept = 0
     if cfg.prompts.mix is not None:
-        counts = [(s.count, s.mode) for s in cfg.prompts.mix.sources]
-        kept = round(S * sum(c for c, m in counts if c and m == "keep") / max(sum(c for c, _ in counts if c), 1))
+        # rows kept as they are need no request; a keep source whose kept choice is 'regenerate' is answered
+        counts = [(s.count, s.mode == "keep" and s.kept != "regenerate") for s in cfg.prompts.mix.sources]
+        kept = round(S * sum(c for c, k in counts if c and k) / max(sum(c for c, _ in counts if c), 1))
     O = min(rates["output_tokens_per_sample"]["value"], cfg.generation.max_new_tokens)
     T = min(rates["tokens_per_sample"]["value"], cfg.features.max_length)
-    return {"samples": S, "regenerated": S - kept, "answer_tokens": O, "tokens": T}
+    per_row = rates.get("samples_per_row", {}).get("value", 1.0)
+    return {"samples": round(S * per_row), "rows": S, "regenerated": S - kept, "answer_tokens": O, "tokens": T}
 
 
 def _rate(rates: dict, *names: str) -> tuple[str, dict] | None:
@@ -186,6 +190,7 @@ def measured_rates(run_dir: Path, where: str) -> dict[str, dict]:
             "gpus_per_server": {"value": 1, "unit": "devices", "status": "given", "source": "one server here"},
             "output_tokens_per_sample": r(gen["completion_tokens"] / max(len(prompts["train_ids"]), 1), "tokens"),
             "tokens_per_sample": r(tok["tokens"] / S, "tokens"),
+            "samples_per_row": r(S / max(tok.get("rows") or len(prompts["train_ids"]), 1), "samples per row"),
             "extraction_tok_s_per_replica": r(tok["tokens"] / (feat["seconds"] + tok["seconds"]), "tok/s"),
             "gpus_per_extraction_replica": {"value": 1, "unit": "devices", "status": "given", "source": "one here"},
             "feature_bytes_per_sample": r(feature_bytes / S, "bytes"),

@@ -25,8 +25,10 @@ KILL_WORKER = Path(__file__).parent / "kill_worker.py"
 def features_run(root: Path, target_dir, rows: list[dict], **features) -> PipelineConfig:
     """A run at `root` whose tokenize stage is done with `rows`, over the target at `target_dir`: max_length 64,
     shards of 2 samples, batches of 64 tokens, `features` (FeatureConfig fields) on top."""
+    # random tokens are not what the random target writes: the on-policy gate (test_history) off
     cfg = PipelineConfig(run_dir=root, target=TargetConfig(model=str(target_dir)),
-                         features=FeatureConfig(max_length=64, shard_samples=2, batch_tokens=64, **features))
+                         features=FeatureConfig(max_length=64, shard_samples=2, batch_tokens=64,
+                                                **{"min_on_policy": 0.0, **features}))
     write_tokenized(root, rows, inputs_key="tp-rows", samples=len(rows))
     return cfg
 

@@ -6,7 +6,8 @@ import copy
 
 import pytest
 
-from eagle3_core.data.chat import MaskError, end_of_turn, prompt_ids, tokenize_chat, tokenize_conversation
+from eagle3_core.data.chat import MaskError, end_of_turn, prompt_ids
+from eagle3_core.data.history import RoundTripError, tokenize_chat, tokenize_conversation
 
 USER = [{"role": "user", "content": "What is 2+2?"}]
 MULTI = [{"role": "system", "content": "Be brief."},
@@ -110,10 +111,10 @@ def test_chatml_mask_covers_exactly_the_assistant_text_and_end_of_turn(tokenizer
 
 
 def test_chatml_multi_turn_masks_every_assistant_turn_with_its_reasoning(tokenizer):
-    seq = tokenize_chat(tokenizer, MULTI, "m0", train="all")
+    (seq,) = tokenize_chat(tokenizer, MULTI, "m0", train="all")        # ChatML keeps the history: one sample
     assert masked_spans(tokenizer, seq) == [MULTI[2]["content"] + "<|im_end|>", MULTI[4]["content"] + "<|im_end|>"]
     assert seq["input_ids"][-1] == tokenizer.eos_token_id             # ends at the last end-of-turn token
-    last = tokenize_chat(tokenizer, MULTI, "m0", train="last")       # regenerated final turn only
+    (last,) = tokenize_chat(tokenizer, MULTI, "m0", train="last")       # regenerated final turn only
     assert masked_spans(tokenizer, last) == [MULTI[4]["content"] + "<|im_end|>"]
     assert last["input_ids"] == prompt_ids(tokenizer, MULTI[:4]) + [t for t, m in zip(last["input_ids"],
                                                                                        last["loss_mask"]) if m]
@@ -124,42 +125,54 @@ def test_chatml_multi_turn_masks_every_assistant_turn_with_its_reasoning(tokeniz
 def test_llama3_template_masks_each_turn_and_eot(llama3_tok, msgs):
     eot_id, eot = end_of_turn(llama3_tok)
     assert eot == "<|eot_id|>" and eot_id == llama3_tok.convert_tokens_to_ids("<|eot_id|>")
-    seq = tokenize_chat(llama3_tok, msgs, "l3")
+    samples = tokenize_chat(llama3_tok, msgs, "l3")
     want = [m["content"].strip() + "<|eot_id|>" for m in msgs if m["role"] == "assistant"]
-    assert masked_spans(llama3_tok, seq) == want
-    assert seq["input_ids"].count(llama3_tok.bos_token_id) == 1 and seq["input_ids"][0] == llama3_tok.bos_token_id
-    # everything before the first supervised token is exactly what a server sends for the first answer
-    first = seq["loss_mask"].index(1)
-    assert seq["input_ids"][:first] == prompt_ids(llama3_tok, msgs[:[m["role"] for m in msgs].index("assistant")])
+    assert [span for seq in samples for span in masked_spans(llama3_tok, seq)] == want
+    # one sample per turn here: the generation prompt ends in "\n\n", one token (ĊĊ) at the end of a prompt but
+    # two (Ċ Ċ) before the answer's text once the turn is history, so the next context does not extend the sample
+    # token for token (history.merge_turns); each turn is trained in the context the server tokenizes
+    assert len(samples) == len(want)
+    for seq, i in zip(samples, [i for i, m in enumerate(msgs) if m["role"] == "assistant"]):
+        assert seq["input_ids"].count(llama3_tok.bos_token_id) == 1 and seq["input_ids"][0] == llama3_tok.bos_token_id
+        # everything before the supervised tokens is exactly what a server sends for that answer
+        assert seq["input_ids"][:seq["loss_mask"].index(1)] == prompt_ids(llama3_tok, msgs[:i])
 
 
-def test_qwen3_template_strips_earlier_reasoning_and_the_mask_follows_it(qwen3_tok):
-    """The template keeps <think> only after the last user query: the earlier turn is trained as rendered (its
-    visible answer), the final turn with its reasoning (documented choice in eagle3_core/data/chat.py)."""
-    seq = tokenize_chat(qwen3_tok, MULTI, "q3", train="all")
-    assert masked_spans(qwen3_tok, seq) == ["It is 4.<|im_end|>",
-                                            "<think>\n3 plus 3 makes 6.\n</think>\n\nIt is 6.<|im_end|>"]
+def test_qwen3_template_strips_earlier_reasoning_and_each_turn_trains_in_its_own_context(qwen3_tok):
+    """The template keeps <think> only after the last user query, so the second turn's context is not the first
+    sample continued: two samples, each turn trained with its reasoning in the context the target had when it
+    wrote it (eagle3_core/data/history.py, the merge rule)."""
+    first, second = tokenize_chat(qwen3_tok, MULTI, "q3", train="all")
+    assert (first["id"], second["id"]) == ("q3/turn2", "q3/turn4")
+    assert masked_spans(qwen3_tok, first) == ["<think>\n2 plus 2 makes 4.\n</think>\n\nIt is 4.<|im_end|>"]
+    assert masked_spans(qwen3_tok, second) == ["<think>\n3 plus 3 makes 6.\n</think>\n\nIt is 6.<|im_end|>"]
+    assert second["input_ids"][:second["loss_mask"].index(1)] == prompt_ids(qwen3_tok, MULTI[:4])
+    assert "2 plus 2" not in qwen3_tok.decode(second["input_ids"])          # history as the template renders it
     # the same with reasoning given apart from the answer, as servers return it
     split = [{**m, "content": m["content"].split("</think>\n\n")[-1],
               "reasoning_content": m["content"].split("\n</think>")[0].removeprefix("<think>\n")}
              if m["role"] == "assistant" else m for m in MULTI]
-    assert tokenize_chat(qwen3_tok, split, "q3r", train="all") == seq
-    single = tokenize_chat(qwen3_tok, MULTI[:3], "q3s")
-    assert masked_spans(qwen3_tok, single) == ["<think>\n2 plus 2 makes 4.\n</think>\n\nIt is 4.<|im_end|>"]
+    assert tokenize_chat(qwen3_tok, split, "q3", train="all") == [first, second]
+    (single,) = tokenize_chat(qwen3_tok, MULTI[:3], "q3s")
+    assert masked_spans(qwen3_tok, single) == masked_spans(qwen3_tok, first)
 
 
 def test_qwen3_tool_calls_are_trained_and_tool_results_are_not(qwen3_tok):
     call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}
     msgs = USER + [{"role": "assistant", "content": "", "reasoning_content": "Use the tool.", "tool_calls": [call]},
                    {"role": "tool", "content": "4"},
-                   {"role": "assistant", "content": "It is 4."}]
-    seq = tokenize_chat(qwen3_tok, msgs, "tc")
+                   {"role": "assistant", "content": "It is 4.", "reasoning_content": "The tool said 4."}]
+    (seq,) = tokenize_chat(qwen3_tok, msgs, "tc")                      # a tool-call chain: one sample
     assert masked_spans(qwen3_tok, seq) == [
         '<think>\nUse the tool.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n'
         '</tool_call><|im_end|>',
-        "<think>\n\n</think>\n\nIt is 4.<|im_end|>"]
+        "<think>\nThe tool said 4.\n</think>\n\nIt is 4.<|im_end|>"]
     text = qwen3_tok.decode(seq["input_ids"])
     assert "<tool_response>\n4\n</tool_response>" in text
+    # without its reasoning the final turn would train `<think>\n\n</think>`, which Qwen3 thinking never writes
+    with pytest.raises(RoundTripError, match="tc: assistant turn 3: the target thinks") as e:
+        tokenize_chat(qwen3_tok, msgs[:-1] + [{"role": "assistant", "content": "It is 4."}], "tc")
+    assert e.value.cause == "empty_thinking"
 
 
 def test_mask_equals_return_assistant_tokens_mask_where_the_template_has_generation_markers(tokenizer):
@@ -171,7 +184,7 @@ def test_mask_equals_return_assistant_tokens_mask_where_the_template_has_generat
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     tok = _with_template(tokenizer, marked)
     ref = tok.apply_chat_template(MULTI, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    seq = tokenize_chat(tok, MULTI, "g")
+    (seq,) = tokenize_chat(tok, MULTI, "g")
     assert seq["input_ids"] == ref["input_ids"] and seq["loss_mask"] == list(ref["assistant_masks"])
 
 
@@ -189,12 +202,13 @@ def test_empty_mask_is_an_error(tokenizer):
 
 
 def test_overlong_samples_are_cut_or_dropped(tokenizer):
-    full = tokenize_chat(tokenizer, MULTI, "o", train="all")
+    (full,) = tokenize_chat(tokenizer, MULTI, "o", train="all")
     n = len(full["input_ids"])
-    cut = tokenize_chat(tokenizer, MULTI, "o", train="all", max_length=n - 3)
-    assert cut["cut"] and cut["input_ids"] == full["input_ids"][:n - 3] and cut["loss_mask"] == full["loss_mask"][:n - 3]
-    assert tokenize_chat(tokenizer, MULTI, "o", train="all", max_length=n - 3, overlong="drop") is None
-    assert not tokenize_chat(tokenizer, MULTI, "o", train="all", max_length=n, overlong="drop")["cut"]
+    (cut,) = tokenize_chat(tokenizer, MULTI, "o", train="all", max_length=n - 3)
+    assert cut["cut"] and cut["input_ids"] == full["input_ids"][:n - 3]
+    assert cut["loss_mask"] == full["loss_mask"][:n - 3]
+    assert tokenize_chat(tokenizer, MULTI, "o", train="all", max_length=n - 3, overlong="drop") == []
+    assert not tokenize_chat(tokenizer, MULTI, "o", train="all", max_length=n, overlong="drop")[0]["cut"]
 
 
 def test_think_prefix_in_generation_prompt_keeps_prompt_plus_completion_tokens(tokenizer):
@@ -223,18 +237,20 @@ def test_history_reasoning_stripped_by_template_never_spills_the_mask(tokenizer)
     seq = tokenize_conversation(tok, history, "<think>add</think>6", "c3")
     trained = tok.decode([t for t, m in zip(seq["input_ids"], seq["loss_mask"]) if m])
     assert trained == "<think>add</think>6<|im_end|>"
-    # every turn trained: the earlier one as the template renders it in the conversation (reasoning stripped)
+    # every turn trained, each as the template renders it when it is the turn being written: two samples, since
+    # the second turn's context is the first turn without its reasoning
     both = tokenize_chat(tok, history + [{"role": "assistant", "content": "<think>add</think>6"}], "c3a")
-    assert masked_spans(tok, both) == ["4<|im_end|>", "<think>add</think>6<|im_end|>"]
+    assert [masked_spans(tok, s) for s in both] == [["<think>hm</think>4<|im_end|>"],
+                                                    ["<think>add</think>6<|im_end|>"]]
     # rewrites the last user turn once an answer follows: the prompt is no longer a prefix
     marks_last = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% if loop.last %} (last)"
                   "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
                   "{% endif %}")
-    with pytest.raises(MaskError, match="c3b.*prefix"):
+    with pytest.raises(MaskError, match="c3b.*prompt as the start of the conversation"):
         tokenize_conversation(_with_template(tokenizer, marks_last), USER, "4", "c3b")
     # strips reasoning from every assistant turn, the trained one included
     strip_all = strip.replace(" and not loop.last", "")
-    with pytest.raises(MaskError, match="c3c.*changes the assistant text"):
+    with pytest.raises(MaskError, match="c3c: assistant turn 1: the template renders the turn's reasoning differ"):
         tokenize_conversation(_with_template(tokenizer, strip_all), USER, "<think>add</think>6", "c3c")
 
 

@@ -20,7 +20,9 @@ SHARD_KEYS = ("file", "sha256", "bytes", "ids", "tokens", "samples", "content_ke
 
 def _run_dir(root, target_dir, rows):
     cfg = PipelineConfig(run_dir=root, target=TargetConfig(model=str(target_dir)),
-                         features=FeatureConfig(max_length=64, shard_samples=3, batch_tokens=96, format="bf16"))
+                         # random tokens are not what the random target writes: the on-policy gate (test_history) off
+                         features=FeatureConfig(max_length=64, shard_samples=3, batch_tokens=96, format="bf16",
+                                                min_on_policy=0.0))
     (root / "tokenized").mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows), root / "tokenized" / "train.parquet")
     write_manifest(root / "tokenized" / "manifest.json", {"inputs_key": "eleven-random-rows"})

@@ -19,7 +19,7 @@ from eagle3_core.features.reader import load_samples
 
 
 def _rows(tokenizer, n):
-    from eagle3_core.data.chat import tokenize_conversation
+    from eagle3_core.data.history import tokenize_conversation
     rows = []
     for i in range(n):
         seq = tokenize_conversation(tokenizer, [{"role": "user", "content": f"Count to {i + 2}."}],

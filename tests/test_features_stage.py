@@ -93,8 +93,10 @@ def loads(monkeypatch):
 
 
 def _run_dir(root: Path, target: Path, n: int = 7, **features) -> PipelineConfig:
+    # random tokens are not what the random target writes: the on-policy gate (test_history) off
     cfg = PipelineConfig(run_dir=root, target=TargetConfig(model=str(target)),
-                         features=FeatureConfig(max_length=64, shard_samples=3, batch_tokens=64, **features))
+                         features=FeatureConfig(max_length=64, shard_samples=3, batch_tokens=64,
+                                                **{"min_on_policy": 0.0, **features}))
     write_tokenized(root, random_rows(n, lengths=(4, 20)), inputs_key="seven-random-rows")
     return cfg
 

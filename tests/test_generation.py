@@ -485,3 +485,23 @@ def test_stage_seconds_count_shards_run_side_by_side_once():
     assert busy_seconds(side_by_side) == 17.0
     assert busy_seconds(side_by_side + [{"seconds": 3.0}]) == 20.0                # an old record: its own time
     assert busy_seconds([]) == 0.0
+
+
+def test_vllm_completions_request_and_response_fields():
+    """Fields of vLLM's /v1/completions with token ids in and out (vllm/entrypoints/openai/protocol.py:
+    CompletionRequest.return_token_ids, CompletionResponseChoice.token_ids / prompt_token_ids, UsageInfo; vLLM
+    >= 0.10.2), read from the source, not run; a server without token_ids is refused naming the API."""
+    body = request_body("vllm", None, [1, 2, 3], 512, 0.0, top_p=0.9)
+    assert body == {"prompt": [1, 2, 3], "max_tokens": 512, "temperature": 0.0, "return_token_ids": True,
+                    "stream": False, "top_p": 0.9}
+    answer = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "t",
+              "choices": [{"index": 0, "text": " Paris.", "logprobs": None, "finish_reason": "stop",
+                           "stop_reason": None, "token_ids": [3681, 13, 2], "prompt_logprobs": None,
+                           "prompt_token_ids": [1, 2, 3]}],
+              "usage": {"prompt_tokens": 3, "total_tokens": 6, "completion_tokens": 3}}
+    out = parse_response("vllm", answer, "http://h:8000")
+    assert (out["output_ids"], out["finish_reason"], out["prompt_tokens"], out["completion_tokens"]) == \
+        ([3681, 13, 2], "stop", 3, 3)
+    old = {**answer, "choices": [{**answer["choices"][0], "token_ids": None}]}
+    with pytest.raises(RequestRejected, match=r"h:8000/v1/completions.*'vllm' API"):
+        parse_response("vllm", old, "http://h:8000")

@@ -26,7 +26,8 @@ IN_KEY = {
                    "generation.chat_template_kwargs", "generation.turns", "generation.max_turns",
                    "generation.shard_size", "generation.max_failed_frac", "generation.max_empty_frac",
                    "generation.max_truncated_frac", "generation.max_degenerate_frac", "server.kind", *TARGET},
-    "tokenize": {"features.max_length", "prompts.overlong", *TARGET},
+    # generation.turns 'all' (and a keep source's kept choice): the history rule (tokenize_stage.history_rule)
+    "tokenize": {"features.max_length", "prompts.overlong", "generation.turns", *TARGET},
     "features": {"features.aux_layer_ids", "features.max_length", "features.shard_samples", "features.format",
                  "features.import_from", *TARGET},
     "vocab": {"draft.draft_vocab_size", "train.init_from"},
@@ -75,7 +76,7 @@ def _flips(tmp_path) -> dict[str, object]:
         "features.batch_tokens": 8192, "features.format": "fp8", "features.writer_threads": 4,
         "features.import_from": str(imported), "features.backend": "ep_int4", "features.mix_backends": True,
         "features.tp_size": 4, "features.expert_parallel": True, "features.shard_attention": False,
-        "features.mem_fraction_static": 0.7,
+        "features.mem_fraction_static": 0.7, "features.min_on_policy": 0.5,
         "draft.draft_vocab_size": 16000, "draft.seed": 1, "draft.num_attention_heads": 8,
         "draft.num_key_value_heads": 2, "draft.head_dim": 64, "draft.intermediate_size": 1024,
         "draft.rope_theta": 1e6, "draft.rope_scaling": "none", "draft.max_position_embeddings": 4096,

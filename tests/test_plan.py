@@ -29,7 +29,7 @@ def test_the_reference_plan_reproduces_9_2_tb_24_h_and_18_8_h_within_10_percent(
     assert _stage(bf16, "features")["hours"] == pytest.approx(18.8, rel=0.10)
     # exactly what the config changes: 99K train prompts (1K held out), of which the kept trajectories (deepswe
     # 2,800 + kimi-k2.5-2000x 2,000 of the mix's 100K) need no request
-    assert bf16["workload"] == {"samples": 99000, "regenerated": 99000 - 4752, "answer_tokens": 2000,
+    assert bf16["workload"] == {"samples": 99000, "rows": 99000, "regenerated": 99000 - 4752, "answer_tokens": 2000,
                                 "tokens": 2000}
     assert _stage(bf16, "generation")["hours"] == pytest.approx(94248 * 2000 / 2300 / 3600)
     assert all(r["rate"] is None or r["rate"]["status"] in ("measured", "given", "scaled") for r in bf16["stages"])
@@ -133,6 +133,26 @@ def test_plan_prints_the_ep_int4_projection_beside_the_given_features_rate(capsy
     hours = 99000 * 2000 / r["extraction_tok_s_per_replica"] / 3600
     assert "18.58 h at 1.48 samples/s (reference_kimi_k25, given)" in line
     assert f"; {hours:.2f} h (" in line and "kimi_k25_ep_int4_h200, scaled" in line and "not measured" in line
+
+
+def test_plan_counts_the_samples_after_the_history_split():
+    """A row whose template rewrites its history gives several samples (eagle3_core.data.history): with a measured
+    samples_per_row of 1.5, extraction, disk and training plan for 1.5x the samples of the prompt rows."""
+    cfg = load_config(KIMI)
+    rates = load_rates(RATES, "reference_kimi_k25")
+    one = plan_run(cfg, rates, gpus=8)
+    split = plan_run(cfg, {**rates, "samples_per_row": {"value": 1.5, "unit": "samples per row",
+                                                        "status": "measured", "source": "a test"}}, gpus=8)
+    assert split["workload"]["samples"] == round(1.5 * one["workload"]["samples"]) == 148500
+    assert split["workload"]["rows"] == one["workload"]["rows"] == 99000
+    assert split["disk_bytes"] == pytest.approx(1.5 * one["disk_bytes"])
+    assert _stage(split, "features")["hours"] == pytest.approx(1.5 * _stage(one, "features")["hours"])
+    assert _stage(split, "generation")["hours"] == _stage(one, "generation")["hours"]      # requests per row
+    # a keep source told to regenerate (SourceSpec.kept) is answered: its rows are requests again
+    mix = cfg.prompts.mix.model_copy(update={"sources": [s.model_copy(update={"kept": "regenerate"})
+                                                         if s.mode == "keep" else s for s in cfg.prompts.mix.sources]})
+    regen = plan_run(cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"mix": mix})}), rates, gpus=8)
+    assert one["workload"]["regenerated"] == 99000 - 4752 and regen["workload"]["regenerated"] == 99000
 
 
 def test_the_agentic_reference_config_plans_its_own_lengths_and_the_teams_config_is_refused_by_check(capsys):

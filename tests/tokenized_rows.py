@@ -37,8 +37,8 @@ def write_tokenized(run_dir: Path, rows: list[dict], **manifest) -> None:
 def tiny_train_run(run_dir: Path, target_dir: Path, **train) -> PipelineConfig:
     """A run over the tiny target at `target_dir` whose features, vocab and train stages take seconds on CPU:
     shards of 4 samples of at most 64 tokens, a 64-token draft vocab, 2 epochs of TTT length 2 over 48-token
-    batches at lr 3e-3; `train` (TrainConfig fields) on top."""
+    batches at lr 3e-3, the on-policy gate off (random tokens); `train` (TrainConfig fields) on top."""
     return PipelineConfig(run_dir=run_dir, target=TargetConfig(model=str(target_dir)),
-                          features=FeatureConfig(max_length=64, shard_samples=4, batch_tokens=128),
+                          features=FeatureConfig(max_length=64, shard_samples=4, batch_tokens=128, min_on_policy=0.0),
                           draft=DraftConfig(draft_vocab_size=64),
                           train=TrainConfig(epochs=2, lr=3e-3, batch_tokens=48, ttt_length=2, device="cpu", **train))

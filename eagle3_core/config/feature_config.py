@@ -21,6 +21,9 @@ class FeatureConfig(StrictModel):
         "bf16", description="feature storage: bf16; fp8 (e4m3, per-token scales, ~half the bytes); online (nothing "
                             "stored, training runs the target on the fly)")
     writer_threads: int = Field(2, ge=1, description="background threads serializing, hashing and writing shards")
+    min_on_policy: float = Field(0.2, ge=0, le=1, description="early gate, checked on the first feature shard: "
+                                 "fail when a source's fraction of supervised tokens that are the target's argmax "
+                                 "is below this (data far from what the target writes); 0 turns it off")
     import_from: str | None = Field(None, description="a directory of SpecForge offline features (*.ckpt from its "
                                     "prepare_hidden_states.py): the stage imports them, checked against this run's "
                                     "tokenization, instead of running the target (features.specforge_import)")

@@ -36,10 +36,13 @@ class ServerConfig(StrictModel):
 
 
 class GenerationConfig(StrictModel):
-    api: Literal["openai", "sglang", "llama.cpp"] = Field(
-        "openai", description="'openai': /v1/chat/completions, the server applies the chat template (SGLang, vLLM, "
-        "llama.cpp); 'sglang': SGLang's /generate with token ids; 'llama.cpp': llama-server's /completion with token "
-        "ids. Token-id APIs render the prompt with the target's chat template here and keep the exact output ids")
+    api: Literal["auto", "openai", "sglang", "llama.cpp", "vllm"] = Field(
+        "auto", description="'auto': the token-id API of the server the stage starts (server.kind 'sglang' -> "
+        "'sglang', 'llama.cpp' -> 'llama.cpp'), else 'openai'; 'openai': /v1/chat/completions, the server applies the "
+        "chat template (SGLang, vLLM, llama.cpp) and answers in text; 'sglang': SGLang's /generate with token ids; "
+        "'llama.cpp': llama-server's /completion with token ids; 'vllm': vLLM's /v1/completions with token ids and "
+        "return_token_ids (vLLM >= 0.10.2). Token-id APIs render the prompt with the target's chat template here "
+        "and train the exact output ids")
     max_new_tokens: int = Field(256, ge=1, description="always sent: servers default to 128 or unlimited")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy (the default for regeneration)")
     concurrency: int = Field(4, ge=1, description="requests in flight over all servers")
@@ -68,4 +71,12 @@ class GenerationConfig(StrictModel):
         "turn by turn, each user turn answered after the target's own earlier answers (eagle3_core.generation.turns)")
     max_turns: int | None = Field(None, ge=1, description="turns='all': regenerate at most this many turns per row "
                                                           "(the row ends after the last one); None: every turn")
+
+    def api_for(self, server_kind: str) -> str:
+        """The API requests use with a server of `server_kind` (ServerConfig.kind): `api`, or for 'auto' the
+        token-id API of a server the stage starts ('sglang', 'llama.cpp': token in, token out), else 'openai'
+        (an external server's kind is not known)."""
+        if self.api != "auto":
+            return self.api
+        return server_kind if server_kind in ("sglang", "llama.cpp") else "openai"
 

@@ -46,6 +46,13 @@ class SourceSpec(StrictModel):
                                                    "prompt_id or instance_id, else the row index)")
     mode: Literal["prompt", "keep"] = Field("prompt", description="'prompt': the target regenerates the final "
                                             "assistant turn; 'keep': the conversation is trained as it is")
+    kept: Literal["train", "mask", "regenerate", "refuse"] = Field(
+        "train", description="what to do with this source's assistant turns that come from the data, not from the "
+        "target (mode 'keep' rows; the tool-call turns a turn-by-turn row keeps), which the target may never write "
+        "(the report's on-policy fraction measures it): 'train' (default) as the chat template renders them; "
+        "'mask' as context only, untrained (not with mode 'keep': nothing would be left to train); 'regenerate' the "
+        "target answers them instead (mode 'keep' rows become prompt rows; a turn-by-turn row's tool-call turns are "
+        "answered); 'refuse' such rows are not trained (counted in the tokenize manifest)")
     count: int | None = Field(None, ge=1, description="exactly this many rows from this source")
     weight: float | None = Field(None, gt=0, description="share of the rows not given by counts")
     min_chars: int = Field(1, ge=0, description="drop rows whose text is shorter (characters)")
@@ -59,6 +66,9 @@ class SourceSpec(StrictModel):
                              f"and `hf` (Hugging Face data set)")
         if self.count is not None and self.weight is not None:
             raise ValueError(f"source {self.label}: give `count` or `weight`, not both")
+        if self.mode == "keep" and self.kept == "mask":
+            raise ValueError(f"source {self.label}: kept 'mask' with mode 'keep' leaves nothing to train (every turn "
+                             f"is the data's); use kept 'regenerate', 'refuse' or 'train'")
         return self
 
     @property

@@ -80,7 +80,10 @@ def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = No
         keys.add(key)
         if tools_from:
             meta["tools_from"] = tools_from
-        out.append({"id": f"{label}/{key}", "source": label, "messages": messages, "mode": spec.mode,
+        if spec.kept != "train":                          # the source's choice for its data turns (SourceSpec.kept)
+            meta["kept"] = spec.kept
+        mode = "prompt" if spec.mode == "keep" and spec.kept == "regenerate" else spec.mode
+        out.append({"id": f"{label}/{key}", "source": label, "messages": messages, "mode": mode,
                     "tools": json.dumps(tools) if tools else "", "meta": json.dumps({"row": i, **meta})})
     return out
 

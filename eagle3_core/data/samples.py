@@ -2,34 +2,26 @@
 
 Legend: T tokens of one sample; P prompt tokens; O output tokens the server returned.
 
-Which tokens a row trains (docs/architecture.md, stage `tokenize`):
-- mode 'keep' rows: every assistant turn of the data, re-tokenized with the target's chat template;
-- final-turn rows (`generation.turns = 'final'`) of a token-id API ('llama.cpp', 'sglang'): the server's own ids,
-  prompt_ids [P] (what the server was sent) + output_ids [O] (what the target produced), loss on the O ids and on
-  the end-of-turn token (appended when the answer stopped and the server left it out). No re-tokenization: a text
-  round trip can merge or split tokens the target never did (`check_server_ids` measures how often);
-- final-turn rows of the OpenAI API (text only): the answer re-tokenized with the template, tool calls included as
-  the template renders them (`data.tokenize_chat`, train='last');
-- turn-by-turn rows (`turns = 'all'`): the regenerated conversation, every assistant turn trained (train='all'),
-  re-tokenized. Where the template drops earlier turns' reasoning (Qwen3, DeepSeek-R1: only turns after the last
-  user message keep their <think> block) one sample per assistant turn instead, each ending at that turn and
-  trained on it alone: every turn's reasoning is then trained as the template renders it at that turn, which is
-  what the target sees when it writes it.
+Which turns a row trains, each with the context the target had (eagle3_core.data.history: the two sources of a
+turn, the round trip of the text path, the merge rule):
+- final-turn rows (`generation.turns = 'final'`): the regenerated answer; from the server's own ids where a
+  token-id API ('llama.cpp', 'sglang') returned them (prompt_ids [P] + output_ids [O], no re-tokenization: a text
+  round trip can merge or split tokens the target never did, `check_server_ids` measures how often), else on the
+  text path (the OpenAI API returns text), tool calls included as the template renders them;
+- turn-by-turn rows (`turns = 'all'`): every regenerated turn (the server's ids per turn where the row has them:
+  `turn_prompt_ids`, `turn_output_ids`) and the data's assistant turns kept in the row (its tool-call turns), unless
+  the source's `kept` choice is 'mask' (prompt row meta 'kept'): then they are context only;
+- mode 'keep' rows: every assistant turn of the data, on the text path.
+Consecutive turns share a sample while the template keeps the history they were written after (history.merge_turns).
 All renderings use the row's tools and `generation.chat_template_kwargs`, as the requests did.
 """
 from __future__ import annotations
 
 import json
 
-from eagle3_core.data.chat import (
-    MaskError,
-    assistant_content,
-    end_of_turn,
-    render_chat,
-    renderable_message,
-    split_reasoning,
-    tokenize_chat,
-)
+from eagle3_core.data.chat import MaskError
+from eagle3_core.data.history import fit, merge_turns, server_turn, template_turn, tokenize_chat
+from eagle3_core.data.markers import TargetMarkers, target_markers
 from eagle3_core.serving.client import TOKEN_ID_APIS
 
 
@@ -38,103 +30,132 @@ def row_tools(row: dict) -> list[dict] | None:
     return json.loads(row["tools"]) if row.get("tools") else None
 
 
+def row_meta(row: dict) -> dict:
+    """The row's `meta` column (JSON text) as a dict ({} if none)."""
+    return json.loads(row["meta"]) if row.get("meta") else {}
+
+
 def final_answer(row: dict) -> dict:
-    """The assistant message of a final-turn row's answer: text with its reasoning inline, its tool calls."""
-    msg = {"role": "assistant", "content": assistant_content(row["response"], row["reasoning"] or "")}
+    """The assistant message of a final-turn row's answer: its text, reasoning (given apart) and tool calls."""
+    msg = {"role": "assistant", "content": row["response"]}
+    if row.get("reasoning"):
+        msg["reasoning_content"] = row["reasoning"]
     if row.get("tool_calls"):
         msg["tool_calls"] = json.loads(row["tool_calls"])
     return msg
 
 
 def uses_server_ids(row: dict) -> bool:
-    """True if the row is trained on the server's own token ids (final-turn row of a token-id API with ids)."""
-    return (row.get("api") in TOKEN_ID_APIS and not row.get("turns") and bool(row.get("output_ids"))
-            and bool(row.get("prompt_ids")))
+    """True if the row's regenerated turns are trained on the server's own token ids (a token-id API's final-turn
+    row with ids, or its turn-by-turn row with the ids of every turn)."""
+    if row.get("api") not in TOKEN_ID_APIS or row.get("mode") == "keep":
+        return False
+    if row.get("turns"):
+        return bool(row.get("turn_output_ids")) and len(row["turn_output_ids"]) == len(json.loads(row["turns"]))
+    return bool(row.get("output_ids")) and bool(row.get("prompt_ids"))
 
 
-def strips_history_reasoning(tokenizer, messages: list[dict], tools=None, template_kwargs=None) -> bool:
-    """True if the template leaves out the reasoning of an assistant turn before the last one (checked by
-    rendering `messages`: some earlier turn's reasoning text is not in the rendering)."""
-    full = render_chat(tokenizer, messages, add_generation_prompt=False, tools=tools, template_kwargs=template_kwargs)
-    turns = [m for m in messages if m.get("role") == "assistant"][:-1]
-    for m in turns:
-        reasoning, _ = split_reasoning(renderable_message(m).get("content") or "")
-        if reasoning and reasoning not in full:
-            return True
-    return False
-
-
-def server_id_sample(tokenizer, row: dict, max_length: int, overlong: str) -> dict | None:
-    """{'input_ids': prompt_ids + output_ids (+ end-of-turn), 'loss_mask', 'cut'} from the server's ids, or None
-    (longer than max_length and overlong 'drop'). Raises MaskError naming the row if nothing is supervised."""
-    eot, _ = end_of_turn(tokenizer)
-    prompt, output = list(row["prompt_ids"]), list(row["output_ids"])
-    if row["finish_reason"] != "length" and output[-1] != eot:
-        output.append(eot)                     # the server stopped at end-of-turn and did not return it
-    ids, mask = prompt + output, [0] * len(prompt) + [1] * len(output)
-    cut = len(ids) > max_length
-    if cut and overlong == "drop":
-        return None
-    ids, mask = ids[:max_length], mask[:max_length]
-    if not any(mask):
-        raise MaskError(f"row {row['id']}: empty loss mask (the prompt alone is {len(prompt)} tokens, longer than "
-                        f"features.max_length {max_length}); set prompts.over_budget='drop' or raise max_length")
-    return {"input_ids": ids, "loss_mask": mask, "cut": cut}
+def server_id_sample(tokenizer, row: dict, max_length: int, overlong: str, markers=None) -> dict | None:
+    """The sample of a final-turn row from the server's ids: {'input_ids': prompt_ids + output_ids (+ end-of-turn),
+    'loss_mask', 'cut'}, or None (longer than max_length and overlong 'drop'). Raises MaskError naming the row if
+    nothing is supervised."""
+    markers = markers or target_markers(tokenizer)
+    turn = server_turn(markers, len(row["messages"]), row["prompt_ids"], row["output_ids"], row["finish_reason"])
+    return fit(merge_turns([turn], row["id"])[0], max_length, overlong, row["id"])
 
 
 def retokenized_sample(tokenizer, row: dict, max_length: int | None, overlong: str,
-                       template_kwargs: dict | None) -> dict | None:
-    """A final-turn row re-tokenized with the template (train='last'); see data.tokenize_chat."""
-    return tokenize_chat(tokenizer, row["messages"] + [final_answer(row)], row["id"], train="last",
-                         truncated=row["finish_reason"] == "length", max_length=max_length, overlong=overlong,
-                         tools=row_tools(row), template_kwargs=template_kwargs)
+                       template_kwargs: dict | None, markers=None) -> dict | None:
+    """A final-turn row on the text path (train='last'); see history.tokenize_chat."""
+    out = tokenize_chat(tokenizer, row["messages"] + [final_answer(row)], row["id"], train="last",
+                        truncated=row["finish_reason"] == "length", max_length=max_length, overlong=overlong,
+                        tools=row_tools(row), template_kwargs=template_kwargs, markers=markers)
+    return out[0] if out else None
+
+
+def data_turns(row: dict) -> list[int]:
+    """Message indices of the assistant turns a row would train that come from the data, not the target: every
+    one of a mode 'keep' row, the turns a turn-by-turn row kept (its tool-call turns); none for a final-turn row."""
+    msgs = row["messages"]
+    if row.get("mode") == "keep":
+        return [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
+    if not row.get("turns"):
+        return []
+    regenerated = {t["index"] for t in json.loads(row["turns"])}
+    return [i for i, m in enumerate(msgs) if m.get("role") == "assistant" and i not in regenerated]
+
+
+def _turn_by_turn(tokenizer, markers: TargetMarkers, row: dict, render: dict, server: bool) -> list:
+    """The trained turns of a turn-by-turn row, in conversation order (module docstring)."""
+    msgs, turns = row["messages"], json.loads(row["turns"])
+    regenerated = {t["index"]: k for k, t in enumerate(turns)}
+    mask_kept = row_meta(row).get("kept") == "mask"
+    out = []
+    for i, m in enumerate(msgs):
+        if m.get("role") != "assistant" or (i not in regenerated and mask_kept):
+            continue
+        k = regenerated.get(i)
+        if k is not None and server:
+            out.append(server_turn(markers, i, row["turn_prompt_ids"][k], row["turn_output_ids"][k],
+                                   turns[k].get("finish_reason", "")))
+        else:
+            cut = k is not None and turns[k].get("finish_reason") == "length"
+            out.append(template_turn(tokenizer, markers, msgs[:i + 1], i, row["id"], cut, **render))
+    return out
 
 
 def row_samples(tokenizer, row: dict, max_length: int, overlong: str, template_kwargs: dict | None = None,
-                use_server_ids: bool = True) -> tuple[list[dict], str]:
+                use_server_ids: bool = True, markers: TargetMarkers | None = None) -> tuple[list[dict], str]:
     """(samples, token source) of one generation row (messages decoded from JSON). Each sample is {'id',
-    'input_ids': list[int] [T], 'loss_mask': list[int] 0/1 [T], 'cut': bool}; a sample longer than max_length
-    with overlong 'drop' is left out. token source: 'server' (the server's ids) or 'template' (re-tokenized).
-    Per-turn samples (see the module docstring) have ids '{row id}/turn{i}' (i: message index).
-    Raises MaskError / jinja2 TemplateError for a row the template cannot train (the caller records it)."""
-    tools = row_tools(row)
-    render = dict(tools=tools, template_kwargs=template_kwargs)
-    if row.get("mode") != "keep" and not row.get("turns"):
-        if use_server_ids and uses_server_ids(row):
-            seq, source = server_id_sample(tokenizer, row, max_length, overlong), "server"
+    'input_ids': list[int] [T], 'loss_mask': list[int] 0/1 [T], 'cut': bool, 'turns', 'sources'}; one longer than
+    max_length with overlong 'drop' is left out. token source: 'server' (the server's ids), 'template' (the text
+    path) or 'server+template' (a turn-by-turn row with both). Samples of a row split by the merge rule are named
+    '{row id}/turn{i}' (i: message index of their first turn). markers: the target's (computed when not given).
+    A row of a source with kept 'refuse' that holds data turns to train gives no sample, token source 'refused'.
+    Raises MaskError (history.RoundTripError with its cause) / jinja2 TemplateError for a row the template cannot
+    train (the caller records it)."""
+    markers = markers or target_markers(tokenizer)
+    if row_meta(row).get("kept") == "refuse" and data_turns(row):
+        return [], "refused"
+    render = dict(tools=row_tools(row), template_kwargs=template_kwargs)
+    server = use_server_ids and uses_server_ids(row)
+    if row.get("mode") == "keep" or not row.get("turns"):
+        if server:
+            turns = [server_turn(markers, len(row["messages"]), row["prompt_ids"], row["output_ids"],
+                                 row["finish_reason"])]
         else:
-            seq, source = retokenized_sample(tokenizer, row, max_length, overlong, template_kwargs), "template"
-        return ([{"id": row["id"], **seq}] if seq else []), source
-    msgs = row["messages"]
-    truncated = row.get("mode") != "keep" and row["finish_reason"] == "length"
-    if row.get("mode") == "keep" or not strips_history_reasoning(tokenizer, msgs, **render):
-        seq = tokenize_chat(tokenizer, msgs, row["id"], train="all", truncated=truncated, max_length=max_length,
-                            overlong=overlong, **render)
-        return ([{"id": row["id"], **seq}] if seq else []), "template"
-    out = []
-    last = max(i for i, m in enumerate(msgs) if m.get("role") == "assistant")
-    for i in (i for i, m in enumerate(msgs) if m.get("role") == "assistant"):
-        seq = tokenize_chat(tokenizer, msgs[:i + 1], f"{row['id']}/turn{i}", train="last",
-                            truncated=truncated and i == last, max_length=max_length, overlong=overlong, **render)
-        if seq:
-            out.append({"id": f"{row['id']}/turn{i}", **seq})
-    return out, "template"
+            msgs = row["messages"] if row.get("mode") == "keep" else row["messages"] + [final_answer(row)]
+            trained = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
+            if row.get("mode") != "keep":
+                trained = trained[-1:]
+            if not trained or trained[-1] != len(msgs) - 1:
+                raise MaskError(f"row {row['id']}: the conversation must end with an assistant turn; drop the row")
+            cut = row.get("mode") != "keep" and row["finish_reason"] == "length"
+            turns = [template_turn(tokenizer, markers, msgs[:i + 1], i, row["id"], cut and i == trained[-1],
+                                   **render) for i in trained]
+    else:
+        turns = _turn_by_turn(tokenizer, markers, row, render, server)
+    samples = [s for s in (fit(s, max_length, overlong, row["id"]) for s in merge_turns(turns, row["id"])) if s]
+    kinds = sorted({t.source for t in turns})
+    return samples, "+".join(kinds) if kinds else "template"
 
 
 def check_server_ids(tokenizer, rows: list[dict], template_kwargs: dict | None, n: int = 16) -> dict:
     """Sample check of the token-id path: for the first `n` rows trained on server ids, does re-tokenizing the
     row's text with the template give exactly prompt_ids + output_ids (+ end-of-turn)? Returns {'checked',
-    'equal', 'mismatched': [{id, first_diff (token index), server, template}] (at most 5)}."""
+    'equal', 'mismatched': [{id, first_diff (token index), server, template}] (at most 5)} (final-turn rows)."""
     checked, equal, bad = 0, 0, []
+    markers = None
     for r in rows:
         if checked >= n:
             break
-        if not uses_server_ids(r):
+        if not uses_server_ids(r) or r.get("turns"):
             continue
         checked += 1
-        server = server_id_sample(tokenizer, r, 10**9, "truncate")["input_ids"]
+        markers = markers or target_markers(tokenizer)
+        server = server_id_sample(tokenizer, r, 10**9, "truncate", markers)["input_ids"]
         try:
-            text = retokenized_sample(tokenizer, r, None, "truncate", template_kwargs)["input_ids"]
+            text = retokenized_sample(tokenizer, r, None, "truncate", template_kwargs, markers)["input_ids"]
         except (MaskError, ValueError) as e:
             bad.append({"id": r["id"], "first_diff": None, "reason": str(e)[:200]})
             continue

@@ -1,6 +1,8 @@
-"""The draft vocabulary: d2t offsets and t2d mask (SGLang `python/sglang/srt/models/llama_eagle3.py`; vLLM `llama_eagle3.py` reads the same offsets).
+"""The draft vocabulary: d2t offsets and t2d mask (SGLang `python/sglang/srt/models/llama_eagle3.py`; vLLM
+`llama_eagle3.py` reads the same offsets).
 
-The N most frequent target tokens on loss-masked positions form the draft vocab, sorted by target id.
+The target's marker tokens (think, tool calls, end of turn: data.markers) and then the most frequent target tokens
+on loss-masked positions, N in all, form the draft vocab, sorted by target id.
 d2t int64 [N]: target_id = draft_id + d2t[draft_id] (SGLang's offset convention). t2d bool [V].
 Ties break by lower target id; if fewer than N distinct tokens are seen, the lowest unseen ids fill the rest, so
 the map is deterministic and never short (a known crash in other trainers).
@@ -18,14 +20,22 @@ def count_tokens(input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor], 
     return counts
 
 
-def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t int64 [N], t2d bool [V]) from token counts [V]. Raises ValueError if N > V."""
+def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int,
+                    always: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t int64 [N], t2d bool [V]) from token counts [V]. always: target ids kept in the draft vocab whatever
+    their counts (the target's marker tokens: think, tool calls, end of turn; data.markers), the rest by count.
+    Raises ValueError if N > V or `always` holds more than N ids or an id outside [0, V)."""
     V = counts.numel()
     N = draft_vocab_size
     if N > V:
         raise ValueError(f"draft_vocab_size {N} exceeds the target vocab {V}")
+    always = sorted(set(always or []))
+    if len(always) > N or any(not 0 <= t < V for t in always):
+        raise ValueError(f"tokens kept in the draft vocab {always[:8]} do not fit a draft vocab of {N} of {V}")
+    key = counts.clone()
+    key[always] = counts.max() + 1 if counts.numel() else 1                 # ahead of every counted token
     # sort by count descending, then id ascending: stable sort on -count keeps ids in order among ties
-    order = torch.sort(-counts, stable=True).indices
+    order = torch.sort(-key, stable=True).indices
     chosen = torch.sort(order[:N]).values                           # [N] target ids, ascending
     d2t = chosen - torch.arange(N)
     t2d = torch.zeros(V, dtype=torch.bool)
@@ -51,3 +61,18 @@ def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
     targets = draft_to_target_ids(d2t)
     if not torch.equal(targets, t2d.nonzero().flatten()):
         raise ValueError(f"{where}: d2t and t2d name different target ids; rebuild the vocab map")
+
+
+def coverage_by_source(input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor], sources: list[str],
+                       t2d: torch.Tensor) -> dict[str, dict]:
+    """Per source {'supervised': tokens, 'in_vocab': of them in the draft vocab, 'coverage': the fraction}: how
+    much of each source's supervised data the draft can predict at all (t2d bool [V])."""
+    out: dict[str, dict] = {}
+    for ids, mask, src in zip(input_ids, loss_masks, sources):
+        sup = ids[mask.bool()].long()
+        st = out.setdefault(src, {"supervised": 0, "in_vocab": 0})
+        st["supervised"] += int(sup.numel())
+        st["in_vocab"] += int(t2d[sup].sum())
+    for st in out.values():
+        st["coverage"] = st["in_vocab"] / max(st["supervised"], 1)
+    return out

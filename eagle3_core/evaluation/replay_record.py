@@ -51,8 +51,9 @@ def greedy_outputs(cfg, prompts: list[list[int]], eos_ids: set[int], log=print) 
         outs = [a["output_ids"] for a in answers]
     else:
         urls = cfg.server.urls or ([cfg.server.url] if cfg.server.url else [])
-        api = cfg.generation.api
-        if not urls or api not in ("sglang", "llama.cpp"):
+        api = cfg.generation.api_for(cfg.server.kind)
+        from eagle3_core.serving.client import TOKEN_ID_APIS
+        if not urls or api not in TOKEN_ID_APIS:
             raise ValueError(f"eval.evaluator 'replay' records the target's greedy outputs through a token-id API: "
                              f"set server.url (a running server of the target) and generation.api 'sglang' or "
                              f"'llama.cpp' (got server.kind {cfg.server.kind!r}, api {api!r}), or eval.evaluator "

@@ -36,6 +36,15 @@ def _write_parquet(path: Path, table: pa.Table) -> None:
     write_atomic(path, sink.getvalue().to_pybytes())
 
 
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` cast to `schema`, with null columns for the schema's columns it lacks (answers flushed by a version
+    that wrote fewer answer fields, e.g. before `turn_prompt_ids`): nothing answered is lost to a new column."""
+    for f in schema:
+        if f.name not in table.column_names:
+            table = table.append_column(f, pa.nulls(table.num_rows, f.type))
+    return table.select(schema.names).cast(schema)
+
+
 def finished_record(out: Path, k: int, key: str, rows_sha256: str | None = None) -> dict | None:
     """Shard k's record if the shard is finished for inputs `key` (record and file agree, no failed prompt) and,
     given `rows_sha256`, was written for exactly those rows (shard_plan.rows_digest)."""
@@ -117,7 +126,7 @@ class AnswerShardWriter:
             pq.read_table(self.path, columns=["id"])["id"].to_pylist() != sorted(self.done_ids,
                                                                                  key=lambda i: self.rows[i][0])
         if changed:
-            tables = [pq.read_table(f).cast(self.schema) for f in files]
+            tables = [conform(pq.read_table(f), self.schema) for f in files]
             table = pa.concat_tables(tables) if tables else self.schema.empty_table()
             ids, digests = table["id"].to_pylist(), table["prompt_sha256"].to_pylist()
             first = {i: n for n, (i, d) in reversed(list(enumerate(zip(ids, digests))))

@@ -47,7 +47,7 @@ from eagle3_core.config import GenerationConfig, ServerConfig
 from eagle3_core.generation.answer_shard import KEY_META, AnswerShardWriter
 from eagle3_core.generation.progress import Progress
 from eagle3_core.generation.quality import EarlyGate, gate_limits
-from eagle3_core.generation.turns import later_user_turns, regenerate_row
+from eagle3_core.generation.turns import later_user_turns, parsed_answer, regenerate_row
 from eagle3_core.serving.client import (
     TOKEN_ID_APIS,
     RequestRejected,
@@ -64,7 +64,8 @@ ANSWER_FIELDS = [("index", pa.int64()), ("response", pa.string()), ("reasoning",
                  ("prompt_ids", pa.list_(pa.int32())), ("output_ids", pa.list_(pa.int32())), ("model", pa.string()),
                  ("server", pa.string()), ("api", pa.string()), ("attempts", pa.int32()), ("latency_s", pa.float64()),
                  ("timings", pa.string()), ("tool_calls", pa.string()), ("turn_requests", pa.int32()),
-                 ("turns", pa.string())]
+                 ("turns", pa.string()), ("turn_prompt_ids", pa.list_(pa.list_(pa.int32()))),
+                 ("turn_output_ids", pa.list_(pa.list_(pa.int32())))]
 
 
 def num_shards(prompts_path: Path, shard_size: int) -> int:
@@ -164,10 +165,14 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int] | dict[int
     from eagle3_core.data.chat import prompt_ids
     if not shards:
         return []
+    gen = gen.model_copy(update={"api": gen.api_for(server.kind)})               # 'auto' resolved
     token_ids = gen.api in TOKEN_ID_APIS or engine is not None
     if token_ids and tokenizer is None:
         raise ValueError(f"generation.api {gen.api!r} / an in-process engine takes token ids: pass the target's "
                          "tokenizer")
+    if gen.api in TOKEN_ID_APIS:                       # answers are read by the target's own marker tokens
+        from eagle3_core.data.markers import target_markers
+        markers = target_markers(tokenizer)
     n_rows = pq.ParquetFile(prompts_path).metadata.num_rows
     size = gen.shard_size
     ranges = dict(sorted((shards if isinstance(shards, dict) else
@@ -258,13 +263,19 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int] | dict[int
                 data, url, attempts = await request_with_retries(pool, client, gen.api, body, gen.max_retries,
                                                                  gen.retry_backoff_s, on_retry)
                 data.pop("logprobs", None)
+                if gen.api in TOKEN_ID_APIS:
+                    data.update(await asyncio.get_running_loop().run_in_executor(
+                        tokenize_thread, parsed_answer, tokenizer, markers, turn_ids, data["output_ids"]))
+            data["prompt_ids"] = turn_ids
             if gen.turns == "all":                     # each turn is an answer (final mode: once it is stored)
                 gate.add(_gate_row(row["id"], data))
             return data, url, attempts
 
         try:
             if gen.turns == "all":
-                data = await regenerate_row(sent, gen.max_turns, ask, later=later_user_turns(row))
+                data = await regenerate_row(sent, gen.max_turns, ask,
+                                            json.loads(row.get("meta") or "{}").get("kept") == "regenerate",
+                                            later=later_user_turns(row))
                 data["messages"] = json.dumps(data["messages"])
                 url, attempts = data.pop("server"), data.pop("attempts")
             else:

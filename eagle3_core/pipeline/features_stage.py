@@ -32,6 +32,17 @@ FEATURE_HOW_FIELDS = ("batch_tokens", "writer_threads", "backend", "tp_size", "e
                       "mix_backends", "import_from", "mem_fraction_static")
 
 
+def on_policy_gate(cfg: PipelineConfig, rows: list[dict], files: list[str], log=print) -> None:
+    """The early gate on the first shard (features.on_policy.check_on_policy): logs each source's on-policy
+    fraction and raises ValueError below features.min_on_policy. Nothing for a store without argmaxes."""
+    from eagle3_core.features.on_policy import check_on_policy, on_policy_by_source, on_policy_line, sources_of
+    if cfg.features.format == "online":
+        return
+    per = on_policy_by_source(RunLayout(cfg.run_dir).features, sources_of(rows), files)
+    log(f"features: on-policy on the first shard: {on_policy_line(per)}")
+    check_on_policy(per, cfg.features.min_on_policy, "the first shard")
+
+
 def features_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     """Inputs key of the features stage: the tokenized data (`up`: {'tokenize': its key}; default: read from its
     manifest), the feature settings that change the stored result (FEATURE_RESULT_FIELDS), the target, and an
@@ -192,6 +203,7 @@ def run_features(cfg: PipelineConfig, log=print, workers: int | None = None, **r
                 manifest = {**_extract(cfg, skey, log), "how": "in this process"}
             finally:
                 close_extractors()
+            on_policy_gate(cfg, tokenized_rows(cfg), [manifest["shards"][0]["file"]], log)
         log(f"features: {manifest['samples']} samples, {manifest['tokens']} tokens, aux layers "
             f"{manifest['aux_layer_ids']}, backend {backend.name}, {manifest.pop('how')}, format "
             f"{manifest['format']}, {manifest['bytes_per_token']:.0f} bytes/token")
@@ -225,6 +237,8 @@ def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
         entry = next(e for e in store["shards"] if e["file"] == f"shard_{shard:05d}.safetensors")
         log(f"features: shard {shard}: {entry['samples']} samples, {entry['tokens']} tokens in "
             f"{time.monotonic() - t0:.1f} s")
+        if shard == 0:
+            on_policy_gate(cfg, rows, [entry["file"]], log)
     return {**entry, "shard": shard, "inputs_key": key, "extracted": extracted, "seconds": time.monotonic() - t0}
 
 

@@ -20,7 +20,7 @@ from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upst
 
 def _sampling(cfg: PipelineConfig) -> dict:
     g = cfg.generation
-    return {"api": g.api, "max_new_tokens": g.max_new_tokens, "temperature": g.temperature,
+    return {"api": g.api_for(cfg.server.kind), "max_new_tokens": g.max_new_tokens, "temperature": g.temperature,
             "server_kind": cfg.server.kind, "top_p": g.top_p, "chat_template_kwargs": g.chat_template_kwargs,
             "turns": g.turns, "max_turns": g.max_turns}
 
@@ -214,7 +214,8 @@ def _regenerate(cfg: PipelineConfig, shards: list[int], urls: list[str], log, on
     plan = generation_plan(cfg)
     ranges = {k: (plan[k][0], plan[k][1]) for k in shards}
     in_process = cfg.server.kind == "transformers"
-    tok = load_tokenizer(cfg.target) if cfg.generation.api in TOKEN_ID_APIS or in_process else None
+    tok = load_tokenizer(cfg.target) if cfg.generation.api_for(cfg.server.kind) in TOKEN_ID_APIS or in_process \
+        else None
     engine = _generation_engine(cfg, tok, log) if in_process else None
     try:
         return asyncio.run(regenerate(RunLayout(cfg.run_dir).prompts_train, RunLayout(cfg.run_dir).generations,
@@ -308,7 +309,8 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
             "sampling": {"temperature": g.temperature, "top_p": g.top_p, "max_new_tokens": g.max_new_tokens,
                          "greedy": g.temperature == 0.0, "chat_template_kwargs": g.chat_template_kwargs},
             "turns": {"mode": g.turns, "max_turns": g.max_turns, **_request_counts(records)},
-            "api": g.api, "token_ids": "from the server (prompt_ids, output_ids)" if g.api in TOKEN_ID_APIS else None,
+            "api": g.api_for(cfg.server.kind), "token_ids": "from the server (prompt_ids, output_ids)"
+            if g.api_for(cfg.server.kind) in TOKEN_ID_APIS else None,
             "server": _server_desc(cfg), "shards": [r["file"] for r in records],
             "seconds": seconds if seconds is not None else busy_seconds(records)}
 

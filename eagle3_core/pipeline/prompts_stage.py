@@ -34,6 +34,9 @@ def prompts_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str
 
 def _prompts_key(cfg: PipelineConfig, prompt_fields: dict) -> str:
     g = cfg.generation
+    for s in (prompt_fields.get("mix") or {}).get("sources", []):     # the default: the key of runs before it
+        if s.get("kept") == "train":
+            del s["kept"]
     return stage_key(prompt_fields, prompts_mod.source_fingerprints(cfg.prompts), target_key(cfg),
                      {"max_length": cfg.features.max_length, "max_new_tokens": g.max_new_tokens,
                       "chat_template_kwargs": g.chat_template_kwargs})

@@ -32,7 +32,42 @@ def collect(run_dir: Path) -> dict:
         "llama_cpp": m["deploy_llama_cpp"].get("summary"),
         "sglang": _optional_manifest(RunLayout(run_dir).manifest("deploy-sglang")).get("verdict"),
         "sampling": compare_sampling(m["generations"].get("sampling"), m["eval"].get("sampling")),
+        "by_source": data_by_source(Path(run_dir), m["vocab"].get("coverage_per_source") or {}),
     }
+
+
+def data_by_source(run_dir: Path, coverage: dict) -> dict[str, dict]:
+    """Per source of the trained data: samples, supervised tokens, the on-policy fraction (supervised tokens that
+    are the target's argmax, from the feature store: features.on_policy; None for an online store) and the draft
+    vocab's coverage of its supervised tokens (the vocab manifest's `coverage_per_source`; None for a run before
+    it)."""
+    import pyarrow.parquet as pq
+
+    from eagle3_core.features.on_policy import on_policy_by_source, sources_of
+    layout = RunLayout(run_dir)
+    cols = [c for c in ("id", "source", "loss_mask") if c in pq.read_schema(layout.tokenized_train).names]
+    rows = pq.read_table(layout.tokenized_train, columns=cols).to_pylist()
+    src = sources_of(rows)
+    per = on_policy_by_source(layout.features, src)
+    out: dict[str, dict] = {}
+    for r in rows:
+        st = out.setdefault(src[r["id"]], {"samples": 0, "supervised": 0})
+        st["samples"] += 1
+        st["supervised"] += sum(r["loss_mask"])
+    for s, st in out.items():
+        st["on_policy"] = per[s]["fraction"] if s in per else None
+        st["vocab_coverage"] = coverage[s]["coverage"] if s in coverage else None
+    return out
+
+
+def by_source_markdown(by_source: dict[str, dict]) -> list[str]:
+    """The report's per-source table: samples, supervised tokens, on-policy fraction, draft vocab coverage."""
+    pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
+    lines = ["", "Per source: how much of the trained data the target writes itself (on-policy: supervised tokens "
+             "that are the target's argmax) and the draft vocab's coverage of it", "",
+             "| source | samples | supervised tokens | on-policy | draft vocab coverage |", "|---|---|---|---|---|"]
+    return lines + [f"| {s} | {st['samples']} | {st['supervised']} | {pct(st['on_policy'])} | "
+                    f"{pct(st['vocab_coverage'])} |" for s, st in sorted(by_source.items())]
 
 
 # evaluation decodes greedily (evaluate.measure, llama.cpp deployment); an older eval manifest says nothing else
@@ -185,7 +220,8 @@ def markdown(r: dict) -> str:
         (f"- aux layers {r['aux_layer_ids']}; features {r['feature_bytes_per_token']:.0f} bytes/token; "
         f"draft vocab {r['draft_vocab_size']} (covers {r['vocab_coverage']:.1%} of supervised tokens)"),
         (f"- best epoch {r['best_epoch']['epoch']} (simulated tau {r['best_epoch']['tau_sim']:.2f}); pre-flight "
-        f"check of the draft against the target: {ev.get('preflight', 'not run')}"), "",
+        f"check of the draft against the target: {ev.get('preflight', 'not run')}"),
+        *by_source_markdown(r.get("by_source") or {}), "",
         (f"## Acceptance length (offline, greedy, {ev['num_draft_steps']} draft steps per verify step, "
         f"{ev['max_new_tokens']} new tokens per prompt)"), "",
         ("| draft | drafting | prompts | tau | 95% CI | tokens | verify steps | tok/s | target-only tok/s (same "

@@ -16,9 +16,21 @@ from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upst
 
 def tokenize_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     """Inputs key of the tokenize stage: the generations (`up`: {'generation': its key}; default: read from its
-    manifest), the max length and overlong policy, and the target (its chat template)."""
+    manifest), the max length and overlong policy, the target (its chat template), and the history rule where it
+    changed the samples (history_rule)."""
     up = upstream_keys(cfg, "tokenize") if up is None else up
-    return stage_key(up["generation"], cfg.features.max_length, cfg.prompts.overlong, target_key(cfg))
+    return stage_key(up["generation"], cfg.features.max_length, cfg.prompts.overlong, target_key(cfg),
+                     *history_rule(cfg))
+
+
+def history_rule(cfg: PipelineConfig) -> list[dict]:
+    """[the rule's name] for runs whose samples the history rule of eagle3_core.data.history changed (turn by turn,
+    rows kept as they are, a source's kept choice), else []: a final-turn row trains the tokens it trained before,
+    so such runs keep their key and their features."""
+    specs = cfg.prompts.mix.sources if cfg.prompts.mix is not None else []
+    if cfg.generation.turns == "all" or any(s.mode == "keep" or s.kept != "train" for s in specs):
+        return [{"history": "turns merged while the template keeps history, round trip checked"}]
+    return []
 
 
 def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
@@ -29,6 +41,8 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
     do not declare, arguments that are no complete JSON object: data.tool_calls) is rejected with the reason.
     Samples longer than features.max_length are cut or dropped (prompts.overlong), counted in the manifest, with the
     token source and a sample check of the server's ids."""
+    from eagle3_core.data.history import RoundTripError
+    from eagle3_core.data.markers import target_markers
     from eagle3_core.data.samples import check_server_ids, row_samples
     from eagle3_core.data.tool_calls import check_generation_tool_calls
     from eagle3_core.target.loading import load_tokenizer
@@ -38,28 +52,37 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
 
     def body() -> dict:
         tok = load_tokenizer(cfg.target)
+        markers = target_markers(tok)
         kwargs = cfg.generation.chat_template_kwargs or None
-        rows, n_cut, dropped, rejects, per, sources, id_rows = [], 0, [], [], {}, {}, []
+        rows, n_cut, dropped, rejects, per, sources, id_rows, causes = [], 0, [], [], {}, {}, [], {}
         for shard in up["shards"]:
             for index, r in enumerate(prompts_mod.read_rows(run.generations / shard)):
                 st = per.setdefault(r.get("source") or "?", {"read": 0, "rejected": 0})
                 st["read"] += 1
                 try:
                     check_generation_tool_calls(r)
-                    samples, source = row_samples(tok, r, cfg.features.max_length, cfg.prompts.overlong, kwargs)
-                except (ValueError, TemplateError) as e:   # MaskError, ToolCallError, or the template refusing it
+                    samples, source = row_samples(tok, r, cfg.features.max_length, cfg.prompts.overlong, kwargs,
+                                                  markers=markers)
+                except (ValueError, TemplateError) as e:   # MaskError, RoundTripError, ToolCallError, template refusal
                     st["rejected"] += 1
+                    cause = e.cause if isinstance(e, RoundTripError) else type(e).__name__
+                    causes.setdefault(r.get("source") or "?", {}).setdefault(cause, 0)
+                    causes[r.get("source") or "?"][cause] += 1
                     rejects.append({"source": r.get("source") or "?", "file": f"generations/{shard}", "row": index,
                                     "id": r["id"], "reason": f"{type(e).__name__}: {e}"})
                     continue
                 sources[source] = sources.get(source, 0) + 1
+                if source == "refused":                  # the source's kept choice 'refuse' (SourceSpec.kept)
+                    st["refused"] = st.get("refused", 0) + 1
+                    continue
                 if source == "server" and len(id_rows) < 16:
                     id_rows.append(r)
                 if not samples:
                     dropped.append(r["id"])
                     continue
                 n_cut += sum(s["cut"] for s in samples)
-                rows += [{"id": s["id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"]} for s in samples]
+                rows += [{"id": s["id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
+                          "source": r.get("source") or "?"} for s in samples]
         finish_rejects(out / "rejects.jsonl", rejects, per, cfg.prompts.max_reject_frac)
         if not rows:
             raise ValueError(f"tokenize: every sample is longer than features.max_length {cfg.features.max_length} "
@@ -78,9 +101,13 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
             "overlong": {"policy": cfg.prompts.overlong, "max_length": cfg.features.max_length, "cut": n_cut,
                          "dropped": len(dropped), "dropped_ids": dropped[:100]},
             "rejected": len(rejects), "rejected_per_source": {k: v["rejected"] for k, v in per.items()},
+            "rejected_causes": causes, "rows": sum(v["read"] for v in per.values()) - len(rejects),
+            "kept_refused": {k: v["refused"] for k, v in per.items() if v.get("refused")},
+            "marker_tokens": markers.texts,
             "rejects": str(out / "rejects.jsonl"),
-            "token_source": ("the server's own ids (prompt_ids + output_ids) for final-turn rows of a token-id "
-                             "API; the others re-tokenized with the target's chat template" if sources.get("server")
+            "token_source": ("the server's own ids (prompt_ids + output_ids) for the regenerated turns of a "
+                             "token-id API; the others re-tokenized with the target's chat template"
+                             if any("server" in k for k in sources)
                              else "re-tokenized with the target's chat template (the OpenAI API returns text, not "
                              "ids)"),
             "token_sources": sources, "server_ids_check": check}

@@ -10,7 +10,11 @@ APIs (`GenerationConfig.api`):
   no chat template, so training sees exactly the prompt and output tokens the target saw and produced.
 - "llama.cpp": POST /completion with the prompt as token ids, `n_predict` and `return_tokens`; answer `tokens`,
   `content`, `stop_type` (eos | word | limit), `tokens_predicted` (llama.cpp tools/server, checked on the build in
-  use). Lets the token-id path be tested here, on CPU.
+  use: llama-cpp-python 0.3.36's vendored llama.cpp, `tools/server/server-schema.cpp` return_tokens,
+  `server-task.cpp` to_json_non_oaicompat). Lets the token-id path be tested here, on CPU.
+- "vllm": POST /v1/completions with the prompt as token ids and `return_token_ids` (vLLM >= 0.10.2,
+  `vllm/entrypoints/openai/protocol.py` CompletionRequest); answer `choices[0].token_ids`, `text`,
+  `finish_reason` (stop | length), `usage` (CompletionResponseChoice, UsageInfo).
 
 Every request carries a max-new-tokens value (servers default to 128 tokens or to the context limit). Errors:
 connection errors, timeouts, 429, 5xx and server-side aborts raise `RetryableError` (retried with exponential
@@ -33,8 +37,9 @@ from tenacity import (
 from eagle3_core.serving.launcher import ServerError
 from eagle3_core.serving.pool import ServerPool
 
-API_PATHS = {"openai": "/v1/chat/completions", "sglang": "/generate", "llama.cpp": "/completion"}
-TOKEN_ID_APIS = ("sglang", "llama.cpp")
+API_PATHS = {"openai": "/v1/chat/completions", "sglang": "/generate", "llama.cpp": "/completion",
+             "vllm": "/v1/completions"}
+TOKEN_ID_APIS = ("sglang", "llama.cpp", "vllm")
 MAX_BACKOFF_S = 60.0
 
 
@@ -83,6 +88,11 @@ def request_body(api: str, messages: list[dict] | None, prompt_ids: list[int] | 
             body["top_k"] = 1
         if top_p < 1.0:
             body["top_p"] = top_p
+    elif api == "vllm":
+        body = {"prompt": prompt_ids, "max_tokens": max_new_tokens, "temperature": temperature,
+                "return_token_ids": True, "stream": False}
+        if top_p < 1.0:
+            body["top_p"] = top_p
     else:
         raise ValueError(f"unknown generation.api {api!r}; choose one of {sorted(API_PATHS)}")
     return {**body, **(extra or {})}
@@ -92,7 +102,8 @@ def parse_response(api: str, data: dict, url: str) -> dict:
     """The answer fields of one response: response, reasoning (str), finish_reason ('stop' | 'length' |
     'tool_calls' | other), prompt_tokens, completion_tokens (int), output_ids (list[int], token-id APIs only), model,
     timings (JSON str), tool_calls (JSON text of the OpenAI `message.tool_calls` list; '' when there are none, and
-    always for the token-id APIs, whose text keeps the tool-call markup the target wrote).
+    always for the token-id APIs: regeneration reads their tool calls and reasoning from the ids by the target's
+    marker tokens, generation.turns.parsed_answer).
 
     Raises RetryableError for an SGLang abort (e.g. the request was retracted), RequestRejected if the body has
     not this API's shape (the message names `url` and the `generation.api` setting)."""
@@ -129,6 +140,14 @@ def parse_response(api: str, data: dict, url: str) -> dict:
                     "completion_tokens": int(data.get("tokens_predicted") or len(ids)), "output_ids": ids,
                     "model": data.get("model") or "", "timings": json.dumps(data.get("timings") or {}),
                     "logprobs": "[]"}
+        if api == "vllm":
+            choice, usage = data["choices"][0], data.get("usage") or {}
+            ids = [int(t) for t in choice["token_ids"]]              # None before vLLM 0.10.2: rejected below
+            return {"response": choice.get("text") or "", "reasoning": "",
+                    "finish_reason": choice.get("finish_reason") or "",
+                    "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+                    "completion_tokens": int(usage.get("completion_tokens") or len(ids)), "output_ids": ids,
+                    "model": data.get("model") or "", "timings": "{}", "logprobs": "[]"}
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
         raise RequestRejected(f"{url}{API_PATHS[api]} answered without the fields of the {api!r} API "
                               f"({type(e).__name__}: {e}); check generation.api for this server") from e
