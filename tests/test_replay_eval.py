@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fault_proxy import LoopbackProxy
+from sglang_stand_in import GENERATE_REQ_FIELDS, SGLangTokenStandIn
 
 from eagle3_core.data.chat import prompt_ids
 from eagle3_core.evaluation.acceptance import compare_outputs
@@ -145,41 +145,29 @@ def test_segments_follow_the_targets_own_markers():
     assert b["segment"]["reasoning"]["tau"] == 1 and b["segment"]["answer"]["tau"] == (3 + 2) / 2
 
 
-class GreedyTokenServer(LoopbackProxy):
-    """A token-id server of the embedded target for the replay recording: `POST /generate` in the shape of sglang
-    0.5.14's native API (`srt/managers/io_struct.py::GenerateReqInput`: input_ids, sampling_params; the response's
-    text, output_ids and meta_info with finish_reason, as `srt/managers/tokenizer_manager.py` writes them), answered
-    by HF generate (greedy, stopping at the tokenizer's EOS, which is returned) in this process; `GET /health`.
-    Every request body is kept in `requests`."""
+class GreedyTokenServer(SGLangTokenStandIn):
+    """The SGLang token-API stand-in (tests/sglang_stand_in.py: its request and response shapes) answering with
+    the embedded target's own greedy output instead of a script: HF generate in this process, stopping at the
+    tokenizer's EOS (returned). Every request's input ids and the ids returned are kept (received, returned)."""
 
     def __init__(self, model, tokenizer):
-        self.model, self.tokenizer, self.requests = model, tokenizer, []
+        super().__init__(tokenizer, [], tokenizer.eos_token_id)
+        self.model, self.requests = model, []
 
-    def _generate(self, req: dict) -> dict:
-        ids, sp, eos = req["input_ids"], req["sampling_params"], self.tokenizer.eos_token_id
+    def _generate(self, path: str, body: dict) -> tuple[int, dict]:
+        assert path == "/generate" and set(body) <= GENERATE_REQ_FIELDS, (path, set(body) - GENERATE_REQ_FIELDS)
+        ids, sp = [int(t) for t in body["input_ids"]], body["sampling_params"]
         with torch.no_grad():
             out = self.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=sp["max_new_tokens"],
-                                      eos_token_id=eos, pad_token_id=eos)[0, len(ids):].tolist()
-        finish = {"type": "stop", "matched": eos} if out[-1] == eos else {"type": "length", "length": len(out)}
-        return {"text": self.tokenizer.decode(out), "output_ids": out,
-                "meta_info": {"id": str(len(self.requests)), "finish_reason": finish, "prompt_tokens": len(ids),
-                              "completion_tokens": len(out)}}
-
-    async def _handle(self, reader, writer):
-        try:
-            while (request := await self.read_request(reader)) is not None:
-                method, path, _, body = request
-                payload = {}
-                if method == "POST":
-                    assert path == "/generate", path
-                    self.requests.append(json.loads(body))
-                    payload = self._generate(self.requests[-1])
-                data = json.dumps(payload).encode()
-                writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                             f"{len(data)}\r\n\r\n".encode() + data)
-                await writer.drain()
-        finally:
-            writer.close()
+                                      eos_token_id=self.eot, pad_token_id=self.eot)[0, len(ids):].tolist()
+        self.requests.append(body)
+        self.received.append(ids)
+        self.returned.append(out)
+        finish = {"type": "stop", "matched": self.eot} if out[-1] == self.eot else {"type": "length",
+                                                                                      "length": len(out)}
+        return 200, {"text": self.tokenizer.decode(out), "output_ids": out,
+                     "meta_info": {"id": f"r{len(self.received)}", "finish_reason": finish,
+                                   "prompt_tokens": len(ids), "completion_tokens": len(out)}}
 
 
 @pytest.mark.slow
@@ -203,7 +191,7 @@ def test_replay_recorded_from_a_token_api_server_measures_the_tau_of_decoding(ta
             "eval": cfg.eval.model_copy(update={"max_new_tokens": 40})})
         lines = []
         served = greedy_outputs(cfg, prompts, eos, log=lines.append)
-    assert sorted(r["input_ids"] for r in server.requests) == sorted(prompts)              # token in
+    assert sorted(server.received) == sorted(prompts)              # token in
     assert all(r["sampling_params"]["temperature"] == 0.0 for r in server.requests)
     assert "recorded the target's greedy outputs on 3 held-out prompts" in lines[0]
     in_process = record_target(runner, prompts, 40, eos)
