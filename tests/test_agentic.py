@@ -33,6 +33,10 @@ QWEN3_TOOLS = ("{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in t
                "{% endfor %}\n</tools><|im_end|>\n{% endif -%}\n"
                + QWEN3.replace("{{ c.function.arguments }}", "{% if c.function.arguments is string %}"
                                "{{ c.function.arguments }}{% else %}{{ c.function.arguments | tojson }}{% endif %}"))
+# thinking off, as Qwen3's enable_thinking=False writes it: an empty think block in the generation prompt
+QWEN3_TOOLS_NO_THINKING = QWEN3_TOOLS.replace(
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{% endif -%}",
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif -%}")
 
 
 def quiet(*_):
@@ -180,11 +184,12 @@ def qwen3_tok(tokenizer):
 
 
 @pytest.mark.slow
-def test_a_kept_tool_call_turn_is_trained_as_rendered_and_requests_carry_the_tools(tmp_path, qwen3_tok):
+def test_a_kept_tool_call_turn_is_trained_as_rendered_and_requests_carry_the_tools(tmp_path, tokenizer):
     """A row with tools and a tool-call turn, turn by turn, on a server using the same Qwen3-style template: the
     data's tool-call turn and tool result are kept (tool results cannot be re-run), both text turns are
     regenerated, each request carries the row's tools, and the tool-call turn is in the trained tokens exactly as
-    the template renders it."""
+    the template renders it (thinking off, as the data's turns have no reasoning: a thinking template would train an
+    empty think block the target never writes, which data.history refuses)."""
     data = [SYSTEM, {"role": "user", "content": "Is it raining in Paris?"},
             {"role": "assistant", "content": "", "tool_calls": [CALL]},
             {"role": "tool", "tool_call_id": "call_1", "content": '{"rain": true}'},
@@ -192,7 +197,8 @@ def test_a_kept_tool_call_turn_is_trained_as_rendered_and_requests_carry_the_too
             {"role": "assistant", "content": "DATA TWO"}]
     path = write_jsonl(tmp_path / "tools.jsonl", [{"id": "t", "messages": data, "tools": TOOLS},
                                                   {"id": "e", "messages": data[:2]}])
-    (tmp_path / "tmpl.jinja").write_text(QWEN3_TOOLS)
+    qwen3_tok = _with_template(tokenizer, QWEN3_TOOLS_NO_THINKING)
+    (tmp_path / "tmpl.jinja").write_text(QWEN3_TOOLS_NO_THINKING)
     with llama_server(embedded_gguf_path(), tmp_path / "server.log", parallel=1, ctx_per_slot=1024,
                       extra_args=["-t", "1", "--chat-template-file", str(tmp_path / "tmpl.jinja")]) as url, \
             RecordingProxy(url) as proxy:
