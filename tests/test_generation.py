@@ -375,6 +375,24 @@ def test_a_request_in_flight_gives_up_at_once_when_its_stage_stops_the_server(tm
             return time.monotonic() - t0
     assert asyncio.run(scenario()) < 5                               # not a 10 s backoff, not 1800 s of probing
 
+    async def port_reused() -> bool:
+        """Another server (not started by `launch`: an external one) later answers on the same port: a pool that
+        begins after the stop uses it (a test session reuses ports; the stop was not this pool's)."""
+        proc = subprocess.Popen([sys.executable, str(script), str(port)])
+        try:
+            for _ in range(100):
+                try:
+                    httpx.get(f"{url}/health", timeout=1)
+                    break
+                except httpx.TransportError:
+                    await asyncio.sleep(0.1)
+            async with ServerPool([url], probe_interval_s=0.2) as pool:
+                return pool.servers[url].up
+        finally:
+            proc.kill()
+            proc.wait()
+    assert asyncio.run(port_reused())
+
 
 @pytest.mark.slow
 def test_fault_proxy_503_stalls_and_drops_every_prompt_completes(server, tmp_path):

@@ -149,8 +149,9 @@ def _die_with_parent() -> None:
 _running: list[subprocess.Popen] = []   # servers started by `launch` and not yet stopped
 # url -> (process, log) of every server in a `launch` block of this process: the watch list of `exit_error`
 _watched: dict[str, tuple[subprocess.Popen, Path]] = {}
-# url -> log of every server whose `launch` block has ended (stopped on purpose): `exit_error` says so
-_stopped: dict[str, Path] = {}
+# url -> (log, time.monotonic() when stopped) of every server whose `launch` block has ended (stopped on purpose):
+# `exit_error` says so to users that began before the stop (a later server may reuse the port)
+_stopped: dict[str, tuple[Path, float]] = {}
 
 
 def started_here(url: str) -> Path | None:
@@ -160,13 +161,17 @@ def started_here(url: str) -> Path | None:
     return entry[1] if entry else None
 
 
-def exit_error(url: str) -> ServerError | None:
+def exit_error(url: str, since: float = float("-inf")) -> ServerError | None:
     """If the server this process started at `url` has exited (it is still inside its `launch` block, so nobody
     stopped it on purpose): a ServerExited naming its pid, exit code or signal and the tail of its log; if its
-    `launch` block has ended (stopped on purpose): a ServerStopped. None while it runs, or for a server this
-    process did not start. Cheap (a waitpid with WNOHANG): call it often."""
+    `launch` block has ended (stopped on purpose) at or after `since` (time.monotonic() seconds: when the caller
+    began using `url`): a ServerStopped. None while it runs, for a server this process did not start, or for one
+    stopped before `since` (whatever answers at that URL now, e.g. on a reused port, is another server). Cheap (a
+    waitpid with WNOHANG): call it often."""
     entry = _watched.get(url.rstrip("/"))
-    if entry is None and (log_path := _stopped.get(url.rstrip("/"))) is not None:
+    stopped = _stopped.get(url.rstrip("/"))
+    if entry is None and stopped is not None and stopped[1] >= since:
+        log_path = stopped[0]
         return ServerStopped(f"the inference server at {url} was stopped by this process (its stage ended, failed "
                              f"or was cancelled; log {log_path}): this request gives up instead of retrying")
     if entry is None or entry[0].poll() is None:
@@ -238,7 +243,7 @@ def launch(argv: list[str], url: str, log_path: Path, startup_timeout_s: float):
         yield url
     finally:
         _watched.pop(url.rstrip("/"), None)                  # stopped on purpose from here on: not a crash
-        _stopped[url.rstrip("/")] = log_path                 # requests still in flight give up (ServerStopped)
+        _stopped[url.rstrip("/")] = (log_path, time.monotonic())   # requests in flight give up (ServerStopped)
         stop(proc)
         _running.remove(proc)
         _restore_sigterm_handler()

@@ -46,6 +46,7 @@ class ServerPool:
             raise ValueError("no server URL given: set server.url or server.urls, or let the stage start a server")
         self.servers = {u: ServerState(u) for u in urls}
         self.probe_interval_s, self.down_timeout_s, self.health_path = probe_interval_s, down_timeout_s, health_path
+        self._since = time.monotonic()          # servers stopped before the pool began are not its servers
         self._changed = asyncio.Event()
         self._probe_client: httpx.AsyncClient | None = None
 
@@ -53,8 +54,8 @@ class ServerPool:
         """Raise launcher.ServerExited if a server this process started has exited, or launcher.ServerStopped if
         this process stopped it on purpose, and no other server of the pool is up to take over (the usual case: the
         stage's one server died, or the stage was cancelled)."""
-        dead = [e for u in self.servers if (e := exit_error(u)) is not None]
-        if dead and not any(s.up and exit_error(u) is None for u, s in self.servers.items()):
+        dead = [e for u in self.servers if (e := exit_error(u, self._since)) is not None]
+        if dead and not any(s.up and exit_error(u, self._since) is None for u, s in self.servers.items()):
             raise dead[0]
 
     def _advice(self) -> str:
