@@ -48,7 +48,7 @@ def data_by_source(run_dir: Path, coverage: dict) -> dict[str, dict]:
     cols = [c for c in ("id", "source", "loss_mask") if c in pq.read_schema(layout.tokenized_train).names]
     rows = pq.read_table(layout.tokenized_train, columns=cols).to_pylist()
     src = sources_of(rows)
-    per = on_policy_by_source(layout.features, src)
+    per = _on_policy_once(Path(run_dir), lambda: on_policy_by_source(layout.features, src))
     out: dict[str, dict] = {}
     for r in rows:
         st = out.setdefault(src[r["id"]], {"samples": 0, "supervised": 0})
@@ -58,6 +58,20 @@ def data_by_source(run_dir: Path, coverage: dict) -> dict[str, dict]:
         st["on_policy"] = per[s]["fraction"] if s in per else None
         st["vocab_coverage"] = coverage[s]["coverage"] if s in coverage else None
     return out
+
+
+def _on_policy_once(run_dir: Path, compute) -> dict:
+    """compute() (the on-policy fraction per source, which opens every feature shard) once per feature store: kept
+    in run_dir/report_on_policy.json under the sha256 of features/manifest.json (rewritten whenever a shard is), so
+    a report of a no-op rerun opens no shard."""
+    import hashlib
+    stamp = hashlib.sha256(RunLayout(run_dir).manifest("features").read_bytes()).hexdigest()
+    memo = run_dir / "report_on_policy.json"
+    if memo.exists() and (kept := json.loads(memo.read_text())).get("features_manifest_sha256") == stamp:
+        return kept["per_source"]
+    per = compute()
+    memo.write_text(json.dumps({"features_manifest_sha256": stamp, "per_source": per}, indent=1))
+    return per
 
 
 def by_source_markdown(by_source: dict[str, dict]) -> list[str]:
