@@ -171,6 +171,7 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
             page.get_by_text("continues the finished run").first.wait_for()
             page.screenshot(path=SHOTS / "3b-nightly-on-a-finished-run.png")
             keys_before = {a["key"] for a in _artifacts("-debug-tiny-")}
+            (report,) = _artifacts(report["key"])          # the night published this run's report again
 
             # a second run in another run directory: its artifacts sit beside the first run's
             second = _run_deployment(served / "runs" / "second" / "debug_tiny", epochs=3)
