@@ -118,8 +118,7 @@ def test_the_layer_id_rule_refuses_what_it_cannot_express_and_a_changed_rule(run
     # a release whose Llama file took the DeepSeek rule: the read-back catches it
     from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
     from sglang.srt.models.llama import LlamaForCausalLM
-    monkeypatch.setattr(LlamaForCausalLM, "set_eagle3_layers_to_capture",
-                        DeepseekV2ForCausalLM.set_eagle3_layers_to_capture)
+    monkeypatch.setattr(LlamaForCausalLM, "_layer_inputs", DeepseekV2ForCausalLM._layer_inputs)
     with pytest.raises(RuntimeError, match=r"captures the inputs of layers \[2, 3, 5\], not \[3, 4, 6\].*0.5.14"):
         runners["llama"].set_aux_layers([2, 3, 5])
 

@@ -45,8 +45,10 @@ class StandinModel(nn.Module):
 
 class StandinCausalLM(nn.Module):
     """What SGLang's causal LM classes share: `.model`, a vocab-parallel `.lm_head`, `.logits_processor`,
-    `.capture_aux_hidden_states`, forward handing the states to the logits processor, load_weights. `_decoder`:
-    the model file's decoder class (a StandinModel)."""
+    `.capture_aux_hidden_states`, forward handing the states to the logits processor, load_weights, and the part of
+    set_eagle3_layers_to_capture every model file writes alike. `_decoder`: the model file's decoder class (a
+    StandinModel); `_layer_inputs`: the model file's own rule from EAGLE-3 layer ids to the layers whose inputs
+    are captured."""
     _decoder = StandinModel
 
     def __init__(self, config, quant_config=None, prefix: str = ""):
@@ -57,6 +59,18 @@ class StandinCausalLM(nn.Module):
                                       params_dtype=self.model.embed_tokens.weight.dtype)
         self.logits_processor = LogitsProcessor(config)
         self.capture_aux_hidden_states = False
+
+    def set_eagle3_layers_to_capture(self, layer_ids=None):
+        # upstream, in each model file: None -> the inputs of layers [2, L // 2, L - 3]; given ids -> that file's rule
+        self.capture_aux_hidden_states = True
+        if layer_ids is None:
+            L = self.config.num_hidden_layers
+            self.model.layers_to_capture = [2, L // 2, L - 3]
+        else:
+            self.model.layers_to_capture = self._layer_inputs(list(layer_ids))
+
+    def _layer_inputs(self, layer_ids: list[int]) -> list[int]:
+        raise NotImplementedError("each stand-in model file states its own layer-id rule")
 
     @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):

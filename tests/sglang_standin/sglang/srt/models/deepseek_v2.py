@@ -12,15 +12,9 @@ class DeepseekV2Model(StandinModel):
 class DeepseekV2ForCausalLM(StandinCausalLM):
     _decoder = DeepseekV2Model
 
-    def set_eagle3_layers_to_capture(self, layer_ids=None):
-        self.capture_aux_hidden_states = True
-        if layer_ids is None:
-            L = self.config.num_hidden_layers
-            self.model.layers_to_capture = [2, L // 2, L - 3]
-        elif layer_ids and layer_ids[0] == 1:
-            self.model.layers_to_capture = [i + 1 for i in layer_ids]
-        else:
-            self.model.layers_to_capture = list(layer_ids)
+    def _layer_inputs(self, layer_ids):
+        # upstream set_eagle3_layers_to_capture: one is added only when the first id is 1
+        return [i + 1 for i in layer_ids] if layer_ids and layer_ids[0] == 1 else layer_ids
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

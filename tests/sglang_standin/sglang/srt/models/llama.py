@@ -11,11 +11,6 @@ class LlamaModel(StandinModel):
 class LlamaForCausalLM(StandinCausalLM):
     _decoder = LlamaModel
 
-    def set_eagle3_layers_to_capture(self, layer_ids=None):
-        # upstream: None -> the inputs of [2, L // 2, L - 3]; ids are layer outputs, captured as inputs of id + 1
-        self.capture_aux_hidden_states = True
-        if layer_ids is None:
-            L = self.config.num_hidden_layers
-            self.model.layers_to_capture = [2, L // 2, L - 3]
-        else:
-            self.model.layers_to_capture = [i + 1 for i in layer_ids]
+    def _layer_inputs(self, layer_ids):
+        # upstream set_eagle3_layers_to_capture: ids are layer outputs, captured as the inputs of id + 1
+        return [i + 1 for i in layer_ids]
