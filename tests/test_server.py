@@ -1,5 +1,6 @@
 """The real llama.cpp llama-server: start on 127.0.0.1, answer through the async client, stop; errors name the URL."""
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -77,6 +78,19 @@ def test_sglang_command_is_built_as_an_argv_list():
                     "127.0.0.1", "--port", "30000", "--revision", "abc123", "--trust-remote-code", "--tp", "8",
                     "--mem-fraction-static", "0.85"]
     assert "--trust-remote-code" not in sglang_server_argv("m", "127.0.0.1", 1)
+
+
+def test_llama_server_leaves_one_cpu_to_its_client_and_extra_args_override_the_threads(monkeypatch):
+    """ggml's threads spin at a barrier after every op: a server with as many threads as cores stalls when anything
+    else runs (on 2 cores beside a second server: 1.3 tok/s with -t 2 against 37 with -t 1, 4 slots,
+    benchmarks/llama_server_threads.py). The default leaves one CPU free; llama.cpp keeps the last -t given."""
+    from eagle3_core.serving import launcher
+    for cpus, threads in ((1, 1), (2, 1), (16, 15)):
+        monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        argv = launcher.llama_server_argv(Path("m.gguf"), "127.0.0.1", 1, parallel=2)
+        assert argv[argv.index("-t") + 1] == str(threads), cpus
+    argv = launcher.llama_server_argv(Path("m.gguf"), "127.0.0.1", 1, extra_args=["-t", "8"])
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-t"][-1] == "8"
 
 
 def test_cancel_sigterm_to_the_process_group_stops_the_server(tmp_path, spawned):

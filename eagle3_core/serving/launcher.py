@@ -259,9 +259,19 @@ def running_server(url: str) -> tuple[int, Path] | None:
 def llama_server_argv(model: Path, host: str, port: int, parallel: int = 4, ctx_per_slot: int = 2048,
                       extra_args: list[str] | None = None) -> list[str]:
     """llama-server command: `-np parallel` slots sharing `-c parallel*ctx_per_slot` context; `--jinja` applies the
-    GGUF's own chat template (the one the HF target's tokenizer carries)."""
+    GGUF's own chat template (the one the HF target's tokenizer carries); `-t llama_server_threads()`, which
+    `extra_args` may override (llama.cpp keeps the last `-t` given)."""
     return [str(llama_server_binary()), "-m", str(model), "--host", host, "--port", str(port), "-np", str(parallel),
-            "-c", str(parallel * ctx_per_slot), "--jinja", "-t", str(os.cpu_count() or 2), *(extra_args or [])]
+            "-c", str(parallel * ctx_per_slot), "--jinja", "-t", str(llama_server_threads()), *(extra_args or [])]
+
+
+def llama_server_threads() -> int:
+    """Decode threads for llama-server: the CPUs this process may run on, less one for the client (the stage's
+    writer, the pipeline). ggml's threads meet at a spinning barrier after every op, so a server whose threads
+    outnumber the free cores stalls whenever one of them is descheduled: on 2 cores shared with a second test run,
+    `-t 2` fell to 0.35 tok/s per slot where `-t 1` keeps going (benchmarks/llama_server_threads.py)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, cpus - 1)
 
 
 @contextmanager
