@@ -69,6 +69,19 @@ def _rate(rates: dict, *names: str) -> tuple[str, dict] | None:
     return next(((n, rates[n]) for n in names if n in rates), None)
 
 
+def planned_epochs(train, epoch_tokens: int) -> tuple[int, str]:
+    """The epochs to plan for and how they were chosen: train.epochs when set; unset, the plateau rule's expected
+    count from its measured points (training.stopping.expected_epochs) with its ceilings named (the held-out split
+    is not known before the features exist: a split too small for the rule gives train.epochs_for instead)."""
+    from eagle3_core.training.stopping import expected_epochs
+    if train.epochs is not None:
+        return train.epochs, f"{train.epochs} epochs"
+    E, source = expected_epochs(epoch_tokens, train.max_epochs)
+    wall = f" and {train.max_train_s:g} s of training" if train.max_train_s else ""
+    return E, (f"{E} epochs expected until the plateau ({source}); ceiling {train.max_epochs} epochs{wall}; "
+               f"{train.epochs_for(epoch_tokens)} by the fixed rule if the held-out split is too small")
+
+
 def plan_run(cfg: PipelineConfig, rates: dict, gpus: int, hidden_size: int | None = None) -> dict:
     """The plan of `cfg` on `gpus` GPUs under `rates` (load_rates): {workload, stages: [{stage, hours (wall),
     gpu_hours, disk_bytes, rate (name, value, unit, status, source) or None, note}], total_hours}. hidden_size
@@ -110,9 +123,9 @@ def plan_run(cfg: PipelineConfig, rates: dict, gpus: int, hidden_size: int | Non
         row("features", ext_h, ext_h * replicas * per_replica, ext, disk, note=f"{replicas} replica(s), {fmt}")
     tr = _rate(rates, "train_tok_s_per_gpu")
     eff = rates.get("ddp_efficiency", {"value": 1.0})["value"] if gpus > 1 else 1.0
-    E = cfg.train.epochs_for(w["samples"] * w["tokens"])
+    E, epochs_note = planned_epochs(cfg.train, w["samples"] * w["tokens"])
     h = E * w["samples"] * w["tokens"] / (tr[1]["value"] * gpus * eff) / 3600
-    note = f"{E} epochs, DDP efficiency {eff:g}"
+    note = f"{epochs_note}, DDP efficiency {eff:g}"
     if fmt == "online":
         h += E * ext_h
         note += f", plus the target's forward every epoch ({E} x {ext_h:.2f} h)"

@@ -184,3 +184,18 @@ def test_the_agentic_reference_config_plans_its_own_lengths_and_the_teams_config
     assert facts["token_budget"]["room_for_the_prompt"] == 0
     facts, problems = check_run(cfg, target_config=kimi, memory=(128 << 30, "head node"), gpus=(8, 141 << 30))
     assert problems == [] and facts["token_budget"]["server_context"] == 33792
+
+
+def test_plan_names_the_plateau_rules_ceiling_and_expected_epochs_when_epochs_are_unset():
+    """train.epochs unset: the train row plans the plateau rule's expected epochs (training.stopping.MEASURED: no
+    plateau by 24 epochs at ~1.1M tokens an epoch, so the ceiling) and names the ceilings; epochs set plans those."""
+    cfg = load_config(KIMI)
+    rates = load_rates(RATES, "reference_kimi_k25")
+    unset = cfg.model_copy(update={"train": cfg.train.model_copy(update={"epochs": None, "max_epochs": 10,
+                                                                         "max_train_s": 7200.0})})
+    fixed = plan_run(cfg, rates, gpus=8)
+    rule = plan_run(unset, rates, gpus=8)
+    note = _stage(rule, "train")["note"]
+    assert "10 epochs expected until the plateau" in note and "ceiling 10 epochs and 7200 s of training" in note
+    assert _stage(rule, "train")["hours"] == pytest.approx(_stage(fixed, "train")["hours"] * 10 / cfg.train.epochs)
+    assert _stage(fixed, "train")["note"].startswith(f"{cfg.train.epochs} epochs, DDP")
