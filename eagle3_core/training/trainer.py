@@ -305,8 +305,9 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
         history.append({"epoch": epoch + 1, "train": train_m, "eval": eval_m, "tokens": dp.sum_int(n_tokens),
                         "seconds": time.monotonic() - t0, "lr": sched.get_last_lr()[0]})
         decaying = rule is not None and rule.decay_start is not None
-        if rule is not None:
-            rule.update(epoch + 1, score, time.monotonic() - epoch_t0)
+        if rule is not None:        # the ranks' mean seconds: every rank decides the same (scores are all-reduced)
+            secs = dp.sum(torch.tensor([time.monotonic() - epoch_t0], dtype=torch.float64, device=device))
+            rule.update(epoch + 1, score, float(secs[0]) / dp.world)
         if tb:
             _epoch_scalars(tb, step, train_m, eval_m)
         elapsed = time.monotonic() - t0
