@@ -88,8 +88,8 @@ def _saved(state: dict):
 
 
 def test_expected_epochs_for_plan():
-    assert expected_epochs(1_105_695, 24) == (24, stopping.MEASURED[0]["source"])   # measured: no plateau by 24
-    assert expected_epochs(1_105_695, 10)[0] == 10
+    assert expected_epochs(1_112_398, 24) == (24, stopping.MEASURED[0]["source"])   # measured: no plateau by 24
+    assert expected_epochs(1_112_398, 10)[0] == 10
 
 
 def _eval_samples():
