@@ -39,8 +39,10 @@ from eagle3_core.target.family import (
     engine_readings,
     family,
     num_layers,
+    draft_aux_ids,
     resolve_aux_ids,
     rope_type,
+    sglang_rule,
     target_rope,
     text_config,
     value,
@@ -121,7 +123,7 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
                    "text_config_class": type(t).__name__, "family": family(t), "layers": L, "hidden_size": H_t}
     try:
         ids = resolve_aux_ids(cfg.features.aux_layer_ids, L)
-        facts["aux_layer_ids"] = {"ours (layer outputs)": ids, **engine_readings(ids)}
+        facts["aux_layer_ids"] = {"ours (layer outputs)": ids, **engine_readings(ids, sglang_rule(t))}
     except ValueError as e:
         ids = None
         problems.append(("features.aux_layer_ids", str(e)))
@@ -193,7 +195,7 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
         import json
         dcfg = json.loads((Path(draft_dir) / "config.json").read_text()) if (Path(draft_dir) / "config.json").exists() \
             else {}
-        draft_ids = (dcfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        draft_ids = draft_aux_ids(dcfg, sglang_rule(t), L)                  # layer outputs, as engines read it
         facts["draft"] = {"dir": str(draft_dir), "architectures": dcfg.get("architectures"), "aux_ids": draft_ids}
         if ids is not None and draft_ids is not None and draft_ids != ids:
             problems.append(("features.aux_layer_ids", f"resolves to {ids} but the draft {draft_dir} was trained "

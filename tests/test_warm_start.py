@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from conftest import tiny_draft, tiny_shape
 from eagle3_core.data.vocab_map import draft_to_target_ids, target_to_draft_ids
+from eagle3_core.target.family import PLUS_ONE
 from eagle3_core.training.checkpoint import export_draft
 from eagle3_core.training.warm_start import carry_lm_head, load_init, warm_draft
 
@@ -59,7 +60,7 @@ def test_a_rebuilt_map_carries_every_lm_head_row_by_target_token():
 
 def test_a_kept_map_gives_the_same_draft(tmp_path):
     old = tiny_draft(1)
-    export_draft(old, tmp_path / "init", dtype=torch.float32)
+    export_draft(old, tmp_path / "init", dtype=torch.float32, sglang_rule=PLUS_ONE)
     init = load_init(tmp_path / "init", tiny_shape(), keep_vocab=True)
     fresh = _fresh_with_map((torch.arange(50) * 2).tolist())
     with torch.no_grad():
@@ -75,7 +76,7 @@ def test_a_kept_map_gives_the_same_draft(tmp_path):
     ("draft.draft_vocab_size", {}, {"draft_vocab_size": 40}),
 ])
 def test_a_draft_that_does_not_fit_is_refused_naming_the_field(tmp_path, field, kw, want):
-    export_draft(tiny_draft(2, **kw), tmp_path / "d", dtype=torch.float32)
+    export_draft(tiny_draft(2, **kw), tmp_path / "d", dtype=torch.float32, sglang_rule=PLUS_ONE)
     with pytest.raises(ValueError, match=rf"- {field}: .* set {field} to"):
         load_init(tmp_path / "d", tiny_shape(**want), keep_vocab=True)
     with pytest.raises(FileNotFoundError, match=r"train.init_from .*draft/export"):
@@ -228,13 +229,15 @@ def test_draft_positions_that_differ_fit_under_plain_rope_only(tmp_path):
     import json
 
     from eagle3_core.training.warm_start import init_problems
-    export_draft(tiny_draft(5, max_position_embeddings=128), tmp_path / "d", dtype=torch.float32)
+    export_draft(tiny_draft(5, max_position_embeddings=128), tmp_path / "d", dtype=torch.float32,
+                 sglang_rule=PLUS_ONE)
     assert init_problems(tmp_path / "d", tiny_shape(max_position_embeddings=256), keep_vocab=True) == []
     assert load_init(tmp_path / "d", tiny_shape(max_position_embeddings=256), keep_vocab=True).shape \
         .max_position_embeddings == 128
     llama3 = {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 64}
-    export_draft(tiny_draft(5, max_position_embeddings=128, rope_scaling=llama3), tmp_path / "l", dtype=torch.float32)
+    export_draft(tiny_draft(5, max_position_embeddings=128, rope_scaling=llama3), tmp_path / "l",
+                 dtype=torch.float32, sglang_rule=PLUS_ONE)
     assert init_problems(tmp_path / "l", tiny_shape(max_position_embeddings=256, rope_scaling=llama3),
                          keep_vocab=True) == []
     yarn = {"rope_type": "yarn", "factor": 2.0}
