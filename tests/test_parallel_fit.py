@@ -141,3 +141,56 @@ def test_check_cli_passes_the_reference_config_offline(capsys):
     assert main([str(REFERENCE), "--target-config", str(KIMI_OFFLINE)]) == 0
     out = capsys.readouterr().out
     assert "evaluator: replay" in out and "check: passed" in out
+
+
+def _variant(tmp_path, **weights):
+    """The offline Kimi-K2.5 config.json with its experts' config group changed as `weights` says (a checkpoint
+    quantized another way than the published one)."""
+    import json
+    conf = json.loads(KIMI_OFFLINE.read_text())
+    conf["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"].update(weights)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(conf))
+    return target_config_file(path)
+
+
+@pytest.mark.parametrize(("weights", "named"), [
+    ({"symmetric": False}, "weights.symmetric = False (needs True)"),
+    ({"group_size": 128}, "weights.group_size = 128 (needs 32)"),
+    ({"num_bits": 8}, "weights.num_bits = 8 (needs 4)")])
+def test_ep_int4_refuses_the_int4_variants_it_does_not_implement(tmp_path, weights, named):
+    """'ep_int4' reads only 4-bit symmetric group-32 pack-quantized experts: an asymmetric checkpoint's
+    weight_zero_point would be ignored, group-128 and 8-bit ones would fail inside torchrun naming a shape. check
+    refuses each naming the quantization_config field and what works; 'hf_tp' (bf16 at load) is not refused for
+    the scheme, and plan's `needs` no longer offers 'ep_int4'."""
+    cfg = load_config(REFERENCE)
+    facts, problems = check_run(cfg, target_config=_variant(tmp_path, **weights),
+                                memory=(128 << 30, "a 128 GiB head node"), gpus=H200)
+    assert [f for f, _ in problems] == ["features.backend"], problems
+    msg = problems[0][1]
+    assert f"quantization_config.config_groups.group_0.{named}" in msg and "use 'hf_tp'" in msg, msg
+    assert "gb_per_rank_ep_int4" not in facts["backends"]["features"]
+    assert "ep_int4" not in facts["backends"]["features"]["needs"]
+    assert facts["backends"]["features"]["needs"].startswith("hf_tp with tp_size >= 32")
+    hf_tp = cfg.model_copy(update={"features": cfg.features.model_copy(update={"backend": "hf_tp", "tp_size": 32,
+                                                                               "expert_parallel": True})})
+    _, problems = check_run(hf_tp, target_config=_variant(tmp_path, **weights), memory=(TB, "test"), gpus=H200)
+    assert problems == [], problems
+
+
+def test_the_ep_int4_loader_refuses_an_asymmetric_checkpoint_before_reading_a_weight(tmp_path):
+    """The same rule where the ranks load (target.ep_loading.load_int4_target), for a run that skipped check: a
+    tiny INT4 DeepSeek-V3 whose config says asymmetric is refused naming config.json and the field."""
+    import json
+
+    from eagle3_core.config import TargetConfig
+    from eagle3_core.target.ep_loading import load_int4_target
+    from int4_targets import build_int4
+    out = build_int4("deepseek_v3", tmp_path / "t", layers=2)
+    conf = json.loads((out / "config.json").read_text())
+    conf["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    (out / "config.json").write_text(json.dumps(conf))
+    (out / "model.safetensors").write_bytes(b"not read")                  # proof that no weight is read first
+    with pytest.raises(ValueError, match=r"config.json: 'ep_int4' implements only .*weights.symmetric = False "
+                                         r"\(needs True\).*use 'hf_tp'"):
+        load_int4_target(TargetConfig(model=str(out)), "cpu")
