@@ -332,6 +332,22 @@ def chat_template_file(path: str | Path) -> str:
     return t
 
 
+GPU_UNITS = {"gb": 10**9, "g": 10**9, "gib": 2**30, "": 10**9}
+
+
+def parse_gpus(text: str) -> tuple[int, int] | None:
+    """`--gpus`: 'NxSIZE' (8x141GB, 8x80GiB; a bare SIZE is GB) -> (N GPUs, bytes per GPU), 'none' -> None (no
+    GPU). Raises ValueError naming the flag and the form."""
+    import re
+    if text.strip().lower() == "none":
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*[x*]\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m[3].lower() not in GPU_UNITS or int(m[1]) < 1:
+        raise ValueError(f"--gpus {text!r}: give the node's GPUs as NxSIZE, e.g. 8x141GB (8 H200s) or 8x80GiB, "
+                         f"or 'none'")
+    return int(m[1]), int(float(m[2]) * GPU_UNITS[m[3].lower()])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Check a run's config against its target (no weights read).")
     p.add_argument("config", help="JSON file with a PipelineConfig, or a preset name (demo, debug_tiny)")
@@ -342,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="the target's chat template (a .jinja file, or a tokenizer_config.json holding "
                         "'chat_template'): generation.chat_template_kwargs are checked against it offline")
+    p.add_argument("--gpus", default=None, metavar="NxSIZE",
+                   help="the GPUs of the node the run will use (e.g. 8x141GB), instead of this host's: the "
+                        "features backend's and the in-process stages' fit are checked against them")
     a = p.parse_args(argv)
     try:
         cfg = config_or_preset(a.config)
@@ -349,6 +368,11 @@ def main(argv: list[str] | None = None) -> int:
         kw = {"target_config": target_config_file(a.target_config), "disk": None} if a.target_config else {}
         if a.chat_template:
             kw["chat_template"] = chat_template_file(a.chat_template)
+        if a.gpus is not None:
+            kw["gpus"] = parse_gpus(a.gpus)
+            if kw["gpus"]:                        # the in-process stages hold the target on one of them
+                kw["memory"] = (kw["gpus"][1], f"one of {kw['gpus'][0]} GPU(s) of {kw['gpus'][1] / 1e9:.0f} GB "
+                                               f"(--gpus)")
         check_or_raise(cfg, a.draft, **kw)
     except ValueError as e:                       # CheckError, or a config that does not validate
         print(str(e), file=sys.stderr)

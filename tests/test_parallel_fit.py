@@ -194,3 +194,37 @@ def test_the_ep_int4_loader_refuses_an_asymmetric_checkpoint_before_reading_a_we
     with pytest.raises(ValueError, match=r"config.json: 'ep_int4' implements only .*weights.symmetric = False "
                                          r"\(needs True\).*use 'hf_tp'"):
         load_int4_target(TargetConfig(model=str(out)), "cpu")
+
+
+def test_check_gpus_names_the_node_offline_and_refuses_hf_tp_on_the_int4_kimi_config(tmp_path, capsys):
+    """With no GPU here, `check` alone cannot know the node: hf_tp at ~259 GB per GPU passes. `--gpus 8x141GB`
+    (8 H200s) checks the fit against them: refused with the arithmetic and the backend that fits; the reference
+    config's ep_int4 passes on the same node with its per-GPU figure printed."""
+    import json
+    conf = json.loads(REFERENCE.read_text())
+    conf["features"].update(backend="hf_tp", expert_parallel=True, tp_size=8)
+    path = tmp_path / "hf_tp.json"
+    path.write_text(json.dumps(conf))
+    offline = [str(path), "--target-config", str(KIMI_OFFLINE)]
+    assert main([*offline, "--gpus", "none"]) == 0                          # no GPU: only the layout is reported
+    capsys.readouterr()
+    assert main([*offline, "--gpus", "8x141GB"]) == 1
+    out, err = capsys.readouterr()
+    assert "gpus: 8 x 141 GB" in out and "weights_budget_gb_per_gpu: 119.8 (85% of 141 GB)" in out
+    gb = float(next(line for line in out.splitlines() if line.strip().startswith("gb_per_gpu:")).split(":")[1])
+    assert 2029 / 8 < gb < 2029 / 8 + 10                                    # the bf16 experts' 1/8 and the rest
+    import re
+    m = re.search(r"- features.backend: ([\d.]+) GB of weights per GPU with backend 'hf_tp' at tp_size 8 exceed "
+                  r"85% of one GPU \(141 GB\); needs ep_int4 with tp_size >= 8 \(([\d.]+) GB per GPU", err)
+    assert m and abs(float(m[1]) - gb) < 0.06 and float(m[2]) < 0.85 * 141, err
+    assert main([str(REFERENCE), "--target-config", str(KIMI_OFFLINE), "--gpus", "8x141GB"]) == 0
+    out = capsys.readouterr().out
+    assert "gpus: 8 x 141 GB" in out and "check: passed" in out
+    assert main([str(REFERENCE), "--target-config", str(KIMI_OFFLINE), "--gpus", "8 H200"]) == 1
+    assert "--gpus '8 H200': give the node's GPUs as NxSIZE" in capsys.readouterr().err
+
+
+def test_parse_gpus_units():
+    from eagle3_core.check import parse_gpus
+    assert parse_gpus("8x141GB") == (8, 141 * 10**9) and parse_gpus("4x80GiB") == (4, 80 * 2**30)
+    assert parse_gpus("2x24") == (2, 24 * 10**9) and parse_gpus("none") is None

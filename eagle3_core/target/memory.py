@@ -316,6 +316,7 @@ def backend_facts(cfg, tcfg, gpus: tuple[int, int] | None) -> tuple[dict, list[t
     if chosen is not None:
         facts["gb_per_gpu"] = round(chosen / 1e9, 2)
     if budget is not None:
+        facts["weights_budget_gb_per_gpu"] = f"{budget / 1e9:.1f} ({FIT_FRACTION:.0%} of {gpus[1] / 1e9:.0f} GB)"
         facts["needs"] = _needs(t, sizes, per_rank, int4, budget, gpus[1])
     problems = []
     if f.backend == "sglang":                      # its own layout and budget (sglang_fit)
