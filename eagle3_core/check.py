@@ -112,6 +112,7 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     only). Also checks the generation server against the target (server_problems) and train.init_from
     (init_from_check). Facts are JSON-able; problems are (field, message) pairs, empty when the run fits."""
     from eagle3_core.evaluation.preflight import check_draft
+    from eagle3_core.pipeline.features_stage import mixed_backend_problems
     from eagle3_core.serving.launcher import server_problems
     from eagle3_core.target.loading import load_target_config
     from eagle3_core.target.memory import backend_facts, gpu_memory
@@ -202,6 +203,7 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
                              f"on {draft_ids}: a warm start must extract the same layers; set "
                              f"features.aux_layer_ids to {draft_ids}"))
     problems += server_problems(cfg)
+    problems += mixed_backend_problems(cfg)
     if cfg.train.init_from is not None:
         from eagle3_core.training.warm_start import init_from_check
         facts["init_from"], more = init_from_check(cfg, tcfg, ids)
