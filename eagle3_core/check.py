@@ -17,8 +17,12 @@ cannot serve the target (serving.launcher.server_problems), a train.init_from th
 against features.max_length, the regenerating server's context against both: data.budget.budget_problems),
 generation.chat_template_kwargs the target's chat template does not read or reads as another type
 (data.template_kwargs; offline with `--chat-template FILE`); with `--draft DIR` (a warm start or a deployment)
-also the draft's architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft).
-CONFIG: a JSON file holding a PipelineConfig, or a preset name ('demo', 'debug_tiny').
+also the draft's architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft); a feature store
+that another features backend began (pipeline.features_stage.mixed_backend_problems); aux ids SGLang cannot serve
+on the target (ids starting at 0 on DeepSeek/Kimi: target.family.sglang_ids); 'ep_int4' on experts quantized
+otherwise than it implements (target.memory.ep_int4_scheme_problems).
+CONFIG: a JSON file holding a PipelineConfig, or a preset name ('demo', 'debug_tiny'). `--gpus NxSIZE` (8x141GB)
+checks the fit against the node's GPUs instead of this host's.
 """
 from __future__ import annotations
 

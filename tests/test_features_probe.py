@@ -99,12 +99,16 @@ def test_the_probe_extracts_afresh_so_a_tp_size_change_really_shards(tiny_target
 @pytest.mark.slow
 def test_the_probe_command_compares_hf_with_hf_tp_on_cpu(tiny_target_dirs, tmp_path, capsys):
     """The command on a run whose tokenize stage ran: `hf` in this process, `hf_tp` over 2 gloo ranks; they agree
-    within the tolerance (sharded sums differ by a few 1e-6: tests/test_tp_extract.py), exit code 0, the report
-    naming 2 ranks for hf_tp."""
-    cfg = features_run(tmp_path / "run", tiny_target_dirs["llama"], random_rows(6), backend="hf_tp", tp_size=2)
+    within the tolerance (sharded sums differ by a few 1e-6: tests/test_tp_extract.py), exit code 0; run first
+    with tp_size 1, then 2: the second really shards (the report names 2 ranks for hf_tp)."""
+    cfg = features_run(tmp_path / "run", tiny_target_dirs["llama"], random_rows(6), backend="hf_tp", tp_size=1)
     config = tmp_path / "run.json"
     config.write_text(cfg.model_dump_json())
-    assert main([str(config), "--backends", "hf,hf_tp", "--samples", "4"]) == 0
+    assert main([str(config), "--backends", "hf,hf_tp", "--samples", "4"]) == 0        # one rank first
+    assert "hf_tp" in (out := capsys.readouterr().out) and out.count("1 rank(s)") == 2
+    cfg = cfg.model_copy(update={"features": cfg.features.model_copy(update={"tp_size": 2})})
+    config.write_text(cfg.model_dump_json())
+    assert main([str(config), "--backends", "hf,hf_tp", "--samples", "4"]) == 0        # then sharded over two
     out = capsys.readouterr().out
     assert "features probe: hf against hf_tp, 4 samples" in out and "EQUAL within the tolerance" in out
     assert out.count("tok/s extracting") == 2 and "argmax agree : 100.00%" in out and "2 rank(s)" in out
