@@ -200,7 +200,7 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
         import json
         dcfg = json.loads((Path(draft_dir) / "config.json").read_text()) if (Path(draft_dir) / "config.json").exists() \
             else {}
-        draft_ids = draft_aux_ids(dcfg, sglang_rule(t), L)                  # layer outputs, as engines read it
+        draft_ids = draft_aux_ids(dcfg, sglang_rule(t), L) if dcfg else None   # layer outputs, as engines read it
         facts["draft"] = {"dir": str(draft_dir), "architectures": dcfg.get("architectures"), "aux_ids": draft_ids}
         if ids is not None and draft_ids is not None and draft_ids != ids:
             problems.append(("features.aux_layer_ids", f"resolves to {ids} but the draft {draft_dir} was trained "

@@ -146,3 +146,28 @@ def test_a_specforge_draft_captured_by_sglang_on_a_deepseek_target_reads_as_the_
     for fam, rule in (("llama", PLUS_ONE), ("kimi_k25", PLUS_ONE_IF_FIRST_IS_1)):
         assert sglang_capture(fam, None, L) == [2, 30, 58] == sglang_layers_to_capture(None, rule, L)
         assert draft_aux_ids({}, rule, L) == [1, 29, 57]
+
+
+@pytest.mark.parametrize(("fam", "trained_on"), [("deepseek_v3", [1, 2, 4]), ("llama", [2, 3, 5])])
+def test_check_draft_reads_a_specforge_draft_as_sglang_served_it(fam, trained_on, tiny_target_dirs, tmp_path):
+    """`check --draft` on a draft naming only SGLang's nested ids [2, 3, 5] (SpecForge's config): on a DeepSeek
+    target they were layer inputs (outputs [1, 2, 4]), on a Llama target outputs. check asks for the ids the
+    draft was trained on; preflight finds nothing wrong with the ids."""
+    cfg = _cfg(fam, tiny_target_dirs[fam], trained_on)
+    tcfg = load_target_config(cfg.target)
+    model = load_target(cfg.target)
+    d2t, t2d = build_vocab_map(torch.arange(128).flip(0), 64)
+    draft = build_draft(draft_shape(tcfg, 64, trained_on, overrides=cfg.draft.geometry()),
+                        model.get_input_embeddings().weight.detach(), d2t, t2d, seed=0)
+    export = export_draft(draft, tmp_path / "d", sglang_rule=sglang_rule(tcfg))
+    conf = json.loads((export / "config.json").read_text())
+    conf.pop("eagle_aux_hidden_state_layer_ids")
+    conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 3, 5]
+    (export / "config.json").write_text(json.dumps(conf))
+    assert check_draft(export, tcfg) == []
+    facts, problems = check_run(cfg, export, target_config=tcfg, memory=(1 << 40, "test"), gpus=None)
+    assert problems == [] and facts["draft"]["aux_ids"] == trained_on, problems
+    other = _cfg(fam, tiny_target_dirs[fam], [1, 3, 5])
+    _, problems = check_run(other, export, target_config=tcfg, memory=(1 << 40, "test"), gpus=None)
+    assert [f for f, _ in problems] == ["features.aux_layer_ids"]
+    assert f"set features.aux_layer_ids to {trained_on}" in problems[0][1]
