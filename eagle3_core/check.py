@@ -17,12 +17,10 @@ cannot serve the target (serving.launcher.server_problems), a train.init_from th
 against features.max_length, the regenerating server's context against both: data.budget.budget_problems),
 generation.chat_template_kwargs the target's chat template does not read or reads as another type
 (data.template_kwargs; offline with `--chat-template FILE`); with `--draft DIR` (a warm start or a deployment)
-also the draft's architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft); a feature store
-that another features backend began (pipeline.features_stage.mixed_backend_problems); aux ids SGLang cannot serve
-on the target (ids starting at 0 on DeepSeek/Kimi: target.family.sglang_ids); 'ep_int4' on experts quantized
-otherwise than it implements (target.memory.ep_int4_scheme_problems).
-CONFIG: a JSON file holding a PipelineConfig, or a preset name ('demo', 'debug_tiny'). `--gpus NxSIZE` (8x141GB)
-checks the fit against the node's GPUs instead of this host's.
+also the draft's architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft); aux ids SGLang
+cannot serve (target.family.sglang_ids), 'ep_int4' on experts quantized otherwise (memory.ep_int4_scheme_problems),
+a feature store another backend began (features_stage.mixed_backend_problems).
+CONFIG: a JSON file holding a PipelineConfig, or a preset name. `--gpus 8x141GB`: the node's GPUs, not this host's.
 """
 from __future__ import annotations
 
@@ -35,7 +33,7 @@ from eagle3_core.config.eval_config import resolved_evaluator
 from eagle3_core.data.budget import budget_problems
 from eagle3_core.data.prompt_set import source_specs
 from eagle3_core.data.readers import missing_source_files
-from eagle3_core.data.template_kwargs import kwarg_problem
+from eagle3_core.data.template_kwargs import chat_template_file, kwarg_problem
 from eagle3_core.features.backends import BACKENDS, backend_name
 from eagle3_core.features.sglang_env import probe_sglang, sglang_env_problems
 from eagle3_core.features.store_formats import FORMATS, bytes_per_token
@@ -51,6 +49,7 @@ from eagle3_core.target.family import (
     text_config,
     value,
 )
+from eagle3_core.target.loading import target_config_file
 from eagle3_core.training.draft_geometry import draft_geometry, geometry_problems
 
 EVALUATE_RUNS = {"decode": "HF transformers in process: the target verifies each draft step (speculate)",
@@ -308,50 +307,15 @@ def check_or_raise(cfg: PipelineConfig, draft_dir: Path | None = None, log=print
     return facts
 
 
-def target_config_file(path: str | Path):
-    """The transformers config in a config.json file (any model_type transformers knows; a wrapper's text_config
-    becomes its config class), without weights or network. Raises OSError naming a missing file, ValueError for a
-    file that is no config."""
-    import json
-
-    from transformers import AutoConfig
-    path = Path(path)
-    data = json.loads(path.read_text())
-    if "model_type" not in data:
-        raise ValueError(f"{path}: no 'model_type': not a transformers config.json")
-    return AutoConfig.for_model(data.pop("model_type"), **data)
-
-
-def chat_template_file(path: str | Path) -> str:
-    """The chat template in a .jinja file, or the (default) 'chat_template' of a tokenizer_config.json. Raises
-    OSError for a missing file, ValueError for a JSON file without one."""
-    import json
-    path = Path(path)
-    text = path.read_text()
-    if path.suffix != ".json":
-        return text
-    t = json.loads(text).get("chat_template")
-    if isinstance(t, list):                           # named templates: [{name, template}, ...]
-        t = next((x["template"] for x in t if x.get("name") == "default"), t[0]["template"] if t else None)
-    if not isinstance(t, str):
-        raise ValueError(f"{path}: no 'chat_template' in it; pass the template's .jinja file")
-    return t
-
-
-GPU_UNITS = {"gb": 10**9, "g": 10**9, "gib": 2**30, "": 10**9}
-
-
 def parse_gpus(text: str) -> tuple[int, int] | None:
-    """`--gpus`: 'NxSIZE' (8x141GB, 8x80GiB; a bare SIZE is GB) -> (N GPUs, bytes per GPU), 'none' -> None (no
-    GPU). Raises ValueError naming the flag and the form."""
+    """`--gpus`: 'NxSIZE' (8x141GB, 8x80GiB; a bare SIZE is GB) -> (N GPUs, bytes per GPU), 'none' -> None. Raises
+    ValueError naming the flag and the form."""
     import re
-    if text.strip().lower() == "none":
-        return None
-    m = re.fullmatch(r"\s*(\d+)\s*[x*]\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m[3].lower() not in GPU_UNITS or int(m[1]) < 1:
+    m = re.fullmatch(r"\s*(\d+)\s*[x*]\s*(\d+(?:\.\d+)?)\s*(GB|G|GiB|)\s*", text, re.IGNORECASE)
+    if text.strip().lower() != "none" and (not m or int(m[1]) < 1):
         raise ValueError(f"--gpus {text!r}: give the node's GPUs as NxSIZE, e.g. 8x141GB (8 H200s) or 8x80GiB, "
                          f"or 'none'")
-    return int(m[1]), int(float(m[2]) * GPU_UNITS[m[3].lower()])
+    return (int(m[1]), int(float(m[2]) * (2**30 if m[3].lower() == "gib" else 10**9))) if m else None
 
 
 def main(argv: list[str] | None = None) -> int:

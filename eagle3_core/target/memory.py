@@ -156,45 +156,31 @@ def ep_int4_bytes_per_rank(model: torch.nn.Module, q: dict | None, world: int, s
     return int(total + BYTES_PER_PARAM * math.ceil(layer / world))
 
 
-# the one packing 'ep_int4' implements (target.int4_experts: Kimi-K2.5's published layout): compressed-tensors
-# `pack-quantized`, weights 4-bit int, symmetric (no weight_zero_point), strategy 'group' of GROUP inputs
-EP_INT4_WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}
-EP_INT4_FORMAT = "pack-quantized"
-
-
-def expert_scheme(model: torch.nn.Module, q: dict | None) -> tuple[str, dict, str | None] | None:
-    """(name of the config group, its `weights` dict, its format: the group's own or the config's) of the
-    compressed-tensors config `q` that quantizes the routed experts of `model` (a meta_model; matched as
-    stored_bytes matches them), None where no group does."""
-    name = next((n for n, m in model.named_modules() if _fused_experts(m)), None)
-    if not q or name is None or any(_matches(e, f"{name}.0.gate_proj", "Linear") for e in q.get("ignore") or []):
-        return None
-    for gname, group in (q.get("config_groups") or {}).items():
-        if any(_matches(e, f"{name}.0.gate_proj", "Linear") for e in group.get("targets") or []):
-            return gname, group.get("weights") or {}, group.get("format") or q.get("format")
-    return None
+# the one packing 'ep_int4' implements (target.int4_experts, Kimi-K2.5's layout): compressed-tensors
+# `pack-quantized` weights, 4-bit int, symmetric (no weight_zero_point), groups of GROUP inputs
+EP_INT4_SCHEME = {"format": "pack-quantized", "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                  "group_size": GROUP}
 
 
 def ep_int4_scheme_problems(model: torch.nn.Module, q: dict | None) -> list[tuple[str, str]]:
-    """[('features.backend', message)] naming each field of the checkpoint's quantization_config (the group that
-    quantizes the routed experts, expert_scheme) that differs from the one packing 'ep_int4' implements
-    (EP_INT4_WEIGHTS, EP_INT4_FORMAT) and what would work instead; empty when it matches or nothing is quantized
-    (refused apart: 'experts are not quantized')."""
-    found = expert_scheme(model, q)
-    if found is None:
+    """[('features.backend', message)] naming each field of the `q` config group that quantizes the routed experts
+    of `model` (a meta_model; matched as stored_bytes matches them) that differs from EP_INT4_SCHEME, and what
+    works instead; empty when it matches or no group quantizes them."""
+    name = next((f"{n}.0.gate_proj" for n, m in model.named_modules() if _fused_experts(m)), None)
+    if not q or name is None or any(_matches(e, name, "Linear") for e in q.get("ignore") or []):
         return []
-    gname, w, fmt = found
-    where = f"quantization_config.config_groups.{gname}.weights"
-    bad = [f"{where}.{k} = {w.get(k)!r} (needs {v!r})" for k, v in EP_INT4_WEIGHTS.items() if w.get(k) != v]
-    if fmt != EP_INT4_FORMAT:
-        bad.append(f"quantization_config.format = {fmt!r} (needs {EP_INT4_FORMAT!r})")
-    if not bad:
+    groups = q.get("config_groups") or {}
+    g = next((g for g, c in groups.items() if any(_matches(e, name, "Linear") for e in c.get("targets") or [])), None)
+    if g is None:
         return []
+    have = {**(groups[g].get("weights") or {}), "format": groups[g].get("format") or q.get("format")}
+    bad = [f"quantization_config.{'' if k == 'format' else f'config_groups.{g}.weights.'}{k} = {have.get(k)!r} "
+           f"(needs {v!r})" for k, v in EP_INT4_SCHEME.items() if have.get(k) != v]
     return [("features.backend", f"'ep_int4' implements only routed experts stored as compressed-tensors "
-             f"{EP_INT4_FORMAT!r} 4-bit int, symmetric, group size {GROUP} (Kimi-K2.5's layout), and this "
+             f"'pack-quantized' 4-bit int, symmetric, group size {GROUP} (Kimi-K2.5's layout), and this "
              f"checkpoint's differ: {'; '.join(bad)}; it would misread them (an asymmetric checkpoint's "
              f"weight_zero_point would be ignored): use 'hf_tp' (transformers dequantizes compressed-tensors "
-             f"checkpoints to bf16 at load) or 'sglang' (its own compressed-tensors MoE kernels)")]
+             f"checkpoints to bf16 at load) or 'sglang' (its own compressed-tensors MoE kernels)")] if bad else []
 
 
 # what SGLang's model files split over the tensor-parallel ranks (models/deepseek_v2.py, llama.py: attention's
