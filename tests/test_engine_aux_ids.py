@@ -171,3 +171,23 @@ def test_check_draft_reads_a_specforge_draft_as_sglang_served_it(fam, trained_on
     _, problems = check_run(other, export, target_config=tcfg, memory=(1 << 40, "test"), gpus=None)
     assert [f for f, _ in problems] == ["features.aux_layer_ids"]
     assert f"set features.aux_layer_ids to {trained_on}" in problems[0][1]
+
+
+def test_an_export_written_before_the_per_file_rule_is_flagged_on_a_deepseek_target(tiny_target_dirs, tmp_path,
+                                                                                     sglang_capture):
+    """Exports made before this rule wrote the nested ids as they are on every target: on DeepSeek/Kimi, ids not
+    starting at 1 are then served one layer off (the wheel's own function says so), and preflight names it."""
+    cfg = _cfg("deepseek_v3", tiny_target_dirs["deepseek_v3"], [2, 3, 5])
+    tcfg = load_target_config(cfg.target)
+    model = load_target(cfg.target)
+    d2t, t2d = build_vocab_map(torch.arange(128).flip(0), 64)
+    draft = build_draft(draft_shape(tcfg, 64, [2, 3, 5], overrides=cfg.draft.geometry()),
+                        model.get_input_embeddings().weight.detach(), d2t, t2d, seed=0)
+    old = export_draft(draft, tmp_path / "old", sglang_rule=PLUS_ONE)           # what the old export wrote
+    saved = json.loads((old / "config.json").read_text())
+    assert saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 5]
+    assert [i - 1 for i in sglang_capture("deepseek_v3", [2, 3, 5], 8)] == [1, 2, 4]     # one layer off
+    problems = check_draft(old, tcfg)
+    assert [f for f, _ in problems] == ["eagle_aux_hidden_state_layer_ids"], problems
+    assert "captures the outputs of [1, 2, 4] for nested ids [2, 3, 5]" in problems[0][1]
+    assert "re-export the draft with this project for this target" in problems[0][1]
