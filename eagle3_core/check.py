@@ -36,7 +36,7 @@ from eagle3_core.data.readers import missing_source_files
 from eagle3_core.data.template_kwargs import chat_template_file, kwarg_problem
 from eagle3_core.features.backends import BACKENDS, backend_name
 from eagle3_core.features.sglang_env import probe_sglang, sglang_env_problems
-from eagle3_core.features.store_formats import FORMATS, bytes_per_token
+from eagle3_core.features.store_formats import FORMATS, bytes_per_token, features_bytes
 from eagle3_core.target.family import (
     engine_readings,
     family,
@@ -252,7 +252,7 @@ def disk_check(cfg: PipelineConfig, H_t: int, disk) -> tuple[dict, list[tuple[st
             mean = sum(m * n for m, n in means) / sum(n for _, n in means)
             T = min(T, round(mean + cfg.generation.max_new_tokens))
             source = "the prompts' mean prompt + generation.max_new_tokens"
-    need = cfg.prompts.num_train * T * bytes_per_token(f.format, H_t)
+    need = features_bytes(f.format, cfg.prompts.num_train, T, H_t)
     held = sum(p.stat().st_size for p in (run / "features").glob("shard_*.safetensors"))
     if disk is DETECT:
         where = next(p for p in [run, *run.absolute().parents] if p.exists())

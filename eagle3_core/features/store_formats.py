@@ -33,6 +33,13 @@ def bytes_per_token(name: str, hidden_size: int) -> int:
     return per[name]
 
 
+def features_bytes(name: str, samples: int, tokens_per_sample: float, hidden_size: int) -> float:
+    """Bytes the features stage stores for `samples` samples of `tokens_per_sample` tokens in format `name`:
+    samples x tokens x bytes_per_token (offsets and headers left out). The one rule `plan` and `check` size disk by.
+    Raises ValueError for an unknown format."""
+    return samples * tokens_per_sample * bytes_per_token(name, hidden_size)
+
+
 def check_format(name: str) -> str:
     if name not in FORMATS:
         raise ValueError(f"unknown feature format {name!r}; choose one of {list(FORMATS)}")
