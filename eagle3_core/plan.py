@@ -26,7 +26,7 @@ from datetime import date
 from pathlib import Path
 
 from eagle3_core.config import PipelineConfig
-from eagle3_core.features.store_formats import features_bytes
+from eagle3_core.features.store_formats import FORMATS, features_bytes
 
 STATUSES = ("measured", "given", "scaled")
 DEFAULT_RATES = Path(__file__).resolve().parents[1] / "configs" / "rates.json"
@@ -266,6 +266,88 @@ def compare(p: dict, run_dir: Path) -> dict[str, float]:
     return {r["stage"]: secs[r["stage"]] / (r["hours"] * 3600) for r in p["stages"] if r["hours"] > 0}
 
 
+UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30,
+         "TIB": 2 ** 40}
+
+
+def parse_size(text: str) -> float:
+    """Bytes of a size such as '11TB' (10^12 bytes a TB), '10 TiB' (2^40), '500GB' or '1e12'. Raises ValueError
+    naming the text and the units understood."""
+    t = text.strip().upper().replace(" ", "")
+    unit = next((u for u in sorted(UNITS, key=len, reverse=True) if u and t.endswith(u)), "")
+    try:
+        value = float(t[:len(t) - len(unit)])
+    except ValueError:
+        raise ValueError(f"--disk {text!r}: give a number and a unit of {[u for u in UNITS if u]} (TB = 10^12 "
+                         "bytes, TiB = 2^40), e.g. 11TB") from None
+    return value * UNITS[unit]
+
+
+def free_disk(run_dir: str | Path) -> tuple[int, str]:
+    """(free bytes, folder) of the file system holding run_dir (or the nearest folder above it that exists)."""
+    import shutil
+    run = Path(run_dir)
+    where = next(p for p in [run, *run.absolute().parents] if p.exists())
+    return shutil.disk_usage(where).free, str(where)
+
+
+def fits_table(cfg: PipelineConfig, rates: dict, gpus: int, free: float, hidden_size: int | None = None,
+               days: float | None = None) -> list[dict]:
+    """For each stored format (store_formats.FORMATS but the test format fp32): {format, disk_bytes, fits (the
+    features within `free` bytes), hours (the whole plan's wall time), within (hours <= 24 days), max_samples (the
+    most train samples whose features fit `free`; None for online), samples_in_time (the most train samples whose
+    plan ends within the days at the same epochs: every stage but evaluate scales with the samples), unplanned
+    (the stages the rates cannot plan; fits, within and the bounds they need are None then)."""
+    out = []
+    for fmt in [f for f in FORMATS if f != "fp32"]:
+        alt = cfg.model_copy(update={"features": cfg.features.model_copy(update={"format": fmt})})
+        p = plan_run(alt, rates, gpus, hidden_size)
+        w, hours, bad = p["workload"], p["total_hours"], sorted(p["unplanned"])
+        per_sample = p["disk_bytes"] / w["samples"] if fmt != "online" and "features" not in bad else None
+        ev = sum(r["hours"] for r in p["stages"] if r["stage"] == "evaluate")
+        in_time = None
+        if days is not None and not bad and hours > ev:
+            in_time = max(0, int(w["rows"] * (24 * days - ev) / (hours - ev)))
+        out.append({"format": fmt, "disk_bytes": p["disk_bytes"], "hours": hours, "unplanned": bad, "rows": w["rows"],
+                    "fits": None if "features" in bad else p["disk_bytes"] <= free,
+                    "within": None if days is None or bad else hours <= 24 * days,
+                    "max_samples": None if per_sample is None else int(free // per_sample * w["rows"] / w["samples"]),
+                    "samples_in_time": in_time})
+    return out
+
+
+def fits_markdown(rows: list[dict], free: float, where: str, days: float | None) -> str:
+    """The fits table and its verdict: which formats fit the disk and, with `days`, finish within it."""
+    def yn(v):
+        return "?" if v is None else "yes" if v else "no"
+    lines = [f"Fits {free / 1e12:.2f} TB free ({where}; TB = 10^12 bytes)"
+             + (f" within {days:g} days ({24 * days:g} h)" if days else "") + ":", "",
+             "| format | disk | fits | wall h | within | most train samples on the disk | in time |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['format']} | {r['disk_bytes'] / 1e12:.2f} TB | {yn(r['fits'])} | {r['hours']:.1f}"
+                     f"{' (without ' + ', '.join(r['unplanned']) + ')' if r['unplanned'] else ''} | "
+                     f"{'-' if days is None else yn(r['within'])} | "
+                     f"{'all' if r['max_samples'] is None and r['fits'] else r['max_samples'] or '?'} | "
+                     f"{'-' if r['samples_in_time'] is None else r['samples_in_time']} |")
+    if any(r["unplanned"] for r in rows):
+        lines.append("\nSome stages are not planned (the profile lacks their rates: --fill-from): no verdict.")
+        return "\n".join(lines) + "\n"
+    ok = [r["format"] for r in rows if r["fits"] and r["within"] is not False]
+    if ok:
+        lines.append(f"\nFits{' in time' if days else ''}: {', '.join(ok)}.")
+    else:
+        why = [f"{r['format']} needs {r['disk_bytes'] / 1e12:.2f} TB > {free / 1e12:.2f} TB" if not r["fits"] else
+               f"{r['format']} needs {r['hours']:.1f} h > {24 * days:g} h" for r in rows]
+        lines.append(f"\nNo format fits: {'; '.join(why)}.")
+        both = [(min(n for n in (r["max_samples"], r["samples_in_time"]) if n is not None), r["format"])
+                for r in rows if r["max_samples"] is not None or r["samples_in_time"] is not None]
+        if both:
+            n, fmt = max(both)
+            lines.append(f"The most train samples that fit both: {n} in {fmt} (of {rows[0]['rows']}).")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     from eagle3_core.config import config_or_preset
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -280,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--where", default=None, help="with --measure: what measured it, e.g. 'make demo, 2 CPU cores'")
     p.add_argument("--fill-from", default=None, metavar="PROFILE",
                    help="take the rates --profile lacks from this profile (each one's source says so)")
+    p.add_argument("--disk", default=None, metavar="SIZE", help="the free disk to fit the features into, e.g. 11TB "
+                   "(10^12 bytes a TB; TiB for 2^40); default: the free space of the config's run_dir")
+    p.add_argument("--days", type=float, default=None, help="the wall-time budget: say which formats finish within")
     a = p.parse_args(argv)
     if a.measure:
         if not a.where:
@@ -313,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             print("measured / planned: " + ", ".join(f"{k} {v:.2f}x" for k, v in compare(plan, a.against).items()))
         if plan["unplanned"] and fmt == cfg.features.format:
             print(_unplanned_line(a.rates, a.profile, plan["unplanned"]))
+    free, where = (parse_size(a.disk), "--disk") if a.disk else free_disk(cfg.run_dir)
+    print(fits_markdown(fits_table(cfg, rates, a.gpus, free, a.hidden_size, a.days), free, where, a.days))
     return 0
 
 
@@ -322,7 +409,8 @@ def _unplanned_line(path: str | Path, profile: str, unplanned: dict[str, list[st
     lacking = {n for names in unplanned.values() for m in names for n in m.split(" or ")}
     holders = [k for k, v in profiles.items() if k != profile and lacking & set(v["rates"])]
     stages = ", ".join(f"{s} (lacks {', '.join(m)})" for s, m in unplanned.items())
-    return (f"profile {profile!r} cannot plan {stages}: pass --fill-from PROFILE to take them from another profile (these hold some: {holders})\n")
+    return (f"profile {profile!r} cannot plan {stages}: pass --fill-from PROFILE to take them from another profile "
+            f"(these hold some: {holders})\n")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,12 @@ from eagle3_core.plan import (
     STAGE_RATES,
     compare,
     fill_rates,
+    fits_table,
     load_rates,
     main,
     measured_rates,
     missing_rates,
+    parse_size,
     plan_run,
 )
 
@@ -230,7 +232,7 @@ def test_every_profile_plans_the_three_kimi_configs_alone_and_filled_from_anothe
                 w = f["workload"]
                 assert f["disk_bytes"] == w["samples"] * w["tokens"] * bytes_per_token(
                     cfg.features.format, int(rates["target_hidden_size"]["value"]))
-        assert main([str(path), "--profile", profile, "--gpus", "8"]) == 0
+        assert main([str(path), "--profile", profile, "--gpus", "8", "--disk", "11TB"]) == 0
         out = capsys.readouterr().out
         assert (f"profile {profile!r} cannot plan" in out) == bool(p["unplanned"])
 
@@ -250,3 +252,48 @@ def test_the_ep_int4_profile_plans_features_only_until_filled_and_keeps_its_own_
     assert _stage(p, "features")["rate"]["value"] == 18552
     assert _stage(p, "features")["hours"] == pytest.approx(99000 * 5200 / 18552 / 3600)          # 7.71 h
     assert "[taken from profile kimi_k25_agentic]" in _stage(p, "generation")["rate"]["source"]
+
+
+def test_disk_sizes_parse_in_tb_and_tib_and_refuse_the_rest():
+    assert parse_size("11TB") == 11e12 and parse_size("11 tb") == 11e12 and parse_size("500GB") == 5e11
+    assert parse_size("10TiB") == 10 * 2 ** 40 and parse_size("1e12") == 1e12
+    with pytest.raises(ValueError, match=r"--disk '11 terabytes': give a number and a unit"):
+        parse_size("11 terabytes")
+
+
+def test_the_agentic_config_on_the_teams_node_fits_11_tb_only_online_and_nothing_in_2_5_days(capsys):
+    """configs/kimi_k25_agentic_100k.json on 8 x H200 with the team's 11 TB (docs/reference_case.md): bf16 29.53 TB
+    and fp8 14.77 TB do not fit; online does (nothing stored) but runs the target every epoch: 231 h at the team's
+    given extraction rate, 68.6 h at ep_int4's projected (not measured) node rate, both over 2.5 days (60 h)."""
+    cfg = load_config(KIMI)
+    team = load_rates(RATES, "kimi_k25_agentic")
+    rows = {r["format"]: r for r in fits_table(cfg, team, 8, 11e12, days=2.5)}
+    assert [rows[f]["fits"] for f in ("bf16", "fp8", "online")] == [False, False, True]
+    assert rows["fp8"]["disk_bytes"] == 99000 * 5200 * (4 * 7168 + 17)                           # 14.77 TB
+    assert rows["fp8"]["max_samples"] == int(11e12 // (5200 * (4 * 7168 + 17))) == 73735
+    E, gen, train = 4, 94248 * 2600 / 2300 / 3600, 4 * 99000 * 5200 / (9750 * 8 * 0.9) / 3600
+    assert rows["online"]["hours"] == pytest.approx(gen + train + E * 99000 * 5200 / 2960 / 3600)   # 231.0 h
+    assert not any(r["within"] for r in rows.values())
+    ep = fill_rates(load_rates(RATES, "kimi_k25_ep_int4_h200"), team, "kimi_k25_agentic")
+    rows = {r["format"]: r for r in fits_table(cfg, ep, 8, 11e12, days=2.5)}
+    assert rows["online"]["hours"] == pytest.approx(gen + train + E * 99000 * 5200 / 18552 / 3600)  # 68.6 h
+    assert rows["online"]["within"] is False and rows["fp8"]["within"] is True and rows["fp8"]["fits"] is False
+    main([str(KIMI), "--profile", "kimi_k25_ep_int4_h200", "--fill-from", "kimi_k25_agentic", "--gpus", "8",
+          "--disk", "11TB", "--days", "2.5"])
+    out = capsys.readouterr().out
+    assert "Fits 11.00 TB free (--disk; TB = 10^12 bytes) within 2.5 days (60 h):" in out
+    assert "| fp8 | 14.77 TB | no | 45.5 | yes | 73735 |" in out
+    assert "| online | 0.00 TB | yes | 68.6 | no | all |" in out
+    assert ("No format fits: bf16 needs 29.53 TB > 11.00 TB; fp8 needs 14.77 TB > 11.00 TB; online needs 68.6 h > "
+            "60 h") in out
+
+
+def test_plan_fits_the_run_dirs_free_disk_by_default(tmp_path, capsys):
+    import shutil
+    cfg = json.loads(KIMI.read_text())
+    cfg["run_dir"] = str(tmp_path / "not_yet" / "run")
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    main([str(path), "--profile", "kimi_k25_agentic", "--gpus", "8"])
+    free = shutil.disk_usage(tmp_path).free
+    assert f"Fits {free / 1e12:.2f} TB free ({tmp_path}; TB = 10^12 bytes):" in capsys.readouterr().out
