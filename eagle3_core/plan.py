@@ -343,8 +343,9 @@ def fits_markdown(rows: list[dict], free: float, where: str, days: float | None)
         both = [(min(n for n in (r["max_samples"], r["samples_in_time"]) if n is not None), r["format"])
                 for r in rows if r["max_samples"] is not None or r["samples_in_time"] is not None]
         if both:
-            n, fmt = max(both)
-            lines.append(f"The most train samples that fit both: {n} in {fmt} (of {rows[0]['rows']}).")
+            n = max(b[0] for b in both)
+            fmts = " or ".join(f for m, f in both if m == n)
+            lines.append(f"The most train samples that fit both: {n} in {fmts} (of {rows[0]['rows']}).")
     return "\n".join(lines) + "\n"
 
 

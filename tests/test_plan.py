@@ -284,8 +284,8 @@ def test_the_agentic_config_on_the_teams_node_fits_11_tb_only_online_and_nothing
     assert "Fits 11.00 TB free (--disk; TB = 10^12 bytes) within 2.5 days (60 h):" in out
     assert "| fp8 | 14.77 TB | no | 45.5 | yes | 73735 |" in out
     assert "| online | 0.00 TB | yes | 68.6 | no | all |" in out
-    assert ("No format fits: bf16 needs 29.53 TB > 11.00 TB; fp8 needs 14.77 TB > 11.00 TB; online needs 68.6 h > "
-            "60 h") in out
+    assert ("No format fits: bf16 needs 29.53 TB > 11.00 TB; fp8 needs 14.77 TB > 11.00 TB; fp8_topk needs 14.90 TB "
+            "> 11.00 TB; online needs 68.6 h > 60 h.\nThe most train samples that fit both: 86620 in online") in out
 
 
 def test_plan_fits_the_run_dirs_free_disk_by_default(tmp_path, capsys):
