@@ -36,7 +36,7 @@ from eagle3_core.data.readers import missing_source_files
 from eagle3_core.data.template_kwargs import chat_template_file, kwarg_problem
 from eagle3_core.features.backends import BACKENDS, backend_name
 from eagle3_core.features.sglang_env import probe_sglang, sglang_env_problems
-from eagle3_core.features.store_formats import FORMATS, bytes_per_token
+from eagle3_core.features.store_formats import FORMATS, bytes_per_token, features_bytes
 from eagle3_core.target.family import (
     engine_readings,
     family,
@@ -252,7 +252,7 @@ def disk_check(cfg: PipelineConfig, H_t: int, disk) -> tuple[dict, list[tuple[st
             mean = sum(m * n for m, n in means) / sum(n for _, n in means)
             T = min(T, round(mean + cfg.generation.max_new_tokens))
             source = "the prompts' mean prompt + generation.max_new_tokens"
-    need = cfg.prompts.num_train * T * bytes_per_token(f.format, H_t)
+    need = features_bytes(f.format, cfg.prompts.num_train, T, H_t)
     held = sum(p.stat().st_size for p in (run / "features").glob("shard_*.safetensors"))
     if disk is DETECT:
         where = next(p for p in [run, *run.absolute().parents] if p.exists())
@@ -261,12 +261,15 @@ def disk_check(cfg: PipelineConfig, H_t: int, disk) -> tuple[dict, list[tuple[st
     facts = {"features_gb": round(need / 1e9, 2), "tokens_per_sample": T, "from": source,
              "already_written_gb": round(held / 1e9, 2), "free_gb": round(free / 1e9, 2), "where": where}
     if need - held > free:
+        fit = [(g, features_bytes(g, cfg.prompts.num_train, T, H_t)) for g in FORMATS if g not in (f.format, "fp32")]
+        fit = ", ".join(f"{g!r} ({b / 1e9:.1f} GB)" for g, b in fit if b <= free) or "none"
         return facts, [("run_dir", f"the features stage stores ~{need / 1e9:.1f} GB (prompts.num_train "
                         f"{cfg.prompts.num_train} x {T} tokens, {source}, x {bytes_per_token(f.format, H_t)} B/token "
                         f"in features.format {f.format!r}; {held / 1e9:.1f} GB written) and {where} has "
-                        f"{free / 1e9:.1f} GB free: free space, put run_dir on a larger file system, set "
-                        f"features.format 'fp8' (about half) or 'online' (nothing stored), or lower "
-                        f"features.max_length or prompts.num_train")]
+                        f"{free / 1e9:.1f} GB free; the features.format values that fit: {fit}. Free space, put "
+                        f"run_dir on a larger file system, set one of those formats ('online' stores nothing but "
+                        f"runs the target every epoch: python -m eagle3_core.plan CONFIG --disk SIZE prints each "
+                        f"one's hours), or lower features.max_length or prompts.num_train")]
     return facts, []
 
 
