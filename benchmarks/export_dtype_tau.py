@@ -24,6 +24,7 @@ from eagle3_core.data import prompt_set as prompts_mod  # noqa: E402
 from eagle3_core.data.chat import prompt_ids  # noqa: E402
 from eagle3_core.evaluation.acceptance import SpecRun, measure, paired_bootstrap_diff_ci  # noqa: E402
 from eagle3_core.evaluation.speculate import TargetRunner  # noqa: E402
+from eagle3_core.target.family import sglang_rule  # noqa: E402
 from eagle3_core.target.loading import load_target, load_tokenizer  # noqa: E402
 from eagle3_core.training.checkpoint import export_draft, load_draft  # noqa: E402
 
@@ -45,7 +46,8 @@ def main() -> None:
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            runs[name] = SpecRun(load_draft(export_draft(best, Path(tmp) / name, dtype=dtype)), S)
+            export = export_draft(best, Path(tmp) / name, dtype=dtype, sglang_rule=sglang_rule(model.config))
+            runs[name] = SpecRun(load_draft(export), S)
         ids = runs["fp32"].draft.shape.aux_layer_ids
         eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
         report = measure(TargetRunner(model, ids), runs, prompts, ["all"] * len(prompts), n_new, eos,

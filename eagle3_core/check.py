@@ -17,8 +17,10 @@ cannot serve the target (serving.launcher.server_problems), a train.init_from th
 against features.max_length, the regenerating server's context against both: data.budget.budget_problems),
 generation.chat_template_kwargs the target's chat template does not read or reads as another type
 (data.template_kwargs; offline with `--chat-template FILE`); with `--draft DIR` (a warm start or a deployment)
-also the draft's architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft).
-CONFIG: a JSON file holding a PipelineConfig, or a preset name ('demo', 'debug_tiny').
+also the draft's architecture (EAGLE-2 refused), fc, d2t/t2d and ids (preflight.check_draft); aux ids SGLang
+cannot serve (target.family.sglang_ids), 'ep_int4' on experts quantized otherwise (memory.ep_int4_scheme_problems),
+a feature store another backend began (features_stage.mixed_backend_problems).
+CONFIG: a JSON file holding a PipelineConfig, or a preset name. `--gpus 8x141GB`: the node's GPUs, not this host's.
 """
 from __future__ import annotations
 
@@ -31,20 +33,23 @@ from eagle3_core.config.eval_config import resolved_evaluator
 from eagle3_core.data.budget import budget_problems
 from eagle3_core.data.prompt_set import source_specs
 from eagle3_core.data.readers import missing_source_files
-from eagle3_core.data.template_kwargs import kwarg_problem
+from eagle3_core.data.template_kwargs import chat_template_file, kwarg_problem
 from eagle3_core.features.backends import BACKENDS, backend_name
 from eagle3_core.features.sglang_env import probe_sglang, sglang_env_problems
-from eagle3_core.features.store_formats import FORMATS, bytes_per_token
+from eagle3_core.features.store_formats import FORMATS, bytes_per_token, features_bytes
 from eagle3_core.target.family import (
     engine_readings,
     family,
     num_layers,
+    draft_aux_ids,
     resolve_aux_ids,
     rope_type,
+    sglang_rule,
     target_rope,
     text_config,
     value,
 )
+from eagle3_core.target.loading import target_config_file
 from eagle3_core.training.draft_geometry import draft_geometry, geometry_problems
 
 EVALUATE_RUNS = {"decode": "HF transformers in process: the target verifies each draft step (speculate)",
@@ -110,6 +115,7 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     only). Also checks the generation server against the target (server_problems) and train.init_from
     (init_from_check). Facts are JSON-able; problems are (field, message) pairs, empty when the run fits."""
     from eagle3_core.evaluation.preflight import check_draft
+    from eagle3_core.pipeline.features_stage import mixed_backend_problems
     from eagle3_core.serving.launcher import server_problems
     from eagle3_core.target.loading import load_target_config
     from eagle3_core.target.memory import backend_facts, gpu_memory
@@ -121,7 +127,7 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
                    "text_config_class": type(t).__name__, "family": family(t), "layers": L, "hidden_size": H_t}
     try:
         ids = resolve_aux_ids(cfg.features.aux_layer_ids, L)
-        facts["aux_layer_ids"] = {"ours (layer outputs)": ids, **engine_readings(ids)}
+        facts["aux_layer_ids"] = {"ours (layer outputs)": ids, **engine_readings(ids, sglang_rule(t))}
     except ValueError as e:
         ids = None
         problems.append(("features.aux_layer_ids", str(e)))
@@ -193,13 +199,14 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
         import json
         dcfg = json.loads((Path(draft_dir) / "config.json").read_text()) if (Path(draft_dir) / "config.json").exists() \
             else {}
-        draft_ids = (dcfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        draft_ids = draft_aux_ids(dcfg, sglang_rule(t), L) if dcfg else None   # layer outputs, as engines read it
         facts["draft"] = {"dir": str(draft_dir), "architectures": dcfg.get("architectures"), "aux_ids": draft_ids}
         if ids is not None and draft_ids is not None and draft_ids != ids:
             problems.append(("features.aux_layer_ids", f"resolves to {ids} but the draft {draft_dir} was trained "
                              f"on {draft_ids}: a warm start must extract the same layers; set "
                              f"features.aux_layer_ids to {draft_ids}"))
     problems += server_problems(cfg)
+    problems += mixed_backend_problems(cfg)
     if cfg.train.init_from is not None:
         from eagle3_core.training.warm_start import init_from_check
         facts["init_from"], more = init_from_check(cfg, tcfg, ids)
@@ -245,7 +252,7 @@ def disk_check(cfg: PipelineConfig, H_t: int, disk) -> tuple[dict, list[tuple[st
             mean = sum(m * n for m, n in means) / sum(n for _, n in means)
             T = min(T, round(mean + cfg.generation.max_new_tokens))
             source = "the prompts' mean prompt + generation.max_new_tokens"
-    need = cfg.prompts.num_train * T * bytes_per_token(f.format, H_t)
+    need = features_bytes(f.format, cfg.prompts.num_train, T, H_t)
     held = sum(p.stat().st_size for p in (run / "features").glob("shard_*.safetensors"))
     if disk is DETECT:
         where = next(p for p in [run, *run.absolute().parents] if p.exists())
@@ -254,12 +261,15 @@ def disk_check(cfg: PipelineConfig, H_t: int, disk) -> tuple[dict, list[tuple[st
     facts = {"features_gb": round(need / 1e9, 2), "tokens_per_sample": T, "from": source,
              "already_written_gb": round(held / 1e9, 2), "free_gb": round(free / 1e9, 2), "where": where}
     if need - held > free:
+        fit = [(g, features_bytes(g, cfg.prompts.num_train, T, H_t)) for g in FORMATS if g not in (f.format, "fp32")]
+        fit = ", ".join(f"{g!r} ({b / 1e9:.1f} GB)" for g, b in fit if b <= free) or "none"
         return facts, [("run_dir", f"the features stage stores ~{need / 1e9:.1f} GB (prompts.num_train "
                         f"{cfg.prompts.num_train} x {T} tokens, {source}, x {bytes_per_token(f.format, H_t)} B/token "
                         f"in features.format {f.format!r}; {held / 1e9:.1f} GB written) and {where} has "
-                        f"{free / 1e9:.1f} GB free: free space, put run_dir on a larger file system, set "
-                        f"features.format 'fp8' (about half) or 'online' (nothing stored), or lower "
-                        f"features.max_length or prompts.num_train")]
+                        f"{free / 1e9:.1f} GB free; the features.format values that fit: {fit}. Free space, put "
+                        f"run_dir on a larger file system, set one of those formats ('online' stores nothing but "
+                        f"runs the target every epoch: python -m eagle3_core.plan CONFIG --disk SIZE prints each "
+                        f"one's hours), or lower features.max_length or prompts.num_train")]
     return facts, []
 
 
@@ -300,34 +310,15 @@ def check_or_raise(cfg: PipelineConfig, draft_dir: Path | None = None, log=print
     return facts
 
 
-def target_config_file(path: str | Path):
-    """The transformers config in a config.json file (any model_type transformers knows; a wrapper's text_config
-    becomes its config class), without weights or network. Raises OSError naming a missing file, ValueError for a
-    file that is no config."""
-    import json
-
-    from transformers import AutoConfig
-    path = Path(path)
-    data = json.loads(path.read_text())
-    if "model_type" not in data:
-        raise ValueError(f"{path}: no 'model_type': not a transformers config.json")
-    return AutoConfig.for_model(data.pop("model_type"), **data)
-
-
-def chat_template_file(path: str | Path) -> str:
-    """The chat template in a .jinja file, or the (default) 'chat_template' of a tokenizer_config.json. Raises
-    OSError for a missing file, ValueError for a JSON file without one."""
-    import json
-    path = Path(path)
-    text = path.read_text()
-    if path.suffix != ".json":
-        return text
-    t = json.loads(text).get("chat_template")
-    if isinstance(t, list):                           # named templates: [{name, template}, ...]
-        t = next((x["template"] for x in t if x.get("name") == "default"), t[0]["template"] if t else None)
-    if not isinstance(t, str):
-        raise ValueError(f"{path}: no 'chat_template' in it; pass the template's .jinja file")
-    return t
+def parse_gpus(text: str) -> tuple[int, int] | None:
+    """`--gpus`: 'NxSIZE' (8x141GB, 8x80GiB; a bare SIZE is GB) -> (N GPUs, bytes per GPU), 'none' -> None. Raises
+    ValueError naming the flag and the form."""
+    import re
+    m = re.fullmatch(r"\s*(\d+)\s*[x*]\s*(\d+(?:\.\d+)?)\s*(GB|G|GiB|)\s*", text, re.IGNORECASE)
+    if text.strip().lower() != "none" and (not m or int(m[1]) < 1):
+        raise ValueError(f"--gpus {text!r}: give the node's GPUs as NxSIZE, e.g. 8x141GB (8 H200s) or 8x80GiB, "
+                         f"or 'none'")
+    return (int(m[1]), int(float(m[2]) * (2**30 if m[3].lower() == "gib" else 10**9))) if m else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="the target's chat template (a .jinja file, or a tokenizer_config.json holding "
                         "'chat_template'): generation.chat_template_kwargs are checked against it offline")
+    p.add_argument("--gpus", default=None, metavar="NxSIZE",
+                   help="the GPUs of the node the run will use (e.g. 8x141GB), instead of this host's: the "
+                        "features backend's and the in-process stages' fit are checked against them")
     a = p.parse_args(argv)
     try:
         cfg = config_or_preset(a.config)
@@ -347,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         kw = {"target_config": target_config_file(a.target_config), "disk": None} if a.target_config else {}
         if a.chat_template:
             kw["chat_template"] = chat_template_file(a.chat_template)
+        if a.gpus is not None:
+            kw["gpus"] = parse_gpus(a.gpus)
+            if kw["gpus"]:                        # the in-process stages hold the target on one of them
+                kw["memory"] = (kw["gpus"][1], f"one of {kw['gpus'][0]} GPU(s) of {kw['gpus'][1] / 1e9:.0f} GB "
+                                               f"(--gpus)")
         check_or_raise(cfg, a.draft, **kw)
     except ValueError as e:                       # CheckError, or a config that does not validate
         print(str(e), file=sys.stderr)

@@ -7,7 +7,9 @@ The samples are the first `--samples` rows of the run's tokenized/train.parquet 
 Each backend extracts them through the features stage itself (pipeline.features_stage.run_features) on a run of
 its own, features_probe/<backend>/ under the run directory, stored as bf16 whatever features.format says (fp8
 would add its own rounding to the comparison); backend 'hf' runs with tp_size 1, the others with the config's
-tp_size and expert_parallel. A rerun reuses a backend's finished store (the stage's own cache).
+tp_size and expert_parallel. Every probe extracts afresh: the stage's key leaves out how a store was computed
+(backend, tp_size, expert_parallel, the SGLang build, ...), so a kept store could be another setup's; the report
+names the ranks each backend ran on.
 
 Measures, over all T positions of all samples (a, b: the two backends' states, fp32 from the bf16 stores):
 - per aux layer k and for `final`: rel = ||a - b||_F / ||b||_F, and the worst token's ||a_t - b_t|| / ||b_t||;
@@ -28,6 +30,7 @@ SGLang against transformers on Kimi-K2.5 is what the probe on the node measures;
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -94,8 +97,9 @@ def compare(dir_a: Path, dir_b: Path) -> dict:
 
 def probe(cfg: PipelineConfig, backends: list[str], samples: int, log=print) -> dict:
     """Extract the first `samples` tokenized rows with each of the two `backends` (probe_run, run_features) and
-    compare them (compare: the first backend against the second). Returns {backends, samples, tokens_per_s
-    {backend: rate}, seconds {backend: the stage's wall seconds, load included}, **compare(...)}. Raises
+    compare them (compare: the first backend against the second), each extracted afresh. Returns {backends,
+    samples, tokens_per_s {backend: rate}, seconds {backend: the stage's wall seconds, load included}, ranks
+    {backend: the ranks its stage ran on (features.tp_size of a torchrun backend, else 1)}, **compare(...)}. Raises
     ValueError for other than two distinct backends or a run without tokenized rows."""
     import time
 
@@ -109,16 +113,18 @@ def probe(cfg: PipelineConfig, backends: list[str], samples: int, log=print) -> 
     if not path.exists():
         raise ValueError(f"{path} does not exist: run the tokenize stage first (the probe extracts its rows)")
     rows = pq.read_table(path).slice(0, samples).to_pylist()
-    dirs, rates, walls = {}, {}, {}
+    dirs, rates, walls, ranks = {}, {}, {}, {}
     for backend in backends:
         sub = probe_run(cfg, backend, rows)
+        shutil.rmtree(RunLayout(sub.run_dir).features, ignore_errors=True)     # afresh (module docstring)
         t0 = time.monotonic()
         run_features(sub, log)
         walls[backend] = time.monotonic() - t0
         dirs[backend] = RunLayout(sub.run_dir).features
         m = read_manifest(dirs[backend] / "manifest.json")
         rates[backend] = m["tokens"] / m["seconds"] if m.get("seconds") else None
-    return {"backends": backends, "samples": len(rows), "tokens_per_s": rates, "seconds": walls,
+        ranks[backend] = read_manifest(RunLayout(sub.run_dir).manifest("features")).get("tp_size", 1)
+    return {"backends": backends, "samples": len(rows), "tokens_per_s": rates, "seconds": walls, "ranks": ranks,
             **compare(dirs[backends[0]], dirs[backends[1]])}
 
 
@@ -135,7 +141,8 @@ def render(r: dict) -> str:
     for k in (a, b):
         rate = r["tokens_per_s"][k]
         lines.append(f"  {k:<13}: " + (f"{rate:,.0f} tok/s extracting" if rate else "rate not recorded") +
-                     f", {r['seconds'][k]:.1f} s with loading")
+                     f", {r['seconds'][k]:.1f} s with loading" +
+                     (f", {r['ranks'][k]} rank(s)" if k in r.get("ranks", {}) else ""))
     lines.append("  " + ("EQUAL within the tolerance" if r["ok"] else "DIFFERENT: beyond the tolerance"))
     return "\n".join(lines)
 

@@ -156,7 +156,12 @@ def test_free_disk_below_the_features_stage_s_bytes_is_refused_naming_the_fix(tm
     assert _problems(cfg, disk=(need + 1, "test disk")) == []
     problems = _problems(cfg, disk=(need - 1, "test disk"))
     assert [f for f, _ in problems] == ["run_dir"]
-    assert "~0.1 GB" in problems[0][1] and "features.format 'fp8'" in problems[0][1] and "test disk" in problems[0][1]
+    assert "~0.1 GB" in problems[0][1] and "test disk" in problems[0][1]
+    assert "the features.format values that fit: 'fp8' (0.0 GB), 'online' (0.0 GB)." in problems[0][1]
+    fp8 = 1000 * 256 * (4 * 32 + 17)                             # store_formats.features_bytes, plan's rule too
+    problems = _problems(cfg, disk=(fp8 - 1, "test disk"))
+    assert "the features.format values that fit: 'online' (0.0 GB)." in problems[0][1]
+    assert "python -m eagle3_core.plan CONFIG --disk SIZE" in problems[0][1]
     tok = cfg.run_dir / "tokenized"
     tok.mkdir(parents=True)
     (tok / "manifest.json").write_text(json.dumps({"samples": 10, "tokens": 1000}))    # 100 tokens per sample

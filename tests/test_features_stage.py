@@ -167,6 +167,41 @@ def test_a_store_mixing_backends_is_refused_unless_the_config_allows_it(target, 
     assert run_features(switched, log=lambda s: None)["inputs_key"] == other
 
 
+def test_a_mixed_store_is_refused_by_check_and_before_any_rank_starts(target, tmp_path, loads, monkeypatch):
+    """Shard 0 by the echo backend, the rest then asked of 'hf_tp' (a torchrun backend whose every rank loads
+    the target): check refuses it naming features.backend, the shard and features.mix_backends, and run_features
+    refuses it before torchrun starts or anything loads; per shard, before the target loads. Nothing left to
+    extract, or mix_backends true: no refusal."""
+    from eagle3_core.check import check_run
+    from eagle3_core.pipeline import features_stage
+    from eagle3_core.target.loading import load_target_config
+    echo = _run_dir(tmp_path / "run", target, backend="echo")
+    run_features_shard(echo, 0, log=lambda s: None)
+    launched = []
+    monkeypatch.setattr(features_stage, "run_torchrun", lambda *a, **k: launched.append(a))
+    tp = echo.model_copy(update={"features": echo.features.model_copy(update={"backend": "hf_tp", "tp_size": 2})})
+    tcfg = load_target_config(tp.target)
+    _, problems = check_run(tp, target_config=tcfg, memory=(1 << 40, "test"), gpus=None)
+    mixed = [m for f, m in problems if f == "features.backend"]
+    assert len(mixed) == 1 and "holds shards of backend ['echo'] (['shard_00000.safetensors'])" in mixed[0] and \
+        "extracts with 'hf_tp'" in mixed[0] and "features.mix_backends true" in mixed[0], problems
+    loads.clear()
+    with pytest.raises(ValueError, match=r"backend \['echo'\] .*'hf_tp'.*features\.mix_backends"):
+        run_features(tp, log=lambda s: None)
+    assert launched == [] and loads == []
+    hf = echo.model_copy(update={"features": echo.features.model_copy(update={"backend": "hf"})})
+    with pytest.raises(ValueError, match=r"backend \['echo'\]"):
+        run_features_shard(hf, 2, log=lambda s: None)
+    assert loads == []                                                        # refused before the target loaded
+    allowed = tp.model_copy(update={"features": tp.features.model_copy(update={"mix_backends": True})})
+    _, problems = check_run(allowed, target_config=tcfg, memory=(1 << 40, "test"), gpus=None)
+    assert "features.backend" not in [f for f, _ in problems], problems
+    for k in (1, 2):                                                          # the store finished by echo
+        run_features_shard(echo, k, log=lambda s: None)
+    _, problems = check_run(tp, target_config=tcfg, memory=(1 << 40, "test"), gpus=None)
+    assert "features.backend" not in [f for f, _ in problems], problems
+
+
 def _calls(path: Path, names: tuple[str, ...]) -> list[tuple[str, ast.Call]]:
     """(enclosing function, call) of every call of a function named in `names` in the module at `path`."""
     tree, out = ast.parse(path.read_text()), []

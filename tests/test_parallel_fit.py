@@ -141,3 +141,90 @@ def test_check_cli_passes_the_reference_config_offline(capsys):
     assert main([str(REFERENCE), "--target-config", str(KIMI_OFFLINE)]) == 0
     out = capsys.readouterr().out
     assert "evaluator: replay" in out and "check: passed" in out
+
+
+def _variant(tmp_path, **weights):
+    """The offline Kimi-K2.5 config.json with its experts' config group changed as `weights` says (a checkpoint
+    quantized another way than the published one)."""
+    import json
+    conf = json.loads(KIMI_OFFLINE.read_text())
+    conf["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"].update(weights)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(conf))
+    return target_config_file(path)
+
+
+@pytest.mark.parametrize(("weights", "named"), [
+    ({"symmetric": False}, "weights.symmetric = False (needs True)"),
+    ({"group_size": 128}, "weights.group_size = 128 (needs 32)"),
+    ({"num_bits": 8}, "weights.num_bits = 8 (needs 4)")])
+def test_ep_int4_refuses_the_int4_variants_it_does_not_implement(tmp_path, weights, named):
+    """'ep_int4' reads only 4-bit symmetric group-32 pack-quantized experts: an asymmetric checkpoint's
+    weight_zero_point would be ignored, group-128 and 8-bit ones would fail inside torchrun naming a shape. check
+    refuses each naming the quantization_config field and what works; 'hf_tp' (bf16 at load) is not refused for
+    the scheme, and plan's `needs` no longer offers 'ep_int4'."""
+    cfg = load_config(REFERENCE)
+    facts, problems = check_run(cfg, target_config=_variant(tmp_path, **weights),
+                                memory=(128 << 30, "a 128 GiB head node"), gpus=H200)
+    assert [f for f, _ in problems] == ["features.backend"], problems
+    msg = problems[0][1]
+    assert f"quantization_config.config_groups.group_0.{named}" in msg and "use 'hf_tp'" in msg, msg
+    assert "gb_per_rank_ep_int4" not in facts["backends"]["features"]
+    assert "ep_int4" not in facts["backends"]["features"]["needs"]
+    assert facts["backends"]["features"]["needs"].startswith("hf_tp with tp_size >= 32")
+    hf_tp = cfg.model_copy(update={"features": cfg.features.model_copy(update={"backend": "hf_tp", "tp_size": 32,
+                                                                               "expert_parallel": True})})
+    _, problems = check_run(hf_tp, target_config=_variant(tmp_path, **weights), memory=(TB, "test"), gpus=H200)
+    assert problems == [], problems
+
+
+def test_the_ep_int4_loader_refuses_an_asymmetric_checkpoint_before_reading_a_weight(tmp_path):
+    """The same rule where the ranks load (target.ep_loading.load_int4_target), for a run that skipped check: a
+    tiny INT4 DeepSeek-V3 whose config says asymmetric is refused naming config.json and the field."""
+    import json
+
+    from eagle3_core.config import TargetConfig
+    from eagle3_core.target.ep_loading import load_int4_target
+    from int4_targets import build_int4
+    out = build_int4("deepseek_v3", tmp_path / "t", layers=2)
+    conf = json.loads((out / "config.json").read_text())
+    conf["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    (out / "config.json").write_text(json.dumps(conf))
+    (out / "model.safetensors").write_bytes(b"not read")                  # proof that no weight is read first
+    with pytest.raises(ValueError, match=r"config.json: 'ep_int4' implements only .*weights.symmetric = False "
+                                         r"\(needs True\).*use 'hf_tp'"):
+        load_int4_target(TargetConfig(model=str(out)), "cpu")
+
+
+def test_check_gpus_names_the_node_offline_and_refuses_hf_tp_on_the_int4_kimi_config(tmp_path, capsys):
+    """With no GPU here, `check` alone cannot know the node: hf_tp at ~259 GB per GPU passes. `--gpus 8x141GB`
+    (8 H200s) checks the fit against them: refused with the arithmetic and the backend that fits; the reference
+    config's ep_int4 passes on the same node with its per-GPU figure printed."""
+    import json
+    conf = json.loads(REFERENCE.read_text())
+    conf["features"].update(backend="hf_tp", expert_parallel=True, tp_size=8)
+    path = tmp_path / "hf_tp.json"
+    path.write_text(json.dumps(conf))
+    offline = [str(path), "--target-config", str(KIMI_OFFLINE)]
+    assert main([*offline, "--gpus", "none"]) == 0                          # no GPU: only the layout is reported
+    capsys.readouterr()
+    assert main([*offline, "--gpus", "8x141GB"]) == 1
+    out, err = capsys.readouterr()
+    assert "gpus: 8 x 141 GB" in out and "weights_budget_gb_per_gpu: 119.8 (85% of 141 GB)" in out
+    gb = float(next(line for line in out.splitlines() if line.strip().startswith("gb_per_gpu:")).split(":")[1])
+    assert 2029 / 8 < gb < 2029 / 8 + 10                                    # the bf16 experts' 1/8 and the rest
+    import re
+    m = re.search(r"- features.backend: ([\d.]+) GB of weights per GPU with backend 'hf_tp' at tp_size 8 exceed "
+                  r"85% of one GPU \(141 GB\); needs ep_int4 with tp_size >= 8 \(([\d.]+) GB per GPU", err)
+    assert m and abs(float(m[1]) - gb) < 0.06 and float(m[2]) < 0.85 * 141, err
+    assert main([str(REFERENCE), "--target-config", str(KIMI_OFFLINE), "--gpus", "8x141GB"]) == 0
+    out = capsys.readouterr().out
+    assert "gpus: 8 x 141 GB" in out and "check: passed" in out
+    assert main([str(REFERENCE), "--target-config", str(KIMI_OFFLINE), "--gpus", "8 H200"]) == 1
+    assert "--gpus '8 H200': give the node's GPUs as NxSIZE" in capsys.readouterr().err
+
+
+def test_parse_gpus_units():
+    from eagle3_core.check import parse_gpus
+    assert parse_gpus("8x141GB") == (8, 141 * 10**9) and parse_gpus("4x80GiB") == (4, 80 * 2**30)
+    assert parse_gpus("2x24") == (2, 24 * 10**9) and parse_gpus("none") is None

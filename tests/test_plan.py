@@ -6,12 +6,26 @@ import pytest
 from conftest import ROOT
 
 from eagle3_core.config import load_config
-from eagle3_core.plan import compare, load_rates, main, measured_rates, plan_run
+from eagle3_core.features.store_formats import bytes_per_token
+from eagle3_core.plan import (
+    STAGE_RATES,
+    compare,
+    fill_rates,
+    fits_table,
+    load_rates,
+    main,
+    measured_rates,
+    missing_rates,
+    parse_size,
+    plan_run,
+)
 
 RATES = ROOT / "configs" / "rates.json"
 KIMI = ROOT / "configs" / "kimi_k25_agentic_100k.json"
 # the team's own arithmetic (max length 2048, ~2,000 tokens a sample): docs/reference_case.md
 TEAM = ROOT / "configs" / "kimi_k25_team_10k_to_100k.json"
+KIMI_CONFIGS = [KIMI, TEAM, ROOT / "configs" / "kimi_k25_smoke.json"]
+PROFILES = sorted(json.loads(RATES.read_text())["profiles"])
 
 
 def _stage(p, name):
@@ -23,8 +37,10 @@ def test_the_reference_plan_reproduces_9_2_tb_24_h_and_18_8_h_within_10_percent(
     rates = load_rates(RATES, "reference_kimi_k25")
     bf16 = plan_run(cfg.model_copy(update={"features": cfg.features.model_copy(update={"format": "bf16"})}),
                     rates, gpus=8)
-    # the team: 100K samples x 92 MB; 200M tokens at 2,300 tok/s; 100K samples at 1.48 samples/s
-    assert bf16["disk_bytes"] == pytest.approx(9.2e12, rel=0.10)
+    # the team: 200M tokens at 2,300 tok/s; 100K samples at 1.48 samples/s. Disk by the store's rule (check's too):
+    # 57,353 B/token x 2,000 tokens = 114.7 MB a sample, 11.36 TB, where the team gave ~92 MB a sample (9.2 TB)
+    assert bf16["disk_bytes"] == 99000 * 2000 * bytes_per_token("bf16", 7168) == pytest.approx(11.356e12, rel=1e-3)
+    assert rates["feature_bytes_per_sample"]["value"] / (bf16["disk_bytes"] / 99000) == pytest.approx(0.802, rel=1e-3)
     assert _stage(bf16, "generation")["hours"] == pytest.approx(200e6 / 2300 / 3600, rel=0.10)
     assert _stage(bf16, "features")["hours"] == pytest.approx(18.8, rel=0.10)
     # exactly what the config changes: 99K train prompts (1K held out), of which the kept trajectories (deepswe
@@ -35,7 +51,7 @@ def test_the_reference_plan_reproduces_9_2_tb_24_h_and_18_8_h_within_10_percent(
     assert all(r["rate"] is None or r["rate"]["status"] in ("measured", "given", "scaled") for r in bf16["stages"])
 
     fp8 = plan_run(cfg, rates, gpus=8)                                   # the config's own format
-    assert cfg.features.format == "fp8" and fp8["disk_bytes"] == pytest.approx(0.503 * bf16["disk_bytes"])
+    assert cfg.features.format == "fp8" and fp8["disk_bytes"] == 99000 * 2000 * (4 * 7168 + 17)   # 0.500 of bf16
     online = plan_run(cfg.model_copy(update={"features": cfg.features.model_copy(update={"format": "online"})}),
                       rates, gpus=8)
     assert online["disk_bytes"] < 1e-3 * bf16["disk_bytes"] and _stage(online, "features")["hours"] == 0
@@ -161,7 +177,6 @@ def test_the_agentic_reference_config_plans_its_own_lengths_and_the_teams_config
     fp8 format, hours from the team's rates per token. The team's 2048-token config is kept for its arithmetic,
     and check refuses it: 2,048 new tokens leave no room for a prompt in max_length 2,048."""
     from eagle3_core.check import check_run
-    from eagle3_core.features.store_formats import bytes_per_token
     cfg = load_config(KIMI)
     rates = load_rates(RATES, "kimi_k25_agentic")
     p = plan_run(cfg, rates, gpus=8)
@@ -184,6 +199,104 @@ def test_the_agentic_reference_config_plans_its_own_lengths_and_the_teams_config
     assert facts["token_budget"]["room_for_the_prompt"] == 0
     facts, problems = check_run(cfg, target_config=kimi, memory=(128 << 30, "head node"), gpus=(8, 141 << 30))
     assert problems == [] and facts["token_budget"]["server_context"] == 33792
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_profile_plans_the_three_kimi_configs_alone_and_filled_from_another(profile, capsys):
+    """Each profile of configs/rates.json plans each Kimi config: a stage whose rates it lacks is left unplanned
+    (0 h, a note naming the rates and --fill-from), the others planned from its own rates; filled from every other
+    profile, it keeps its own rates and takes only what it lacks, each taken rate's source naming the profile."""
+    own = load_rates(RATES, profile)
+    for path in KIMI_CONFIGS:
+        cfg = load_config(path)
+        p = plan_run(cfg, own, gpus=8)
+        lacks = {st: missing_rates(own, st, cfg.features.format) for st in STAGE_RATES}
+        assert p["unplanned"] == {st: m for st, m in lacks.items() if m}
+        for st in STAGE_RATES:
+            row = _stage(p, st)
+            if st in p["unplanned"]:
+                assert row["hours"] == 0 and row["rate"] is None and "NOT PLANNED" in row["note"]
+                assert all(m in row["note"] for m in p["unplanned"][st]) and "--fill-from" in row["note"]
+            else:
+                assert row["hours"] > 0 and row["rate"]["source"] == own[row["rate"]["name"]]["source"]
+        for other in [q for q in PROFILES if q != profile]:
+            rates = fill_rates(own, load_rates(RATES, other), other)
+            f = plan_run(cfg, rates, gpus=8)
+            assert set(f["unplanned"]) <= set(p["unplanned"])
+            for st in set(STAGE_RATES) - set(f["unplanned"]):
+                r = _stage(f, st)["rate"]
+                assert r["source"] == (own[r["name"]]["source"] if r["name"] in own
+                                       else f"{load_rates(RATES, other)[r['name']]['source']} [taken from profile "
+                                            f"{other}]")
+            if "features" not in f["unplanned"]:          # the disk: one rule, store_formats.bytes_per_token
+                w = f["workload"]
+                assert f["disk_bytes"] == w["samples"] * w["tokens"] * bytes_per_token(
+                    cfg.features.format, int(rates["target_hidden_size"]["value"]))
+        assert main([str(path), "--profile", profile, "--gpus", "8", "--disk", "11TB"]) == 0
+        out = capsys.readouterr().out
+        assert (f"profile {profile!r} cannot plan" in out) == bool(p["unplanned"])
+
+
+def test_the_ep_int4_profile_plans_features_only_until_filled_and_keeps_its_own_extraction_rate(capsys):
+    """kimi_k25_ep_int4_h200 holds features rates only: alone it says so; filled from kimi_k25_agentic every stage
+    is planned with its projected 18,552 tok/s (not the team's rate) and the team's generation and train rates."""
+    main([str(KIMI), "--profile", "kimi_k25_ep_int4_h200", "--gpus", "8"])
+    out = capsys.readouterr().out
+    assert ("profile 'kimi_k25_ep_int4_h200' cannot plan generation (lacks gpus_per_server, "
+            "generation_tok_s_per_server, output_tokens_per_sample), features (lacks tokens_per_sample, "
+            "target_hidden_size), train (lacks train_tok_s_per_gpu, tokens_per_sample)") in out
+    rates = fill_rates(load_rates(RATES, "kimi_k25_ep_int4_h200"), load_rates(RATES, "kimi_k25_agentic"),
+                       "kimi_k25_agentic")
+    p = plan_run(load_config(KIMI), rates, gpus=8)
+    assert p["unplanned"] == {}
+    assert _stage(p, "features")["rate"]["value"] == 18552
+    assert _stage(p, "features")["hours"] == pytest.approx(99000 * 5200 / 18552 / 3600)          # 7.71 h
+    assert "[taken from profile kimi_k25_agentic]" in _stage(p, "generation")["rate"]["source"]
+
+
+def test_disk_sizes_parse_in_tb_and_tib_and_refuse_the_rest():
+    assert parse_size("11TB") == 11e12 and parse_size("11 tb") == 11e12 and parse_size("500GB") == 5e11
+    assert parse_size("10TiB") == 10 * 2 ** 40 and parse_size("1e12") == 1e12
+    with pytest.raises(ValueError, match=r"--disk '11 terabytes': give a number and a unit"):
+        parse_size("11 terabytes")
+
+
+def test_the_agentic_config_on_the_teams_node_fits_11_tb_only_online_and_nothing_in_2_5_days(capsys):
+    """configs/kimi_k25_agentic_100k.json on 8 x H200 with the team's 11 TB (docs/reference_case.md): bf16 29.53 TB
+    and fp8 14.77 TB do not fit; online does (nothing stored) but runs the target every epoch: 231 h at the team's
+    given extraction rate, 68.6 h at ep_int4's projected (not measured) node rate, both over 2.5 days (60 h)."""
+    cfg = load_config(KIMI)
+    team = load_rates(RATES, "kimi_k25_agentic")
+    rows = {r["format"]: r for r in fits_table(cfg, team, 8, 11e12, days=2.5)}
+    assert [rows[f]["fits"] for f in ("bf16", "fp8", "online")] == [False, False, True]
+    assert rows["fp8"]["disk_bytes"] == 99000 * 5200 * (4 * 7168 + 17)                           # 14.77 TB
+    assert rows["fp8"]["max_samples"] == int(11e12 // (5200 * (4 * 7168 + 17))) == 73735
+    E, gen, train = 4, 94248 * 2600 / 2300 / 3600, 4 * 99000 * 5200 / (9750 * 8 * 0.9) / 3600
+    assert rows["online"]["hours"] == pytest.approx(gen + train + E * 99000 * 5200 / 2960 / 3600)   # 231.0 h
+    assert not any(r["within"] for r in rows.values())
+    ep = fill_rates(load_rates(RATES, "kimi_k25_ep_int4_h200"), team, "kimi_k25_agentic")
+    rows = {r["format"]: r for r in fits_table(cfg, ep, 8, 11e12, days=2.5)}
+    assert rows["online"]["hours"] == pytest.approx(gen + train + E * 99000 * 5200 / 18552 / 3600)  # 68.6 h
+    assert rows["online"]["within"] is False and rows["fp8"]["within"] is True and rows["fp8"]["fits"] is False
+    main([str(KIMI), "--profile", "kimi_k25_ep_int4_h200", "--fill-from", "kimi_k25_agentic", "--gpus", "8",
+          "--disk", "11TB", "--days", "2.5"])
+    out = capsys.readouterr().out
+    assert "Fits 11.00 TB free (--disk; TB = 10^12 bytes) within 2.5 days (60 h):" in out
+    assert "| fp8 | 14.77 TB | no | 45.5 | yes | 73735 |" in out
+    assert "| online | 0.00 TB | yes | 68.6 | no | all |" in out
+    assert ("No format fits: bf16 needs 29.53 TB > 11.00 TB; fp8 needs 14.77 TB > 11.00 TB; fp8_topk needs 14.90 TB "
+            "> 11.00 TB; online needs 68.6 h > 60 h.\nThe most train samples that fit both: 86620 in online") in out
+
+
+def test_plan_fits_the_run_dirs_free_disk_by_default(tmp_path, capsys):
+    import shutil
+    cfg = json.loads(KIMI.read_text())
+    cfg["run_dir"] = str(tmp_path / "not_yet" / "run")
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    main([str(path), "--profile", "kimi_k25_agentic", "--gpus", "8"])
+    free = shutil.disk_usage(tmp_path).free
+    assert f"Fits {free / 1e12:.2f} TB free ({tmp_path}; TB = 10^12 bytes):" in capsys.readouterr().out
 
 
 def test_plan_names_the_plateau_rules_ceiling_and_expected_epochs_when_epochs_are_unset():

@@ -23,7 +23,7 @@ from eagle3_core.evaluation.preflight import check_draft
 from eagle3_core.features.extract import HFExtractor
 from eagle3_core.features.store import extract_features
 from eagle3_core.features.reader import load_head, load_samples
-from eagle3_core.target.family import family
+from eagle3_core.target.family import family, sglang_rule
 from eagle3_core.target.loading import load_target, load_target_config
 from eagle3_core.training.checkpoint import export_draft, load_draft, logits_probe
 from eagle3_core.training.draft_geometry import draft_shape
@@ -91,7 +91,7 @@ def test_family_features_vocab_train_export_preflight_check_reload(family_name, 
     assert not torch.equal(draft.fc.weight, before["fc.weight"])             # the steps changed the weights
     assert torch.equal(draft.embed_tokens.weight, before["embed_tokens.weight"])   # frozen target embedding
 
-    export = export_draft(draft, tmp_path / "export")                          # bf16, probed bit for bit
+    export = export_draft(draft, tmp_path / "export", sglang_rule=sglang_rule(tcfg))   # bf16, probed bit for bit
     saved = json.loads((export / "config.json").read_text())
     assert saved["torch_dtype"] == "bfloat16" and load_file(export / "model.safetensors")["fc.weight"].dtype == \
         torch.bfloat16
@@ -159,7 +159,7 @@ def test_export_loads_in_specforge_and_meets_vllm_loader_rules(family_name, tiny
     shape = draft_shape(tcfg, 64, [1, 3, 4], overrides=cfg.draft.geometry())
     d2t, t2d = build_vocab_map(torch.arange(128).flip(0), 64)
     draft = build_draft(shape, model.get_input_embeddings().weight.detach(), d2t, t2d, seed=0)
-    export = export_draft(draft, tmp_path / "export")
+    export = export_draft(draft, tmp_path / "export", sglang_rule=sglang_rule(tcfg))
     _, info = LlamaForCausalLMEagle3.from_pretrained(str(export), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     names = list(load_file(export / "model.safetensors"))

@@ -241,3 +241,37 @@ def test_a_non_finite_loss_names_the_shard_file_whose_features_hold_nan(tiny_tar
     msg = str(err.value)
     assert "the features of sample(s) ['r2'] hold NaN or inf, in " + str(victim) in msg
     assert "Delete that shard file and rerun the features stage" in msg and "train.lr" not in msg
+
+
+def test_training_reads_an_fp8_topk_store_and_its_teacher(tiny_target_dirs, tmp_path):
+    """The tiny Llama target's rows stored as fp8 and as fp8_topk: training runs on both through load_samples
+    (keep_dtype, as the train stage reads) and the batch feed; the same fp8 aux and final states give a different
+    first loss only through fp8_topk's exact teacher."""
+    from eagle3_core.config import TargetConfig
+    from eagle3_core.features.extract import HFExtractor
+    from eagle3_core.features.reader import load_head, load_samples
+    from eagle3_core.features.store import extract_features
+    from eagle3_core.target.loading import load_target
+    from eagle3_core.training.draft_model import Eagle3Draft
+    from conftest import tiny_shape
+    model = load_target(TargetConfig(model=str(tiny_target_dirs["llama"])))
+    g = torch.Generator().manual_seed(0)
+    rows = [{"id": f"r{i}", "input_ids": torch.randint(0, 128, (12,), generator=g).tolist(),
+             "loss_mask": [0] * 4 + [1] * 8} for i in range(6)]
+    losses = {}
+    for fmt in ("fp8", "fp8_topk"):
+        store = tmp_path / fmt
+        extract_features(HFExtractor(model, [1, 3, 4]), rows, store, [1, 3, 4], shard_samples=2, batch_tokens=64,
+                         store_format=fmt, log=lambda *_: None)
+        draft = Eagle3Draft(tiny_shape(vocab_size=128, draft_vocab_size=128, aux_layer_ids=[1, 3, 4]))
+        draft.init_weights(0)
+        with torch.no_grad():                        # the whole vocab: every target argmax supervised
+            draft.d2t.zero_()
+            draft.t2d.fill_(True)
+        steps = []
+        train(draft, load_samples(store, keep_dtype=True), [], load_head(store)[1], CFG, tmp_path / f"out_{fmt}",
+              log=lambda s: None, stop_after_steps=1, on_step=lambda step, loss: steps.append(loss),
+              tensorboard=False)
+        losses[fmt] = steps[0]
+    assert all(torch.isfinite(torch.tensor(v)) for v in losses.values()) and losses["fp8"] > 0
+    assert losses["fp8_topk"] != pytest.approx(losses["fp8"], rel=1e-6), losses

@@ -92,3 +92,71 @@ def test_ttt_loss_equals_the_former_step(attention):
     assert torch.allclose(s0["loss"], s1["loss"], rtol=1e-12, atol=0)
     assert g0.keys() == g1.keys() and g0
     assert all(torch.allclose(g0[n], g1[n], rtol=1e-9, atol=1e-12) for n in g0)
+
+
+def _topk_samples(g, k: int, head: torch.Tensor, spans=((12, 3), (9, 2))) -> tuple[list[dict], list[dict]]:
+    """The same random samples twice, fp32: with their exact final states, and as an fp8_topk store reads them
+    back (store_formats.encode/decode with the target head `head` [V, H_t], the top k)."""
+    from eagle3_core.features import store_formats as ff
+    exact = [{k_: (v.float() if v.is_floating_point() else v) for k_, v in s.items()}
+             for s in random_ttt_samples(g, spans)]
+    for s in exact:
+        s["final"] = s["final"] * 4                                  # logits spread enough to have a tail
+    stored = []
+    for s in exact:
+        enc = ff.encode("fp8_topk", s["aux"], s["final"], s["target_top1"], head)
+        assert enc["teacher_logits"].shape == (len(s["input_ids"]), k)
+        stored.append({**s, **ff.decode("fp8_topk", enc)})
+    return exact, stored
+
+
+def test_the_fp8_topk_teacher_is_the_exact_top_k_with_the_tail_at_its_exact_mass(monkeypatch):
+    """teacher_of on an fp8_topk batch, by hand: over the whole target vocab, the top-k ids keep the exact
+    softmax probabilities, the other ids share the exact remaining mass in proportion to their fp8 logits'
+    softmax; the teacher is that distribution on the draft vocab (target ids 2i), renormalized."""
+    from eagle3_core.features import store_formats as ff
+    from eagle3_core.training.ttt import teacher_of
+    monkeypatch.setattr(ff, "TEACHER_TOPK", 8)
+    g = torch.Generator().manual_seed(3)
+    head = torch.randn(100, 32, generator=g)
+    draft = tiny_draft()
+    exact, stored = _topk_samples(g, 8, head)
+    batch = collate(stored)
+    z, z_lse = teacher_of(batch, head[0::2], 2, draft)
+    for b, (e, s) in enumerate(zip(exact, stored)):
+        T = len(e["input_ids"])
+        p = (e["final"].double() @ head.double().T).softmax(-1)                  # [T, V] exact
+        q8 = (s["final"].double() @ head.double().T).softmax(-1)                 # the fp8 final's
+        top = (e["final"] @ head.T).topk(8, dim=-1).indices
+        in_top = torch.zeros_like(p, dtype=torch.bool).scatter(-1, top, True)
+        tail_mass = p.masked_fill(in_top, 0).sum(-1, keepdim=True)
+        q = torch.where(in_top, p, q8.masked_fill(in_top, 0) * tail_mass / q8.masked_fill(in_top, 0).sum(-1, True))
+        want = q[:, 0::2] / q[:, 0::2].sum(-1, keepdim=True)
+        got = (z[b, :T].double() - z_lse[b, :T, None].double()).exp()
+        assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (got - want).abs().max()
+        assert not torch.allclose(q8[:, 0::2] / q8[:, 0::2].sum(-1, True), want, atol=1e-3)   # fp8 alone is off
+
+
+def test_ttt_loss_on_an_fp8_topk_batch_covering_the_vocab_equals_the_loss_on_exact_final_states(monkeypatch):
+    """With k = V every logit is stored exactly: the loss and the counts equal those of the exact final states
+    (beside the same fp8 aux states), though the batch's own final states are fp8-rounded."""
+    from eagle3_core.features import store_formats as ff
+    monkeypatch.setattr(ff, "TEACHER_TOPK", 100)
+    g = torch.Generator().manual_seed(4)
+    draft = tiny_draft()
+    head = torch.randn(100, 32, generator=g)
+    exact, stored = _topk_samples(g, 100, head)
+    exact = [{**e, "aux": s["aux"]} for e, s in zip(exact, stored)]
+    want, ws = ttt_loss(draft, collate(exact), head[0::2], 3)
+    got, gs = ttt_loss(draft, collate(stored), head[0::2], 3)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(gs[k], ws[k]) for k in ("n", "correct"))
+    from eagle3_core.training.packing import collate_packed        # a packed row carries the teacher too
+    row = [(0, 0, 12, 0), (1, 0, 9, 0)]
+    packed = collate_packed(stored, row, 24)
+    assert packed["teacher_ids"].shape == (1, 24, 100) and packed["tail_shift"].shape == (1, 24, 1)
+    assert torch.allclose(ttt_loss(draft, packed, head[0::2], 3)[0],
+                          ttt_loss(draft, collate_packed(exact, row, 24), head[0::2], 3)[0], rtol=1e-5, atol=1e-6)
+    rounded = [{k_: v for k_, v in s.items() if k_ not in ("teacher_logits", "teacher_ids", "tail_shift")}
+               for s in stored]
+    assert not torch.allclose(ttt_loss(draft, collate(rounded), head[0::2], 3)[0], want, rtol=1e-4)

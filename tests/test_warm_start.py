@@ -9,8 +9,9 @@ from safetensors.torch import load_file
 
 from conftest import tiny_draft, tiny_shape
 from eagle3_core.data.vocab_map import draft_to_target_ids, target_to_draft_ids
+from eagle3_core.target.family import PLUS_ONE, PLUS_ONE_IF_FIRST_IS_1
 from eagle3_core.training.checkpoint import export_draft
-from eagle3_core.training.warm_start import carry_lm_head, load_init, warm_draft
+from eagle3_core.training.warm_start import carry_lm_head, init_config, init_source, load_init, warm_draft
 
 
 def rows_by_token_mismatch(old, new) -> list[int]:
@@ -59,7 +60,7 @@ def test_a_rebuilt_map_carries_every_lm_head_row_by_target_token():
 
 def test_a_kept_map_gives_the_same_draft(tmp_path):
     old = tiny_draft(1)
-    export_draft(old, tmp_path / "init", dtype=torch.float32)
+    export_draft(old, tmp_path / "init", dtype=torch.float32, sglang_rule=PLUS_ONE)
     init = load_init(tmp_path / "init", tiny_shape(), keep_vocab=True)
     fresh = _fresh_with_map((torch.arange(50) * 2).tolist())
     with torch.no_grad():
@@ -75,11 +76,37 @@ def test_a_kept_map_gives_the_same_draft(tmp_path):
     ("draft.draft_vocab_size", {}, {"draft_vocab_size": 40}),
 ])
 def test_a_draft_that_does_not_fit_is_refused_naming_the_field(tmp_path, field, kw, want):
-    export_draft(tiny_draft(2, **kw), tmp_path / "d", dtype=torch.float32)
+    export_draft(tiny_draft(2, **kw), tmp_path / "d", dtype=torch.float32, sglang_rule=PLUS_ONE)
     with pytest.raises(ValueError, match=rf"- {field}: .* set {field} to"):
         load_init(tmp_path / "d", tiny_shape(**want), keep_vocab=True)
     with pytest.raises(FileNotFoundError, match=r"train.init_from .*draft/export"):
         load_init(tmp_path / "nothing", tiny_shape(), keep_vocab=True)
+
+
+def test_a_draft_naming_only_sglang_ids_is_read_by_the_targets_sglang_rule(tmp_path):
+    """A SpecForge draft config names only the nested ids SpecForge passed raw to SGLang's capture: on a
+    DeepSeek/Kimi target (models/deepseek_v2.py) [2, 3, 5] were layer inputs, so the draft was trained on outputs
+    [1, 2, 4]; on a Llama target (models/llama.py adds one) on outputs [2, 3, 5]. Our own export (top-level ids
+    written) reads the same under either rule."""
+    import json
+    export_draft(tiny_draft(2, aux_layer_ids=[2, 3, 5]), tmp_path / "d", dtype=torch.float32,
+                 sglang_rule=PLUS_ONE_IF_FIRST_IS_1)
+    for rule in (PLUS_ONE, PLUS_ONE_IF_FIRST_IS_1):
+        assert init_config(init_source(tmp_path / "d"), rule=rule).aux_layer_ids == [2, 3, 5]
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 4, 6]
+    cfg.pop("eagle_aux_hidden_state_layer_ids")
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 3, 5]                  # as SpecForge writes it
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    src = init_source(tmp_path / "d")
+    assert init_config(src, rule=PLUS_ONE_IF_FIRST_IS_1).aux_layer_ids == [1, 2, 4]
+    assert init_config(src, rule=PLUS_ONE).aux_layer_ids == [2, 3, 5]
+    with pytest.raises(ValueError, match=r"aux_layer_ids = \[2, 3, 5\], the draft .* has \[1, 2, 4\]: set "
+                                         r"features.aux_layer_ids to \[1, 2, 4\].*SpecForge's \[2, 30, 58\] are "
+                                         r"outputs \[1, 29, 57\]"):
+        load_init(tmp_path / "d", tiny_shape(aux_layer_ids=[2, 3, 5]), keep_vocab=True, rule=PLUS_ONE_IF_FIRST_IS_1)
+    assert load_init(tmp_path / "d", tiny_shape(aux_layer_ids=[1, 2, 4]), keep_vocab=True,
+                     rule=PLUS_ONE_IF_FIRST_IS_1).shape.aux_layer_ids == [1, 2, 4]
 
 
 @pytest.mark.slow
@@ -228,13 +255,15 @@ def test_draft_positions_that_differ_fit_under_plain_rope_only(tmp_path):
     import json
 
     from eagle3_core.training.warm_start import init_problems
-    export_draft(tiny_draft(5, max_position_embeddings=128), tmp_path / "d", dtype=torch.float32)
+    export_draft(tiny_draft(5, max_position_embeddings=128), tmp_path / "d", dtype=torch.float32,
+                 sglang_rule=PLUS_ONE)
     assert init_problems(tmp_path / "d", tiny_shape(max_position_embeddings=256), keep_vocab=True) == []
     assert load_init(tmp_path / "d", tiny_shape(max_position_embeddings=256), keep_vocab=True).shape \
         .max_position_embeddings == 128
     llama3 = {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 64}
-    export_draft(tiny_draft(5, max_position_embeddings=128, rope_scaling=llama3), tmp_path / "l", dtype=torch.float32)
+    export_draft(tiny_draft(5, max_position_embeddings=128, rope_scaling=llama3), tmp_path / "l",
+                 dtype=torch.float32, sglang_rule=PLUS_ONE)
     assert init_problems(tmp_path / "l", tiny_shape(max_position_embeddings=256, rope_scaling=llama3),
                          keep_vocab=True) == []
     yarn = {"rope_type": "yarn", "factor": 2.0}

@@ -19,7 +19,9 @@ uses on to the one it is assigned from.
 from __future__ import annotations
 
 import difflib
+import json
 from functools import lru_cache
+from pathlib import Path
 
 # what the renderer passes itself (transformers chat_template_utils.render_jinja_template; SGLang and vLLM the same)
 RENDERER_SET = ("messages", "tools", "documents", "add_generation_prompt")
@@ -225,3 +227,18 @@ def check_tokenizer_kwargs(tokenizer, kwargs: dict | None, where: str = "generat
     """Raise the first of tokenizer_kwargs_problems (TemplateKwargsError)."""
     if problems := tokenizer_kwargs_problems(tokenizer, kwargs, where):
         raise problems[0]
+
+
+def chat_template_file(path: str | Path) -> str:
+    """The chat template in a .jinja file, or the (default) 'chat_template' of a tokenizer_config.json. Raises
+    OSError for a missing file, ValueError for a JSON file without one."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix != ".json":
+        return text
+    t = json.loads(text).get("chat_template")
+    if isinstance(t, list):                           # named templates: [{name, template}, ...]
+        t = next((x["template"] for x in t if x.get("name") == "default"), t[0]["template"] if t else None)
+    if not isinstance(t, str):
+        raise ValueError(f"{path}: no 'chat_template' in it; pass the template's .jinja file")
+    return t

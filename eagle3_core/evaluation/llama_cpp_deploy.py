@@ -25,6 +25,7 @@ import torch
 
 from eagle3_core.serving.client import generate_all
 from eagle3_core.serving.launcher import ServerError, llama_server_binary
+from eagle3_core.training.checkpoint import shape_from_config
 
 # Near-tie threshold (nats) for llama.cpp's lossless check. Its batched verify and one-token decode run different
 # quantized kernels (Q4_1 weights, Q8 activations): the same position's top-2 logprob gap was measured to differ by
@@ -47,7 +48,7 @@ def convert_draft(draft_dir: Path, target_dir: Path, out_file: Path,
     Raises ServerError with the converter's output tail if it fails.
     """
     cfg = json.loads((Path(draft_dir) / "config.json").read_text())
-    output_ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    output_ids = shape_from_config(cfg, str(Path(draft_dir) / "config.json")).aux_layer_ids   # layer outputs
     layer_inputs = llama_cpp_layer_ids if llama_cpp_layer_ids is not None else [i + 1 for i in output_ids]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "draft"

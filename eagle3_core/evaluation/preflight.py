@@ -5,10 +5,11 @@ SGLang relies on without checking them itself (SGLang `models/llama_eagle3.py`, 
 - `architectures` must be `LlamaForCausalLMEagle3` and the weights must hold `fc.weight [H, 3*H_t]`: an EAGLE(-2)
   draft has no fc, and serving an EAGLE-3 draft with `--speculative-algorithm EAGLE` skips fc and `d2t` silently;
 - hidden sizes: the draft's `target_hidden_size` (default `hidden_size`) equals the target's hidden size;
-- `eagle_config.eagle_aux_hidden_state_layer_ids`: 3 distinct layer *outputs* in [0, L-2] (SGLang captures the input
-  of layer id+1, `llama.py::set_eagle3_layers_to_capture`, so L-1 would capture nothing);
-  ascending (SGLang and vLLM concatenate in ascending layer order), and a top-level `eagle_aux_hidden_state_layer_ids`
-  (vLLM's and llama.cpp's key, layer inputs) equal to the nested ids + 1;
+- `eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang's key) read by SGLang's layer-id rule for the target
+  (`models/llama.py` / `models/deepseek_v2.py` `set_eagle3_layers_to_capture`, target.family.sglang_layers_to_capture):
+  3 distinct layer *outputs* in [0, L-2] (L-1's output is the input of no layer), ascending (SGLang and vLLM
+  concatenate in ascending layer order), and a top-level `eagle_aux_hidden_state_layer_ids` (vLLM's and llama.cpp's
+  key, layer inputs) naming the same layers;
 - `vocab_size` equals the target's V; `lm_head` has `draft_vocab_size` rows; `d2t` exists, is an int64 [N] of offsets
   with every `i + d2t[i]` in [0, V), no two draft ids on one target id and, where the file has `t2d`, exactly t2d's
   ids in ascending order (`vocab_map.check_vocab_map`: zeros, arange or absolute ids contradict it);
@@ -22,7 +23,15 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from eagle3_core.target.family import text_config, value
+from eagle3_core.target.family import (
+    NESTED_KEY,
+    RULE_FILES,
+    TOP_KEY,
+    sglang_layers_to_capture,
+    sglang_rule,
+    text_config,
+    value,
+)
 from eagle3_core.training.checkpoint import ARCHITECTURE
 
 EAGLE2_ARCHITECTURE = "LlamaForCausalLMEagle"
@@ -73,6 +82,38 @@ def _d2t_problem(d2t, t2d, N: int, V: int | None) -> str | None:
                 f"must be their offsets (d2t[i] = t2d_ids[i] - i, SGLang's convention); rebuild the vocab map "
                 f"(eagle3_core.data.vocab_map.build_vocab_map) and re-export")
     return None
+
+
+def aux_id_problems(cfg: dict, target_config, L: int | None) -> list[tuple[str, str]]:
+    """[(field, message)] for a draft config's aux ids on a target of L layers: the nested ids (SGLang's key) must
+    be present; the layer outputs SGLang captures for them by the target's rule (target.family.sglang_rule) must
+    be 3 distinct, ascending ids in [0, L-2]; the top-level ids (vLLM's and llama.cpp's key, layer inputs) must
+    name the same layers."""
+    nested = (cfg.get("eagle_config") or {}).get(TOP_KEY)
+    if nested is None:
+        return [(NESTED_KEY, "missing: SGLang then captures its default layers, which may not be the layers the "
+                             "draft was trained on; write the ids used for feature extraction into the nested "
+                             "eagle_config")]
+    if L is None:
+        return []
+    rule = sglang_rule(target_config)
+    served = [i - 1 for i in sglang_layers_to_capture(nested, rule, L)]          # layer outputs SGLang captures
+    how = f"SGLang ({RULE_FILES[rule]}) captures the outputs of {served} for nested ids {nested}"
+    bad = [i for i in served if not (isinstance(i, int) and 0 <= i <= L - 2)]
+    if len(served) != 3 or len(set(served)) != 3 or bad:
+        return [(NESTED_KEY, f"{how}: they must be 3 distinct layer outputs in [0, {L - 2}] for a target with {L} "
+                             f"layers{f'; out of range: {bad}' if bad else ''}; re-export the draft with this "
+                             f"project for this target (it writes the ids by the target's rule)")]
+    if served != sorted(served):
+        return [(NESTED_KEY, f"{how}, not ascending: SGLang and vLLM concatenate the captured layers in ascending "
+                             f"order, so fc sees them in another order than it was trained on; retrain with "
+                             f"{sorted(served)}")]
+    top = cfg.get(TOP_KEY)
+    if top is not None and [i - 1 for i in top] != served:
+        return [(TOP_KEY, f"top-level ids {top} (vLLM and llama.cpp read them as layer inputs: outputs "
+                          f"{[i - 1 for i in top]}) and the nested ids disagree ({how}): the engines would capture "
+                          f"different layers; re-export the draft with this project for this target")]
+    return []
 
 
 def check_draft(draft_dir: Path, target_config) -> list[tuple[str, str]]:
@@ -126,26 +167,7 @@ def check_draft(draft_dir: Path, target_config) -> list[tuple[str, str]]:
         add("fc.weight", f"shape {shapes['fc.weight']}, expected [{H}, {3 * H_t}] (= [H, 3*H_t]); "
                          f"re-export the draft")
 
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if ids is None:
-        add("eagle_config.eagle_aux_hidden_state_layer_ids", "missing: SGLang then captures its "
-                         "default layers, which may not be the layers the draft was trained on; write the ids "
-                         "used for feature extraction into the nested eagle_config")
-    elif L is not None:
-        bad = [i for i in ids if not (isinstance(i, int) and 0 <= i <= L - 2)]
-        if len(ids) != 3 or len(set(ids)) != 3 or bad:
-            add("eagle_config.eagle_aux_hidden_state_layer_ids", f"{ids} must be 3 distinct layer "
-                             f"outputs in [0, {L - 2}] for a target with {L} layers (SGLang captures the input of "
-                             f"layer id+1){f'; out of range: {bad}' if bad else ''}; use the ids the features were "
-                             f"extracted at")
-        elif ids != sorted(ids):
-            add("eagle_config.eagle_aux_hidden_state_layer_ids", f"{ids} is not ascending: SGLang "
-                             f"and vLLM concatenate the captured layers in ascending order, so fc sees them in "
-                             f"another order than it was trained on; retrain with {sorted(ids)}")
-        elif (top := cfg.get("eagle_aux_hidden_state_layer_ids")) is not None and top != [i + 1 for i in ids]:
-            add("eagle_aux_hidden_state_layer_ids", f"top-level ids {top} (vLLM and llama.cpp read "
-                             f"them as layer inputs) are not the nested output ids {ids} + 1: the engines would "
-                             f"capture different layers; write {[i + 1 for i in ids]}")
+    problems += aux_id_problems(cfg, target_config, L)
 
     if cfg.get("vocab_size") != V:
         add("vocab_size", f"is {cfg.get('vocab_size')}, the target's vocab is {V}: the draft maps its "

@@ -26,8 +26,9 @@ from eagle3_core.serving.launcher import ServerError
 MISCONFIGURED_TAU = 1.2
 MISCONFIGURATION_CHECKS = [
     "the server runs `--speculative-algorithm EAGLE3` (EAGLE skips the draft's fc layer and d2t without an error)",
-    ("the draft's config.json has eagle_config.eagle_aux_hidden_state_layer_ids = the layers the features were "
-    "extracted at (layer outputs; run eagle3_core.evaluation.preflight against the target)"),
+    ("the draft's config.json has eagle_config.eagle_aux_hidden_state_layer_ids naming the layers the features "
+    "were extracted at as the target's SGLang model file reads them (models/llama.py adds one to each; "
+    "models/deepseek_v2.py only when the first is 1; run eagle3_core.evaluation.preflight against the target)"),
     "model.safetensors holds d2t (offsets, target = draft + d2t) built from this target's tokenizer",
     ("prompts use the target's chat template exactly as in training (/generate applies none; a missing or "
     "different template puts the draft out of distribution)"),

@@ -25,9 +25,12 @@ class FeatureSample(Mapping):
     """One training sample: 'id', 'input_ids' int64 [T], 'loss_mask' bool [T] held in memory; 'aux' fp32
     [T, 3H_t], 'final' fp32 [T, H_t] (bf16 from a bf16 store read with load_samples(keep_dtype=True)),
     'target_top1' int64 [T] produced on access by the sample's source (read from a shard, or computed by the
-    target in online mode) and kept only in a small cache."""
+    target in online mode) and kept only in a small cache. An fp8_topk store adds 'teacher_logits' fp32 [T, K],
+    'teacher_ids' int64 [T, K] and 'tail_shift' fp32 [T, 1] (store_formats)."""
 
     KEYS = ("id", "input_ids", "loss_mask", "aux", "final", "target_top1")
+    TOPK_KEYS = ("id", "input_ids", "loss_mask", "aux", "final", "target_top1", "teacher_logits", "teacher_ids",
+                 "tail_shift")
 
     def __init__(self, sid: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, source, where):
         self._own = {"id": sid, "input_ids": input_ids, "loss_mask": loss_mask}
@@ -36,9 +39,12 @@ class FeatureSample(Mapping):
     def __getitem__(self, key):
         if key in self._own:
             return self._own[key]
-        if key in ("aux", "final", "target_top1"):
+        if key in self._keys()[3:]:
             return self._source.features(self._own["id"], self._where, self._own["input_ids"])[key]
         raise KeyError(key)
+
+    def _keys(self) -> tuple[str, ...]:
+        return self.TOPK_KEYS if getattr(self._source, "fmt", None) == "fp8_topk" else self.KEYS
 
     @property
     def shard_file(self) -> Path | None:
@@ -47,10 +53,10 @@ class FeatureSample(Mapping):
         return None if store is None else Path(store) / self._where[0]
 
     def __iter__(self):
-        return iter(self.KEYS)
+        return iter(self._keys())
 
     def __len__(self):
-        return len(self.KEYS)
+        return len(self._keys())
 
 
 class _Cache:

@@ -19,15 +19,14 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from eagle3_core.target.family import PLUS_ONE, PLUS_ONE_IF_FIRST_IS_1, sglang_ids
+
 # ---- the layer-id rule ----------------------------------------------------------------------------------------
 # Our aux layer ids are layer outputs (target.family.resolve_aux_ids); SGLang captures the *input* of each layer in
 # its model's `layers_to_capture`, so id i needs layer i + 1 there. What `set_eagle3_layers_to_capture(ids)` puts
-# there depends on the model file in sglang 0.5.14:
-PLUS_ONE = "plus_one"                   # models/llama.py, qwen2.py, qwen3.py, qwen3_moe.py, gpt_oss.py, glm4_moe.py,
-#                                         ...: layers_to_capture = [i + 1 for i in ids]
-PLUS_ONE_IF_FIRST_IS_1 = "plus_one_if_first_is_1"   # models/deepseek_v2.py (DeepSeek-V2/V3, Kimi-K2/K2.5 through
-#                                         kimi_k25.py's language_model) and glm4_moe_lite.py: +1 only when ids[0] == 1,
-#                                         else ids taken as layer inputs as they are
+# there depends on the model file (target.family PLUS_ONE, PLUS_ONE_IF_FIRST_IS_1: the export writes the draft's
+# ids by the same rule); the argument that captures the outputs of `ids` is target.family.sglang_ids.
+capture_argument = sglang_ids
 # SGLang model classes (and their subclasses) with the second rule
 FIRST_IS_ONE_CLASSES = ("DeepseekV2ForCausalLM", "Glm4MoeLiteForCausalLM")
 
@@ -40,20 +39,6 @@ def capture_rule(model) -> str:
         if m is not None and any(c.__name__ in FIRST_IS_ONE_CLASSES for c in type(m).__mro__):
             return PLUS_ONE_IF_FIRST_IS_1
     return PLUS_ONE
-
-
-def capture_argument(ids: list[int], rule: str) -> list[int]:
-    """What to pass to SGLang's `set_eagle3_layers_to_capture` so that it captures the outputs of layers `ids`
-    (its layers_to_capture = [i + 1 for i in ids]) under `rule`. Raises ValueError where the rule cannot express
-    them: under PLUS_ONE_IF_FIRST_IS_1, ids starting at 0 (passing [1, ...] would add one again)."""
-    if rule == PLUS_ONE or ids[0] == 1:
-        return list(ids)
-    assert rule == PLUS_ONE_IF_FIRST_IS_1, rule
-    if ids[0] == 0:
-        raise ValueError(f"features.aux_layer_ids = {ids}: SGLang's DeepSeek-V2/V3 and Kimi model files "
-                         f"(models/deepseek_v2.py set_eagle3_layers_to_capture) cannot capture layer 0's output; "
-                         f"start the ids at 1 or higher")
-    return [i + 1 for i in ids]
 
 
 # ---- prefill batches ------------------------------------------------------------------------------------------

@@ -270,6 +270,9 @@ def aux_spot_check(extractor: ImportedExtractor, target_model, row: dict, tolera
         raise FeatureImportError(f"{path}: its aux states differ from the target's at features.aux_layer_ids "
                                  f"{extractor.aux_layer_ids} by {diff:.0%} (mean relative; at most {tolerance:.0%} "
                                  f"for the same layers): the file holds other layers or another target; set "
-                                 f"features.aux_layer_ids to the ids the other tool captured (SpecForge: its draft "
-                                 f"config's eagle_aux_hidden_state_layer_ids)")
+                                 f"features.aux_layer_ids to the layer outputs the other tool captured (SpecForge "
+                                 f"with SGLang: its draft config's eagle_aux_hidden_state_layer_ids as SGLang reads "
+                                 f"them, target.family.draft_aux_ids: the same ids on Llama-family targets; on "
+                                 f"DeepSeek/Kimi targets ids not starting at 1 are layer inputs, so [2, 30, 58] "
+                                 f"means outputs [1, 29, 57])")
     return diff

@@ -114,6 +114,39 @@ def _finished_entries(cfg: PipelineConfig, keys: tuple[str, str], rows: list[dic
     return len(ranges), {k: e for k, e in done.items() if e["file"] not in bad}
 
 
+def mixed_backend_problems(cfg: PipelineConfig) -> list[tuple[str, str]]:
+    """[('features.backend', message)] when this run's backend would add shards to a store whose shards kept for
+    the current inputs (_finished_entries) another backend wrote, and features.mix_backends is false: the refusal
+    extract_features makes (store.refuse_mixed_backends), made before any rank or target loads. No target loaded;
+    the tokenized rows are read only where the store holds another backend's shards. Empty otherwise (also with
+    no store or nothing left to extract)."""
+    from eagle3_core.contract.compat import shard_backend
+    from eagle3_core.features.backends import backend_name
+    from eagle3_core.features.store import refuse_mixed_backends
+    layout, backend = RunLayout(cfg.run_dir), backend_name(cfg)
+    store = read_manifest(layout.manifest("features"))
+    if cfg.features.mix_backends or not store or not layout.tokenized_train.exists() or \
+            all(shard_backend(e, store) == backend for e in store.get("shards", [])):
+        return []
+    try:
+        n, done = _finished_entries(cfg, (store_key(cfg), features_key(cfg)))
+    except (OSError, ValueError):                  # no tokenize manifest yet: nothing of this store is kept
+        return []
+    if len(done) == n:                             # nothing left to extract: the store is finished as it is
+        return []
+    try:
+        refuse_mixed_backends(list(done.values()), store, backend, False, layout.features)
+    except ValueError as e:
+        return [("features.backend", str(e))]
+    return []
+
+
+def refuse_mixed_store(cfg: PipelineConfig) -> None:
+    """Raise ValueError (mixed_backend_problems' message) before a features run loads anything."""
+    if problems := mixed_backend_problems(cfg):
+        raise ValueError(problems[0][1])
+
+
 def feature_status(cfg: PipelineConfig) -> dict:
     """{shards, done, per_shard} of the features stage from one read of the tokenized rows and the store's records
     (no target loaded): shard ids, those complete on disk for the current inputs, and whether the backend runs one
@@ -196,6 +229,7 @@ def run_features(cfg: PipelineConfig, log=print, workers: int | None = None, **r
     key, skey = features_key(cfg), store_key(cfg)
 
     def body() -> dict:
+        refuse_mixed_store(cfg)                    # before any rank (or this process) loads the target
         if backend.torchrun or workers:
             manifest = _launch(cfg, skey, workers, log, **rdzv)
         else:
@@ -233,6 +267,7 @@ def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
     entry = _finished_entries(cfg, (skey, key), rows, only=shard)[1].get(shard)
     extracted = entry is None
     if extracted:
+        refuse_mixed_store(cfg)                    # before the target loads
         store = _extract(cfg, skey, log, {shard}, rows)
         entry = next(e for e in store["shards"] if e["file"] == f"shard_{shard:05d}.safetensors")
         log(f"features: shard {shard}: {entry['samples']} samples, {entry['tokens']} tokens in "

@@ -12,6 +12,7 @@ from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest, write_manifest
 from eagle3_core.contract.run_stage import run_stage
 from eagle3_core.pipeline.keys import aux_ids, stage_key, target_config, upstream_keys
+from eagle3_core.target.family import sglang_rule
 from eagle3_core.training.checkpoint import EXPORT_DTYPE, clear_training_state, export_draft, load_draft
 
 
@@ -53,7 +54,7 @@ def fresh_draft(cfg: PipelineConfig, log=print):
     if cfg.train.init_from is not None:
         from eagle3_core.training.warm_start import load_init, warm_draft
         init = load_init(cfg.train.init_from, shape, keep_vocab=cfg.train.init_vocab == "keep",
-                         default_aux_ids=init_default_aux_ids(cfg))
+                         default_aux_ids=init_default_aux_ids(cfg), rule=sglang_rule(target_config(cfg)))
         draft, info = warm_draft(init, draft)
         log(f"train: warm start from {cfg.train.init_from}: vocab map {info['vocab']}, "
             f"{info['lm_head_rows_carried']} of {info['lm_head_rows']} lm_head rows carried by target token id"
@@ -165,7 +166,8 @@ def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
         summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log, on_epoch=on_epoch)
         if not dp.is_main:
             return {}
-        export = export_draft(load_draft(out / "best"), out / "export")      # bf16, probed bit for bit
+        export = export_draft(load_draft(out / "best"), out / "export",      # bf16, probed bit for bit
+                              sglang_rule=sglang_rule(target_config(cfg)))
         log(f"train: best epoch {summary['best']['epoch']} (tau_sim {summary['best']['tau_sim']:.2f}); "
             f"exported to {export}")
         return {"export_dir": str(export), "export_dtype": str(EXPORT_DTYPE).removeprefix("torch."),

@@ -122,7 +122,9 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     (TTT eval accuracies of the best epoch), tau_sim, best_epoch, export_dir, per_prompt (evaluate.measure's, for
     paired comparisons), seconds}. Raises ValueError if `n`
     exceeds the training samples."""
+    from eagle3_core.pipeline.keys import target_config
     from eagle3_core.pipeline.train_stage import claim_training_dir, fresh_draft, train_split
+    from eagle3_core.target.family import sglang_rule
     from eagle3_core.training.checkpoint import export_draft, load_draft
     from eagle3_core.training.trainer import train
 
@@ -138,7 +140,7 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     draft, lm_head = fresh_draft(cfg)
     claim_training_dir(out, key)
     summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log)
-    export = export_draft(load_draft(out / "best"), out / "export")
+    export = export_draft(load_draft(out / "best"), out / "export", sglang_rule=sglang_rule(target_config(cfg)))
 
     r = measure_offline(cfg, load_draft(export))
     best = next(h for h in summary["history"] if h["epoch"] == summary["best"]["epoch"])

@@ -34,6 +34,7 @@ from eagle3_core.config import TargetConfig
 from eagle3_core.target.family import text_config
 from eagle3_core.target.int4_experts import Int4Experts, RowParallel, ShardedMoE
 from eagle3_core.target.loading import auto_model_class, decoder, load_target_config, local_model_dir
+from eagle3_core.target.memory import ep_int4_scheme_problems, quantization
 
 # a checkpoint key's text-model part: `model.layers.3.mlp.gate.weight` (DeepSeek-V3) and
 # `language_model.model.layers.3...` (Kimi-K2.5) both give `layers.3.mlp.gate.weight`
@@ -117,7 +118,9 @@ def load_int4_target(cfg: TargetConfig, device: str | torch.device = "cpu", rank
     (the all-reduces over `group`, the default process group when None and world > 1). dtype: bf16 on CUDA, fp32
     on CPU by default (the experts are dequantized from their bf16 scales and cast).
 
-    Raises ValueError naming the checkpoint file and key for routed experts that are not pack-quantized INT4
+    Raises ValueError naming config.json's quantization_config field for experts of another scheme than the one
+    packing it implements (target.memory.ep_int4_scheme_problems), the checkpoint file and key for routed experts
+    that are not pack-quantized INT4
     (bf16 `.weight` experts: use backend 'hf_tp'), a weight_shape that is not the config's, and for weights the
     checkpoint lacks; ValueError for sizes that do not split over `world`."""
     from safetensors import safe_open
@@ -127,12 +130,15 @@ def load_int4_target(cfg: TargetConfig, device: str | torch.device = "cpu", rank
         group = torch.distributed.group.WORLD
     path = Path(local_model_dir(cfg))
     tcfg = load_target_config(cfg)
+    q = quantization(tcfg)
     for c in {id(tcfg): tcfg, id(text_config(tcfg)): text_config(tcfg)}.values():
         if hasattr(c, "quantization_config"):
             delattr(c, "quantization_config")          # the experts are ours: no compressed-tensors modules
     with torch.device("meta"):
         model = auto_model_class(tcfg, str(path)).from_config(tcfg, dtype=dtype,
                                                                trust_remote_code=cfg.trust_remote_code)
+    if (problems := ep_int4_scheme_problems(model, q)):               # before any weight is read
+        raise ValueError(f"{path / 'config.json'}: {problems[0][1]}")
     t = text_config(model.config)
     slices, experts = _shard(model, rank, world, group, shard_attention)
     dec = decoder(model)

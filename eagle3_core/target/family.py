@@ -84,21 +84,80 @@ def resolve_aux_ids(ids: list[int] | None, L: int, field: str = "features.aux_la
     return ids
 
 
-def engine_readings(ids: list[int]) -> dict[str, dict]:
-    """How each engine reads the export's ids (SGLang `models/llama.py`, vLLM `models/llama_eagle3.py`, llama.cpp `convert_hf_to_gguf.py`): the key it reads and the layers whose
-    *input* it captures. Our ids are layer outputs; the export writes them nested for SGLang and, +1, top-level."""
+# ---- the aux ids as each engine reads a draft's config.json ------------------------------------------------------
+# SGLang (0.5.14) reads the nested `eagle_config.eagle_aux_hidden_state_layer_ids` (`model_executor/model_runner.py`)
+# and hands it to the target model's `set_eagle3_layers_to_capture`, which sets the layers whose *input* it captures
+# (`layers_to_capture`). Two rules, by model file:
+PLUS_ONE = "plus_one"                   # models/llama.py, qwen2.py, qwen3.py, qwen3_moe.py, gpt_oss.py, glm4_moe.py,
+#                                         ...: layers_to_capture = [i + 1 for i in ids]
+PLUS_ONE_IF_FIRST_IS_1 = "plus_one_if_first_is_1"   # models/deepseek_v2.py (DeepSeek-V2/V3, Kimi-K2/K2.5 through
+#                                         kimi_k25.py's language_model) and glm4_moe_lite.py: +1 only when ids[0] == 1,
+#                                         else the ids are taken as layer inputs as they are
+RULE_FILES = {PLUS_ONE: "models/llama.py", PLUS_ONE_IF_FIRST_IS_1: "models/deepseek_v2.py"}
+# Without ids both capture the inputs of [2, L // 2, L - 3]. vLLM (`vllm/v1/worker/gpu/spec_decode/eagle/
+# eagle3_utils.py` get_eagle3_aux_layers_from_config; its models append the residual stream before layer idx) and
+# llama.cpp (`convert_hf_to_gguf.py`) read only the top-level `eagle_aux_hidden_state_layer_ids`, as layer inputs.
+NESTED_KEY = "eagle_config.eagle_aux_hidden_state_layer_ids"
+TOP_KEY = "eagle_aux_hidden_state_layer_ids"
+
+
+def sglang_rule(config) -> str:
+    """SGLang's layer-id rule for a target: PLUS_ONE_IF_FIRST_IS_1 for the 'mla' family (DeepSeek-V2/V3, Kimi,
+    GLM-4-MoE-Lite: served by models/deepseek_v2.py or its subclasses), PLUS_ONE otherwise."""
+    return PLUS_ONE_IF_FIRST_IS_1 if family(config) == "mla" else PLUS_ONE
+
+
+def sglang_layers_to_capture(value: list[int] | None, rule: str, L: int) -> list[int]:
+    """The layers whose input SGLang 0.5.14 captures when the draft's nested ids are `value` (None: absent) on a
+    target of L layers under `rule` (what `set_eagle3_layers_to_capture` sets as layers_to_capture)."""
+    if value is None:
+        return [2, L // 2, L - 3]
+    if rule == PLUS_ONE or (value and value[0] == 1):
+        return [i + 1 for i in value]
+    assert rule == PLUS_ONE_IF_FIRST_IS_1, rule
+    return list(value)
+
+
+def sglang_ids(ids: list[int], rule: str, field: str = "features.aux_layer_ids") -> list[int]:
+    """The nested ids to write (or pass to `set_eagle3_layers_to_capture`) so that SGLang captures the outputs of
+    layers `ids` (layers_to_capture = [i + 1 for i in ids]) under `rule`. Raises ValueError naming `field` where
+    the rule cannot express them: under PLUS_ONE_IF_FIRST_IS_1, ids starting at 0 (layer 1's input would need a
+    first id of 1, which that rule adds one to)."""
+    if rule == PLUS_ONE or ids[0] == 1:
+        return list(ids)
+    assert rule == PLUS_ONE_IF_FIRST_IS_1, rule
+    if ids[0] == 0:
+        raise ValueError(f"{field} = {list(ids)}: SGLang's DeepSeek-V2/V3 and Kimi model files "
+                         f"(models/deepseek_v2.py set_eagle3_layers_to_capture) cannot capture layer 0's output "
+                         f"(an id list starting at 1 gets one added to every id); start the ids at 1 or higher, "
+                         f"e.g. {[1] + list(ids[1:]) if ids[1] > 1 else [1, 2, 3]}")
+    return [i + 1 for i in ids]
+
+
+def draft_aux_ids(cfg: dict, rule: str, L: int) -> list[int]:
+    """The layer outputs a draft's config.json says it was trained on, for a target of L layers under SGLang
+    rule `rule`: the top-level ids - 1 where present (vLLM's and llama.cpp's reading, the same on every target),
+    else the layers SGLang captures for its nested ids (sglang_layers_to_capture) - 1: a SpecForge draft whose
+    features SGLang captured on a DeepSeek/Kimi target with ids [2, 30, 58] was trained on outputs [1, 29, 57]."""
+    top = cfg.get(TOP_KEY)
+    if top:
+        return [i - 1 for i in top]
+    nested = (cfg.get("eagle_config") or {}).get(TOP_KEY) or None
+    return [i - 1 for i in sglang_layers_to_capture(nested, rule, L)]
+
+
+def engine_readings(ids: list[int], rule: str = PLUS_ONE) -> dict[str, dict]:
+    """How each engine reads the export of a draft trained on layer outputs `ids` (the export writes the nested ids
+    by `rule`, sglang_ids, and the top-level ids as layer inputs): for each, the key it reads, the value written
+    there and the layers whose *input* it captures. Raises ValueError where SGLang's rule cannot express `ids`."""
     inputs = [i + 1 for i in ids]
-    sglang = {"key": "eagle_config.eagle_aux_hidden_state_layer_ids", "value": list(ids), "captures_inputs_of": inputs}
-    if ids and ids[0] != 1:
-        # a newer SGLang change (sgl-project/sglang PR #25454) adds the +1 only when the first id is 1
-        sglang["note"] = (f"SGLang releases with PR #25454 read ids not starting at 1 as layer inputs and would "
-                          f"capture {list(ids)}: check the served SGLang's set_eagle3_layers_to_capture")
+    nested = sglang_ids(ids, rule)
     return {
-        "sglang": sglang,
-        "vllm": {"key": "eagle_aux_hidden_state_layer_ids (top level)", "value": inputs,
-                 "captures_inputs_of": inputs},
-        "llama.cpp": {"key": "eagle_aux_hidden_state_layer_ids (top level, convert_hf_to_gguf.py)",
-                      "value": inputs, "captures_inputs_of": inputs},
+        "sglang": {"key": NESTED_KEY, "value": nested, "captures_inputs_of": sglang_layers_to_capture(nested, rule, 0),
+                   "rule": f"{RULE_FILES[rule]} set_eagle3_layers_to_capture ({rule})"},
+        "vllm": {"key": f"{TOP_KEY} (top level)", "value": inputs, "captures_inputs_of": inputs},
+        "llama.cpp": {"key": f"{TOP_KEY} (top level, convert_hf_to_gguf.py)", "value": inputs,
+                      "captures_inputs_of": inputs},
     }
 
 

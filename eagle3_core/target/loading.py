@@ -233,3 +233,15 @@ def capture(model, aux_layer_ids: list[int]):
     finally:
         for h in handles:
             h.remove()
+
+
+def target_config_file(path: str | Path):
+    """The transformers config in a config.json file (any model_type transformers knows; a wrapper's text_config
+    becomes its config class), without weights or network. Raises OSError naming a missing file, ValueError for a
+    file that is no config."""
+    from transformers import AutoConfig
+    path = Path(path)
+    data = json.loads(path.read_text())
+    if "model_type" not in data:
+        raise ValueError(f"{path}: no 'model_type': not a transformers config.json")
+    return AutoConfig.for_model(data.pop("model_type"), **data)

@@ -23,6 +23,8 @@ import re
 
 import torch
 
+from eagle3_core.target.int4_experts import GROUP
+
 # styles that split a parameter over the ranks (transformers/distributed/tensor_parallel.py and expert_parallel.py
 # register them); any other style keeps the parameter whole: counting it whole can only over-estimate
 SHARDING_STYLES = {"colwise", "colwise_rep", "colwise_gather_output", "rowwise", "rowwise_rep", "packed_colwise",
@@ -154,6 +156,33 @@ def ep_int4_bytes_per_rank(model: torch.nn.Module, q: dict | None, world: int, s
     return int(total + BYTES_PER_PARAM * math.ceil(layer / world))
 
 
+# the one packing 'ep_int4' implements (target.int4_experts, Kimi-K2.5's layout): compressed-tensors
+# `pack-quantized` weights, 4-bit int, symmetric (no weight_zero_point), groups of GROUP inputs
+EP_INT4_SCHEME = {"format": "pack-quantized", "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                  "group_size": GROUP}
+
+
+def ep_int4_scheme_problems(model: torch.nn.Module, q: dict | None) -> list[tuple[str, str]]:
+    """[('features.backend', message)] naming each field of the `q` config group that quantizes the routed experts
+    of `model` (a meta_model; matched as stored_bytes matches them) that differs from EP_INT4_SCHEME, and what
+    works instead; empty when it matches or no group quantizes them."""
+    name = next((f"{n}.0.gate_proj" for n, m in model.named_modules() if _fused_experts(m)), None)
+    if not q or name is None or any(_matches(e, name, "Linear") for e in q.get("ignore") or []):
+        return []
+    groups = q.get("config_groups") or {}
+    g = next((g for g, c in groups.items() if any(_matches(e, name, "Linear") for e in c.get("targets") or [])), None)
+    if g is None:
+        return []
+    have = {**(groups[g].get("weights") or {}), "format": groups[g].get("format") or q.get("format")}
+    bad = [f"quantization_config.{'' if k == 'format' else f'config_groups.{g}.weights.'}{k} = {have.get(k)!r} "
+           f"(needs {v!r})" for k, v in EP_INT4_SCHEME.items() if have.get(k) != v]
+    return [("features.backend", f"'ep_int4' implements only routed experts stored as compressed-tensors "
+             f"'pack-quantized' 4-bit int, symmetric, group size {GROUP} (Kimi-K2.5's layout), and this "
+             f"checkpoint's differ: {'; '.join(bad)}; it would misread them (an asymmetric checkpoint's "
+             f"weight_zero_point would be ignored): use 'hf_tp' (transformers dequantizes compressed-tensors "
+             f"checkpoints to bf16 at load) or 'sglang' (its own compressed-tensors MoE kernels)")] if bad else []
+
+
 # what SGLang's model files split over the tensor-parallel ranks (models/deepseek_v2.py, llama.py: attention's
 # column/row-parallel projections, the dense and shared MLPs, the vocab-parallel embedding and lm_head); routed
 # experts split by expert or by slice, as stored (its compressed-tensors MoE keeps INT4); the rest (norms, routers,
@@ -259,7 +288,7 @@ def backend_facts(cfg, tcfg, gpus: tuple[int, int] | None) -> tuple[dict, list[t
     per_rank = {w: param_bytes_per_rank(model, w, ep and w > 1) for w in sizes}
     int4 = ({w: ep_int4_bytes_per_rank(model, q, w, f.shard_attention) for w in sizes
              if w > 1 and not _uneven(t, w)}
-            if stored["experts_quantized"] else {})
+            if stored["experts_quantized"] and not ep_int4_scheme_problems(model, q) else {})
     budget = FIT_FRACTION * gpus[1] if gpus else None
     facts = {"chosen": f.backend, "tp_size": f.tp_size, "expert_parallel": ep,
              "checkpoint_gb": {"total": round(stored["total"] / 1e9, 2),
@@ -273,6 +302,7 @@ def backend_facts(cfg, tcfg, gpus: tuple[int, int] | None) -> tuple[dict, list[t
     if chosen is not None:
         facts["gb_per_gpu"] = round(chosen / 1e9, 2)
     if budget is not None:
+        facts["weights_budget_gb_per_gpu"] = f"{budget / 1e9:.1f} ({FIT_FRACTION:.0%} of {gpus[1] / 1e9:.0f} GB)"
         facts["needs"] = _needs(t, sizes, per_rank, int4, budget, gpus[1])
     problems = []
     if f.backend == "sglang":                      # its own layout and budget (sglang_fit)
@@ -290,6 +320,7 @@ def backend_facts(cfg, tcfg, gpus: tuple[int, int] | None) -> tuple[dict, list[t
         elif _uneven(t, f.tp_size):
             problems.append(("features.tp_size", f"{f.tp_size} must divide the {_experts(t)} routed experts "
                              f"(each rank holds whole experts)"))
+        problems += ep_int4_scheme_problems(model, q)
     if budget is not None and chosen is not None and chosen > budget and f.backend != "hf":
         problems.append(("features.backend" if int4 and f.backend == "hf_tp" else "features.tp_size",
                          f"{chosen / 1e9:.1f} GB of weights per GPU with backend {f.backend!r} at tp_size "

@@ -65,7 +65,8 @@ def nonfinite_loss_advice(samples: list[dict], item: list, pack: bool, lr: float
     bad, files = [], []
     for i in dict.fromkeys(p[0] if pack else p for p in item):
         s = samples[i]
-        if not all(bool(torch.isfinite(s[k]).all()) for k in ("aux", "final")):
+        if not all(bool(torch.isfinite(s[k]).all()) for k in ("aux", "final", "teacher_logits", "tail_shift")
+                   if k in s):
             bad.append(s["id"])
             if (f := getattr(s, "shard_file", None)) is not None and str(f) not in files:
                 files.append(str(f))

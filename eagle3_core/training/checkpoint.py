@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle3_core.target.family import PLUS_ONE, TOP_KEY, sglang_ids
 from eagle3_core.training.draft_model import DraftShape, Eagle3Draft
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -67,19 +68,27 @@ def check_tensors(tensors: dict[str, torch.Tensor], s: DraftShape, where: str) -
             raise CheckpointError(f"{where}: tensor {name} has dtype {t.dtype}, expected a float dtype")
 
 
-def sglang_config(s: DraftShape, dtype: torch.dtype) -> dict:
-    """config.json of the draft, read the same way by every engine (SGLang `models/llama.py`, vLLM `models/llama_eagle3.py`, llama.cpp `convert_hf_to_gguf.py`):
-    - nested `eagle_config.eagle_aux_hidden_state_layer_ids`: our ids, layer *outputs* (SGLang adds 1 and captures
-      that layer's input: `models/llama.py`, `models/deepseek_v2.py` `set_eagle3_layers_to_capture`);
-    - top-level `eagle_aux_hidden_state_layer_ids`: the same layers as layer *inputs* (id + 1), what vLLM reads
-      (`vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py` `get_eagle3_aux_layers_from_config`; its models
-      append the residual stream before layer idx) and llama.cpp's converter reads.
-    Raises CheckpointError for ids that are not ascending (every engine concatenates in ascending layer order)."""
+def sglang_config(s: DraftShape, dtype: torch.dtype, rule: str = PLUS_ONE) -> dict:
+    """config.json of the draft. The aux ids (s.aux_layer_ids, layer *outputs*) are written so that every engine
+    captures those layers (target.family.engine_readings):
+    - nested `eagle_config.eagle_aux_hidden_state_layer_ids`, what SGLang reads, by its layer-id rule for the
+      target (`rule`, target.family.sglang_rule): the ids themselves under models/llama.py's rule, ids + 1 under
+      models/deepseek_v2.py's unless they start at 1 (target.family.sglang_ids);
+    - top-level `eagle_aux_hidden_state_layer_ids`: the same layers as layer *inputs* (id + 1), what vLLM
+      (`vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py` get_eagle3_aux_layers_from_config) and llama.cpp's
+      converter read, and what load_draft reads back (shape_from_config).
+    The trainer's own checkpoints (save_draft) use PLUS_ONE: only the top-level ids are read back.
+    Raises CheckpointError for ids that are not ascending (every engine concatenates in ascending layer order) or
+    that SGLang's rule cannot express (ids starting at 0 on a DeepSeek/Kimi target)."""
     ids = list(s.aux_layer_ids)
     if ids != sorted(set(ids)):
         raise CheckpointError(f"aux_layer_ids {ids} are not strictly ascending: SGLang and vLLM concatenate the "
                               f"captured layers in ascending order; retrain with features.aux_layer_ids "
                               f"{sorted(set(ids))}")
+    try:
+        nested = sglang_ids(ids, rule)
+    except ValueError as e:
+        raise CheckpointError(f"{e}, and retrain (the draft cannot be served by SGLang on this target)") from None
     return {
         "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
         "hidden_size": s.hidden_size, "target_hidden_size": s.target_hidden_size,
@@ -90,15 +99,16 @@ def sglang_config(s: DraftShape, dtype: torch.dtype) -> dict:
         "torch_dtype": str(dtype).removeprefix("torch."), "vocab_size": s.vocab_size,
         "draft_vocab_size": s.draft_vocab_size, "tie_word_embeddings": False,
         "pad_token_id": None, "attention_bias": False, "mlp_bias": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": nested, "use_aux_hidden_state": True},
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids],
     }
 
 
-def save_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype | None = None) -> Path:
+def save_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype | None = None, rule: str = PLUS_ONE) -> Path:
     """Write an SGLang-loadable directory (config.json, model.safetensors) atomically; returns `out`.
 
-    dtype: float dtype of the weights (default: the draft's own, so a reload reproduces its logits exactly).
+    dtype: float dtype of the weights (default: the draft's own, so a reload reproduces its logits exactly);
+    rule: SGLang's layer-id rule for the target (sglang_config).
     """
     s = draft.shape
     dtype = dtype or draft.fc.weight.dtype
@@ -109,7 +119,7 @@ def save_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype | None = None) 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(sglang_config(s, dtype), indent=2))
+    (tmp / "config.json").write_text(json.dumps(sglang_config(s, dtype, rule), indent=2))
     (tmp / "draft_shape.json").write_text(json.dumps(s.to_dict(), indent=2))
     if out.exists():
         shutil.rmtree(out)
@@ -120,8 +130,9 @@ def save_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype | None = None) 
 EXPORT_DTYPE = torch.bfloat16          # public drafts ship bf16; SGLang's --dtype auto turns float32 into float16
 
 
-def export_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype = EXPORT_DTYPE) -> Path:
-    """Write the serving export of a trained draft (save_draft in `dtype`, bf16 by default) and prove it: d2t and
+def export_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype = EXPORT_DTYPE, *, sglang_rule: str) -> Path:
+    """Write the serving export of a trained draft (save_draft in `dtype`, bf16 by default, its nested aux ids by
+    `sglang_rule`: target.family.sglang_rule of the target it serves) and prove it: d2t and
     t2d name the same target ids (vocab_map.check_vocab_map), and the reloaded export gives step-0 logits bit for
     bit equal to the trained draft cast to `dtype`. Returns `out`. Raises ValueError (vocab map) or
     CheckpointError (the export does not reproduce the draft)."""
@@ -129,7 +140,7 @@ def export_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype = EXPORT_DTYP
 
     from eagle3_core.data.vocab_map import check_vocab_map
     check_vocab_map(draft.d2t.cpu(), draft.t2d.cpu(), f"export to {out}")
-    save_draft(draft, out, dtype)
+    save_draft(draft, out, dtype, sglang_rule)
     cast = copy.deepcopy(draft).to(device="cpu", dtype=dtype)
     if not logits_probe(cast, load_draft(out)):
         raise CheckpointError(f"export {out} does not reproduce the trained draft cast to {dtype}: re-export")
@@ -150,10 +161,13 @@ def logits_probe(a: Eagle3Draft, b: Eagle3Draft) -> bool:
 
 
 def shape_from_config(cfg: dict, where: str) -> DraftShape:
-    """DraftShape from an SGLang draft config.json. Raises CheckpointError on a non-EAGLE-3 config."""
+    """DraftShape from an SGLang draft config.json; its aux_layer_ids (layer outputs) are the top-level ids - 1
+    (layer inputs, as sglang_config writes them) where present, else the nested ids as they are (a draft with only
+    those: read them through the target's SGLang rule first, target.family.draft_aux_ids, as warm_start does).
+    Raises CheckpointError on a non-EAGLE-3 config."""
     if cfg.get("architectures") != [ARCHITECTURE]:
         raise CheckpointError(f"{where}: architectures is {cfg.get('architectures')}, expected [{ARCHITECTURE!r}]")
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = [i - 1 for i in cfg.get(TOP_KEY) or []] or (cfg.get("eagle_config") or {}).get(TOP_KEY)
     if not ids:
         raise CheckpointError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids missing")
     return DraftShape(

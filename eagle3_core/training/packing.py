@@ -29,10 +29,11 @@ import torch
 
 from eagle3_core.training.ttt import (
     SoftCrossEntropyFromLogits,
+    feature_keys,
     loss_dtype_of,
     shift_left,
     step_masks,
-    teacher,
+    teacher_of,
     ttt_loss,
 )
 from eagle3_core.training.ttt_attention import (
@@ -95,7 +96,8 @@ def pack_rows(pieces: list[tuple], row_len: int, seed: int) -> list[list[tuple]]
 
 def collate_packed(samples: list[dict], row: list[tuple], row_len: int) -> dict:
     """One packed row as a batch of B = 1: input_ids, loss_mask, target_top1, valid [1, L]; aux [1, L, 3H_t],
-    final [1, L, H_t] (the samples' float dtype); doc [1, L] int64 (piece number in the row, -1 on padding);
+    final [1, L, H_t] (the samples' float dtype) and fp8_topk's teacher keys (ttt.collate); doc [1, L] int64
+    (piece number in the row, -1 on padding);
     position [1, L] int64 (RoPE position: index in the sample). loss_mask is 0 on a piece's context (before c)."""
     first = samples[row[0][0]]
     out = {"input_ids": torch.zeros(1, row_len, dtype=torch.long),
@@ -104,12 +106,11 @@ def collate_packed(samples: list[dict], row: list[tuple], row_len: int) -> dict:
            "valid": torch.zeros(1, row_len, dtype=torch.bool),
            "doc": torch.full((1, row_len), -1, dtype=torch.long),
            "position": torch.zeros(1, row_len, dtype=torch.long),
-           "aux": torch.zeros(1, row_len, first["aux"].shape[-1], dtype=first["aux"].dtype),
-           "final": torch.zeros(1, row_len, first["final"].shape[-1], dtype=first["final"].dtype)}
+           **{k: torch.zeros(1, row_len, first[k].shape[-1], dtype=first[k].dtype) for k in feature_keys(first)}}
     at = 0
     for d, (i, a, b, c) in enumerate(row):
         s, n = samples[i], b - a
-        for k in ("input_ids", "target_top1", "aux", "final"):
+        for k in ("input_ids", "target_top1", *feature_keys(first)):
             out[k][0, at:at + n] = s[k][a:b]
         mask = torch.as_tensor(s["loss_mask"][a:b]).bool().clone()
         mask[:c - a] = False                                  # context: seen, not trained
@@ -205,7 +206,7 @@ def packed_ttt_loss(draft, batch: dict, head_draft: torch.Tensor, ttt_length: in
     block_mask = document_block_mask(doc) if draft.midlayer.self_attn.impl == "merged_flex" else None
     in_vocab = draft.t2d[top1]
     ldt = loss_dtype_of(batch["final"].dtype)
-    z, z_lse = teacher(batch["final"], head_draft, ttt_length)            # [B, L + K + 1, N], [B, L + K + 1]
+    z, z_lse = teacher_of(batch, head_draft, ttt_length, draft)          # [B, L + K + 1, N], [B, L + K + 1]
     dt = torch.get_autocast_dtype(ids.device.type) if torch.is_autocast_enabled(ids.device.type) else None
     weights = draft.step_weights(dt) if dt is not None else None
     total, chain, keys, values = 0.0, None, [], []

@@ -139,3 +139,15 @@ def expected_epochs(epoch_tokens: int, max_epochs: int) -> tuple[int, str]:
         return max_epochs, p["source"]
     return max(MIN_EPOCHS, min(max_epochs, math.ceil(p["epochs"] * p["epoch_tokens"] / max(epoch_tokens, 1)))), \
         p["source"]
+
+
+def planned_epochs(train, epoch_tokens: int) -> tuple[int, str]:
+    """What `plan` plans for a TrainConfig `train`: (epochs, how they were chosen). train.epochs when set; unset, the
+    rule's expected count (expected_epochs) with its ceilings named (the held-out split is not known before the
+    features exist: a split too small for the rule gives train.epochs_for instead, named too)."""
+    if train.epochs is not None:
+        return train.epochs, f"{train.epochs} epochs"
+    E, source = expected_epochs(epoch_tokens, train.max_epochs)
+    wall = f" and {train.max_train_s:g} s of training" if train.max_train_s else ""
+    return E, (f"{E} epochs expected until the plateau ({source}); ceiling {train.max_epochs} epochs{wall}; "
+               f"{train.epochs_for(epoch_tokens)} by the fixed rule if the held-out split is too small")

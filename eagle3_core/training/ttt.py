@@ -29,18 +29,27 @@ def supervised(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
     return shift_left(loss_mask, 2 + k, False)
 
 
+FEATURE_KEYS = ("aux", "final", "teacher_logits", "teacher_ids", "tail_shift")    # those a sample has
+
+
+def feature_keys(sample) -> list[str]:
+    """The per-token feature keys `sample` holds: aux and final, and the top-k teacher of fp8_topk (store_formats)."""
+    return [k for k in FEATURE_KEYS if k in sample]
+
+
 def collate(samples: list[dict]) -> dict:
     """Right-pad samples to one batch: input_ids [B, T], loss_mask [B, T], aux [B, T, 3H_t], final [B, T, H_t]
-    (the samples' float dtype), target_top1 [B, T], valid [B, T] (True on real tokens)."""
+    (the samples' float dtype), fp8_topk's teacher_logits, teacher_ids [B, T, K] and tail_shift [B, T, 1],
+    target_top1 [B, T], valid [B, T] (True on real tokens)."""
     T = max(len(s["input_ids"]) for s in samples)
     B = len(samples)
+    feats = feature_keys(samples[0])
     out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.bool),
            "target_top1": torch.zeros(B, T, dtype=torch.long), "valid": torch.zeros(B, T, dtype=torch.bool),
-           "aux": torch.zeros(B, T, samples[0]["aux"].shape[-1], dtype=samples[0]["aux"].dtype),
-           "final": torch.zeros(B, T, samples[0]["final"].shape[-1], dtype=samples[0]["final"].dtype)}
+           **{k: torch.zeros(B, T, samples[0][k].shape[-1], dtype=samples[0][k].dtype) for k in feats}}
     for b, s in enumerate(samples):
         n = len(s["input_ids"])
-        for k in ("input_ids", "loss_mask", "target_top1", "aux", "final"):
+        for k in ("input_ids", "loss_mask", "target_top1", *feats):
             out[k][b, :n] = s[k]
         out["valid"][b, :n] = True
     return out
@@ -119,6 +128,30 @@ def teacher(final: torch.Tensor, target_head_draft: torch.Tensor, ttt_length: in
         return z, z.to(loss_dtype_of(final.dtype)).logsumexp(-1)
 
 
+def target_to_draft(draft, n_draft: int) -> torch.Tensor:
+    """[V] int64: the draft id of each target id (draft.d2t), -1 for target ids outside the draft vocab."""
+    drafts = torch.arange(n_draft, device=draft.t2d.device)
+    out = torch.full((draft.t2d.shape[0],), -1, dtype=torch.long, device=draft.t2d.device)
+    return out.index_copy(0, draft.draft_to_target(drafts), drafts)
+
+
+def teacher_of(batch: dict, target_head_draft: torch.Tensor, ttt_length: int, draft):
+    """The batch's teacher (z, z_lse) as teacher() gives it from the final states; where the batch holds the
+    target's exact top-k logits (store_formats fp8_topk: teacher_logits, teacher_ids [B, T, k], tail_shift
+    [B, T, 1]), the logits outside the top k are shifted by tail_shift (their exact total mass) and the top k in
+    the draft vocab (draft.d2t) take their exact values."""
+    if "teacher_ids" not in batch:
+        return teacher(batch["final"], target_head_draft, ttt_length)
+    with torch.no_grad():
+        N = target_head_draft.shape[0]
+        z = batch["final"] @ target_head_draft.T + batch["tail_shift"]          # [B, T, N]
+        d = target_to_draft(draft, N)[batch["teacher_ids"]]                    # [B, T, k], -1: not in the vocab
+        z = torch.cat([z, z.new_zeros(*z.shape[:-1], 1)], dim=-1)              # a spare column for those
+        z = z.scatter(-1, torch.where(d >= 0, d, N), batch["teacher_logits"].to(z.dtype))[..., :N]
+        z = torch.cat([z, z.new_zeros(z.shape[0], ttt_length + 1, N)], dim=1)
+        return z, z.to(loss_dtype_of(batch["final"].dtype)).logsumexp(-1)
+
+
 def step_masks(mask: torch.Tensor, in_vocab: torch.Tensor, k: int, doc: torch.Tensor | None = None):
     """(m_step, m_loss), bool [B, T], of TTT step k: m_step where the target x_{t+2+k} is supervised (and, in a
     packed row with document ids `doc` [B, T], in t's own document); m_loss where besides its target's argmax is
@@ -154,7 +187,7 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
         positions = torch.arange(T, device=ids.device).expand(B, T)
     in_vocab = draft.t2d[top1]                                             # [B, T] target argmax in draft vocab
     loss_dtype = loss_dtype_of(batch["final"].dtype)
-    z, z_lse = teacher(batch["final"], target_head_draft, ttt_length)     # once for all steps
+    z, z_lse = teacher_of(batch, target_head_draft, ttt_length, draft)     # once for all steps
     # RoPE tables and the bf16/fp16 casts of the step's matmul weights once per batch, not at every step
     if doc is None:
         cos, sin = draft.rope(torch.arange(T + ttt_length, device=ids.device).expand(B, -1))   # [B, T + K, hd]

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from eagle3_core.data.vocab_map import draft_to_target_ids, target_to_draft_ids
-from eagle3_core.target.family import rope_type
+from eagle3_core.target.family import PLUS_ONE, TOP_KEY, rope_type, sglang_layers_to_capture
 from eagle3_core.training.checkpoint import CheckpointError, check_tensors, shape_from_config
 from eagle3_core.training.draft_model import DraftShape, Eagle3Draft
 
@@ -100,12 +100,15 @@ def init_dir(init_from: str | Path) -> Path:
     return init_source(init_from).dir
 
 
-def init_config(src: InitSource, default_aux_ids: list[int] | None = None) -> DraftShape:
+def init_config(src: InitSource, default_aux_ids: list[int] | None = None, rule: str = PLUS_ONE) -> DraftShape:
     """The DraftShape of a warm-start draft from its config.json, read as SGLang and SpecForge write it: head_dim
     defaults to hidden_size / num_attention_heads, rope_theta may sit in transformers 5's rope_parameters, and a
     config without eagle_config's aux ids means the layers SGLang captures for a draft that names none
-    (`default_aux_ids`, config.target_config.default_aux_layer_ids). Raises CheckpointError for an EAGLE-2 draft
-    or a config that is not an EAGLE-3 draft's."""
+    (`default_aux_ids`, config.target_config.default_aux_layer_ids). Its aux ids are layer outputs read as the
+    engines read them (target.family.draft_aux_ids): the top-level ids - 1, else the nested ids through SGLang's
+    rule for the target (`rule`, target.family.sglang_rule): a SpecForge draft whose features SGLang captured on a
+    DeepSeek/Kimi target with nested ids [2, 30, 58] was trained on outputs [1, 29, 57]. Raises CheckpointError for
+    an EAGLE-2 draft or a config that is not an EAGLE-3 draft's."""
     cfg = json.loads(src.config.read_text())
     if cfg.get("architectures") == [EAGLE2_ARCHITECTURE]:
         raise CheckpointError(f"{src.config}: an EAGLE-2 draft (architectures {cfg['architectures']}; no fc over "
@@ -116,8 +119,10 @@ def init_config(src: InitSource, default_aux_ids: list[int] | None = None) -> Dr
            "rope_theta": rope.get("rope_theta", 10000.0), **cfg}
     if rope_type(rope) != "default" and not cfg.get("rope_scaling"):
         cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if not (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") and default_aux_ids:
-        cfg["eagle_config"] = {**(cfg.get("eagle_config") or {}), "eagle_aux_hidden_state_layer_ids": default_aux_ids}
+    nested = (cfg.get("eagle_config") or {}).get(TOP_KEY)
+    if not cfg.get(TOP_KEY) and (nested or default_aux_ids):
+        outputs = [i - 1 for i in sglang_layers_to_capture(nested, rule, 0)] if nested else default_aux_ids
+        cfg["eagle_config"] = {**(cfg.get("eagle_config") or {}), TOP_KEY: outputs}
     try:
         return shape_from_config(cfg, str(src.config))
     except KeyError as e:
@@ -174,7 +179,10 @@ def shape_problems(init: DraftShape, want: DraftShape, where: str, keep_vocab: b
             fix = (f"the draft was trained for another target: warm-start from a draft of this target, or unset "
                    f"train.init_from")
         elif name == "aux_layer_ids":
-            fix = f"set {field} to {a} (the layers the draft was trained on) or unset train.init_from"
+            fix = (f"set {field} to {a} (the layer outputs the draft was trained on: its top-level ids - 1, or its "
+                   f"nested SGLang ids as the target's SGLang serves them; on DeepSeek/Kimi targets nested ids not "
+                   f"starting at 1 are layer inputs, so SpecForge's [2, 30, 58] are outputs [1, 29, 57]) or unset "
+                   f"train.init_from")
         elif name == "draft_vocab_size":
             fix = f"set {field} to {a}, or set train.init_vocab to 'rebuild' to build a new map"
         else:
@@ -184,14 +192,14 @@ def shape_problems(init: DraftShape, want: DraftShape, where: str, keep_vocab: b
 
 
 def init_problems(init_from: str | Path, want: DraftShape, keep_vocab: bool,
-                  default_aux_ids: list[int] | None = None) -> list[tuple[str, str]]:
+                  default_aux_ids: list[int] | None = None, rule: str = PLUS_ONE) -> list[tuple[str, str]]:
     """[(field, message)] of everything that would stop a warm start from `init_from`: missing, not a draft, an
     EAGLE-2 draft, a config or tensors that are not EAGLE-3's, an embedding the run needs but the draft lacks, and
     every way it differs from the run (shape_problems). Reads config.json and the tensors' shapes only where it
     can (safetensors); a SpecForge training checkpoint is memory-mapped. Empty when load_init will load it."""
     try:
         src = init_source(init_from)
-        init = init_config(src, default_aux_ids)
+        init = init_config(src, default_aux_ids, rule)
         if src.specforge_checkpoint:
             shapes = {k: tuple(v.shape) for k, v in init_tensors(src).items()}
         else:
@@ -212,17 +220,17 @@ def init_problems(init_from: str | Path, want: DraftShape, keep_vocab: bool,
 
 
 def load_init(init_from: str | Path, want: DraftShape, keep_vocab: bool,
-              default_aux_ids: list[int] | None = None) -> Eagle3Draft:
+              default_aux_ids: list[int] | None = None, rule: str = PLUS_ONE) -> Eagle3Draft:
     """The draft named by `train.init_from` (init_source), loaded strictly in fp32 and checked against `want`.
     A draft without embed_tokens (SpecForge's SGLang export and checkpoints, when its embedding is the target's)
     gets a zero placeholder: warm_draft keeps the run's own (the target's) embedding whenever it is frozen.
     Raises FileNotFoundError (init_source), ValueError naming every mismatched field (init_problems),
     CheckpointError for a broken draft."""
     src = init_source(init_from)
-    if (problems := init_problems(init_from, want, keep_vocab, default_aux_ids)):
+    if (problems := init_problems(init_from, want, keep_vocab, default_aux_ids, rule)):
         raise ValueError(f"train.init_from {init_from} does not fit this run:\n"
                          + "\n".join(f"- {field}: {msg}" for field, msg in problems))
-    shape = init_config(src, default_aux_ids)
+    shape = init_config(src, default_aux_ids, rule)
     tensors = init_tensors(src)
     if "embed_tokens.weight" not in tensors:
         tensors["embed_tokens.weight"] = torch.zeros(shape.vocab_size, shape.hidden_size,
@@ -292,7 +300,7 @@ def init_from_check(cfg, tcfg, ids: list[int] | None) -> tuple[dict, list[tuple[
     kept, that map (vocab_map.check_vocab_map). No weights are loaded (a SpecForge checkpoint is memory-mapped)."""
     from eagle3_core.config import default_aux_layer_ids
     from eagle3_core.data.vocab_map import check_vocab_map
-    from eagle3_core.target.family import num_layers
+    from eagle3_core.target.family import num_layers, sglang_rule
     from eagle3_core.training.draft_geometry import draft_shape
     keep = cfg.train.init_vocab == "keep"
     facts: dict = {"given": cfg.train.init_from, "vocab": cfg.train.init_vocab}
@@ -300,7 +308,7 @@ def init_from_check(cfg, tcfg, ids: list[int] | None) -> tuple[dict, list[tuple[
     defaults = default_aux_layer_ids(L) if L >= 7 else None
     want = draft_shape(tcfg, cfg.draft.draft_vocab_size, ids if ids is not None else defaults or [],
                        overrides=cfg.draft.geometry())
-    problems = init_problems(cfg.train.init_from, want, keep, defaults)
+    problems = init_problems(cfg.train.init_from, want, keep, defaults, sglang_rule(tcfg))
     if ids is None:                                         # reported under features.aux_layer_ids already
         problems = [p for p in problems if p[0] != "features.aux_layer_ids"]
     if any(f == "train.init_from" for f, _ in problems):
