@@ -154,12 +154,14 @@ def train_ours(base: PipelineConfig, name: str, recipe: dict, features_seconds: 
     share = 1.0
     if "samples" in recipe:
         share = recipe["samples"] / subset_train(cfg, recipe["samples"], snapshot, log)
+        manifest = {}
     else:
-        run_train(cfg, log=log, on_epoch=snapshot)
+        manifest = run_train(cfg, log=log, on_epoch=snapshot)
     epochs = [{"epoch": e, "seconds": features_seconds * share + vocab_seconds + s,
                "dir": str(run.run_dir / "epochs" / f"epoch_{e}")} for e, s in enumerate(marks, 1)]
     out = {"settings": settings, "vocab_seconds": vocab_seconds, "features_share": share, "epochs": epochs,
-           "epoch_tokens": epoch_tokens(cfg, recipe.get("samples"))}
+           "epoch_tokens": epoch_tokens(cfg, recipe.get("samples")),
+           "best": manifest.get("best"), "stopping": manifest.get("stopping")}   # the exported epoch; the rule's
     (run.run_dir / "trained.json").write_text(json.dumps(out, indent=2))
     return out
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from eagle3_core.config import PipelineConfig
 from eagle3_core.features.store_formats import FORMATS, features_bytes
 from eagle3_core.plan_inputs import compare, free_disk, measured_rates, parse_size
+from eagle3_core.training.stopping import planned_epochs
 
 STATUSES = ("measured", "given", "scaled")
 DEFAULT_RATES = Path(__file__).resolve().parents[1] / "configs" / "rates.json"
@@ -171,9 +172,9 @@ def _train_row(cfg: PipelineConfig, rates: dict, gpus: int, w: dict, fmt: str, e
     features stage's hours, ext_h) every epoch."""
     tr = _rate(rates, "train_tok_s_per_gpu")
     eff = rates.get("ddp_efficiency", {"value": 1.0})["value"] if gpus > 1 else 1.0
-    E = cfg.train.epochs_for(w["samples"] * w["tokens"])
+    E, epochs_note = planned_epochs(cfg.train, w["samples"] * w["tokens"])     # epochs unset: the plateau rule's
     h = E * w["samples"] * w["tokens"] / (tr[1]["value"] * gpus * eff) / 3600
-    note = f"{E} epochs, DDP efficiency {eff:g}"
+    note = f"{epochs_note}, DDP efficiency {eff:g}"
     if fmt == "online":
         if ext_h is None:
             ext_h = _features_hours(w, rates, gpus)[0]

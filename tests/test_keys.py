@@ -33,7 +33,8 @@ IN_KEY = {
     "vocab": {"draft.draft_vocab_size", "train.init_from"},
     "train": {"train.epochs", "train.lr", "train.warmup_frac", "train.batch_tokens", "train.grad_accum",
               "train.grad_clip", "train.ttt_length", "train.step_weight", "train.eval_frac", "train.seed",
-              "train.batching", "train.init_from", "train.init_vocab", *DRAFT},
+              "train.batching", "train.init_from", "train.init_vocab", "train.max_epochs", "train.max_train_s",
+              *DRAFT},
     "evaluate": set(EVAL),
     "deploy-llama-cpp": {"eval.num_draft_steps", "eval.max_new_tokens"},
     "deploy-sglang": {*TARGET, "eval.num_draft_steps", "deploy_sglang.enabled", "deploy_sglang.baseline_url",
@@ -80,7 +81,7 @@ def _flips(tmp_path) -> dict[str, object]:
         "draft.draft_vocab_size": 16000, "draft.seed": 1, "draft.num_attention_heads": 8,
         "draft.num_key_value_heads": 2, "draft.head_dim": 64, "draft.intermediate_size": 1024,
         "draft.rope_theta": 1e6, "draft.rope_scaling": "none", "draft.max_position_embeddings": 4096,
-        "train.epochs": 3, "train.lr": 2e-3, "train.warmup_frac": 0.1, "train.batch_tokens": 2048,
+        "train.epochs": 3, "train.max_epochs": 12, "train.max_train_s": 600.0, "train.lr": 2e-3, "train.warmup_frac": 0.1, "train.batch_tokens": 2048,
         "train.grad_accum": 2, "train.grad_clip": 1.0, "train.ttt_length": 5, "train.step_weight": 0.9,
         "train.eval_frac": 0.1, "train.seed": 1, "train.checkpoint_every": 7, "train.keep_checkpoints": 1,
         "train.device": "cuda:1", "train.attention": "eager", "train.compile": True, "train.batching": "packed",
@@ -150,6 +151,19 @@ def test_the_train_key_hashes_the_resolved_batching_not_the_device(tmp_path):
     assert key(batching="padded", window_context=64) == key(batching="padded")
     assert key(batching="packed", device="cpu", keep_checkpoints=1, checkpoint_every=3, attention="eager",
                compile=True, graph="row") == key(batching="packed")
+
+
+def test_the_plateau_rules_ceilings_count_only_with_epochs_unset_and_away_from_their_defaults(tmp_path):
+    """train.max_epochs / max_train_s change the draft only when train.epochs is unset (the plateau rule); at their
+    defaults they are not hashed, so a run keyed before the rule had them keeps its key."""
+    from eagle3_core.pipeline.train_stage import resolved_train_fields
+    base, up = _base(tmp_path), _up("train")
+
+    def key(**train):
+        return STAGES["train"].key(PipelineConfig.model_validate({**base, "train": {**base["train"], **train}}), up)
+    assert "max_epochs" not in resolved_train_fields(PipelineConfig.model_validate(base))
+    assert key(max_epochs=24, max_train_s=None) == key() != key(max_epochs=12) != key(max_train_s=200.0)
+    assert key(epochs=6, max_epochs=12, max_train_s=200.0) == key(epochs=6)
 
 
 def test_the_evaluate_key_hashes_the_resolved_evaluator(tmp_path):

@@ -297,3 +297,18 @@ def test_plan_fits_the_run_dirs_free_disk_by_default(tmp_path, capsys):
     main([str(path), "--profile", "kimi_k25_agentic", "--gpus", "8"])
     free = shutil.disk_usage(tmp_path).free
     assert f"Fits {free / 1e12:.2f} TB free ({tmp_path}; TB = 10^12 bytes):" in capsys.readouterr().out
+
+
+def test_plan_names_the_plateau_rules_ceiling_and_expected_epochs_when_epochs_are_unset():
+    """train.epochs unset: the train row plans the plateau rule's expected epochs (training.stopping.MEASURED: no
+    plateau by 24 epochs at ~1.1M tokens an epoch, so the ceiling) and names the ceilings; epochs set plans those."""
+    cfg = load_config(KIMI)
+    rates = load_rates(RATES, "reference_kimi_k25")
+    unset = cfg.model_copy(update={"train": cfg.train.model_copy(update={"epochs": None, "max_epochs": 10,
+                                                                         "max_train_s": 7200.0})})
+    fixed = plan_run(cfg, rates, gpus=8)
+    rule = plan_run(unset, rates, gpus=8)
+    note = _stage(rule, "train")["note"]
+    assert "10 epochs expected until the plateau" in note and "ceiling 10 epochs and 7200 s of training" in note
+    assert _stage(rule, "train")["hours"] == pytest.approx(_stage(fixed, "train")["hours"] * 10 / cfg.train.epochs)
+    assert _stage(fixed, "train")["note"].startswith(f"{cfg.train.epochs} epochs, DDP")

@@ -38,10 +38,15 @@ RECIPE_EPOCHS, RECIPE_EPOCH_TOKENS, RECIPE_MAX_EPOCHS = 6, 1_100_000, 12
 
 
 class TrainConfig(StrictModel):
-    epochs: int | None = Field(None, ge=1, description="passes over the train samples; None: the default recipe's "
-                               "rule for the data's size (epochs_for)")
+    epochs: int | None = Field(None, ge=1, description="passes over the train samples; None: until the held-out "
+                               "tau_sim stops rising, within max_epochs and max_train_s (training.stopping; with "
+                               "too few held-out tokens the fixed rule epochs_for)")
+    max_epochs: int = Field(24, ge=1, description="epochs unset: the ceiling of the plateau rule's epochs")
+    max_train_s: float | None = Field(None, gt=0, description="epochs unset: the plateau rule's wall-time ceiling "
+                                      "in seconds of training and held-out eval (None: none)")
     lr: float = Field(1e-3, gt=0, description="peak learning rate (the default recipe's; SpecForge 1e-4, EAGLE 5e-5)")
-    warmup_frac: float = Field(0.05, ge=0, le=1, description="fraction of steps in linear warmup, then cosine")
+    warmup_frac: float = Field(0.05, ge=0, le=1, description="fraction of steps in linear warmup, then cosine "
+                               "(epochs unset: of max_epochs' steps, then constant until the rule's decay)")
     batch_tokens: int = Field(4096, ge=16, description="token budget of one optimizer micro-batch")
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
     grad_clip: float = Field(0.5, gt=0)

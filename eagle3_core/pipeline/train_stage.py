@@ -111,7 +111,17 @@ def resolved_train_fields(cfg: PipelineConfig) -> dict:
     t = cfg.train
     batching = resolved_batching(t)
     return {**t.model_dump(mode="json", include=set(TRAIN_RESULT_FIELDS)), "batching": batching,
-            "window_context": t.context_tokens() if batching == "packed" else None}
+            "window_context": t.context_tokens() if batching == "packed" else None, **_plateau_ceilings(t)}
+
+
+def _plateau_ceilings(t) -> dict:
+    """The plateau rule's ceilings (train.max_epochs, max_train_s) where they change the draft: epochs unset and
+    set away from their defaults (at their defaults out of the key, so that keys written before the rule had them
+    stay the same)."""
+    if t.epochs is not None:
+        return {}
+    fields = type(t).model_fields
+    return {k: getattr(t, k) for k in ("max_epochs", "max_train_s") if getattr(t, k) != fields[k].default}
 
 
 def train_key(cfg: PipelineConfig, up: dict | None = None) -> str:
@@ -162,6 +172,7 @@ def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
             f"exported to {export}")
         return {"export_dir": str(export), "export_dtype": str(EXPORT_DTYPE).removeprefix("torch."),
                 "best": summary["best"], "steps": summary["steps"], "history": summary["history"],
+                "stopping": summary["stopping"],
                 "train_samples": len(train_s), "eval_samples": len(eval_s), "world_size": dp.world}
 
     manifest = run_stage(out, key, body, accepted=older, outputs=EXPORT_FILES, log=log,

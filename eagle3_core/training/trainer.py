@@ -52,6 +52,7 @@ from eagle3_core.training.checkpoint import (
 from eagle3_core.training.draft_model import Eagle3Draft
 from eagle3_core.training.packing import compiled, compiled_training, packed_ttt_loss
 from eagle3_core.training.setup import lr_lambda, prepare_training, resolve_device
+from eagle3_core.training.stopping import MIN_EVAL_TOKENS, PlateauRule, eval_tokens
 from eagle3_core.training.ttt import summarize, ttt_loss
 
 
@@ -116,8 +117,10 @@ def restore_training_state(state: dict, draft, opt, sched, device: torch.device)
 
 
 def _in_compile_scope(fn):
-    """Run train() with cfg.epochs resolved (TrainConfig.epochs_for the train samples' tokens, when None) inside
-    packing.compiled_training (its compile policy, restored on return or error)."""
+    """Run train() inside packing.compiled_training (its compile policy, restored on return or error). With
+    cfg.epochs None: the plateau rule (training.stopping) when the eval samples hold at least MIN_EVAL_TOKENS
+    loss-mask tokens (cfg passed on as it is), else cfg.epochs resolved by TrainConfig.epochs_for the train
+    samples' tokens (the fallback), each said in the log."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         bound = inspect.signature(fn).bind(*args, **kwargs)
@@ -125,11 +128,18 @@ def _in_compile_scope(fn):
         cfg, log = bound.arguments["cfg"], bound.arguments["log"]
         say = log if DataParallel.from_process_group().is_main else (lambda s: None)
         epoch_tokens = sum(len(s["input_ids"]) for s in bound.arguments["train_samples"])
-        if cfg.epochs is None:
+        held_out = eval_tokens(bound.arguments["eval_samples"]) if cfg.epochs is None else 0
+        if cfg.epochs is None and held_out >= MIN_EVAL_TOKENS:
+            say(f"train: epochs until the held-out tau_sim stops rising (plateau rule on {held_out:,} held-out "
+                f"tokens), at most {cfg.max_epochs} epochs" + (f" and {cfg.max_train_s:g} s" if cfg.max_train_s
+                                                                 else ""))
+        elif cfg.epochs is None:
             cfg = bound.arguments["cfg"] = cfg.resolved(epoch_tokens)
-            say(f"train: {cfg.epochs} epochs by the default recipe's rule ({epoch_tokens:,} tokens an epoch)")
+            say(f"train: {cfg.epochs} epochs by the default recipe's rule ({epoch_tokens:,} tokens an epoch): "
+                f"{held_out:,} held-out loss tokens are too few for the plateau rule (needs {MIN_EVAL_TOKENS:,}; "
+                f"raise train.eval_frac, or set train.epochs)")
         device = resolve_device(cfg)
-        with compiled_training(cfg, device, packed(cfg, device), say, cfg.epochs * epoch_tokens):
+        with compiled_training(cfg, device, packed(cfg, device), say, (cfg.epochs or cfg.max_epochs) * epoch_tokens):
             return fn(*bound.args, **bound.kwargs)
     return wrapper
 
@@ -172,9 +182,14 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
     pack = packed(cfg, device)
     params = [p for p in draft.parameters() if p.requires_grad]
     group_size = cfg.grad_accum * dp.world                      # batches per optimizer step, over all ranks
-    total_steps = math.ceil(len(epoch_batches(train_samples, cfg, 0, pack)) / group_size) * cfg.epochs
+    # epochs unset (and enough held out): the plateau rule, warmup-stable-decay to its decision (training.stopping)
+    rule = PlateauRule(cfg.max_epochs, cfg.max_train_s) if cfg.epochs is None else None
+    epochs = cfg.epochs or cfg.max_epochs                     # the rule's ceiling
+    steps_per_epoch = math.ceil(len(epoch_batches(train_samples, cfg, 0, pack)) / group_size)
+    total_steps = steps_per_epoch * epochs
     warmup = max(1, int(cfg.warmup_frac * total_steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, total_steps, warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, (lambda s: rule.lr_factor(s, steps_per_epoch, warmup)) if rule
+                                              else (lambda s: lr_lambda(s, total_steps, warmup)))
     resume = resume_key(train_samples, "packed" if pack else "padded", cfg.batch_tokens, group_size, cfg.seed,
                         cfg.context_tokens() if pack else None)
 
@@ -182,6 +197,8 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
     state, path = load_latest_training_state(out_dir, say)
     if state is not None:
         check_resume(state, resume, path, lambda: checkpoint_fingerprint_v4(train_samples, cfg, group_size, pack))
+        if rule is not None and state.get("stopping"):       # the rule decides on as it would have
+            rule.load_state_dict(state["stopping"])
         epoch0, batch0, step, sums, n_tokens, best, history = restore_training_state(state, draft, opt, sched, device)
         say(f"train: resumed from {path.name} (epoch {epoch0 + 1}, batch {batch0}, step {step}){ranks}")
     else:
@@ -201,7 +218,8 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                 "model": draft.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "epoch": epoch, "batch": batch, "step": step, "resume": resume, "tokens": tokens,
                 "sums": {k: v.cpu() for k, v in all_sums.items()} if sums is not None else {},
-                "best": best, "history": json.dumps(history), "rng": rng_states()}, step, cfg.keep_checkpoints)
+                "best": best, "history": json.dumps(history), "rng": rng_states(),
+                "stopping": rule.state_dict() if rule else {}}, step, cfg.keep_checkpoints)
         say(f"train: checkpoint step {step} (epoch {epoch + 1}, batch {batch})")
 
     tb = None
@@ -214,11 +232,15 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
             tb.close()
         dp.barrier()                                          # rank 0's files exist when any rank returns
         return {"best": best, "history": history, "steps": step, "step_losses": step_losses, "tokens": my_tokens,
-                "best_dir": str(out_dir / "best"), "last_dir": str(out_dir / "last")}
+                "best_dir": str(out_dir / "best"), "last_dir": str(out_dir / "last"),
+                "stopping": rule.summary() if rule else None}
 
     t0, step_losses, my_tokens, steps_this_call = time.monotonic(), [], 0, 0
-    end_epoch = cfg.epochs if stop_after_epochs is None else min(cfg.epochs, epoch0 + stop_after_epochs)
+    end_epoch = epochs if stop_after_epochs is None else min(epochs, epoch0 + stop_after_epochs)
     for epoch in range(epoch0, end_epoch):
+        if rule is not None and rule.stop(epoch):               # resumed after the rule's last epoch
+            break
+        epoch_t0 = time.monotonic()
         draft.train()
         batches = epoch_batches(train_samples, cfg, epoch, pack)
         plan = [(g0, dp.micro_batches(batches[g0:g0 + group_size], cfg.grad_accum))       # one optimizer step each
@@ -281,12 +303,16 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
         eval_m = evaluate_ttt(draft, eval_samples, head_draft, cfg, dp) if eval_samples else None
         score = (eval_m or train_m)["tau_sim"]
         history.append({"epoch": epoch + 1, "train": train_m, "eval": eval_m, "tokens": dp.sum_int(n_tokens),
-                        "seconds": time.monotonic() - t0})
+                        "seconds": time.monotonic() - t0, "lr": sched.get_last_lr()[0]})
+        decaying = rule is not None and rule.decay_start is not None
+        if rule is not None:        # the ranks' mean seconds: every rank decides the same (scores are all-reduced)
+            secs = dp.sum(torch.tensor([time.monotonic() - epoch_t0], dtype=torch.float64, device=device))
+            rule.update(epoch + 1, score, float(secs[0]) / dp.world)
         if tb:
             _epoch_scalars(tb, step, train_m, eval_m)
         elapsed = time.monotonic() - t0
-        eta = elapsed / (epoch + 1 - epoch0) * (cfg.epochs - epoch - 1)
-        say(f"train: epoch {epoch + 1} of {cfg.epochs}: loss {sum(train_m['loss']):.3f} acc_0 "
+        eta = elapsed / (epoch + 1 - epoch0) * (epochs - epoch - 1)
+        say(f"train: epoch {epoch + 1} of {'at most ' if rule else ''}{epochs}: loss {sum(train_m['loss']):.3f} acc_0 "
             f"{train_m['acc'][0]:.3f} tau_sim {train_m['tau_sim']:.2f}"
             + (f" eval tau_sim {eval_m['tau_sim']:.2f}" if eval_m else "")
             + f" ({elapsed:.0f} s" + (f", ETA {eta / 60:.1f} min" if eta > 0 else "")
@@ -294,13 +320,20 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
         if dp.is_main:
             save_draft(draft, out_dir / "last")
             if on_epoch is not None:
-                on_epoch(epoch + 1, cfg.epochs)
+                on_epoch(epoch + 1, epochs)
         if score > best["tau_sim"]:
             best = {"tau_sim": score, "epoch": epoch + 1}
             if dp.is_main:
                 save_draft(draft, out_dir / "best")
+        if rule is not None and not decaying and rule.decay_start is not None:
+            say(f"train: {rule.reason} after epoch {epoch + 1} (smoothed eval tau_sim {rule.smoothed:.3f}): "
+                f"learning-rate decay over {rule.decay_epochs} epoch(s)")
         sums, n_tokens = None, 0
         checkpoint(epoch + 1, 0)
+        if rule is not None and rule.stop(epoch + 1):
+            say(f"train: stopped after epoch {epoch + 1} by the plateau rule ({rule.reason}); best epoch "
+                f"{best['epoch']}")
+            break
     return finish()
 
 
