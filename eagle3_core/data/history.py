@@ -110,10 +110,12 @@ def template_turn(tokenizer, markers: TargetMarkers, messages: list[dict], i: in
 
 
 def server_turn(markers: TargetMarkers, index: int, prompt: list[int], output: list[int], finish: str) -> Turn:
-    """A regenerated turn from the server's ids: the end-of-turn token appended where the answer stopped (finish
-    reason other than 'length') and the server did not return it."""
+    """A regenerated turn from the server's ids, trained as they are: the end-of-turn token is appended only where
+    the answer stopped (finish reason other than 'length') and the server returned none of the target's stop ids
+    (llama.cpp leaves the stop token out). A turn that ended on another stop id (Kimi's `[EOS]`) keeps it alone:
+    `[EOS]<|im_end|>` is a pair the target never writes."""
     output = list(output)
-    if finish != "length" and (not output or output[-1] != markers.eot):
+    if finish != "length" and (not output or not markers.is_stop(output[-1])):
         output.append(markers.eot)
     return Turn(index, list(prompt), output, "server")
 
