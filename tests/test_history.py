@@ -364,3 +364,36 @@ def test_the_tokenize_stage_counts_round_trip_refusals_per_source_and_cause(qwen
     want = "<think>\nTwo plus two.\n</think>\n\nIt is 4.<|im_end|>"
     assert {masked_text(toks["qwen3"], s) for s in samples} == {want}
 
+
+# stand-in -> (chat-template kwargs, what the target writes, tokens it may write before the cut): cut inside the
+# reasoning (K2.5, Qwen3 thinking) or inside the answer (DeepSeek-V3.1 without thinking)
+CUT = {"kimi_k25": ({}, "Let me add two and two carefully.</think>It is 4.<|im_end|>", 5),
+       "qwen3": ({}, "<think>\nLet me add two and two carefully.\n</think>\n\nIt is 4.<|im_end|>", 6),
+       "deepseek_v31": ({"thinking": False}, "Two and two make four, so it is 4." + DS_END, 6)}
+
+
+@pytest.mark.parametrize("name", sorted(CUT))
+def test_a_cut_off_turn_is_trained_without_a_closing_marker_the_message_lacks(toks, tmp_path, name):
+    """A turn cut at max_new_tokens (finish reason 'length'): through the token API it is trained as the server's
+    ids, no end of turn added; on the text path (the same answer as the OpenAI API gives it) the template's
+    rendering is ended where the target stopped: no `</think>` after K2.5 reasoning cut short, no `\\n</think>\\n\\n`
+    invented by Qwen3 at the cut, no end of turn: the trained span equals the server's ids. K2.5's template drops
+    the reasoning of the last answer (it renders `<think></think>`): the cut turn is refused on the text path as a
+    finished one is (cause 'reasoning'), not trained as `</think>` right after the prompt's `<think>`."""
+    kwargs, answer, limit = CUT[name]
+    tok = toks[name]
+    row, server = regenerate_row(tmp_path, tok, CHAT[:1], [answer], kwargs, turns="final", max_new=limit)
+    assert row["finish_reason"] == "length" and len(server.returned[0]) == limit
+    (sample,), source = row_samples(tok, row, 4096, "truncate", kwargs)
+    assert source == "server" and [t for t, w in zip(sample["input_ids"], sample["loss_mask"]) if w] == \
+        server.returned[0]
+    text_row = {**row, "api": "openai", "prompt_ids": [], "output_ids": []}
+    if name == "kimi_k25":
+        with pytest.raises(RoundTripError, match="renders the turn's reasoning differently") as e:
+            row_samples(tok, text_row, 4096, "truncate", kwargs)
+        assert e.value.cause == "reasoning"
+        return
+    (text,), source = row_samples(tok, text_row, 4096, "truncate", kwargs)
+    assert source == "template" and text["input_ids"] == sample["input_ids"], \
+        (tok.decode(text["input_ids"][-8:]), tok.decode(sample["input_ids"][-8:]))
+    assert text["loss_mask"] == sample["loss_mask"] and "</think>" not in masked_text(tok, text)
