@@ -397,3 +397,27 @@ def test_a_cut_off_turn_is_trained_without_a_closing_marker_the_message_lacks(to
     assert source == "template" and text["input_ids"] == sample["input_ids"], \
         (tok.decode(text["input_ids"][-8:]), tok.decode(sample["input_ids"][-8:]))
     assert text["loss_mask"] == sample["loss_mask"] and "</think>" not in masked_text(tok, text)
+
+
+def test_a_server_returning_ids_outside_the_vocabulary_is_refused_at_generation_naming_the_row_and_server(toks,
+                                                                                                         tmp_path):
+    """A server of another model answers with ids the target's tokenizer does not have: the row is recorded as
+    failed at generation, naming the row and the server (it used to pass and crash extraction with an IndexError)."""
+    tok = toks["qwen3"]
+
+    class OtherModel(SGLangTokenStandIn):
+        def _generate(self, path, body):
+            status, payload = super()._generate(path, body)
+            payload["output_ids"] = payload["output_ids"][:-1] + [len(tok) + 7]
+            return status, payload
+
+    prompts = tmp_path / "prompts.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": "s/r", "source": "s", "messages": json.dumps(CHAT[:1]),
+                                          "mode": "prompt", "tools": "", "meta": "{}"}]), prompts)
+    gen = GenerationConfig(api="sglang", concurrency=1, max_new_tokens=50, flush_rows=1, max_truncated_frac=1.0,
+                           progress_interval_s=60)
+    with OtherModel(tok, ["It is 4.<|im_end|>"], target_markers(tok).eot) as server:
+        (record,) = asyncio.run(regenerate(prompts, tmp_path / "gen", [0], "k", gen, ServerConfig(kind="external"),
+                                           [server.url], tok, log=lambda *_: None))
+    text = json.dumps(record)
+    assert "s/r" in text and server.url in text and "outside the target's vocabulary" in text, text[:800]
