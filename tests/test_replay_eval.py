@@ -259,3 +259,16 @@ def test_replay_keeps_the_stop_token_and_takes_the_verify_steps_of_decoding_on_d
         replayed.append(rep)
     tau_replay = sum(r["tokens_from_verify"] for r in replayed) / sum(r["verify_steps"] for r in replayed)
     assert tau_replay == produced / verify_steps
+
+
+def test_the_recording_keeps_the_stop_token_the_engine_left_out():
+    """with_stop_token: an answer that stopped keeps the stop id it ended on, whoever left it out (HF generate's
+    answers name it, SGLang's output ids hold it, llama.cpp's `tokens` omit it: the smallest stop id); an answer cut
+    at max_new gets none; ids after a stop id are cut, as speculate.greedy_generate stops."""
+    from eagle3_core.evaluation.replay_record import with_stop_token
+    stops = {5, 9}
+    assert with_stop_token({"output_ids": [1, 2], "finish_reason": "stop", "stop_id": 9}, stops, 8) == [1, 2, 9]
+    assert with_stop_token({"output_ids": [1, 9, 3], "finish_reason": "stop"}, stops, 8) == [1, 9]
+    assert with_stop_token({"output_ids": [1, 2], "finish_reason": "stop"}, stops, 8) == [1, 2, 5]
+    assert with_stop_token({"output_ids": [1, 2], "finish_reason": "length"}, stops, 2) == [1, 2]
+    assert with_stop_token({"output_ids": [1, 2, 3], "finish_reason": "length"}, stops, 2) == [1, 2]

@@ -368,7 +368,7 @@ def test_the_sglang_environment_also_runs_the_servers_of_generation_and_deployme
 
     async def token_api(url, api, prompts, *rest):
         calls.append((url, api))
-        return [[7, 8, 2, 9] for _ in prompts]
+        return [{"output_ids": [7, 8, 2, 9], "finish_reason": "stop", "stop_id": 2} for _ in prompts]
     monkeypatch.setattr(launcher, "sglang_server", server)
     monkeypatch.setattr(replay_record, "_token_api", token_api)
     assert replay_record.greedy_outputs(cfg, [[1, 2], [3]], {2}) == [[7, 8, 2], [7, 8, 2]]
