@@ -147,8 +147,11 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     facts["token_budget"], budget = budget_problems(cfg, ctx)
     problems += budget
     kwargs = cfg.generation.chat_template_kwargs
+    text_api = cfg.server.kind != "transformers" and cfg.generation.api_for(cfg.server.kind) == "openai"
     if chat_template is DETECT:
-        chat_template = None if target_config is not None or not kwargs else _template_of(cfg)
+        chat_template = None if target_config is not None or not (kwargs or text_api) else _template_of(cfg)
+    if text_api and chat_template is not None:
+        problems += text_api_problems(chat_template, kwargs)
     facts["chat_template_kwargs"] = ({"kwargs": kwargs, "checked against": "the target's chat template"}
                                      if chat_template is not None else
                                      {"kwargs": kwargs, "checked against": "no chat template here: the prompts "
@@ -271,6 +274,19 @@ def disk_check(cfg: PipelineConfig, H_t: int, disk) -> tuple[dict, list[tuple[st
                         f"runs the target every epoch: python -m eagle3_core.plan CONFIG --disk SIZE prints each "
                         f"one's hours), or lower features.max_length or prompts.num_train")]
     return facts, []
+
+
+def text_api_problems(chat_template: str, kwargs: dict | None) -> list[tuple[str, str]]:
+    """[('generation.api', why and the fix)] when the text API cannot train what the target writes under `kwargs`
+    (data.text_probe: one turn with reasoning and one cut-off turn through the template), else []."""
+    from eagle3_core.data.text_probe import text_api_problem
+    if (why := text_api_problem(chat_template, kwargs)) is None:
+        return []
+    return [("generation.api", f"'openai' returns text, which the tokenize stage re-renders with the target's chat "
+                               f"template, and under chat_template_kwargs {kwargs or {}} the template does not render "
+                               f"what the target writes: {why}; every such answer would be refused after the whole "
+                               f"generation. Set generation.api 'sglang' (or 'auto' with server.kind 'sglang'): the "
+                               f"server's own token ids are trained as they are")]
 
 
 def _template_of(cfg: PipelineConfig) -> str | None:

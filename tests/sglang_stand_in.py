@@ -7,7 +7,9 @@ schedule_batch.py` for the finish reasons `{"type": "stop", "matched": id}` and 
 
 What the "target" writes is scripted: the i-th request is answered with `answers[i]`, the raw text the target
 writes after its generation prompt (markers and end-of-turn token included), tokenized with the stand-in tokenizer;
-the answer is cut at `max_new_tokens`. Every request's input ids and the ids returned are recorded in order."""
+the answer ends at its first stop id (`stops`: every id the target stops on, default the end of turn `eot`; the
+finish reason then says which: `matched`, the stop token kept in `output_ids` as SGLang keeps it) or is cut at
+`max_new_tokens`. Every request's input ids and the ids returned are recorded in order."""
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +22,8 @@ GENERATE_REQ_FIELDS = {"text", "input_ids", "input_embeds", "image_data", "sampl
 
 
 class SGLangTokenStandIn(LoopbackProxy):
-    def __init__(self, tokenizer, answers: list[str], eot: int):
-        self.tokenizer, self.answers, self.eot = tokenizer, list(answers), eot
+    def __init__(self, tokenizer, answers: list[str], eot: int, stops: tuple[int, ...] = ()):
+        self.tokenizer, self.answers, self.eot, self.stops = tokenizer, list(answers), eot, set(stops) or {eot}
         self.received: list[list[int]] = []
         self.returned: list[list[int]] = []
         self.url = ""
@@ -48,7 +50,10 @@ class SGLangTokenStandIn(LoopbackProxy):
             return 400, {"error": f"the script has {len(self.answers)} answers, request {len(self.received) + 1}"}
         out = self.tokenizer(self.answers[len(self.received)], add_special_tokens=False)["input_ids"]
         limit = body["sampling_params"]["max_new_tokens"]
-        finish = {"type": "stop", "matched": self.eot} if len(out) <= limit else {"type": "length", "length": limit}
+        end = next((k for k, t in enumerate(out) if t in self.stops), None)
+        out = out if end is None else out[:end + 1]
+        finish = {"type": "stop", "matched": out[-1] if end is not None else self.eot} if len(out) <= limit else \
+            {"type": "length", "length": limit}
         out = out[:limit]
         self.received.append(ids)
         self.returned.append(out)

@@ -71,7 +71,7 @@ def toks():
     return {name: stand_in(name) for name in {c[0] for c in CASES.values()}}
 
 
-def regenerate_row(tmp_path, tok, messages, answers, kwargs, tools=None, meta=None, turns="all"):
+def regenerate_row(tmp_path, tok, messages, answers, kwargs, tools=None, meta=None, turns="all", max_new=200):
     """One prompt row regenerated turn by turn through the token API of the stand-in server; returns (the
     generation row as the tokenize stage reads it, the server)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -79,9 +79,10 @@ def regenerate_row(tmp_path, tok, messages, answers, kwargs, tools=None, meta=No
     pq.write_table(pa.Table.from_pylist([{"id": "s/r", "source": "s", "messages": json.dumps(messages),
                                           "mode": "prompt", "tools": json.dumps(tools) if tools else "",
                                           "meta": json.dumps(meta or {})}]), prompts)
-    gen = GenerationConfig(api="sglang", turns=turns, concurrency=1, max_new_tokens=200, flush_rows=1,
+    gen = GenerationConfig(api="sglang", turns=turns, concurrency=1, max_new_tokens=max_new, flush_rows=1,
                            chat_template_kwargs=kwargs, max_truncated_frac=1.0, progress_interval_s=60)
-    with SGLangTokenStandIn(tok, answers, target_markers(tok).eot) as server:
+    m = target_markers(tok)
+    with SGLangTokenStandIn(tok, answers, m.eot, m.stops) as server:
         asyncio.run(regenerate(prompts, tmp_path / "gen", [0], "k", gen, ServerConfig(kind="external"),
                                [server.url], tok, log=lambda *_: None))
     (row,) = prompts_mod.read_rows(tmp_path / "gen" / "shard_00000.parquet")
@@ -100,7 +101,7 @@ def check_row(tok, row, server, kwargs, tools, n_samples):
     samples, source = row_samples(tok, row, 4096, "truncate", kwargs or None)
     assert source == "server" and len(samples) == n_samples
     trained = [[t for t, w in zip(s["input_ids"], s["loss_mask"]) if w] for s in samples]
-    want = [out + ([] if out[-1] == m.eot else [m.eot]) for out in server.returned]
+    want = [out + ([] if m.is_stop(out[-1]) else [m.eot]) for out in server.returned]
     assert [t for run in trained for t in run] == [t for out in want for t in out]     # token for token
     k = 0
     for s in samples:
@@ -157,6 +158,31 @@ def test_kimi_reasoning_round_trip(toks, tmp_path):
     with pytest.raises(RoundTripError, match="renders the turn's reasoning differently") as e:
         row_samples(tok, text_row, 4096, "truncate")
     assert e.value.cause == "reasoning"
+
+
+def kimi_with_eos():
+    """The K2.5-style stand-in with Kimi's two stop tokens: the tokenizer's EOS `[EOS]` (163585 in Kimi-K2.5) apart
+    from the chat end of turn `<|im_end|>` (163586)."""
+    tok = stand_in("kimi_k25")
+    tok.add_special_tokens({"eos_token": "[EOS]"})
+    return tok
+
+
+def test_a_turn_that_stopped_on_eos_trains_exactly_the_servers_ids_with_both_kimi_end_tokens(tmp_path):
+    """Kimi-K2.5 stops on `[EOS]` as well as on `<|im_end|>`: a turn the server ended with `[EOS]` is trained as the
+    server returned it, `...It is 4.[EOS]`, not `[EOS]<|im_end|>` (a pair the target never writes); the history
+    message of the next turn holds no `[EOS]` text; the next turn, ended with `<|im_end|>`, keeps its own."""
+    tok = kimi_with_eos()
+    m = target_markers(tok)
+    eos, im_end = tok.convert_tokens_to_ids("[EOS]"), tok.convert_tokens_to_ids("<|im_end|>")
+    assert m.stops == tuple(sorted({eos, im_end})) and m.eot == im_end and m.texts["[EOS]"] == eos
+    answers = ["Two plus two.</think>It is 4.[EOS]", "Three plus three.</think>It is 6.<|im_end|>"]
+    row, server = regenerate_row(tmp_path, tok, CHAT, answers, {})
+    assert [out[-1] for out in server.returned] == [eos, im_end]
+    assert row["messages"][1]["content"] == "It is 4." and "[EOS]" not in json.dumps(row["messages"])
+    samples = check_row(tok, row, server, {}, None, 2)
+    assert [[t for t, w in zip(s["input_ids"], s["loss_mask"]) if w] for s in samples] == server.returned
+    assert [masked_text(tok, s) for s in samples] == answers
 
 
 @pytest.mark.parametrize("name", ["kimi_k25", "kimi_k2_thinking"])
@@ -337,3 +363,61 @@ def test_the_tokenize_stage_counts_round_trip_refusals_per_source_and_cause(qwen
     samples = pq.read_table(cfg.run_dir / "tokenized" / "train.parquet").to_pylist()
     want = "<think>\nTwo plus two.\n</think>\n\nIt is 4.<|im_end|>"
     assert {masked_text(toks["qwen3"], s) for s in samples} == {want}
+
+
+# stand-in -> (chat-template kwargs, what the target writes, tokens it may write before the cut): cut inside the
+# reasoning (K2.5, Qwen3 thinking) or inside the answer (DeepSeek-V3.1 without thinking)
+CUT = {"kimi_k25": ({}, "Let me add two and two carefully.</think>It is 4.<|im_end|>", 5),
+       "qwen3": ({}, "<think>\nLet me add two and two carefully.\n</think>\n\nIt is 4.<|im_end|>", 6),
+       "deepseek_v31": ({"thinking": False}, "Two and two make four, so it is 4." + DS_END, 6)}
+
+
+@pytest.mark.parametrize("name", sorted(CUT))
+def test_a_cut_off_turn_is_trained_without_a_closing_marker_the_message_lacks(toks, tmp_path, name):
+    """A turn cut at max_new_tokens (finish reason 'length'): through the token API it is trained as the server's
+    ids, no end of turn added; on the text path (the same answer as the OpenAI API gives it) the template's
+    rendering is ended where the target stopped: no `</think>` after K2.5 reasoning cut short, no `\\n</think>\\n\\n`
+    invented by Qwen3 at the cut, no end of turn: the trained span equals the server's ids. K2.5's template drops
+    the reasoning of the last answer (it renders `<think></think>`): the cut turn is refused on the text path as a
+    finished one is (cause 'reasoning'), not trained as `</think>` right after the prompt's `<think>`."""
+    kwargs, answer, limit = CUT[name]
+    tok = toks[name]
+    row, server = regenerate_row(tmp_path, tok, CHAT[:1], [answer], kwargs, turns="final", max_new=limit)
+    assert row["finish_reason"] == "length" and len(server.returned[0]) == limit
+    (sample,), source = row_samples(tok, row, 4096, "truncate", kwargs)
+    assert source == "server" and [t for t, w in zip(sample["input_ids"], sample["loss_mask"]) if w] == \
+        server.returned[0]
+    text_row = {**row, "api": "openai", "prompt_ids": [], "output_ids": []}
+    if name == "kimi_k25":
+        with pytest.raises(RoundTripError, match="renders the turn's reasoning differently") as e:
+            row_samples(tok, text_row, 4096, "truncate", kwargs)
+        assert e.value.cause == "reasoning"
+        return
+    (text,), source = row_samples(tok, text_row, 4096, "truncate", kwargs)
+    assert source == "template" and text["input_ids"] == sample["input_ids"], \
+        (tok.decode(text["input_ids"][-8:]), tok.decode(sample["input_ids"][-8:]))
+    assert text["loss_mask"] == sample["loss_mask"] and "</think>" not in masked_text(tok, text)
+
+
+def test_a_server_returning_ids_outside_the_vocabulary_is_refused_at_generation_naming_the_row_and_server(toks,
+                                                                                                         tmp_path):
+    """A server of another model answers with ids the target's tokenizer does not have: the row is recorded as
+    failed at generation, naming the row and the server (it used to pass and crash extraction with an IndexError)."""
+    tok = toks["qwen3"]
+
+    class OtherModel(SGLangTokenStandIn):
+        def _generate(self, path, body):
+            status, payload = super()._generate(path, body)
+            payload["output_ids"] = payload["output_ids"][:-1] + [len(tok) + 7]
+            return status, payload
+
+    prompts = tmp_path / "prompts.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": "s/r", "source": "s", "messages": json.dumps(CHAT[:1]),
+                                          "mode": "prompt", "tools": "", "meta": "{}"}]), prompts)
+    gen = GenerationConfig(api="sglang", concurrency=1, max_new_tokens=50, flush_rows=1, max_truncated_frac=1.0,
+                           progress_interval_s=60)
+    with OtherModel(tok, ["It is 4.<|im_end|>"], target_markers(tok).eot) as server:
+        (record,) = asyncio.run(regenerate(prompts, tmp_path / "gen", [0], "k", gen, ServerConfig(kind="external"),
+                                           [server.url], tok, log=lambda *_: None))
+    text = json.dumps(record)
+    assert "s/r" in text and server.url in text and "outside the target's vocabulary" in text, text[:800]

@@ -211,3 +211,64 @@ def test_replay_recorded_from_a_token_api_server_measures_the_tau_of_decoding(ta
         tau_decode = produced / verify_steps
         tau_replay = sum(r["tokens_from_verify"] for r in replayed) / sum(r["verify_steps"] for r in replayed)
         assert tau_replay == tau_decode and 1.2 < tau_decode < steps + 1, (steps, tau_replay, tau_decode)
+
+
+@pytest.mark.slow
+def test_replay_keeps_the_stop_token_and_takes_the_verify_steps_of_decoding_on_debug_tiny(target_model, tokenizer,
+                                                                                          tmp_path):
+    """The replay's tau is the decoding evaluator's on debug_tiny's held-out prompts and on prompts whose answer ends
+    on a stop id within eval.max_new_tokens: the recording from the serving engine (server.kind 'transformers':
+    BatchedGenerator, whose output ids leave the stop token out) keeps the stop token the target wrote, as
+    speculate.greedy_generate does, so every EOS-ended answer keeps its last verify step. Stop ids: every one of the
+    target (data.markers.stop_ids), as the evaluate stage takes them. Same tokens, verify steps, accepted tokens and
+    tau (the scripted draft reads no features, so the comparison is exact)."""
+    from eagle3_core.config import preset
+    from eagle3_core.contract.layout import RunLayout
+    from eagle3_core.data.markers import stop_ids
+    from eagle3_core.data.prompt_set import read_rows
+    from eagle3_core.evaluation.replay_record import greedy_outputs
+    from eagle3_core.pipeline.evaluate_stage import held_out_prompt_ids
+    from eagle3_core.pipeline.prompts_stage import run_prompts
+    from eagle3_core.target.loading import generation_eos_ids
+    cfg = preset("debug_tiny", tmp_path / "run")
+    cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"kind": "transformers"}),
+                                 "generation": cfg.generation.model_copy(update={"concurrency": 1}),
+                                 "eval": cfg.eval.model_copy(update={"max_new_tokens": 24})})
+    run_prompts(cfg, log=lambda *_: None)
+    prompts = held_out_prompt_ids(cfg, tokenizer, read_rows(RunLayout(cfg.run_dir).prompts_eval))
+    prompts += [prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in ["Say hello.", "What is 2+2?"]]
+    eos = set(stop_ids(tokenizer, generation_eos_ids(cfg.target)))
+    lines = []
+    served = greedy_outputs(cfg, prompts, eos, log=lines.append)
+    runner = TargetRunner(target_model, [1, 14, 27])
+    in_process = record_target(runner, prompts, 24, eos)
+    assert served == [r["tokens"] for r in in_process]                   # the stop token kept
+    ended = [g[-1] in eos for g in served]
+    assert any(ended) and not all(ended), ended                          # EOS-ended and cut answers both
+    assert f"{sum(ended)} ended on a stop id" in lines[0]
+    produced, verify_steps, replayed = 0, 0, []
+    for rec in in_process:
+        seq = rec["prompt"] + rec["tokens"]
+        script = [(t + 1) % target_model.config.vocab_size if i * 37 % 11 < 3 else t for i, t in enumerate(seq)]
+        draft = ScriptedDraft(script, target_model.config.vocab_size)
+        spec = speculative_generate(runner, draft, rec["prompt"], 24, eos, 3)
+        rep = replay_chain(draft, rec, 3)
+        assert spec["tokens"] == rec["tokens"] and rep["verify_steps"] == spec["verify_steps"]
+        assert rep["accepted"][:-1] == spec["accepted"][:-1] and rep["tokens_from_verify"] == spec["tokens_from_verify"]
+        produced, verify_steps = produced + spec["tokens_from_verify"], verify_steps + spec["verify_steps"]
+        replayed.append(rep)
+    tau_replay = sum(r["tokens_from_verify"] for r in replayed) / sum(r["verify_steps"] for r in replayed)
+    assert tau_replay == produced / verify_steps
+
+
+def test_the_recording_keeps_the_stop_token_the_engine_left_out():
+    """with_stop_token: an answer that stopped keeps the stop id it ended on, whoever left it out (HF generate's
+    answers name it, SGLang's output ids hold it, llama.cpp's `tokens` omit it: the smallest stop id); an answer cut
+    at max_new gets none; ids after a stop id are cut, as speculate.greedy_generate stops."""
+    from eagle3_core.evaluation.replay_record import with_stop_token
+    stops = {5, 9}
+    assert with_stop_token({"output_ids": [1, 2], "finish_reason": "stop", "stop_id": 9}, stops, 8) == [1, 2, 9]
+    assert with_stop_token({"output_ids": [1, 9, 3], "finish_reason": "stop"}, stops, 8) == [1, 9]
+    assert with_stop_token({"output_ids": [1, 2], "finish_reason": "stop"}, stops, 8) == [1, 2, 5]
+    assert with_stop_token({"output_ids": [1, 2], "finish_reason": "length"}, stops, 2) == [1, 2]
+    assert with_stop_token({"output_ids": [1, 2, 3], "finish_reason": "length"}, stops, 2) == [1, 2]

@@ -368,7 +368,7 @@ def test_the_sglang_environment_also_runs_the_servers_of_generation_and_deployme
 
     async def token_api(url, api, prompts, *rest):
         calls.append((url, api))
-        return [[7, 8, 2, 9] for _ in prompts]
+        return [{"output_ids": [7, 8, 2, 9], "finish_reason": "stop", "stop_id": 2} for _ in prompts]
     monkeypatch.setattr(launcher, "sglang_server", server)
     monkeypatch.setattr(replay_record, "_token_api", token_api)
     assert replay_record.greedy_outputs(cfg, [[1, 2], [3]], {2}) == [[7, 8, 2], [7, 8, 2]]
@@ -492,3 +492,34 @@ def test_sglang_itself_matches_hf_on_a_small_model_within_the_probe_tolerance(ti
     report = probe(cfg, ["sglang", "hf"], 5, log=print)
     print(render(report))
     assert report["ok"], render(report)
+
+
+def test_check_refuses_the_text_api_for_a_thinking_kimi_and_the_shipped_configs_use_token_ids(capsys, tmp_path):
+    """`check` probes one turn with reasoning and one cut-off turn through the target's chat template (the K2.5-style
+    template, thinking on by default) before any generation: the old `generation.api: openai` of the Kimi configs is
+    refused naming generation.api and the fix (K2.5 renders the last answer's reasoning as `<think></think>`, so
+    every answer would be refused at tokenize after the whole generation); the shipped configs, on SGLang's token-id
+    API, pass; with `thinking: false` the text API passes too (the target then writes no reasoning)."""
+    import json
+
+    from eagle3_core.check import main
+    template = str(ROOT / "tests/data/chat_templates/Kimi-K2.5-style.jinja")
+    target = str(ROOT / "tests/data/kimi_k25/config.json")
+    for name in ("kimi_k25_smoke.json", "kimi_k25_agentic_100k.json"):
+        data = json.loads((ROOT / "configs" / name).read_text())
+        assert data["generation"]["api"] == "sglang"
+        if name == "kimi_k25_smoke.json":
+            assert main([str(ROOT / "configs" / name), "--target-config", target, "--chat-template", template]) == 0
+            assert "check: passed" in capsys.readouterr().out
+        data["generation"]["api"] = "openai"
+        old = tmp_path / name
+        old.write_text(json.dumps(data))
+        assert main([str(old), "--target-config", target, "--chat-template", template]) != 0
+        captured = capsys.readouterr()
+        out = captured.out + captured.err
+        assert "generation.api" in out and "drops its reasoning" in out and "Set generation.api 'sglang'" in out
+    data["generation"]["chat_template_kwargs"] = {"thinking": False}
+    old.write_text(json.dumps(data))
+    main([str(old), "--target-config", target, "--chat-template", template])
+    captured = capsys.readouterr()
+    assert "generation.api" not in captured.out + captured.err

@@ -10,7 +10,8 @@ A trained turn is (context [P], answer [O]), from one of two sources:
 - 'template' (the text path: kept data, the OpenAI API, a data turn kept in a turn-by-turn row): the prompt rendered
   with the generation prompt (P_i) and the template's own rendering of the turn after it: the conversation up to and
   including the turn is rendered, must start with P_i, and the answer is what follows, up to the first end-of-turn
-  token; both tokenized on their own, without special tokens added (what a server tokenizes). The answer must read
+  token (a turn cut at max_new_tokens: up to the end of its last text, cut_span); both tokenized on their own,
+  without special tokens added (what a server tokenizes). The answer must read
   back as the message it came from (markers.parse_answer against markers.same_message: the round trip), and a
   template that writes an empty think block for it where the target in this thinking mode writes its reasoning
   (the generation prompt opens <think>, or the answer is `<think></think>`) is refused: the draft would learn an
@@ -95,6 +96,8 @@ def template_turn(tokenizer, markers: TargetMarkers, messages: list[dict], i: in
     if end < 0 and not truncated:
         raise refuse("no_end")
     span = full[len(prefix):] if end < 0 else full[len(prefix):end + (0 if truncated else len(eot))]
+    if truncated:
+        span = cut_span(span, messages[i])
     context, answer = prompt_ids(tokenizer, messages[:i], tools, template_kwargs), _ids(tokenizer, span)
     if markers.think is not None:
         opened = bool(context) and context[-1] == markers.think[0]
@@ -102,18 +105,35 @@ def template_turn(tokenizer, markers: TargetMarkers, messages: list[dict], i: in
         opened = markers.think_text and prefix.rstrip().endswith("<think>")
     back = parse_answer(tokenizer, markers, answer, opened_think=opened)
     want = renderable_message(messages[i], native=markers.think is not None or markers.think_text)
-    if (diff := same_message(want, back)) is not None and not (truncated and diff != "tool calls"):
+    if (diff := same_message(want, back)) is not None:       # a cut turn too: cut_span ends it where it stopped
         raise refuse(diff, f" (rendered as {tokenizer.decode(answer)[:120]!r})")
     if "reasoning_content" in back and not back["reasoning_content"].strip() and not truncated:
         raise refuse("empty_thinking")
     return Turn(i, context, answer, "template")
 
 
+def cut_span(span: str, message: dict) -> str:
+    """The rendering `span` of a turn cut at max_new_tokens, ended where the target stopped writing: right after
+    the message's last text (its content, or its reasoning when it was cut inside it). What a template closes after
+    that is not what the target wrote: a K2.5 answer cut inside its reasoning gets no `</think>`, Qwen3's
+    `\n</think>\n\n` is not invented at the cut. A message with tool calls keeps the span as rendered (the round
+    trip then checks the calls)."""
+    if message.get("tool_calls"):
+        return span
+    last = message.get("content") if (message.get("content") or "").strip() else message.get("reasoning_content")
+    for tail in (last or "", (last or "").strip()):     # as written (ChatML), else as a template strips it (Qwen3)
+        if tail and (k := span.rfind(tail)) >= 0:
+            return span[:k + len(tail)]
+    return span
+
+
 def server_turn(markers: TargetMarkers, index: int, prompt: list[int], output: list[int], finish: str) -> Turn:
-    """A regenerated turn from the server's ids: the end-of-turn token appended where the answer stopped (finish
-    reason other than 'length') and the server did not return it."""
+    """A regenerated turn from the server's ids, trained as they are: the end-of-turn token is appended only where
+    the answer stopped (finish reason other than 'length') and the server returned none of the target's stop ids
+    (llama.cpp leaves the stop token out). A turn that ended on another stop id (Kimi's `[EOS]`) keeps it alone:
+    `[EOS]<|im_end|>` is a pair the target never writes."""
     output = list(output)
-    if finish != "length" and (not output or output[-1] != markers.eot):
+    if finish != "length" and (not output or not markers.is_stop(output[-1])):
         output.append(markers.eot)
     return Turn(index, list(prompt), output, "server")
 

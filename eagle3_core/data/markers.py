@@ -55,8 +55,10 @@ class TargetMarkers:
     think: (open id, close id); tool_format: a TOOL_FORMATS name; tool_ids: its marker ids in TOOL_FORMATS order
     (None for a marker the format lacks, all None when the markers are not single tokens: the fallback reads them in
     the decoded text); think_text: the template writes <think> blocks but they are not single tokens (text fallback);
-    eot: the end-of-turn id (chat.end_of_turn); texts: marker text -> id of every single-token marker;
-    arguments_as_object: the template prints tool-call arguments with `tojson` and never tests for text."""
+    eot: the end-of-turn id (chat.end_of_turn); texts: marker text -> id of every single-token marker and stop id;
+    arguments_as_object: the template prints tool-call arguments with `tojson` and never tests for text;
+    stops: every id the target stops on (stop_ids: the template's end of turn, the tokenizer's EOS, the generation
+    config's EOS list), sorted; () reads as (eot,)."""
     think: tuple[int, int] | None
     tool_format: str | None
     tool_ids: tuple[int | None, ...] = ()
@@ -64,15 +66,37 @@ class TargetMarkers:
     texts: dict[str, int] = field(default_factory=dict)
     think_text: bool = False
     arguments_as_object: bool = False
+    stops: tuple[int, ...] = ()
+
+    def is_stop(self, token: int) -> bool:
+        """True if the target ends an answer with `token` (one of `stops`, or the end of turn when none is set)."""
+        return token in (self.stops or (self.eot,))
 
     def vocab_ids(self) -> list[int]:
         """Every marker id (think, tool calls, end of turn), sorted: kept in the draft vocab whatever the counts."""
         return sorted(set(self.texts.values()))
 
 
-def target_markers(tokenizer) -> TargetMarkers:
-    """The marker ids of `tokenizer` and its chat template (module docstring). Raises chat.MaskError when the
-    template closes an assistant turn with no special token (chat.end_of_turn)."""
+def stop_ids(tokenizer, generation_eos=None) -> tuple[int, ...]:
+    """Every id the target stops on, sorted: the chat template's end of turn (chat.end_of_turn; none for a tokenizer
+    without a chat template), the tokenizer's EOS and `generation_eos` (the generation config's `eos_token_id`: an
+    int, a list or None). Kimi-K2.5 has two, `[EOS]` (163585, the tokenizer's) and `<|im_end|>` (163586, the end of
+    turn), and it is served stopping on either (SGLang 0.5.14 `srt/configs/model_config.py` `hf_eos_token_id`: the
+    generation config's EOS list, beside the tokenizer's EOS). Raises chat.MaskError when the template closes an
+    assistant turn with no special token."""
+    from eagle3_core.data.chat import end_of_turn
+    ids = {end_of_turn(tokenizer)[0]} if getattr(tokenizer, "chat_template", None) else set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    extra = generation_eos if isinstance(generation_eos, (list, tuple, set)) else \
+        [] if generation_eos is None else [generation_eos]
+    return tuple(sorted(ids | {int(t) for t in extra}))
+
+
+def target_markers(tokenizer, generation_eos=None) -> TargetMarkers:
+    """The marker ids of `tokenizer` and its chat template (module docstring); stops: stop_ids(tokenizer,
+    generation_eos). Raises chat.MaskError when the template closes an assistant turn with no special token
+    (chat.end_of_turn)."""
     from eagle3_core.data.chat import end_of_turn
     src = template_source(tokenizer)
     texts: dict[str, int] = {}
@@ -94,8 +118,10 @@ def target_markers(tokenizer) -> TargetMarkers:
         break
     eot, eot_text = end_of_turn(tokenizer)
     texts[eot_text] = eot
+    stops = stop_ids(tokenizer, generation_eos)
+    texts.update({tokenizer.convert_ids_to_tokens(t): t for t in stops})
     as_object = bool(ARGUMENTS_TOJSON.search(src)) and "arguments is string" not in src
-    return TargetMarkers(think, fmt, ids, eot, texts, think is None and THINK[1] in src, as_object)
+    return TargetMarkers(think, fmt, ids, eot, texts, think is None and THINK[1] in src, as_object, stops)
 
 
 def _raw_arguments(body: str) -> tuple[str, str]:
@@ -153,13 +179,14 @@ def parse_answer(tokenizer, m: TargetMarkers, ids: list[int], opened_think: bool
     what it strips), content as written, or stripped where a reasoning span or tool calls were split off (module
     docstring of eagle3_core.data.history: what the history then renders).
 
-    ids [O]: the answer, with or without its end-of-turn token. opened_think: the prompt ends with the think open
+    ids [O]: the answer, with or without the stop token it ended on (any of m.stops: Kimi's `[EOS]` as well as
+    `<|im_end|>`). opened_think: the prompt ends with the think open
     marker (K2.5 and DeepSeek-V3.1 in thinking mode, a template's forced <think>), so the answer starts inside its
     reasoning. Reasoning runs to the think close marker (an answer cut before it is all reasoning); tool calls
     start at the format's first marker; calls whose body is not what the format says (cut at max_new_tokens,
     malformed JSON) stay in the content as text."""
     ids = list(ids)
-    if m.eot is not None and ids and ids[-1] == m.eot:
+    if ids and m.is_stop(ids[-1]):
         ids = ids[:-1]
     decode = lambda x: tokenizer.decode(x, skip_special_tokens=False)  # noqa: E731
     msg: dict = {"role": "assistant"}

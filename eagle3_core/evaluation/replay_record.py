@@ -31,7 +31,9 @@ def greedy_outputs(cfg, prompts: list[list[int]], eos_ids: set[int], log=print) 
     in process (hf_generate.BatchedGenerator), 'sglang' through `/generate` of an SGLang server started here for
     the recording as the generation stage starts it (the run's sglang_python; log eval/replay_server.log), any
     other kind through the token-id API of server.url / server.urls (SGLang `/generate`, llama.cpp `/completion`:
-    generation.api). Raises ValueError when the kind serves no token API here (no URL given), naming the field."""
+    generation.api). eos_ids: every id the target stops on (data.markers.stop_ids). The stop token an answer ended
+    on is kept, as the decoding evaluator keeps it (with_stop_token). Raises ValueError when the kind serves no
+    token API here (no URL given), naming the field."""
     max_new = cfg.eval.max_new_tokens
     if cfg.server.kind == "sglang":
         from eagle3_core.contract.layout import RunLayout
@@ -40,15 +42,14 @@ def greedy_outputs(cfg, prompts: list[list[int]], eos_ids: set[int], log=print) 
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with sglang_server(cfg.target.model, log_path, s.host, s.port, cfg.target.revision,
                            cfg.target.trust_remote_code, s.startup_timeout_s, s.extra_args, cfg.sglang_python) as url:
-            outs = asyncio.run(_token_api(url, "sglang", prompts, max_new, cfg.generation.concurrency,
-                                          cfg.generation.request_timeout_s))
+            answers = asyncio.run(_token_api(url, "sglang", prompts, max_new, cfg.generation.concurrency,
+                                             cfg.generation.request_timeout_s))
     elif cfg.server.kind == "transformers":
         from eagle3_core.serving.hf_generate import BatchedGenerator
         from eagle3_core.target.loading import load_target, load_tokenizer
         gen = BatchedGenerator(load_target(cfg.target), load_tokenizer(cfg.target), cfg.generation.concurrency,
                                max_new)
         answers = asyncio.run(_gather(gen.complete, prompts))
-        outs = [a["output_ids"] for a in answers]
     else:
         urls = cfg.server.urls or ([cfg.server.url] if cfg.server.url else [])
         api = cfg.generation.api_for(cfg.server.kind)
@@ -58,19 +59,32 @@ def greedy_outputs(cfg, prompts: list[list[int]], eos_ids: set[int], log=print) 
                              f"set server.url (a running server of the target) and generation.api 'sglang' or "
                              f"'llama.cpp' (got server.kind {cfg.server.kind!r}, api {api!r}), or eval.evaluator "
                              f"'decode'")
-        outs = asyncio.run(_token_api(urls[0], api, prompts, max_new, cfg.generation.concurrency,
-                                      cfg.generation.request_timeout_s))
-    cut = []
-    for out in outs:
-        g = []
-        for t in out:
-            g.append(int(t))
-            if stop_greedy(g, eos_ids, max_new):
-                break
-        cut.append(g)
+        answers = asyncio.run(_token_api(urls[0], api, prompts, max_new, cfg.generation.concurrency,
+                                         cfg.generation.request_timeout_s))
+    cut = [with_stop_token(a, eos_ids, max_new) for a in answers]
     log(f"evaluate: recorded the target's greedy outputs on {len(prompts)} held-out prompts "
-        f"({sum(map(len, cut))} tokens, server.kind {cfg.server.kind!r})")
+        f"({sum(map(len, cut))} tokens, {sum(bool(g) and g[-1] in eos_ids for g in cut)} ended on a stop id, "
+        f"server.kind {cfg.server.kind!r})")
     return cut
+
+
+def with_stop_token(answer: dict, eos_ids: set[int], max_new: int) -> list[int]:
+    """The greedy tokens of one answer ({output_ids, finish_reason, stop_id?}) as speculate.greedy_generate
+    decodes them: cut after the first stop id or max_new tokens, and ending with the stop id the answer stopped on
+    where the engine left it out of its output ids (HF generate's answers here and llama.cpp's `tokens` omit it,
+    SGLang's `output_ids` hold it): `stop_id` when the engine says which (BatchedGenerator; SGLang's
+    finish_reason.matched), else the smallest stop id (llama.cpp reports only `stop_type: eos`; a target with one
+    stop id, the embedded one, is exact). Without it the last verify step of every EOS-ended answer would be
+    lost."""
+    g = []
+    for t in answer["output_ids"]:
+        g.append(int(t))
+        if stop_greedy(g, eos_ids, max_new):
+            return g
+    if answer.get("finish_reason") == "stop" and eos_ids and len(g) < max_new:
+        stop = answer.get("stop_id")
+        g.append(int(stop) if stop is not None and int(stop) in eos_ids else min(eos_ids))
+    return g
 
 
 async def _gather(complete, prompts):
@@ -86,7 +100,9 @@ async def _token_api(url: str, api: str, prompts, max_new: int, concurrency: int
         async def one(p):
             async with sem:
                 data = await post_once(client, url, API_PATHS[api], request_body(api, None, p, max_new, 0.0))
-                return parse_response(api, data, url)["output_ids"]
+                answer = parse_response(api, data, url)
+                matched = ((data.get("meta_info") or {}).get("finish_reason") or {}).get("matched")
+                return {**answer, "stop_id": matched if isinstance(matched, int) else None}
         return await asyncio.gather(*(one(p) for p in prompts))
 
 

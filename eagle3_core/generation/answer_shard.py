@@ -131,7 +131,7 @@ class AnswerShardWriter:
             ids, digests = table["id"].to_pylist(), table["prompt_sha256"].to_pylist()
             first = {i: n for n, (i, d) in reversed(list(enumerate(zip(ids, digests))))
                      if i in self.rows and self.rows[i][1] == d}              # first answer of each current row
-            table = table.take(pa.array(sorted(first.values(), key=lambda n: self.rows[ids[n]][0])))
+            table = table.take(pa.array(sorted(first.values(), key=lambda n: self.rows[ids[n]][0]), pa.int64()))
             table = table.set_column(table.schema.get_field_index("index"), "index",
                                      pa.array([self.rows[i][0] for i in table["id"].to_pylist()], pa.int64()))
             assert len(set(table["id"].to_pylist())) == table.num_rows, f"shard {self.k}: duplicate ids"

@@ -264,6 +264,10 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int] | dict[int
                                                                  gen.retry_backoff_s, on_retry)
                 data.pop("logprobs", None)
                 if gen.api in TOKEN_ID_APIS:
+                    if bad := [t for t in data["output_ids"] if not 0 <= t < len(tokenizer)]:
+                        raise RequestRejected(f"{where}: {url} returned token ids outside the target's vocabulary "
+                                              f"({len(tokenizer)} tokens), e.g. {bad[:5]}: the server serves another "
+                                              f"model than target.model; point server.url at a server of the target")
                     data.update(await asyncio.get_running_loop().run_in_executor(
                         tokenize_thread, parsed_answer, tokenizer, markers, turn_ids, data["output_ids"]))
             data["prompt_ids"] = turn_ids

@@ -110,7 +110,8 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     from eagle3_core.evaluation.acceptance import SpecRun, measure, tau_consistency
     from eagle3_core.evaluation.preflight import preflight
     from eagle3_core.evaluation.speculate import TargetRunner
-    from eagle3_core.target.loading import load_target, load_tokenizer
+    from eagle3_core.data.markers import stop_ids
+    from eagle3_core.target.loading import generation_eos_ids, load_target, load_tokenizer
     out = RunLayout(cfg.run_dir).eval
     up = upstream_manifest(cfg.run_dir, "train")
 
@@ -122,7 +123,7 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
         trained = load_draft(Path(up["export_dir"]))
         untrained, _ = fresh_draft(cfg)
         ids = trained.shape.aux_layer_ids
-        eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        eos = set(stop_ids(tok, generation_eos_ids(cfg.target)))        # every id the target stops on
         e, S = cfg.eval, cfg.eval.num_draft_steps
 
         def subset(n: int | None) -> list[int] | None:                     # the first n held-out prompts

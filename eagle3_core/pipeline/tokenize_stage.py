@@ -45,14 +45,14 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
     from eagle3_core.data.markers import target_markers
     from eagle3_core.data.samples import check_server_ids, row_samples
     from eagle3_core.data.tool_calls import check_generation_tool_calls
-    from eagle3_core.target.loading import load_tokenizer
+    from eagle3_core.target.loading import generation_eos_ids, load_tokenizer
     run = RunLayout(cfg.run_dir)
     out = run.tokenized
     up = upstream_manifest(cfg.run_dir, "generation")
 
     def body() -> dict:
         tok = load_tokenizer(cfg.target)
-        markers = target_markers(tok)
+        markers = target_markers(tok, generation_eos_ids(cfg.target))          # every stop id ends a turn
         kwargs = cfg.generation.chat_template_kwargs or None
         rows, n_cut, dropped, rejects, per, sources, id_rows, causes = [], 0, [], [], {}, {}, [], {}
         for shard in up["shards"]:

@@ -22,12 +22,10 @@ LINGER_S = 0.05       # wait this long for more requests before running a batch 
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
-    """End-of-sequence ids: the model's generation config (int or list) and the tokenizer's eos token."""
-    ids = getattr(model.generation_config, "eos_token_id", None)
-    ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
+    """The ids generation stops on: the model's generation config (int or list), the tokenizer's eos token and the
+    chat template's end of turn (data.markers.stop_ids: what every stage stops on)."""
+    from eagle3_core.data.markers import stop_ids
+    return set(stop_ids(tokenizer, getattr(model.generation_config, "eos_token_id", None)))
 
 
 class BatchedGenerator:
@@ -56,7 +54,8 @@ class BatchedGenerator:
     async def complete(self, prompt_ids: list[int]) -> dict:
         """Answer one prompt (token ids, chat template applied). Returns {response, reasoning '', finish_reason
         'stop' | 'length', prompt_tokens, completion_tokens (EOS included), output_ids (EOS excluded), model,
-        timings (JSON: batch rows and seconds)}. Raises what `model.generate` raised (e.g. CUDA out of memory)."""
+        timings (JSON: batch rows and seconds), stop_id (the stop id it ended on, None when cut)}. Raises what
+        `model.generate` raised (e.g. CUDA out of memory)."""
         if not prompt_ids:
             raise ValueError("empty prompt: nothing to condition the answer on")
         fut = asyncio.get_running_loop().create_future()
@@ -109,7 +108,8 @@ class BatchedGenerator:
                 "finish_reason": "length" if stop is None else "stop", "prompt_tokens": len(p),
                 "completion_tokens": len(toks) + (stop is not None), "output_ids": toks,
                 "model": str(getattr(self.model.config, "_name_or_path", "") or ""),
-                "timings": json.dumps({"batch_rows": len(prompts), "batch_s": seconds})})
+                "timings": json.dumps({"batch_rows": len(prompts), "batch_s": seconds}),
+                "stop_id": None if stop is None else int(gen[stop])})
         return answers
 
     def close(self) -> None:

@@ -78,13 +78,14 @@ def measure_offline(cfg: PipelineConfig, draft, device: str = "cpu") -> dict:
 def held_out_prompts(cfg: PipelineConfig) -> tuple[list[dict], list[list[int]], set[int]]:
     """(rows of cfg.run_dir's prompts/eval.parquet, their token ids through the target's chat template with each
     row's tools and generation.chat_template_kwargs (evaluate_stage.held_out_prompt_ids, as the evaluate stage
-    renders them), the target tokenizer's EOS ids): what the offline evaluators decode from."""
+    renders them), every id the target stops on: data.markers.stop_ids): what the offline evaluators decode from."""
     from eagle3_core.data.prompt_set import read_rows
     from eagle3_core.pipeline.evaluate_stage import held_out_prompt_ids
-    from eagle3_core.target.loading import load_tokenizer
+    from eagle3_core.data.markers import stop_ids
+    from eagle3_core.target.loading import generation_eos_ids, load_tokenizer
     tok = load_tokenizer(cfg.target)
     rows = read_rows(RunLayout(cfg.run_dir).prompts_eval)
-    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    eos = set(stop_ids(tok, generation_eos_ids(cfg.target)))
     return rows, held_out_prompt_ids(cfg, tok, rows), eos
 
 

@@ -98,6 +98,23 @@ def load_target_config(cfg: TargetConfig):
                                       trust_remote_code=cfg.trust_remote_code)
 
 
+def generation_eos_ids(cfg: TargetConfig):
+    """The target's generation-config `eos_token_id` (int, list or None): its generation_config.json, else what
+    transformers derives from config.json when there is none (what a loaded model's `generation_config` holds), else
+    None (a directory holding only a tokenizer: the stages that need no weights run on one). One part of
+    data.markers.stop_ids."""
+    from transformers import GenerationConfig
+    try:
+        return GenerationConfig.from_pretrained(local_model_dir(cfg), revision=cfg.revision).eos_token_id
+    except OSError:                       # no generation_config.json: transformers derives one from config.json
+        pass
+    try:
+        config = load_target_config(cfg)
+    except (OSError, ValueError):         # no model config at all (a tokenizer's directory)
+        return None
+    return GenerationConfig.from_model_config(config).eos_token_id
+
+
 def auto_model_class(config, where: str):
     """AutoModelForCausalLM for decoder-only configs (and remote code that maps it); AutoModelForImageTextToText
     for a vision-language wrapper whose text model sits under `text_config` (transformers registers e.g.
