@@ -256,6 +256,17 @@ def test_pinned_eval_ids_are_the_held_out_set_and_bad_ones_are_named():
                                                                        "human-eval/HumanEval/9999"]))
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[1] / "configs").glob("*.json")
+                                         if '"eval_ids"' in p.read_text()))
+def test_a_shipped_configs_pinned_eval_ids_are_its_held_out_set(name):
+    """A shipped config's pinned held-out ids name rows its local sources still produce: ids of id-less rows come from
+    their content (row positions were the ids before), and a stale list refuses all of them at the prompts stage."""
+    cfg = PipelineConfig.model_validate(json.loads((Path(__file__).parents[1] / "configs" / name).read_text()))
+    train, evals, stats = build_prompts(cfg.prompts)
+    assert sorted(r["id"] for r in evals) == sorted(cfg.prompts.eval_ids)
+    assert stats["eval_chosen"] == "pinned by prompts.eval_ids" and len(train) == cfg.prompts.num_train
+
+
 def test_mix_definition_errors():
     with pytest.raises(ValueError, match="exactly one of `path`"):
         SourceSpec(path="a.jsonl", hf="x/y")
