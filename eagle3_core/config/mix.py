@@ -46,13 +46,17 @@ class SourceSpec(StrictModel):
                                                    "prompt_id or instance_id, else the row index)")
     mode: Literal["prompt", "keep"] = Field("prompt", description="'prompt': the target regenerates the final "
                                             "assistant turn; 'keep': the conversation is trained as it is")
-    kept: Literal["train", "mask", "regenerate", "refuse"] = Field(
-        "train", description="what to do with this source's assistant turns that come from the data, not from the "
+    kept: Literal["auto", "train", "mask", "regenerate", "refuse"] = Field(
+        "auto", description="what to do with this source's assistant turns that come from the data, not from the "
         "target (mode 'keep' rows; the tool-call turns a turn-by-turn row keeps), which the target may never write "
-        "(the report's on-policy fraction measures it): 'train' (default) as the chat template renders them; "
-        "'mask' as context only, untrained (not with mode 'keep': nothing would be left to train); 'regenerate' the "
-        "target answers them instead (mode 'keep' rows become prompt rows; a turn-by-turn row's tool-call turns are "
-        "answered); 'refuse' such rows are not trained (counted in the tokenize manifest)")
+        "(the report's on-policy fraction measures it): 'auto' (default) the prompts stage renders the first kept "
+        "row with the target's template and generation.chat_template_kwargs before any generation: where the "
+        "rendering is what the target writes the rows are trained ('train'), else they are regenerated "
+        "('regenerate'), the reason in the log and prompts/manifest.json `kept_routes` (prompt-mode sources: "
+        "'train'); 'train' as the chat template renders them; 'mask' as context only, untrained (not with mode "
+        "'keep': nothing would be left to train); 'regenerate' the target answers them instead (mode 'keep' rows "
+        "become prompt rows; a turn-by-turn row's tool-call turns are answered); 'refuse' such rows are not trained "
+        "(counted in the tokenize manifest)")
     count: int | None = Field(None, ge=1, description="exactly this many rows from this source")
     weight: float | None = Field(None, gt=0, description="share of the rows not given by counts")
     min_chars: int = Field(1, ge=0, description="drop rows whose text is shorter (characters)")

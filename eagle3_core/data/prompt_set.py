@@ -80,7 +80,7 @@ def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = No
         keys.add(key)
         if tools_from:
             meta["tools_from"] = tools_from
-        if spec.kept != "train":                          # the source's choice for its data turns (SourceSpec.kept)
+        if spec.kept not in ("train", "auto"):            # the source's choice for its data turns (SourceSpec.kept)
             meta["kept"] = spec.kept
         mode = "prompt" if spec.mode == "keep" and spec.kept == "regenerate" else spec.mode
         out.append({"id": f"{label}/{key}", "source": label, "messages": messages, "mode": mode,
@@ -88,18 +88,40 @@ def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = No
     return out
 
 
-def _available(cfg: PromptConfig, specs: list[SourceSpec]) -> tuple[dict[str, list[dict]], dict, list[dict]]:
+def route_kept(spec: SourceSpec, rows: list[dict], probe) -> tuple[list[dict], dict | None]:
+    """(rows, route) of a mode 'keep' source whose kept choice is 'auto' (SourceSpec.kept); (rows, None) for any
+    other source or without a probe. probe(row) -> None where the row's kept turns train as the target's template
+    renders them, else (cause, reason) (pipeline.prompts_stage.kept_probe). The source's first row is probed: passed,
+    its rows stay kept (route 'train'); refused, every row becomes a prompt row the target answers, as with kept
+    'regenerate' (meta 'kept': 'regenerate', 'kept_auto': the cause). route: {'route', 'probed_row', and where
+    refused 'cause', 'reason'}."""
+    if probe is None or spec.mode != "keep" or spec.kept != "auto" or not rows:
+        return rows, None
+    refused = probe(rows[0])
+    if refused is None:
+        return rows, {"route": "train", "probed_row": rows[0]["id"]}
+    cause, reason = refused
+    rows = [{**r, "mode": "prompt", "meta": json.dumps({**json.loads(r["meta"]), "kept": "regenerate",
+                                                         "kept_auto": cause})} for r in rows]
+    return rows, {"route": "regenerate", "probed_row": rows[0]["id"], "cause": cause, "reason": reason}
+
+
+def _available(cfg: PromptConfig, specs: list[SourceSpec],
+               probe=None) -> tuple[dict[str, list[dict]], dict, list[dict]]:
     """({source: usable rows}, per-source counts, rejects): every source read, bad rows rejected, rows outside the
-    length limits and exact duplicates (first occurrence in source order wins) left out."""
+    length limits and exact duplicates (first occurrence in source order wins) left out. probe: route_kept's, for
+    the sources with kept 'auto' (their route in the counts, `kept_route`)."""
     rejects: list[dict] = []
     seen: set[str] = set()
     avail: dict[str, list[dict]] = {}
     per: dict[str, dict] = {}
     for spec in specs:
         n_rej = len(rejects)
-        rows = load_source(spec, cfg.seed, rejects)
+        rows, route = route_kept(spec, load_source(spec, cfg.seed, rejects), probe)
         st = per[spec.label] = {"origin": spec.path or spec.hf, "mode": spec.mode, "read": len(rows) + len(rejects)
                                 - n_rej, "rejected": len(rejects) - n_rej, "length_filtered": 0, "duplicates": 0}
+        if route is not None:
+            st["kept_route"] = route
         kept = avail[spec.label] = []
         for r in rows:
             n = len(conversation_text(r["messages"]))
@@ -123,7 +145,7 @@ def available_prompts(cfg: PromptConfig) -> int:
 
 
 def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None, earlier: dict | None = None,
-                  budget=None) -> tuple[list[dict], list[dict], dict]:
+                  budget=None, probe=None) -> tuple[list[dict], list[dict], dict]:
     """(train rows, eval rows, stats). Per source: read, reject bad rows, filter by length, drop exact duplicates
     (first occurrence in source order wins); then take counts / weights / the pool (see prompt_data.mix) as
     prefixes of each source's stable order (sha256 of seed and id), so that a larger mix is a superset of a smaller
@@ -143,6 +165,10 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None, earlier: 
     rows that fit, a larger sample stays a superset of a smaller one and the held-out rows stay out. Every train
     row returned has been through `budget`; stats['train_short'] counts the rows no spare row could replace.
 
+    probe: row -> None | (cause, reason), the check of a kept source's first row before any generation (route_kept:
+    a mode 'keep' source with kept 'auto' is trained as kept or re-routed to regeneration, stats['per_source'][
+    source]['kept_route'] says which and why), or None (rows as the sources give them).
+
     Writes every reject to `rejects_path` (JSONL: source, row, reason); if the stage fails, to
     `failed_rejects_path(rejects_path)` instead, so that a finished run's rejects stay as they are. Raises
     RejectError naming the worst source if one rejects more than `cfg.max_reject_frac` of its rows, and
@@ -153,7 +179,7 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None, earlier: 
     specs, total = source_specs(cfg), cfg.num_train + cfg.num_eval
     if cfg.mix is not None:
         cfg.mix.check_total(total)
-    avail, per, rejects = _available(cfg, specs)
+    avail, per, rejects = _available(cfg, specs, probe)
     found = reconcile(earlier or {}, [r for rows in avail.values() for r in rows])
     pinned = list(cfg.eval_ids) if cfg.eval_ids is not None else None
     first = [*(pinned if pinned is not None else found.eval_ids), *found.train_ids]

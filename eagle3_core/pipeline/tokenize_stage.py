@@ -28,7 +28,8 @@ def history_rule(cfg: PipelineConfig) -> list[dict]:
     rows kept as they are, a source's kept choice), else []: a final-turn row trains the tokens it trained before,
     so such runs keep their key and their features."""
     specs = cfg.prompts.mix.sources if cfg.prompts.mix is not None else []
-    if cfg.generation.turns == "all" or any(s.mode == "keep" or s.kept != "train" for s in specs):
+    if cfg.generation.turns == "all" or any(s.mode == "keep" or s.kept not in ("train", "auto")
+                                                for s in specs):
         return [{"history": "turns merged while the template keeps history, round trip checked"}]
     return []
 
