@@ -24,8 +24,13 @@ def evaluate_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     evaluator as it resolves ('auto': replay for a sharded features backend, else decode)."""
     up = upstream_keys(cfg, "evaluate") if up is None else up
     e = cfg.eval
-    return stage_key(up["train"], {**e.model_dump(mode="json"),
-                                    "evaluator": resolved_evaluator(e.evaluator, cfg.features.backend)}, up["prompts"])
+    # the sampling settings count only when sampled (greedy ignores top_p, top_k and seeds: a greedy run's key is
+    # the key it had before they existed); the declared serving settings never (report only)
+    sampled = ({} if e.sampling.greedy else {"sampling": e.sampling.model_dump(mode="json"),
+                                              "sampled_seeds": e.sampled_seeds})
+    return stage_key(up["train"], {**e.model_dump(mode="json", exclude={"sampling", "sampled_seeds", "serving"}),
+                                    "evaluator": resolved_evaluator(e.evaluator, cfg.features.backend), **sampled},
+                     up["prompts"])
 
 
 def evaluate_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
@@ -115,6 +120,10 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     up = upstream_manifest(cfg.run_dir, "train")
 
     def body() -> dict:
+        if not cfg.eval.sampling.greedy:
+            raise ValueError(f"eval.sampling.temperature {cfg.eval.sampling.temperature}: the evaluate stage measures "
+                             f"greedily only (temperature 0); measure sampled tau with "
+                             f"eagle3_core.evaluation.replay_sampled on a recording, or set eval.sampling to 0")
         preflight(Path(up["export_dir"]), target_config(cfg))
         tok = load_tokenizer(cfg.target)
         rows = prompts_mod.read_rows(RunLayout(cfg.run_dir).prompts_eval)
@@ -133,12 +142,13 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
             the stage's result."""
             report.update({"eval_ids": [r["id"] for r in rows], "num_draft_steps": S,
                            "max_new_tokens": e.max_new_tokens, "aux_layer_ids": ids, "preflight": "passed",
-                           "sampling": {"temperature": 0.0, "top_p": 1.0, "greedy": True,
+                           "sampling": {**e.sampling.model_dump(mode="json"), "greedy": e.sampling.greedy,
                                         "chat_template_kwargs": cfg.generation.chat_template_kwargs},
                            "consistency": tau_consistency(report["trained"]["tau"], up, S)})
             out.mkdir(parents=True, exist_ok=True)
             (out / "report.json").write_text(json.dumps(report, indent=2))
-            return {"report": str(out / "report.json"), "summary": report, "sampling": report["sampling"]}
+            return {"report": str(out / "report.json"), "summary": report, "sampling": report["sampling"],
+                    "serving": e.serving.model_dump(mode="json") if e.serving else None}
 
         cats = [category(r) for r in rows]
         if resolved_evaluator(e.evaluator, cfg.features.backend) == "replay":
