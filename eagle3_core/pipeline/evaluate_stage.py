@@ -34,7 +34,10 @@ def evaluate_key(cfg: PipelineConfig, up: dict | None = None) -> str:
 
 
 def evaluate_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
-    """The key an evaluate stage finished before the keys hashed results only holds (the evaluator unresolved)."""
+    """The key an evaluate stage finished before the keys hashed results only holds (the evaluator unresolved;
+    none for sampled settings: older runs all measured greedily)."""
+    if not cfg.eval.sampling.greedy:
+        return ()
     up = upstream_keys(cfg, "evaluate") if up is None else up
     return (stage_key(up["train"], fields_v4(cfg.eval, EVAL_FIELDS_V4), up["prompts"]),)
 
