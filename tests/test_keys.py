@@ -33,7 +33,7 @@ IN_KEY = {
     "vocab": {"draft.draft_vocab_size", "train.init_from"},
     "train": {"train.epochs", "train.lr", "train.warmup_frac", "train.batch_tokens", "train.grad_accum",
               "train.grad_clip", "train.ttt_length", "train.step_weight", "train.eval_frac", "train.seed",
-              "train.batching", "train.init_from", "train.init_vocab", *DRAFT},
+              "train.batching", "train.init_from", "train.init_vocab", "train.loss", *DRAFT},
     "evaluate": set(EVAL),
     "deploy-llama-cpp": {"eval.num_draft_steps", "eval.max_new_tokens"},
     "deploy-sglang": {*TARGET, "eval.num_draft_steps", "deploy_sglang.enabled", "deploy_sglang.baseline_url",
@@ -85,6 +85,7 @@ def _flips(tmp_path) -> dict[str, object]:
         "train.eval_frac": 0.1, "train.seed": 1, "train.checkpoint_every": 7, "train.keep_checkpoints": 1,
         "train.device": "cuda:1", "train.attention": "eager", "train.compile": True, "train.batching": "packed",
         "train.graph": "row", "train.window_context": 64, "train.init_from": str(draft), "train.init_vocab": "rebuild",
+        "train.loss": "tv",
         "eval.evaluator": "decode", "eval.num_draft_steps": 3, "eval.max_new_tokens": 64, "eval.tie_gap": 0.01,
         "eval.tree_topk": 2, "eval.tree_num_draft_tokens": 4, "eval.tree_prompts": 3, "eval.untrained_prompts": 3,
         "eval.sampling": {"temperature": 0.7, "top_p": 0.95}, "eval.sampled_seeds": 2,
@@ -212,3 +213,6 @@ def test_sampling_settings_count_only_when_sampled_and_a_greedy_key_is_the_key_b
     before = {**cfg.eval.model_dump(mode="json", include={f.split(".")[1] for f in EVAL if f != "eval.sampling"}),
               "evaluator": resolved_evaluator(cfg.eval.evaluator, cfg.features.backend)}
     assert STAGES["evaluate"].key(cfg, up) == stage_key(up["train"], before, up["prompts"])
+    # older runs all trained with 'kl' and measured greedily: their keys never stand for 'tv' or sampled settings
+    assert STAGES["train"].older(_with(base, "train.loss", "tv"), _up("train")) == ()
+    assert STAGES["evaluate"].older(_with(base, "eval.sampling", sampled), up) == ()
