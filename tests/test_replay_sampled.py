@@ -215,6 +215,37 @@ def test_tau_of_the_sampled_replay_over_prompts_and_seeds():
 
 
 @pytest.mark.slow
+def test_temperature_0_through_the_sampled_path_is_the_greedy_replay_for_a_scripted_draft(target_model, tokenizer):
+    """The embedded target's recordings, a draft that proposes the recorded sequence with about 1 token in 4 wrong
+    (test_speculate.ScriptedDraft, reads no features): at temperature 0 both rules of the sampled replay take
+    exactly replay_eval.replay_chain's verify steps and acceptances, with rejections and long runs among them."""
+    from eagle3_core.evaluation.replay_eval import record_target, replay_chain
+    from eagle3_core.evaluation.replay_sampled import record_sampled
+    from eagle3_core.evaluation.speculate import TargetRunner
+    from eagle3_core.data.chat import prompt_ids
+    from test_speculate import ScriptedDraft
+    runner = TargetRunner(target_model, [1, 14, 27])
+    eos = {tokenizer.eos_token_id}
+    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": t}])
+               for t in ["def add(a, b):", "Explain recursion in one sentence."]]
+    greedy = record_target(runner, prompts, 40, eos)
+    sampled = record_sampled(runner, prompts, 40, eos, SamplingConfig(), seeds=[0])
+    accepted = []
+    for g, r in zip(greedy, sampled):
+        assert r["tokens"] == g["tokens"]
+        seq = g["prompt"] + g["tokens"]
+        script = [(t + 1) % target_model.config.vocab_size if i * 37 % 11 < 3 else t for i, t in enumerate(seq)]
+        draft = ScriptedDraft(script, target_model.config.vocab_size)
+        for steps in (3, 4):
+            ref = replay_chain(draft, g, steps)
+            for rule in ("sampled", "greedy_draft"):
+                got = replay_chain_sampled(draft, r, steps, SamplingConfig(), rule, torch.Generator().manual_seed(0))
+                assert got == ref, (rule, steps)
+            accepted += ref["accepted"]
+    assert min(accepted) == 0 and max(accepted) >= 3
+
+
+@pytest.mark.slow
 def test_temperature_0_through_the_sampled_path_is_the_greedy_replay_on_the_trained_draft(e2e_run, target_model,
                                                                                           tokenizer):
     """debug_tiny's trained draft on the embedded target: at temperature 0 every seed records the greedy tokens,
@@ -248,3 +279,46 @@ def test_temperature_0_through_the_sampled_path_is_the_greedy_replay_on_the_trai
     assert recs[0]["tokens"] != recs[1]["tokens"] and all(0 < float(r["p_x"].min()) for r in recs)
     m = replay_measure_sampled(draft, recs, 3, hot)
     assert all(1.0 <= r["tau"] <= 4.0 and r["trajectories"] == 4 and r["prompts"] == 2 for r in m.values())
+
+
+@pytest.mark.slow
+def test_the_evaluate_stage_measures_tau_at_the_evaluation_temperature(e2e_run, tmp_path):
+    """eval.sampling at temperature 0.7 on a copy of the end-to-end run: the stage samples 2 trajectories per
+    held-out prompt with the target in process, replays both drafts under both accept rules, writes the settings
+    to its manifest, and the report names the temperature, both rules' taus and the declared serving settings'
+    mismatch (serving at 1.0)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from eagle3_core.contract.layout import RunLayout
+    from eagle3_core.pipeline.evaluate_stage import run_evaluate
+    from eagle3_core.pipeline.report import collect, markdown, write_plots
+    cfg, _ = e2e_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(cfg.run_dir, run_dir, ignore=shutil.ignore_patterns("eval"))
+    hot = cfg.eval.model_copy(update={"sampling": SamplingConfig(temperature=0.7, top_p=0.95, seed=5),
+                                      "sampled_seeds": 2, "max_new_tokens": 24,
+                                      "serving": SamplingConfig(temperature=1.0, top_p=0.95)})
+    lines = []
+    out = run_evaluate(cfg.model_copy(update={"run_dir": run_dir, "eval": hot}), log=lines.append)
+    report = json.loads(Path(out["report"]).read_text())
+    n = len(report["eval_ids"])
+    assert report["evaluator"] == "replay_sampled" and report["recording"]["seeds"] == [5, 6]
+    assert report["sampling"]["temperature"] == 0.7 and report["consistency"] is None
+    for name in ("trained", "untrained"):
+        rules = report[name]["rules"]
+        assert set(rules) == {"sampled", "greedy_draft"} and report[name]["tau"] == rules["sampled"]["tau"]
+        assert all(1.0 <= r["tau"] <= cfg.eval.num_draft_steps + 1 for r in rules.values())
+    assert report["trained"]["prompts"] == n and report["trained"]["trajectories"] == 2 * n
+    assert any("sampled replay at temperature 0.7" in line for line in lines)
+    manifest = json.loads((RunLayout(run_dir).eval / "manifest.json").read_text())
+    assert manifest["serving"] == {"temperature": 1.0, "top_p": 0.95, "top_k": 0, "seed": 0}
+    r = collect(run_dir)
+    r["plots"] = write_plots(r, run_dir)
+    md = markdown(r)
+    assert "## Acceptance length (offline, temperature 0.7," in md and "Evaluator: sampled replay" in md
+    t = report["trained"]["rules"]
+    assert f"| trained | chain S={cfg.eval.num_draft_steps} | {n} | {t['sampled']['tau']:.2f} |" in md
+    assert "| serving (declared) | 1 | 0.95 | off |" in md
+    assert "evaluation and the declared serving settings differ (temperature)" in md

@@ -214,8 +214,29 @@ def plots_markdown_inline(plots: dict[str, str], run_dir: Path) -> str:
                        for name, rel in plots.items()) + "\n"
 
 
+def _sampled_table(ev: dict, runs: dict[str, dict]) -> list[str]:
+    """The acceptance table of a sampled replay (evaluate_stage._sampled): tau under each engine's accept rule."""
+    rec, sp = ev.get("recording") or {}, ev.get("sampling") or {}
+    lines = [f"Evaluator: sampled replay (temperature {sp.get('temperature', 0):g}, top_p {sp.get('top_p', 1):g}, "
+             f"top_k {sp.get('top_k', 0) or 'off'}; one trajectory of the target per held-out prompt and seed: "
+             f"{rec.get('prompts', '?')} prompts x seeds {rec.get('seeds', '?')}; intervals over prompts and seeds; "
+             f"lossless by construction, no tok/s: nothing decoded here). Sampled-draft engines accept a drafted "
+             f"token with min(1, p/q); greedy-draft engines (llama.cpp) accept the draft's argmax when the target "
+             f"samples it.", "",
+             "| draft | drafting | prompts | tau, sampled draft | 95% CI | tau, greedy draft | 95% CI |",
+             "|---|---|---|---|---|---|---|"]
+    for name, d in runs.items():
+        a, b = d["rules"]["sampled"], d["rules"]["greedy_draft"]
+        lines.append(f"| {name} | {_shape(d)} | {d.get('prompts', '')} | {a['tau']:.2f} | "
+                     f"{a['tau_ci95'][0]:.2f}-{a['tau_ci95'][1]:.2f} | {b['tau']:.2f} | "
+                     f"{b['tau_ci95'][0]:.2f}-{b['tau_ci95'][1]:.2f} |")
+    return lines + [""]
+
+
 def _replay_table(ev: dict, runs: dict[str, dict]) -> list[str]:
     """The acceptance table of a replay evaluation, and tau per context length and segment of the trained draft."""
+    if ev.get("evaluator") == "replay_sampled":
+        return _sampled_table(ev, runs)
     rec = ev.get("recording") or {}
     lines = [f"Evaluator: replay (the target's greedy outputs on {rec.get('prompts', '?')} held-out prompts from "
              f"server {rec.get('server', '?')!r}, aux states from features backend "
@@ -235,6 +256,12 @@ def _replay_table(ev: dict, runs: dict[str, dict]) -> list[str]:
     return lines + [""]
 
 
+def _at(ev: dict) -> str:
+    """How the evaluation sampled: 'greedy' or 'temperature 0.7' (eval manifests before eval.sampling: greedy)."""
+    t = (ev.get("sampling") or {}).get("temperature", 0.0)
+    return "greedy" if t == 0 else f"temperature {t:g}"
+
+
 def markdown(r: dict) -> str:
     ev = r["eval"]
     base = ev.get("baseline")
@@ -249,7 +276,7 @@ def markdown(r: dict) -> str:
         (f"- best epoch {r['best_epoch']['epoch']} (simulated tau {r['best_epoch']['tau_sim']:.2f}); pre-flight "
         f"check of the draft against the target: {ev.get('preflight', 'not run')}"),
         *by_source_markdown(r.get("by_source") or {}), "",
-        (f"## Acceptance length (offline, greedy, {ev['num_draft_steps']} draft steps per verify step, "
+        (f"## Acceptance length (offline, {_at(ev)}, {ev['num_draft_steps']} draft steps per verify step, "
         f"{ev['max_new_tokens']} new tokens per prompt)"), "",
         ("| draft | drafting | prompts | tau | 95% CI | tokens | verify steps | tok/s | target-only tok/s (same "
         "prompts) | speed-up | lossless (equal/near-tie/mismatch) |"),
