@@ -43,7 +43,7 @@ class EvalConfig(StrictModel):
     untrained_prompts: int | None = Field(None, ge=1, description="held-out prompts for the untrained-draft "
                                                                   "reference (None: all)")
     sampling: SamplingConfig = Field(SamplingConfig(), description="the settings tau is measured at (temperature 0: "
-                                     "greedy; above: evaluation.replay_sampling, one sampled trajectory per prompt "
+                                     "greedy; above: evaluation.replay_sampled, one sampled trajectory per prompt "
                                      "and seed, seeds seed..seed+sampled_seeds-1)")
     sampled_seeds: int = Field(4, ge=1, description="trajectories per held-out prompt at temperature > 0")
     serving: SamplingConfig | None = Field(None, description="the settings the target is served at (declared, e.g. "
