@@ -260,16 +260,31 @@ def test_early_gate_fails_fast_after_the_first_answers(server, tmp_path):
 def test_report_shows_both_sampling_settings_and_flags_a_mismatch():
     from eagle3_core.pipeline.report import compare_sampling, sampling_markdown
     same = compare_sampling({"temperature": 0.0, "top_p": 1.0, "chat_template_kwargs": {}}, None)
-    assert same["mismatch"] == [] and same["evaluation"] == {"temperature": 0.0, "top_p": 1.0,
+    assert same["mismatch"] == [] and same["evaluation"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0,
                                                              "thinking": "template default"}
     sp = compare_sampling({"temperature": 0.7, "top_p": 0.9, "chat_template_kwargs": {"enable_thinking": False}},
                           {"temperature": 0.0, "top_p": 1.0, "chat_template_kwargs": {}})
     assert sp["mismatch"] == ["greedy vs sampled", "temperature", "top_p", "thinking"]
     md = "\n".join(sampling_markdown(sp))
-    assert "| regeneration | 0.7 | 0.9 | enable_thinking=False |" in md
-    assert "| evaluation | 0 | 1 | template default |" in md
+    assert "| regeneration | 0.7 | 0.9 | off | enable_thinking=False |" in md
+    assert "| evaluation | 0 | 1 | off | template default |" in md
     assert "**Warning**: regeneration and evaluation sample differently (greedy vs sampled, temperature" in md
-    assert "Warning" not in "\n".join(sampling_markdown(same))
+    assert "Warning" not in "\n".join(sampling_markdown(same)) and "serving" not in "\n".join(sampling_markdown(same))
+
+
+def test_report_names_the_declared_serving_settings_and_their_mismatch_with_evaluation():
+    from eagle3_core.pipeline.report import compare_sampling, sampling_markdown
+    regen = {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "chat_template_kwargs": {}}
+    sp = compare_sampling(regen, {**regen, "top_k": 0}, {"temperature": 1.0, "top_p": 0.95})
+    assert sp["mismatch"] == ["top_k"] and sp["serving_mismatch"] == ["temperature"]
+    assert sp["serving"] == {"temperature": 1.0, "top_p": 0.95, "top_k": 0, "thinking": "template default"}
+    md = "\n".join(sampling_markdown(sp))
+    assert "| regeneration | 0.7 | 0.95 | 20 | template default |" in md
+    assert "| serving (declared) | 1 | 0.95 | off | template default |" in md
+    assert "evaluation and the declared serving settings differ (temperature)" in md
+    assert compare_sampling(regen, regen, {"temperature": 0.7, "top_p": 0.95, "top_k": 20})["serving_mismatch"] == []
+    assert compare_sampling(regen, {"temperature": 0.0}, {"temperature": 1.0, "top_p": 0.95})[
+        "serving_mismatch"] == ["greedy vs sampled", "temperature", "top_p"]
 
 
 def test_tools_are_normalized_from_openai_tools_and_hermes_system_text(tmp_path):

@@ -512,6 +512,13 @@ def test_vllm_completions_request_and_response_fields():
     body = request_body("vllm", None, [1, 2, 3], 512, 0.0, top_p=0.9)
     assert body == {"prompt": [1, 2, 3], "max_tokens": 512, "temperature": 0.0, "return_token_ids": True,
                     "stream": False, "top_p": 0.9}
+    # top_k and seed are sampled settings: sent only when sampling (llama.cpp keeps top_k 1 to decode greedily)
+    assert request_body("llama.cpp", None, [1], 8, 0.0, top_k=20, seed=3)["top_k"] == 1
+    assert "seed" not in request_body("vllm", None, [1], 8, 0.0, top_k=20, seed=3)
+    hot = {api: request_body(api, [{"role": "user", "content": "q"}], [1], 8, 0.7, top_k=20, seed=3)
+           for api in ("openai", "llama.cpp", "vllm", "sglang")}
+    assert all(hot[a]["top_k"] == 20 and hot[a]["seed"] == 3 for a in ("openai", "llama.cpp", "vllm"))
+    assert hot["sglang"]["sampling_params"] == {"max_new_tokens": 8, "temperature": 0.7, "top_k": 20}
     answer = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "t",
               "choices": [{"index": 0, "text": " Paris.", "logprobs": None, "finish_reason": "stop",
                            "stop_reason": None, "token_ids": [3681, 13, 2], "prompt_logprobs": None,

@@ -11,7 +11,7 @@ from eagle3_core.pipeline.table import STAGES
 
 TARGET = ("target.model", "target.gguf_file", "target.revision", "target.trust_remote_code")
 EVAL = ("eval.evaluator", "eval.num_draft_steps", "eval.max_new_tokens", "eval.tie_gap", "eval.tree_topk",
-        "eval.tree_num_draft_tokens", "eval.tree_prompts", "eval.untrained_prompts")
+        "eval.tree_num_draft_tokens", "eval.tree_prompts", "eval.untrained_prompts", "eval.sampling")
 DRAFT = ("draft.draft_vocab_size", "draft.seed", "draft.num_attention_heads", "draft.num_key_value_heads",
          "draft.head_dim", "draft.intermediate_size", "draft.rope_theta", "draft.rope_scaling",
          "draft.max_position_embeddings")
@@ -33,7 +33,7 @@ IN_KEY = {
     "vocab": {"draft.draft_vocab_size", "train.init_from"},
     "train": {"train.epochs", "train.lr", "train.warmup_frac", "train.batch_tokens", "train.grad_accum",
               "train.grad_clip", "train.ttt_length", "train.step_weight", "train.eval_frac", "train.seed",
-              "train.batching", "train.init_from", "train.init_vocab", "train.max_epochs", "train.max_train_s",
+              "train.batching", "train.init_from", "train.init_vocab", "train.max_epochs", "train.max_train_s", "train.loss",
               *DRAFT},
     "evaluate": set(EVAL),
     "deploy-llama-cpp": {"eval.num_draft_steps", "eval.max_new_tokens"},
@@ -72,7 +72,7 @@ def _flips(tmp_path) -> dict[str, object]:
         "generation.flush_s": 5.0, "generation.progress_interval_s": 5.0, "generation.max_failed_frac": 0.1,
         "generation.max_empty_frac": 0.1, "generation.max_truncated_frac": 0.5, "generation.max_degenerate_frac": 0.1,
         "generation.gate_after": 8, "generation.top_p": 0.9, "generation.chat_template_kwargs": {"enable_thinking": 0},
-        "generation.turns": "all", "generation.max_turns": 3,
+        "generation.turns": "all", "generation.max_turns": 3, "generation.top_k": 20, "generation.seed": 3,
         "features.aux_layer_ids": [1, 2, 3], "features.max_length": 1024, "features.shard_samples": 32,
         "features.batch_tokens": 8192, "features.format": "fp8", "features.writer_threads": 4,
         "features.import_from": str(imported), "features.backend": "ep_int4", "features.mix_backends": True,
@@ -86,8 +86,11 @@ def _flips(tmp_path) -> dict[str, object]:
         "train.eval_frac": 0.1, "train.seed": 1, "train.checkpoint_every": 7, "train.keep_checkpoints": 1,
         "train.device": "cuda:1", "train.attention": "eager", "train.compile": True, "train.batching": "packed",
         "train.graph": "row", "train.window_context": 64, "train.init_from": str(draft), "train.init_vocab": "rebuild",
+        "train.loss": "tv",
         "eval.evaluator": "decode", "eval.num_draft_steps": 3, "eval.max_new_tokens": 64, "eval.tie_gap": 0.01,
         "eval.tree_topk": 2, "eval.tree_num_draft_tokens": 4, "eval.tree_prompts": 3, "eval.untrained_prompts": 3,
+        "eval.sampling": {"temperature": 0.7, "top_p": 0.95}, "eval.sampled_seeds": 2,
+        "eval.serving": {"temperature": 1.0, "top_p": 0.95},
         "deploy_sglang.enabled": "off", "deploy_sglang.baseline_url": "http://127.0.0.1:1",
         "deploy_sglang.eagle3_url": "http://127.0.0.1:2", "deploy_sglang.tp_size": 2, "deploy_sglang.ep_size": 2,
         "deploy_sglang.extra_args": ["--y"], "deploy_sglang.num_steps": 3, "deploy_sglang.topk": 2,
@@ -195,3 +198,35 @@ def test_stages_whose_key_formula_changed_accept_the_older_key_of_the_same_setti
     other = _with(base, *moved[stage])
     assert STAGES[stage].key(other, up) == STAGES[stage].key(cfg, up)          # out of today's key
     assert STAGES[stage].older(other, up) != older                            # in the older one
+
+
+def test_sampling_settings_count_only_when_sampled_and_a_greedy_key_is_the_key_before_them(tmp_path):
+    """generation.top_k / seed and eval.sampled_seeds change the answers only when sampled, so they count only then
+    (and top_k / seed only when set: a sampled run's key from before they existed stays its key); the declared
+    serving settings count nowhere. A greedy evaluate key is the formula before eval.sampling existed."""
+    from eagle3_core.config.eval_config import resolved_evaluator
+    from eagle3_core.pipeline.keys import stage_key
+    base = _base(tmp_path)
+
+    def key(stage, section, **fields):
+        return STAGES[stage].key(PipelineConfig.model_validate({**base, section: {**base[section], **fields}}),
+                                 _up(stage))
+    assert key("generation", "generation", top_k=20) == key("generation", "generation", seed=3) \
+        == key("generation", "generation")
+    hot = {"temperature": 0.7}
+    assert len({key("generation", "generation", **hot), key("generation", "generation", **hot, top_k=20),
+                key("generation", "generation", **hot, seed=3)}) == 3
+    assert key("evaluate", "eval", sampled_seeds=9) == key("evaluate", "eval", serving={"temperature": 1.0}) \
+        == key("evaluate", "eval", sampling={"temperature": 0.0, "top_p": 0.5, "seed": 4}) == key("evaluate", "eval")
+    sampled = {"temperature": 0.7}
+    assert len({key("evaluate", "eval", sampling=sampled), key("evaluate", "eval", sampling=sampled, sampled_seeds=9),
+                key("evaluate", "eval", sampling={**sampled, "seed": 1}), key("evaluate", "eval")}) == 4
+    assert key("evaluate", "eval", sampling=sampled, serving={"temperature": 1.0}) == key("evaluate", "eval",
+                                                                                          sampling=sampled)
+    cfg, up = PipelineConfig.model_validate(base), _up("evaluate")
+    before = {**cfg.eval.model_dump(mode="json", include={f.split(".")[1] for f in EVAL if f != "eval.sampling"}),
+              "evaluator": resolved_evaluator(cfg.eval.evaluator, cfg.features.backend)}
+    assert STAGES["evaluate"].key(cfg, up) == stage_key(up["train"], before, up["prompts"])
+    # older runs all trained with 'kl' and measured greedily: their keys never stand for 'tv' or sampled settings
+    assert STAGES["train"].older(_with(base, "train.loss", "tv"), _up("train")) == ()
+    assert STAGES["evaluate"].older(_with(base, "eval.sampling", sampled), up) == ()

@@ -163,12 +163,14 @@ def test_packed_rows_of_any_lengths_compile_once(compiled_on_cpu):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scope", ["step", "row"])
-def test_the_packed_loss_compiles_per_step_or_per_row_equal_to_eager(compiled_on_cpu, monkeypatch, scope):
+@pytest.mark.parametrize("scope,loss", [("step", "kl"), ("row", "kl"), ("step", "tv"), ("row", "tv")])
+def test_the_packed_loss_compiles_per_step_or_per_row_equal_to_eager(compiled_on_cpu, monkeypatch, scope, loss):
     """packed_ttt_loss where kernels are compiled (here aot_eager on CPU), per step (step 0 and steps 1..K-1, one
     graph for all: fixed diagonal slots) or per row (the K steps one graph): loss, every gradient and the
-    per-step counts equal eager ttt_loss's on the same rows; the K = 4 steps of a row make 2 graphs (per row: 1),
-    and rows of other sample lengths (a long sample's windows among them) add none after the first row."""
+    per-step counts equal eager ttt_loss's on the same rows, with either train.loss (the loss a parameter of the
+    compiled steps); the K = 4 steps of a row make 2 graphs (per row: 1), and rows of other sample lengths (a
+    long sample's windows among them) add none after the first row."""
+    from eagle3_core.training.ttt import POSITION_LOSSES
     monkeypatch.setattr(packing, "GRAPH_SCOPE", [scope])
     g = torch.Generator().manual_seed(3)
     samples = random_ttt_samples(g, [(n, 2) for n in (9, 23, 31, 14, 70, 12, 27, 5, 18, 33)])
@@ -183,11 +185,11 @@ def test_the_packed_loss_compiles_per_step_or_per_row_equal_to_eager(compiled_on
         for fn in (ttt_loss, packed_ttt_loss):
             d = tiny_draft().set_attention("merged_math")
             before = _graphs()
-            loss, stats = fn(d, b, head, 4, 0.8)
-            loss.backward()
+            value, stats = fn(d, b, head, 4, 0.8, position_loss=POSITION_LOSSES[loss])
+            value.backward()
             if fn is packed_ttt_loss:
                 added.append(_graphs() - before)
-            results.append((loss.detach(), stats, {n: p.grad for n, p in d.named_parameters() if p.grad is not None}))
+            results.append((value.detach(), stats, {n: p.grad for n, p in d.named_parameters() if p.grad is not None}))
         (la, sa, ga), (lb, sb, gb) = results
         assert torch.allclose(la, lb, rtol=1e-5, atol=1e-6), (la, lb)
         assert all(torch.equal(sa[k], sb[k]) for k in ("n", "correct", "chain")), (sa, sb)

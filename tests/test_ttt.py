@@ -160,3 +160,52 @@ def test_ttt_loss_on_an_fp8_topk_batch_covering_the_vocab_equals_the_loss_on_exa
     rounded = [{k_: v for k_, v in s.items() if k_ not in ("teacher_logits", "teacher_ids", "tail_shift")}
                for s in stored]
     assert not torch.allclose(ttt_loss(draft, collate(rounded), head[0::2], 3)[0], want, rtol=1e-4)
+
+
+def test_tv_loss_by_hand_and_its_gradient():
+    """train.loss 'tv' (ttt.tv_from_teacher_logits): row 0, draft q = [1/2, 1/4, 1/4] against teacher p =
+    [0.2, 0.3, 0.5]: 1 - (0.2 + 0.25 + 0.25) = 0.3; row 1, q = p: 0; row 2 masked out. Weights 1/2: 0.15. Its
+    gradient flows only where q < p (the min takes q): d/d logits of -sum_{n: q_n < p_n} q_n / 2."""
+    from eagle3_core.training.ttt import POSITION_LOSSES, tv_from_teacher_logits
+    q = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)
+    p = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    logits = torch.stack([q.log(), p.log() + 3.0, torch.tensor([9.0, 0.0, 0.0], dtype=torch.float64)])[None]
+    logits.requires_grad_(True)
+    z = torch.stack([p.log() - 1.0, p.log(), torch.tensor([0.0, 0.0, 9.0], dtype=torch.float64)])[None]
+    weight = torch.tensor([[0.5, 0.5, 0.0]], dtype=torch.float64)
+    loss = tv_from_teacher_logits(logits, z, z.logsumexp(-1), weight)
+    assert abs(loss.item() - 0.15) < 1e-12 and POSITION_LOSSES["tv"] is tv_from_teacher_logits
+    loss.backward()
+    # row 0: -(q_1 + q_2) / 2, d/d logit_j of q_1 + q_2 = q_j (1[j in {1, 2}] - (q_1 + q_2))
+    s = 0.5
+    expected0 = -0.5 * q * (torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64) - s)
+    assert torch.allclose(logits.grad[0, 0], expected0, atol=1e-12) and logits.grad[0, 2].abs().max() == 0
+
+
+def test_the_ttt_step_takes_its_loss_as_an_argument_and_the_default_is_unchanged():
+    """ttt_loss(position_loss=...) sums step_weight**k times the given loss of each step (here 'tv', recomputed
+    from the step's own arguments by 1 - sum min(softmax z, softmax logits)); the default is the soft
+    cross-entropy ('kl'), bit for bit, and so is the trainer's loss with train.loss at its default."""
+    from eagle3_core.config import TrainConfig
+    from eagle3_core.training.trainer import TTTLoss
+    from eagle3_core.training.ttt import POSITION_LOSSES
+    g = torch.Generator().manual_seed(5)
+    batch = collate(random_ttt_samples(g, ((20, 9), (14, 4), (17, 12))))
+    head = torch.randn(50, 32, generator=g, dtype=torch.float64)
+    d = tiny_draft().double()
+    seen = []
+
+    def spy(logits, z, z_lse, weight):
+        seen.append((logits.detach(), z, z_lse, weight))
+        return POSITION_LOSSES["tv"](logits, z, z_lse, weight)
+    tv, stats = ttt_loss(d, batch, head, 3, step_weight=0.8, position_loss=spy)
+    by_hand = [((1 - torch.minimum(lg.softmax(-1), (zz - zl[..., None]).exp()).sum(-1)) * w).sum()
+               for lg, zz, zl, w in seen]
+    assert len(seen) == 3 and torch.allclose(stats["loss"], torch.stack(by_hand), rtol=1e-12, atol=0)
+    assert abs(tv.item() - sum(0.8 ** k * float(v) for k, v in enumerate(by_hand))) < 1e-12
+    assert all(0 < float(v) < 1 for v in by_hand)                      # a rejection probability per position
+    kl, _ = ttt_loss(d, batch, head, 3, step_weight=0.8)
+    assert torch.equal(kl, ttt_loss(d, batch, head, 3, step_weight=0.8, position_loss=POSITION_LOSSES["kl"])[0])
+    assert torch.equal(kl, TTTLoss(d, head, TrainConfig(ttt_length=3, step_weight=0.8, batching="padded"))(batch)[0])
+    assert torch.equal(tv, TTTLoss(d, head, TrainConfig(ttt_length=3, step_weight=0.8, batching="padded",
+                                                          loss="tv"))(batch)[0])

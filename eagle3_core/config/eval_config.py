@@ -5,6 +5,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from eagle3_core.config.sampling_config import SamplingConfig
 from eagle3_core.config.strict import StrictModel
 
 
@@ -41,6 +42,13 @@ class EvalConfig(StrictModel):
     tree_prompts: int | None = Field(None, ge=1, description="held-out prompts for the tree run (None: all)")
     untrained_prompts: int | None = Field(None, ge=1, description="held-out prompts for the untrained-draft "
                                                                   "reference (None: all)")
+    sampling: SamplingConfig = Field(SamplingConfig(), description="the settings tau is measured at (temperature 0: "
+                                     "greedy; above: evaluation.replay_sampled, one sampled trajectory per prompt "
+                                     "and seed, seeds seed..seed+sampled_seeds-1)")
+    sampled_seeds: int = Field(4, ge=1, description="trajectories per held-out prompt at temperature > 0")
+    serving: SamplingConfig | None = Field(None, description="the settings the target is served at (declared, e.g. "
+                                           "temperature 1.0, top_p 0.95): shown in the report's sampling table "
+                                           "beside regeneration and evaluation; no stage reads it")
 
     @model_validator(mode="after")
     def _tree_sglang_accepts(self):

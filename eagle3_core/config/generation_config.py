@@ -5,6 +5,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from eagle3_core.config.sampling_config import SamplingConfig
 from eagle3_core.config.strict import StrictModel
 
 
@@ -35,7 +36,9 @@ class ServerConfig(StrictModel):
         return [u.rstrip("/") for u in ([self.url] if self.url else []) + self.urls]
 
 
-class GenerationConfig(StrictModel):
+class GenerationConfig(SamplingConfig):
+    """Regeneration: its sampling settings are SamplingConfig's (temperature, top_p, top_k, seed: the same shape
+    as eval.sampling), then the requests' other settings."""
     api: Literal["auto", "openai", "sglang", "llama.cpp", "vllm"] = Field(
         "auto", description="'auto': the token-id API of the server the stage starts (server.kind 'sglang' -> "
         "'sglang', 'llama.cpp' -> 'llama.cpp'), else 'openai'; 'openai': /v1/chat/completions, the server applies the "
@@ -44,7 +47,6 @@ class GenerationConfig(StrictModel):
         "return_token_ids (vLLM >= 0.10.2). Token-id APIs render the prompt with the target's chat template here "
         "and train the exact output ids")
     max_new_tokens: int = Field(256, ge=1, description="always sent: servers default to 128 or unlimited")
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy (the default for regeneration)")
     concurrency: int = Field(4, ge=1, description="requests in flight over all servers")
     max_retries: int = Field(6, ge=0, description="retries per request on connection errors, timeouts, 429, 5xx")
     retry_backoff_s: float = Field(1.0, gt=0, description="first retry wait; doubles each retry (max 60 s), "
@@ -62,7 +64,6 @@ class GenerationConfig(StrictModel):
                                                                      "runaway repetition")
     gate_after: int = Field(64, ge=1, description="early quality gate: checked once on the first this many "
                                                   "answers of a generation call, so a degenerate start fails fast")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling (1.0: off); recorded beside temperature")
     chat_template_kwargs: dict = Field({}, description="chat-template arguments, e.g. {'enable_thinking': False} "
                                        "(Qwen3) or {'thinking': True} (Kimi-K2.5): sent with each request (OpenAI "
                                        "API `chat_template_kwargs`) and used by every local rendering")

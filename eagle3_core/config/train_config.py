@@ -76,6 +76,10 @@ class TrainConfig(StrictModel):
     init_from: str | None = Field(None, description="warm start: an EAGLE-3 draft directory in SGLang's format "
                                   "(ours, SpecForge's, a public one) or an earlier run directory (its draft/export); "
                                   "None: a fresh draft (eagle3_core.training.warm_start)")
+    loss: Literal["kl", "tv"] = Field(
+        "kl", description="the TTT loss per step: 'kl' the soft cross-entropy against the target's softmax (EAGLE-3, "
+        "SpecForge); 'tv' the total variation 1 - sum min(p, q), the expected rejection of a drafted token under "
+        "speculative sampling (LK losses, arXiv 2602.23881; vllm-project/speculators `tv`): ttt.POSITION_LOSSES")
     init_vocab: Literal["keep", "rebuild"] = Field(
         "keep", description="with init_from: 'keep' the draft's d2t/t2d (the vocab stage reuses them; "
         "draft.draft_vocab_size must equal its N) or 'rebuild' the map from this run's data (lm_head rows are then "

@@ -259,7 +259,7 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int] | dict[int
                 if pool is None:
                     raise ServerError(f"{where} needs an answer but no server URL was given")
                 body = request_body(gen.api, msgs, turn_ids, gen.max_new_tokens, gen.temperature, top_p=gen.top_p,
-                                    tools=tools, template_kwargs=kwargs)
+                                    tools=tools, template_kwargs=kwargs, top_k=gen.top_k, seed=gen.seed)
                 data, url, attempts = await request_with_retries(pool, client, gen.api, body, gen.max_retries,
                                                                  gen.retry_backoff_s, on_retry)
                 data.pop("logprobs", None)

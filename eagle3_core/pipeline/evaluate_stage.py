@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from eagle3_core.config import PipelineConfig
-from eagle3_core.config.eval_config import resolved_evaluator
+from eagle3_core.config.eval_config import SHARDED_BACKENDS, resolved_evaluator
 from eagle3_core.contract.compat import EVAL_FIELDS_V4, fields_v4
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.run_stage import run_stage
@@ -24,12 +24,20 @@ def evaluate_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     evaluator as it resolves ('auto': replay for a sharded features backend, else decode)."""
     up = upstream_keys(cfg, "evaluate") if up is None else up
     e = cfg.eval
-    return stage_key(up["train"], {**e.model_dump(mode="json"),
-                                    "evaluator": resolved_evaluator(e.evaluator, cfg.features.backend)}, up["prompts"])
+    # the sampling settings count only when sampled (greedy ignores top_p, top_k and seeds: a greedy run's key is
+    # the key it had before they existed); the declared serving settings never (report only)
+    sampled = ({} if e.sampling.greedy else {"sampling": e.sampling.model_dump(mode="json"),
+                                              "sampled_seeds": e.sampled_seeds})
+    return stage_key(up["train"], {**e.model_dump(mode="json", exclude={"sampling", "sampled_seeds", "serving"}),
+                                    "evaluator": resolved_evaluator(e.evaluator, cfg.features.backend), **sampled},
+                     up["prompts"])
 
 
 def evaluate_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
-    """The key an evaluate stage finished before the keys hashed results only holds (the evaluator unresolved)."""
+    """The key an evaluate stage finished before the keys hashed results only holds (the evaluator unresolved;
+    none for sampled settings: older runs all measured greedily)."""
+    if not cfg.eval.sampling.greedy:
+        return ()
     up = upstream_keys(cfg, "evaluate") if up is None else up
     return (stage_key(up["train"], fields_v4(cfg.eval, EVAL_FIELDS_V4), up["prompts"]),)
 
@@ -76,6 +84,35 @@ def _replay(cfg: PipelineConfig, tok, prompts, cats, drafts: dict, eos: set[int]
     return report
 
 
+def _sampled(cfg: PipelineConfig, target, prompts, drafts: dict, eos: set[int], log) -> dict:
+    """eval.sampling at temperature > 0: one trajectory per held-out prompt and seed (eval.sampling.seed ..
+    + eval.sampled_seeds - 1) sampled by the target in this process (`target`: a speculate.TargetRunner), each draft
+    replayed against them under both accept rules (replay_sampled). Returns the report's runs {name: the
+    'sampled' rule's replay_measure_sampled + rules {rule: tau, tau_ci95, per_prompt}, params, lossless} and
+    {evaluator 'replay_sampled', recording}."""
+    from eagle3_core.evaluation.replay_sampled import record_sampled, replay_measure_sampled
+    e = cfg.eval
+    seeds = list(range(e.sampling.seed, e.sampling.seed + e.sampled_seeds))
+    recs = record_sampled(target, prompts, e.max_new_tokens, eos, e.sampling, seeds)
+    log(f"evaluate: sampled {len(recs)} trajectories ({len(prompts)} held-out prompts x {len(seeds)} seeds, "
+        f"{sum(len(r['tokens']) for r in recs)} tokens) at temperature {e.sampling.temperature:g}")
+    report = {"evaluator": "replay_sampled", "recording": {"prompts": len(prompts), "seeds": seeds,
+                                                          "tokens": sum(len(r["tokens"]) for r in recs),
+                                                          "server": "transformers (this process)"}}
+    for name, (draft, idx) in drafts.items():
+        keep = set(range(len(prompts)) if idx is None else idx)
+        m = replay_measure_sampled(draft.eval(), [r for r in recs if r["prompt_index"] in keep],
+                                   e.num_draft_steps, e.sampling)
+        r = {k: v for k, v in m["sampled"].items() if k != "accepted"}
+        report[name] = {**r, "rules": {rule: {k: m[rule][k] for k in ("tau", "tau_ci95", "per_prompt")}
+                                       for rule in m},
+                        "tokens_from_verify": sum(p for p, _ in r["per_prompt"]),
+                        "verify_steps": sum(st for _, st in r["per_prompt"]),
+                        "params": {"num_steps": e.num_draft_steps, "topk": 1},
+                        "lossless": "by construction (the target's own samples; exact coupling: replay_sampled)"}
+    return report
+
+
 def replay_recordings(cfg, prompts: list[list[int]], outputs: list[list[int]], log=print) -> list[dict]:
     """replay_eval recordings {prompt, tokens, aux (float32 [n + M, 3H_t])}: the aux states of prompt + output
     from the run's features backend (pipeline.features_stage.run_features on a run of its own,
@@ -116,6 +153,11 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     up = upstream_manifest(cfg.run_dir, "train")
 
     def body() -> dict:
+        if not cfg.eval.sampling.greedy and cfg.features.backend in SHARDED_BACKENDS:
+            raise ValueError(f"eval.sampling.temperature {cfg.eval.sampling.temperature} with features.backend "
+                             f"{cfg.features.backend!r}: the sampled replay reads the target's probabilities of its "
+                             f"own samples, which needs the target in one process (features.backend 'hf'); set "
+                             f"eval.sampling.temperature 0 for this run")
         preflight(Path(up["export_dir"]), target_config(cfg))
         tok = load_tokenizer(cfg.target)
         rows = prompts_mod.read_rows(RunLayout(cfg.run_dir).prompts_eval)
@@ -134,14 +176,26 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
             the stage's result."""
             report.update({"eval_ids": [r["id"] for r in rows], "num_draft_steps": S,
                            "max_new_tokens": e.max_new_tokens, "aux_layer_ids": ids, "preflight": "passed",
-                           "sampling": {"temperature": 0.0, "top_p": 1.0, "greedy": True,
+                           "sampling": {**e.sampling.model_dump(mode="json"), "greedy": e.sampling.greedy,
                                         "chat_template_kwargs": cfg.generation.chat_template_kwargs},
-                           "consistency": tau_consistency(report["trained"]["tau"], up, S)})
+                           # the TTT simulation is greedy: no comparison with a sampled tau
+                           "consistency": tau_consistency(report["trained"]["tau"], up, S) if e.sampling.greedy
+                           else None})
             out.mkdir(parents=True, exist_ok=True)
             (out / "report.json").write_text(json.dumps(report, indent=2))
-            return {"report": str(out / "report.json"), "summary": report, "sampling": report["sampling"]}
+            return {"report": str(out / "report.json"), "summary": report, "sampling": report["sampling"],
+                    "serving": e.serving.model_dump(mode="json") if e.serving else None}
 
         cats = [category(r) for r in rows]
+        if not e.sampling.greedy:
+            report = _sampled(cfg, TargetRunner(load_target(cfg.target), ids), prompts,
+                              {"trained": (trained, None), "untrained": (untrained, subset(e.untrained_prompts))},
+                              eos, log)
+            result = write_report(report)
+            log("eval (sampled replay at temperature " + f"{e.sampling.temperature:g}): " + "; ".join(
+                f"{name} tau " + ", ".join(f"{r['tau']:.2f} ({rule})" for rule, r in report[name]["rules"].items())
+                for name in ("trained", "untrained")))
+            return result
         if resolved_evaluator(e.evaluator, cfg.features.backend) == "replay":
             report = _replay(cfg, tok, prompts, cats, {"trained": (trained, None),
                                                       "untrained": (untrained, subset(e.untrained_prompts))},

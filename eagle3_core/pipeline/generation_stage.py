@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from eagle3_core.config import PipelineConfig
+from eagle3_core.config.sampling_config import SamplingConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import busy_seconds, write_manifest
 from eagle3_core.contract.run_stage import run_stage
@@ -22,7 +23,10 @@ def _sampling(cfg: PipelineConfig) -> dict:
     g = cfg.generation
     return {"api": g.api_for(cfg.server.kind), "max_new_tokens": g.max_new_tokens, "temperature": g.temperature,
             "server_kind": cfg.server.kind, "top_p": g.top_p, "chat_template_kwargs": g.chat_template_kwargs,
-            "turns": g.turns, "max_turns": g.max_turns}
+            "turns": g.turns, "max_turns": g.max_turns,
+            # top_k and seed (newer than the key) count when sampled and set: greedy answers ignore them
+            **{k: getattr(g, k) for k in ("top_k", "seed")
+               if not g.greedy and getattr(g, k) != SamplingConfig.model_fields[k].default}}
 
 
 def generation_key(cfg: PipelineConfig, up: dict | None = None) -> str:
@@ -306,7 +310,8 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
             "completion_tokens": sum(r["completion_tokens"] for r in records), "finish_reasons": finish,
             "failed": report["counts"]["failed"], "failures": [f for r in records for f in r["failures"]][:100],
             "retries": sum(r["retries"] for r in records), "retry_kinds": kinds, "quality": report,
-            "sampling": {"temperature": g.temperature, "top_p": g.top_p, "max_new_tokens": g.max_new_tokens,
+            "sampling": {"temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k, "seed": g.seed,
+                         "max_new_tokens": g.max_new_tokens,
                          "greedy": g.temperature == 0.0, "chat_template_kwargs": g.chat_template_kwargs},
             "turns": {"mode": g.turns, "max_turns": g.max_turns, **_request_counts(records)},
             "api": g.api_for(cfg.server.kind), "token_ids": "from the server (prompt_ids, output_ids)"

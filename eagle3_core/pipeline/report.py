@@ -31,7 +31,8 @@ def collect(run_dir: Path) -> dict:
         "eval": ev,
         "llama_cpp": m["deploy_llama_cpp"].get("summary"),
         "sglang": _optional_manifest(RunLayout(run_dir).manifest("deploy-sglang")).get("verdict"),
-        "sampling": compare_sampling(m["generations"].get("sampling"), m["eval"].get("sampling")),
+        "sampling": compare_sampling(m["generations"].get("sampling"), m["eval"].get("sampling"),
+                                     m["eval"].get("serving")),
         "by_source": data_by_source(Path(run_dir), m["vocab"].get("coverage_per_source") or {}),
     }
 
@@ -84,8 +85,10 @@ def by_source_markdown(by_source: dict[str, dict]) -> list[str]:
                     f"{pct(st['vocab_coverage'])} |" for s, st in sorted(by_source.items())]
 
 
-# evaluation decodes greedily (evaluate.measure, llama.cpp deployment); an older eval manifest says nothing else
-EVAL_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "greedy": True, "chat_template_kwargs": {}}
+# evaluation decoded greedily before eval.sampling (evaluate.measure, llama.cpp deployment): what an older eval
+# manifest that says nothing measured at
+EVAL_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "greedy": True, "chat_template_kwargs": {}}
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "thinking")
 
 
 def _thinking(kwargs: dict | None) -> str:
@@ -94,20 +97,30 @@ def _thinking(kwargs: dict | None) -> str:
     return ", ".join(f"{k}={kwargs[k]}" for k in keys) or "template default"
 
 
-def compare_sampling(regen: dict | None, evaluation: dict | None) -> dict:
+def _differ(a: dict, b: dict) -> list[str]:
+    """What differs between two sides of compare_sampling: 'greedy vs sampled' first, then each field."""
+    fields = [k for k in SAMPLING_FIELDS if a[k] != b[k]]
+    return (["greedy vs sampled"] if (a["temperature"] == 0.0) != (b["temperature"] == 0.0) else []) + fields
+
+
+def compare_sampling(regen: dict | None, evaluation: dict | None, serving: dict | None = None) -> dict:
     """Regeneration's sampling (generations manifest) beside evaluation's (eval manifest; greedy when it says
-    nothing): {'regeneration': {temperature, top_p, thinking}, 'evaluation': {...}, 'mismatch': [what differs]}.
-    A draft trained on sampled answers and measured greedily (or the reverse) learns another distribution than
-    the one it is measured on (SpecForge issue 465); so does one trained in another thinking mode."""
+    nothing) and the declared serving settings (eval.serving, in the eval manifest; None: not declared):
+    {'regeneration': {temperature, top_p, top_k, thinking}, 'evaluation': {...}, 'serving': {...} (when declared),
+    'mismatch': [what regeneration and evaluation differ in], 'serving_mismatch': [what evaluation and serving
+    differ in]}. A draft trained on sampled answers and measured greedily (or the reverse) learns another
+    distribution than the one it is measured on (SpecForge issue 465); so does one trained in another thinking
+    mode; and a tau measured at other settings than the served ones is not the served tau (issue: acceptance
+    falls with temperature for engines that draft greedily, vLLM PR 16899). Serving's thinking mode is the
+    evaluation's (the template arguments are the run's)."""
     sides = {}
-    for name, s in (("regeneration", regen or {}), ("evaluation", evaluation or EVAL_SAMPLING)):
+    named = (("regeneration", regen or {}), ("evaluation", evaluation or EVAL_SAMPLING))
+    for name, s in named + ((("serving", {**serving, "chat_template_kwargs": (evaluation or {}).get(
+            "chat_template_kwargs")}),) if serving else ()):
         sides[name] = {"temperature": float(s.get("temperature", 0.0)), "top_p": float(s.get("top_p", 1.0)),
-                       "thinking": _thinking(s.get("chat_template_kwargs"))}
-    a, b = sides["regeneration"], sides["evaluation"]
-    mismatch = [k for k in ("temperature", "top_p", "thinking") if a[k] != b[k]]
-    if (a["temperature"] == 0.0) != (b["temperature"] == 0.0):
-        mismatch = ["greedy vs sampled"] + mismatch
-    return {**sides, "mismatch": mismatch}
+                       "top_k": int(s.get("top_k", 0)), "thinking": _thinking(s.get("chat_template_kwargs"))}
+    return {**sides, "mismatch": _differ(sides["regeneration"], sides["evaluation"]),
+            "serving_mismatch": _differ(sides["evaluation"], sides["serving"]) if serving else []}
 
 
 def _optional_manifest(path: Path) -> dict:
@@ -201,8 +214,29 @@ def plots_markdown_inline(plots: dict[str, str], run_dir: Path) -> str:
                        for name, rel in plots.items()) + "\n"
 
 
+def _sampled_table(ev: dict, runs: dict[str, dict]) -> list[str]:
+    """The acceptance table of a sampled replay (evaluate_stage._sampled): tau under each engine's accept rule."""
+    rec, sp = ev.get("recording") or {}, ev.get("sampling") or {}
+    lines = [f"Evaluator: sampled replay (temperature {sp.get('temperature', 0):g}, top_p {sp.get('top_p', 1):g}, "
+             f"top_k {sp.get('top_k', 0) or 'off'}; one trajectory of the target per held-out prompt and seed: "
+             f"{rec.get('prompts', '?')} prompts x seeds {rec.get('seeds', '?')}; intervals over prompts and seeds; "
+             f"lossless by construction, no tok/s: nothing decoded here). Sampled-draft engines accept a drafted "
+             f"token with min(1, p/q); greedy-draft engines (llama.cpp) accept the draft's argmax when the target "
+             f"samples it.", "",
+             "| draft | drafting | prompts | tau, sampled draft | 95% CI | tau, greedy draft | 95% CI |",
+             "|---|---|---|---|---|---|---|"]
+    for name, d in runs.items():
+        a, b = d["rules"]["sampled"], d["rules"]["greedy_draft"]
+        lines.append(f"| {name} | {_shape(d)} | {d.get('prompts', '')} | {a['tau']:.2f} | "
+                     f"{a['tau_ci95'][0]:.2f}-{a['tau_ci95'][1]:.2f} | {b['tau']:.2f} | "
+                     f"{b['tau_ci95'][0]:.2f}-{b['tau_ci95'][1]:.2f} |")
+    return lines + [""]
+
+
 def _replay_table(ev: dict, runs: dict[str, dict]) -> list[str]:
     """The acceptance table of a replay evaluation, and tau per context length and segment of the trained draft."""
+    if ev.get("evaluator") == "replay_sampled":
+        return _sampled_table(ev, runs)
     rec = ev.get("recording") or {}
     lines = [f"Evaluator: replay (the target's greedy outputs on {rec.get('prompts', '?')} held-out prompts from "
              f"server {rec.get('server', '?')!r}, aux states from features backend "
@@ -222,6 +256,12 @@ def _replay_table(ev: dict, runs: dict[str, dict]) -> list[str]:
     return lines + [""]
 
 
+def _at(ev: dict) -> str:
+    """How the evaluation sampled: 'greedy' or 'temperature 0.7' (eval manifests before eval.sampling: greedy)."""
+    t = (ev.get("sampling") or {}).get("temperature", 0.0)
+    return "greedy" if t == 0 else f"temperature {t:g}"
+
+
 def markdown(r: dict) -> str:
     ev = r["eval"]
     base = ev.get("baseline")
@@ -236,7 +276,7 @@ def markdown(r: dict) -> str:
         (f"- best epoch {r['best_epoch']['epoch']} (simulated tau {r['best_epoch']['tau_sim']:.2f}); pre-flight "
         f"check of the draft against the target: {ev.get('preflight', 'not run')}"),
         *by_source_markdown(r.get("by_source") or {}), "",
-        (f"## Acceptance length (offline, greedy, {ev['num_draft_steps']} draft steps per verify step, "
+        (f"## Acceptance length (offline, {_at(ev)}, {ev['num_draft_steps']} draft steps per verify step, "
         f"{ev['max_new_tokens']} new tokens per prompt)"), "",
         ("| draft | drafting | prompts | tau | 95% CI | tokens | verify steps | tok/s | target-only tok/s (same "
         "prompts) | speed-up | lossless (equal/near-tie/mismatch) |"),
@@ -331,13 +371,19 @@ def markdown(r: dict) -> str:
 
 
 def sampling_markdown(sp: dict) -> list[str]:
-    """Markdown lines of `compare_sampling`'s result: a table of both sides and a warning naming each mismatch."""
-    lines = ["", "## Sampling", "", "| | temperature | top_p | thinking mode |", "|---|---|---|---|"]
-    for name in ("regeneration", "evaluation"):
-        d = sp[name]
-        lines.append(f"| {name} | {d['temperature']:g} | {d['top_p']:g} | {d['thinking']} |")
+    """Markdown lines of `compare_sampling`'s result: a table of every side and a warning naming each mismatch."""
+    lines = ["", "## Sampling", "", "| | temperature | top_p | top_k | thinking mode |", "|---|---|---|---|---|"]
+    for name in ("regeneration", "evaluation", "serving (declared)"):
+        d = sp.get(name.split(" ")[0])
+        if d is not None:
+            top_k = d.get("top_k", 0) or "off"
+            lines.append(f"| {name} | {d['temperature']:g} | {d['top_p']:g} | {top_k} | {d['thinking']} |")
     if sp["mismatch"]:
         lines += ["", (f"**Warning**: regeneration and evaluation sample differently ({', '.join(sp['mismatch'])}): "
                        f"the draft is measured on another distribution than it was trained on; regenerate with the "
                        f"sampling you serve, or measure with the one you trained on.")]
+    if sp.get("serving_mismatch"):
+        lines += ["", (f"**Warning**: evaluation and the declared serving settings differ "
+                       f"({', '.join(sp['serving_mismatch'])}): the measured tau is not the served one; set "
+                       f"eval.sampling to the serving settings.")]
     return lines

@@ -111,7 +111,8 @@ def resolved_train_fields(cfg: PipelineConfig) -> dict:
     t = cfg.train
     batching = resolved_batching(t)
     return {**t.model_dump(mode="json", include=set(TRAIN_RESULT_FIELDS)), "batching": batching,
-            "window_context": t.context_tokens() if batching == "packed" else None, **_plateau_ceilings(t)}
+            "window_context": t.context_tokens() if batching == "packed" else None, **_plateau_ceilings(t),
+            **({"loss": t.loss} if t.loss != "kl" else {})}          # newer than the key: counts when not 'kl'
 
 
 def _plateau_ceilings(t) -> dict:
@@ -138,6 +139,8 @@ def train_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, 
     """The keys a train stage finished before the keys hashed results only holds for the same settings
     (compat.train_fields_v4: every train field hashed): such a run stays done, and its checkpoints resume."""
     from eagle3_core.pipeline.vocab_stage import init_key
+    if cfg.train.loss != "kl":                                          # older runs all trained with 'kl'
+        return ()
     up = upstream_keys(cfg, "train") if up is None else up
     return (stage_key(up["features"], up["vocab"], train_fields_v4(cfg.train), cfg.draft,
                       *([init_key(cfg)] if cfg.train.init_from is not None else [])),)

@@ -58,14 +58,17 @@ class RequestRejected(Exception):
 
 def request_body(api: str, messages: list[dict] | None, prompt_ids: list[int] | None, max_new_tokens: int,
                  temperature: float, extra: dict | None = None, top_p: float = 1.0, tools: list[dict] | None = None,
-                 template_kwargs: dict | None = None) -> dict:
+                 template_kwargs: dict | None = None, top_k: int = 0, seed: int | None = None) -> dict:
     """JSON body for one request. `messages` for 'openai', `prompt_ids` (int token ids) for the token-id APIs.
 
     tools (OpenAI tool schemas) and template_kwargs (chat-template arguments, e.g. {'enable_thinking': False})
     go into an 'openai' body as `tools` / `chat_template_kwargs` (SGLang, vLLM and llama-server with --jinja read
     both); the token-id APIs get a prompt already rendered with them (`data.prompt_ids`). top_p < 1 is sent to
-    every API (1.0 is each server's default, left out)."""
+    every API (1.0 is each server's default, left out), top_k > 0 too; seed (sampled requests only) as `seed` to
+    the OpenAI API, llama-server's /completion and vLLM, not to SGLang's /generate (no seed field checked there)."""
     greedy = temperature == 0.0
+    sampled = {**({"top_k": top_k} if top_k > 0 and not greedy else {}),
+               **({"seed": seed} if seed is not None and not greedy and api != "sglang" else {})}
     if api == "openai":
         body = {"messages": messages, "max_tokens": max_new_tokens, "temperature": temperature, "stream": False}
         if greedy:
@@ -95,6 +98,10 @@ def request_body(api: str, messages: list[dict] | None, prompt_ids: list[int] | 
             body["top_p"] = top_p
     else:
         raise ValueError(f"unknown generation.api {api!r}; choose one of {sorted(API_PATHS)}")
+    if api == "sglang":
+        body["sampling_params"].update(sampled)
+    else:
+        body.update(sampled)
     return {**body, **(extra or {})}
 
 

@@ -143,28 +143,30 @@ def _causal_part(draft):
     return causal_attention_flex if draft.midlayer.self_attn.impl == "merged_flex" else causal_attention_math
 
 
-def _step_end(draft, hidden, attn, weights, z, z_lse, weight, m_step, top1):
-    """The rest of a TTT step after attention: the layer's output, the soft CE against the teacher and the count
-    of positions where the draft's argmax is the target's. Returns (hidden, loss_k, right [B, L] bool, correct)."""
+def _step_end(draft, hidden, attn, weights, z, z_lse, weight, m_step, top1, position_loss):
+    """The rest of a TTT step after attention: the layer's output, the step's loss against the teacher
+    (position_loss: ttt.POSITION_LOSSES) and the count of positions where the draft's argmax is the target's.
+    Returns (hidden, loss_k, right [B, L] bool, correct)."""
     B, nh, L, hd = attn.shape
     out, logits = draft.attention_outputs(hidden, attn.transpose(1, 2).reshape(B, L, nh * hd), weights)
-    loss = SoftCrossEntropyFromLogits.apply(logits, z, z_lse, weight)
+    loss = position_loss(logits, z, z_lse, weight)
     right = (draft.draft_to_target(logits.argmax(-1)) == top1) & m_step
     return out, loss, right, right.sum()
 
 
-def first_step(draft, aux, tokens, positions, weights, doc, block_mask, z, z_lse, weight, m_step, top1):
+def first_step(draft, aux, tokens, positions, weights, doc, block_mask, z, z_lse, weight, m_step, top1,
+               position_loss=SoftCrossEntropyFromLogits.apply):
     """TTT step 0 of a packed row: fc fusion of aux [B, L, 3H_t], the decoder layer attending causally within
     documents, loss and count (tensors as in ttt.ttt_loss at k = 0, already shifted). Returns
     (k0, v0 [B, nkv, L, hd] the step-0 keys/values, hidden [B, L, H], loss_k, right [B, L] bool, correct)."""
     hidden = draft.fuse(aux)
     q, k, v = draft.attention_inputs(tokens, hidden, positions, draft.rope(positions), weights)
     attn, _ = _causal_part(draft)(q, k, v, doc, block_mask)
-    return (k, v, *_step_end(draft, hidden, attn, weights, z, z_lse, weight, m_step, top1))
+    return (k, v, *_step_end(draft, hidden, attn, weights, z, z_lse, weight, m_step, top1, position_loss))
 
 
 def later_step(draft, hidden, tokens, positions, weights, doc, block_mask, k0, v0, diag_k, diag_v, slot,
-               z, z_lse, weight, m_step, top1):
+               z, z_lse, weight, m_step, top1, position_loss=SoftCrossEntropyFromLogits.apply):
     """TTT step k >= 1 of a packed row, one shape for every k (so one compiled graph): diag_k/diag_v
     [K - 1, B, nkv, L, hd] hold the keys/values of steps 1..k-1 in slots 0..k-2 (the rest is ignored); slot, an
     int64 scalar tensor k - 1, is where this step's own key goes (ttt_attention.merge_diagonal_slots). Returns
@@ -175,10 +177,11 @@ def later_step(draft, hidden, tokens, positions, weights, doc, block_mask, k0, v
     own = (idx == slot).view(-1, 1, 1, 1, 1)
     attn = merge_diagonal_slots(q, out0, lse0, torch.where(own, k[None], diag_k), torch.where(own, v[None], diag_v),
                                 idx <= slot)
-    return (k, v, *_step_end(draft, hidden, attn, weights, z, z_lse, weight, m_step, top1))
+    return (k, v, *_step_end(draft, hidden, attn, weights, z, z_lse, weight, m_step, top1, position_loss))
 
 
-def packed_ttt_loss(draft, batch: dict, head_draft: torch.Tensor, ttt_length: int, step_weight: float = 0.8):
+def packed_ttt_loss(draft, batch: dict, head_draft: torch.Tensor, ttt_length: int, step_weight: float = 0.8,
+                    position_loss=SoftCrossEntropyFromLogits.apply):
     """ttt.ttt_loss of a packed row (collate_packed's batch, on the draft's device; same arguments and returns,
     same rule: ttt module docstring). Where kernels are compiled (`compiled`), each TTT step is one
     torch.compile'd graph with its backward: step 0 (`first_step`) and steps 1..K-1 (`later_step`, one graph for
@@ -189,14 +192,14 @@ def packed_ttt_loss(draft, batch: dict, head_draft: torch.Tensor, ttt_length: in
     call whose train.graph resolves to 'row' (compiled_training), ttt_loss is compiled whole instead: one graph of
     K steps, slower to compile, faster per row (ROW_GRAPH_TOKENS). Elsewhere ttt_loss runs as is."""
     if not compiled(batch["input_ids"].device):
-        return ttt_loss(draft, batch, head_draft, ttt_length, step_weight)
+        return ttt_loss(draft, batch, head_draft, ttt_length, step_weight, position_loss=position_loss)
     if GRAPH_SCOPE[0] == "row":
         if draft.midlayer.self_attn.impl == "merged_flex":
             batch = {**batch, "block_mask": document_block_mask(batch["doc"])}
         fn = _COMPILED_ROWS.get(COMPILE["backend"])
         if fn is None:
             fn = _COMPILED_ROWS[COMPILE["backend"]] = torch.compile(ttt_loss, dynamic=False, backend=COMPILE["backend"])
-        return fn(draft, batch, head_draft, ttt_length, step_weight)
+        return fn(draft, batch, head_draft, ttt_length, step_weight, position_loss=position_loss)
     fns = _COMPILED_STEPS.get(COMPILE["backend"])
     if fns is None:
         fns = _COMPILED_STEPS[COMPILE["backend"]] = tuple(
@@ -215,7 +218,7 @@ def packed_ttt_loss(draft, batch: dict, head_draft: torch.Tensor, ttt_length: in
         m_step, m_loss = step_masks(mask, in_vocab, k, doc)              # x_{t+2+k} supervised, same document
         per_step = (shift_left(ids, 1 + k), pos + k, weights, doc, block_mask)
         step_teacher = (z[:, 1 + k:1 + k + L], z_lse[:, 1 + k:1 + k + L],
-                        m_loss.to(ldt) / m_loss.sum().clamp(min=1), m_step, shift_left(top1, 1 + k))
+                        m_loss.to(ldt) / m_loss.sum().clamp(min=1), m_step, shift_left(top1, 1 + k), position_loss)
         if k == 0:
             k0, v0, hidden, loss_k, right, correct = fns[0](draft, batch["aux"], *per_step, *step_teacher)
         else:

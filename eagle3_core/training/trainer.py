@@ -53,7 +53,7 @@ from eagle3_core.training.draft_model import Eagle3Draft
 from eagle3_core.training.packing import compiled, compiled_training, packed_ttt_loss
 from eagle3_core.training.setup import lr_lambda, prepare_training, resolve_device
 from eagle3_core.training.stopping import MIN_EVAL_TOKENS, PlateauRule, eval_tokens
-from eagle3_core.training.ttt import summarize, ttt_loss
+from eagle3_core.training.ttt import POSITION_LOSSES, summarize, ttt_loss
 
 
 def _autocast(device: torch.device):
@@ -71,8 +71,11 @@ class TTTLoss(nn.Module):
         self.draft, self.head_draft, self.cfg = draft, head_draft, cfg
 
     def forward(self, batch: dict):
-        fn = packed_ttt_loss if "doc" in batch else ttt_loss          # packed rows: compiled graphs
-        return fn(self.draft, batch, self.head_draft, self.cfg.ttt_length, self.cfg.step_weight)
+        if "doc" in batch:                                              # packed rows: compiled graphs
+            return packed_ttt_loss(self.draft, batch, self.head_draft, self.cfg.ttt_length, self.cfg.step_weight,
+                                   POSITION_LOSSES[self.cfg.loss])
+        return ttt_loss(self.draft, batch, self.head_draft, self.cfg.ttt_length, self.cfg.step_weight,
+                        position_loss=POSITION_LOSSES[self.cfg.loss])
 
 
 def evaluate_ttt(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tensor, cfg: TrainConfig,

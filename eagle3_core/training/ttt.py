@@ -117,6 +117,26 @@ class SoftCrossEntropyFromLogits(torch.autograd.Function):
         return bwd(*ctx.saved_tensors, grad), None, None, None
 
 
+def tv_from_teacher_logits(logits, z, z_lse, weight):
+    """sum_rows weight * TV(p, q): the 'tv' LK loss (arXiv 2602.23881, "LK losses"; vllm-project/speculators'
+    `tv`), TV(p, q) = 1 - sum_n min(p_n, q_n) = 0.5 sum_n |p_n - q_n|, the probability that speculative sampling
+    rejects a token drafted from q against the target's p at one position (Leviathan et al. 2023, arXiv 2211.17192,
+    section 3.1: acceptance sum_n min(p_n, q_n)), so minimising it maximises the expected acceptance directly.
+    p = exp(z - z_lse) the teacher over the draft vocab, q = softmax(logits); the same arguments and shapes as
+    SoftCrossEntropyFromLogits.apply (logits [..., N], z [..., N], z_lse [...], weight [...] in z_lse's dtype),
+    autograd through min (its subgradient: the gradient flows where q_n < p_n). Materialises p and q ([..., N] in
+    z_lse's dtype): more memory than the fused cross-entropy."""
+    lf = logits.to(z_lse.dtype)
+    p = (z.to(lf.dtype) - z_lse[..., None]).exp()
+    return ((1 - torch.minimum(p, lf.softmax(-1)).sum(-1)) * weight).sum()
+
+
+# train.loss -> the loss of one TTT step, (logits, z, z_lse, weight) -> scalar (ttt_loss's position_loss):
+# 'kl' the soft cross-entropy against the teacher (KL to it up to the teacher's entropy; EAGLE-3, SpecForge), 'tv'
+# the total-variation LK loss
+POSITION_LOSSES = {"kl": SoftCrossEntropyFromLogits.apply, "tv": tv_from_teacher_logits}
+
+
 def teacher(final: torch.Tensor, target_head_draft: torch.Tensor, ttt_length: int):
     """The teacher of every TTT step, without gradient: (z [B, T + K + 1, N] = final @ target_head_draft^T, the
     target's logits over the draft vocab, zero-padded by K + 1 positions so that step k's teacher z_{t+1+k} is
@@ -163,12 +183,14 @@ def step_masks(mask: torch.Tensor, in_vocab: torch.Tensor, k: int, doc: torch.Te
 
 
 def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: int, step_weight: float = 0.8,
-             trim: bool = True):
+             trim: bool = True, position_loss=SoftCrossEntropyFromLogits.apply):
     """Weighted TTT loss and per-step counts for one batch (tensors of `batch` on the draft's device).
 
     target_head_draft [N, H_t]: rows of the target's lm_head for the draft vocab (in draft-id order).
     Loss = sum_k step_weight**k * loss_k, loss_k the soft cross-entropy against softmax(z_{t+1+k}[draft vocab])
     averaged over positions supervised at step k whose target argmax is in the draft vocab (module docstring).
+    position_loss: the loss of one step, (logits, z, z_lse, weight) -> scalar (POSITION_LOSSES: train.loss);
+    default the soft cross-entropy above, loss_k then as stated.
     trim: skip the leading unsupervised region at steps >= 1 (same loss and metrics, less compute; trim_start).
     Packed rows (eagle3_core.training.packing.collate_packed: 'doc' and 'position' in the batch) are never trimmed (one
     shape per row); attention stays within a document, RoPE positions are the batch's, and a position is
@@ -209,8 +231,8 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
                                     rope=rope, weights=weights, doc=doc, block_mask=batch.get("block_mask"))
         m_step, m_loss = (m[:, s0:] for m in step_masks(mask, in_vocab, k, doc))
         weight = m_loss.to(loss_dtype) / m_loss.sum().clamp(min=1)         # mean over supervised positions
-        loss_k = SoftCrossEntropyFromLogits.apply(logits, z[:, 1 + k + s0:1 + k + T],    # teacher z_{t+1+k}: views
-                                                  z_lse[:, 1 + k + s0:1 + k + T], weight)
+        loss_k = position_loss(logits, z[:, 1 + k + s0:1 + k + T],                       # teacher z_{t+1+k}: views
+                               z_lse[:, 1 + k + s0:1 + k + T], weight)
         total = total + (step_weight ** k) * loss_k
         with torch.no_grad():
             pred = draft.draft_to_target(logits.argmax(-1))                # [B, Tq] target ids
