@@ -2,15 +2,20 @@
 (features.tp_extract: backends `hf_tp`, `ep_int4`, `sglang`; features.extract_workers) and the DDP trainer
 (pipeline.train_ddp) go through.
 
-Why a rank ends with os._exit: torch keeps a gloo process group's C++ object, and with it gloo's own threads
-(`pt_gloo_runloop` x2, `gloo_tcp_loop`), alive after `destroy_process_group` whenever anything still refers to it
-(measured on torch 2.13: after destroy_process_group and gc.collect() a features rank still had all three running,
-its ProcessGroup at 10 references more than a bare script's). Those threads are stopped only in the group's
-destructor, which then runs during interpreter finalization or never; a normal exit therefore tears the interpreter
-and the C++ statics down under live gloo threads, and now and then a rank died at its very end with
-`terminate called without an active exception` (SIGABRT) after its work was done (1 run in 7 of the ep_int4
-features test on a loaded 2-core machine). Ending the process with os._exit, after the rank's own clean-up, runs
-no finalizer and no static destructor, so nothing is torn down under those threads.
+Why a rank ends with os._exit (the cause of `terminate called without an active exception`, SIGABRT, at a rank's
+very end; native stack from a core dump, torch 2.13, CPython 3.11): gloo runs each collective on one of the group's
+worker threads (`pt_gloo_runloop`, ProcessGroupGloo::runLoop), which drops its reference to the finished work only
+after the waiting main thread has been woken. The barrier before exit is such a work, and it keeps the works issued
+before it (collectives on tensors whose Python objects, once Python lets go, are owned by C++): freeing it there
+frees them (~AsyncBarrierWork, ~AsyncAllreduceWork, ~AsyncWork), and TensorImpl::decref_pyobject takes the GIL
+(pybind11 gil_scoped_acquire). If the main thread has meanwhile returned
+and entered Py_FinalizeEx, CPython 3.11's take_gil ends the calling thread with pthread_exit (PyThread_exit_thread);
+its forced unwind meets the noexcept destructor and the C++ runtime calls std::terminate. A race, so only sometimes:
+4 aborts in 15 runs of a 2-rank gloo script that ends like a features follower (barrier, destroy_process_group,
+normal exit) on a loaded 2-core machine; 1 in 24 runs of the ep_int4 features test. destroy_process_group does not
+prevent it: torch keeps the group, and its threads, alive while anything refers to it (measured: after
+destroy_process_group and gc.collect() a features rank still had `pt_gloo_runloop` x2 and `gloo_tcp_loop` running).
+os._exit, after the rank's own clean-up, never enters interpreter finalization: no thread can be ended under it.
 
 The order at exit, on success and on an error alike: (1) the body's own clean-up (the shard writer drained and
 closed, the prefetch pool shut down: their `with`/`finally`); (2) every other non-daemon Python thread joined
