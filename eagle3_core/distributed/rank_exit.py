@@ -11,8 +11,9 @@ frees them (~AsyncBarrierWork, ~AsyncAllreduceWork, ~AsyncWork), and TensorImpl:
 (pybind11 gil_scoped_acquire). If the main thread has meanwhile returned
 and entered Py_FinalizeEx, CPython 3.11's take_gil ends the calling thread with pthread_exit (PyThread_exit_thread);
 its forced unwind meets the noexcept destructor and the C++ runtime calls std::terminate. A race, so only sometimes:
-4 aborts in 15 runs of a 2-rank gloo script that ends like a features follower (barrier, destroy_process_group,
-normal exit) on a loaded 2-core machine; 1 in 24 runs of the ep_int4 features test. destroy_process_group does not
+6 aborts in 30 runs of a 2-rank gloo script that ends like a features follower (barrier, destroy_process_group,
+normal exit) on a 2-core machine at load 10-14, 0 in 35 of the same script through rank_main; 1 in 25 runs of the
+ep_int4 features test before this module. destroy_process_group does not
 prevent it: torch keeps the group, and its threads, alive while anything refers to it (measured: after
 destroy_process_group and gc.collect() a features rank still had `pt_gloo_runloop` x2 and `gloo_tcp_loop` running).
 os._exit, after the rank's own clean-up, never enters interpreter finalization: no thread can be ended under it.
