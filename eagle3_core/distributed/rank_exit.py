@@ -8,15 +8,15 @@ worker threads (`pt_gloo_runloop`, ProcessGroupGloo::runLoop), which drops its r
 after the waiting main thread has been woken. The barrier before exit is such a work, and it keeps the works issued
 before it (collectives on tensors whose Python objects, once Python lets go, are owned by C++): freeing it there
 frees them (~AsyncBarrierWork, ~AsyncAllreduceWork, ~AsyncWork), and TensorImpl::decref_pyobject takes the GIL
-(pybind11 gil_scoped_acquire). If the main thread has meanwhile returned
-and entered Py_FinalizeEx, CPython 3.11's take_gil ends the calling thread with pthread_exit (PyThread_exit_thread);
-its forced unwind meets the noexcept destructor and the C++ runtime calls std::terminate. A race, so only sometimes:
-6 aborts in 30 runs of a 2-rank gloo script that ends like a features follower (barrier, destroy_process_group,
-normal exit) on a 2-core machine at load 10-14, 0 in 35 of the same script through rank_main; 1 in 25 runs of the
-ep_int4 features test before this module. destroy_process_group does not
-prevent it: torch keeps the group, and its threads, alive while anything refers to it (measured: after
-destroy_process_group and gc.collect() a features rank still had `pt_gloo_runloop` x2 and `gloo_tcp_loop` running).
-os._exit, after the rank's own clean-up, never enters interpreter finalization: no thread can be ended under it.
+(pybind11 gil_scoped_acquire). If the main thread has meanwhile returned and entered Py_FinalizeEx, CPython 3.11's
+take_gil ends the calling thread with pthread_exit (PyThread_exit_thread); its forced unwind meets the noexcept
+destructor and the C++ runtime calls std::terminate. A race, so only sometimes: 6 aborts in 30 runs of a 2-rank gloo
+script that ends like a features follower (barrier, destroy_process_group, normal exit) on a 2-core machine at load
+10-14, 0 in 35 of the same script through rank_main; 1 in 25 runs of the ep_int4 features test before this module.
+destroy_process_group does not prevent it: torch keeps the group, and its threads, alive while anything refers to it
+(measured: after destroy_process_group and gc.collect() a features rank still had `pt_gloo_runloop` x2 and
+`gloo_tcp_loop` running). os._exit, after the rank's own clean-up, never enters interpreter finalization: no thread
+can be ended under it.
 
 The order at exit, on success and on an error alike: (1) the body's own clean-up (the shard writer drained and
 closed, the prefetch pool shut down: their `with`/`finally`); (2) every other non-daemon Python thread joined
