@@ -37,10 +37,10 @@ def train_worker(args) -> None:
     import torch.distributed as dist
 
     from eagle3_core.config import TrainConfig
-    from eagle3_core.pipeline.train_ddp import init_distributed, shutdown_distributed
     from eagle3_core.training.trainer import train
     from train_throughput import make_draft, make_inputs
-    rank, world, device = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()             # joined by train_ddp.init_distributed
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     s = TRAIN_TINY if args.tiny else TRAIN_FULL
     T, n_batches = s["T"], args.global_batches * args.steps
     inp = make_inputs(s, args.seqs_per_batch, torch.device("cpu"))      # one batch of features, reused
@@ -73,21 +73,16 @@ def train_worker(args) -> None:
     if rank == 0:
         Path(args.result).write_text(json.dumps({"tok_s": tok_s, "tok_s_per_gpu": tok_s / world,
                                                  "losses": losses, "world": world}))
-    shutdown_distributed()
 
 
 def extract_worker(args) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from eagle3_core.distributed.launch import die_with_parent
     from eagle3_core.features.extract import HFExtractor
     from eagle3_core.features.extract_workers import extract_owned
     from eagle3_core.features.store import STORE_VERSION
-    from eagle3_core.pipeline.train_ddp import shutdown_distributed
     from extract_throughput import LLAMA_8B, TINY
-    die_with_parent()
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -126,7 +121,6 @@ def extract_worker(args) -> None:
     dist.barrier()
     if rank == 0:
         shutil.rmtree(out, ignore_errors=True)
-    shutdown_distributed()
 
 
 def main() -> None:
@@ -145,8 +139,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        (train_worker if args.worker == "train" else extract_worker)(args)
-        return
+        import torch.distributed as dist
+
+        from eagle3_core.distributed.rank_exit import rank_main
+        from eagle3_core.pipeline.train_ddp import init_distributed
+        # the project's torchrun ranks' one start and end (threads joined, group destroyed, os._exit)
+        rank_main(init_distributed if args.worker == "train" else lambda: dist.init_process_group("gloo"),
+                  lambda: (train_worker if args.worker == "train" else extract_worker)(args))
     n = args.gpus or (2 if args.tiny or not torch.cuda.is_available() else torch.cuda.device_count())
     if n < 2:
         print(f"only {n} GPU visible: the scaling runs need 2 or more (use --tiny on CPU)")

@@ -74,6 +74,15 @@ def leftover_children() -> list[psutil.Process]:
     return out
 
 
+def assert_ranks_left_cleanly(lines: list[str], world: int, code: int = 0) -> None:
+    """Every rank 0..world-1 of a torchrun whose output is `lines` ended through rank_exit.rank_main with exit code
+    `code`, its process group destroyed and no live non-daemon thread but its main one (the line each rank prints
+    just before os._exit: rank_exit.exit_report)."""
+    for r in range(world):
+        want = f"rank {r}/{world} exit {code}: process group destroyed, live threads: none"
+        assert any(x.endswith(want) for x in lines), (want, [x for x in lines if " exit " in x] or lines[-20:])
+
+
 def _sigterm_as_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum} (SIGTERM)")
 

@@ -13,13 +13,15 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conftest import tiny_draft
 from eagle3_core.distributed.launch import emit_line
-from eagle3_core.pipeline.train_ddp import init_distributed, shutdown_distributed
+from eagle3_core.distributed.rank_exit import rank_main
+from eagle3_core.pipeline.train_ddp import init_distributed
 from eagle3_core.training.trainer import train
 from train_worker import CFG, samples
 
@@ -28,7 +30,11 @@ LM_HEAD_SEED = 5
 
 def main():
     torch.set_num_threads(1)                                     # the same kernels in every process
-    rank, _, _ = init_distributed()
+    rank_main(init_distributed, _body)                           # the trainer entry's own start and end
+
+
+def _body():
+    rank = dist.get_rank()
     if sys.argv[1] == "hold":
         emit_line(f"rank {rank} pid {os.getpid()} ready")            # one write: ranks share a pipe
         time.sleep(600)
@@ -40,7 +46,6 @@ def main():
     if rank == 0:
         (out_dir / "result.json").write_text(json.dumps({"steps": res["steps"], "step_losses": res["step_losses"],
                                                          "history": res["history"]}))
-    shutdown_distributed()
 
 
 if __name__ == "__main__":

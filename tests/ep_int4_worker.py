@@ -13,6 +13,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3_core.config import TargetConfig  # noqa: E402
+from eagle3_core.distributed.rank_exit import rank_main  # noqa: E402
 from eagle3_core.target.ep_loading import load_int4_target  # noqa: E402
 from eagle3_core.target.loading import capture, decoder  # noqa: E402
 
@@ -25,17 +26,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--whole-attention", action="store_true")
     a = ap.parse_args()
-    dist.init_process_group("gloo")
-    try:
-        model = load_int4_target(TargetConfig(model=a.model), "cpu", dist.get_rank(), dist.get_world_size(),
-                                 shard_attention=not a.whole_attention)
-        with torch.no_grad(), capture(model, [0, 1]) as store:
-            final = decoder(model)(input_ids=IDS).last_hidden_state
-        if dist.get_rank() == 0:
-            torch.save({"final": final, "aux": store["aux"]}, a.out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    rank_main(lambda: dist.init_process_group("gloo"), lambda: _forward(a))
+
+
+def _forward(a) -> None:
+    model = load_int4_target(TargetConfig(model=a.model), "cpu", dist.get_rank(), dist.get_world_size(),
+                             shard_attention=not a.whole_attention)
+    with torch.no_grad(), capture(model, [0, 1]) as store:
+        final = decoder(model)(input_ids=IDS).last_hidden_state
+    if dist.get_rank() == 0:
+        torch.save({"final": final, "aux": store["aux"]}, a.out)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,15 @@
 weights as one process on the same global batch, resume of a 2-process run, the train stage's torchrun entry point
 (run_train on every rank), and the launcher streaming lines and leaving no process behind."""
 import json
+import re
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tiny_draft
+from conftest import assert_ranks_left_cleanly, tiny_draft
 from eagle3_core.distributed.launch import TorchrunError, run_torchrun
 from eagle3_core.training.checkpoint import load_latest_training_state
 from eagle3_core.training.trainer import train
@@ -58,6 +60,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(ddp_full, tm
         assert ea["eval"]["tau_sim"] == pytest.approx(eb["eval"]["tau_sim"])
         assert ea["train"]["loss"] == pytest.approx(eb["train"]["loss"], rel=1e-4)
     assert any(line.startswith("train: epoch 3 of 3: loss") and "2 ranks" in line for line in lines)   # rank 0 logs
+    assert_ranks_left_cleanly(lines, 2)
 
 
 @pytest.mark.slow
@@ -87,6 +90,45 @@ def test_failed_torchrun_raises_with_its_output(tmp_path):
     with pytest.raises(TorchrunError, match="about to fail"):
         run_torchrun([str(bad)], 1, on_line=lines.append, env=ENV, grace_s=5)
     assert "about to fail" in lines and sys.executable
+
+
+RANK_EXIT_CASE = str(Path(__file__).parent / "cases" / "rank_exit_worker.py")
+
+
+def test_a_failing_rank_joins_its_threads_and_destroys_its_group_before_it_exits():
+    """rank_exit.rank_main's error path: the body raised while a writer thread was busy; the rank prints the error
+    with its [rank0] prefix (what root_cause reads), joins the thread, destroys its group and exits 1."""
+    lines = []
+    with pytest.raises(TorchrunError, match=r"^rank 0: ValueError: the body failed while its writer was busy"):
+        run_torchrun([RANK_EXIT_CASE, "raise"], 1, on_line=lines.append, env=ENV, grace_s=5)
+    assert_ranks_left_cleanly(lines, 1, code=1)
+
+
+def test_a_thread_left_running_fails_the_rank_and_is_named():
+    """A non-daemon thread still alive after the join timeout: named in the rank's last lines, exit code 1 (the
+    process still ends: os._exit, no wait on that thread)."""
+    lines = []
+    with pytest.raises(TorchrunError):
+        run_torchrun([RANK_EXIT_CASE, "stuck"], 1, on_line=lines.append, env=ENV, grace_s=5)
+    assert any("threads still alive at exit after 1 s: stuck-writer" in x for x in lines), lines[-10:]
+    assert any(x.endswith("rank 0/1 exit 1: process group destroyed, live threads: stuck-writer") for x in lines)
+
+
+def test_live_threads_names_the_non_daemon_threads_a_normal_exit_would_wait_for():
+    from eagle3_core.distributed.rank_exit import exit_report, join_threads, live_threads
+    release = threading.Event()
+    busy = threading.Thread(target=release.wait, name="shard-writer_0")
+    quiet = threading.Thread(target=release.wait, name="daemonic", daemon=True)
+    busy.start()
+    quiet.start()
+    try:
+        assert [t.name for t in live_threads()] == ["shard-writer_0"]
+        assert exit_report(0, 1, 0) == "rank 0/1 exit 0: process group destroyed, live threads: shard-writer_0"
+        assert [t.name for t in join_threads(0.2)] == ["shard-writer_0"]          # bounded: still alive
+    finally:
+        release.set()
+    assert join_threads(5.0) == [] and live_threads() == []
+    assert exit_report(0, 1, 0) == "rank 0/1 exit 0: process group destroyed, live threads: none"
 
 
 TORCHRUN_LOGS = Path(__file__).parent / "data" / "torchrun"
@@ -182,13 +224,19 @@ def test_train_stage_under_torchrun_equals_the_one_process_stage(tmp_path):
     for name, t in a.items():
         assert torch.allclose(t, b[name], rtol=1e-4, atol=1e-6), name
     assert sum(1 for x in lines if x.startswith("train: best epoch")) == 1       # rank 0 logs, once
+    assert_ranks_left_cleanly(lines, 2)
     # a corrupt shard: each rank hashes half of them, and both stop with the count
     shutil.rmtree(two.run_dir / "draft")
     shard = sorted((two.run_dir / "features").glob("shard_*.safetensors"))[-1]
     shard.write_bytes(shard.read_bytes()[:-10] + bytes(10))
+    failed = []
     with pytest.raises(TorchrunError, match=r"1 feature shard\(s\) corrupt or missing"):
-        run_torchrun(["-m", "eagle3_core.pipeline.train_ddp", "--config", str(config)], 2,
+        run_torchrun(["-m", "eagle3_core.pipeline.train_ddp", "--config", str(config)], 2, on_line=failed.append,
                      env={**ENV, "PYTHONPATH": str(ROOT)}, grace_s=5, cwd=ROOT)
+    # the error path too: the first rank to fail left its group destroyed and no thread behind (torchrun may stop
+    # the other one before it gets that far)
+    assert any(re.search(r"rank [01]/2 exit 1: process group destroyed, live threads: none$", x) for x in failed), \
+        failed[-20:]
 
 
 def test_data_parallel_is_the_identity_on_one_process_and_slices_groups_on_many():

@@ -13,6 +13,7 @@ from eagle3_core.features.extract import HFExtractor
 from eagle3_core.features.extract_workers import extract_owned, merge_parts
 from eagle3_core.pipeline.features_stage import feature_status, run_features, run_features_shard
 from eagle3_core.target.loading import load_target
+from conftest import assert_ranks_left_cleanly
 from tiny_targets import build
 
 SHARD_KEYS = ("file", "sha256", "bytes", "ids", "tokens", "samples", "content_key")
@@ -67,6 +68,7 @@ def test_two_workers_write_the_same_shards_as_one_process(stores):
     assert sha256_file(one.run_dir / "features" / head) == sha256_file(two.run_dir / "features" / head)
     assert any("rank 0/2: 2 of my 2 shards extracted" in x for x in lines)
     assert any("rank 1/2: 2 of my 2 shards extracted" in x for x in lines)
+    assert_ranks_left_cleanly(lines, 2)
     # rank 1 owned shards 1 and 3 (round robin)
     part = read_manifest(two.run_dir / "features" / "parts" / "rank_00001.json")
     assert [s["file"] for s in part["shards"]] == ["shard_00001.safetensors", "shard_00003.safetensors"]

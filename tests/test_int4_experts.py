@@ -21,6 +21,7 @@ from eagle3_core.distributed.launch import run_torchrun
 from eagle3_core.target.ep_loading import load_int4_target
 from eagle3_core.target.int4_experts import dequantize_int4, unpack_int4
 from eagle3_core.target.loading import capture, decoder, load_target
+from conftest import assert_ranks_left_cleanly
 from int4_targets import build_int4
 
 FAMILIES = ("deepseek_v3", "kimi_k25")
@@ -116,6 +117,7 @@ def test_two_gloo_ranks_equal_one_process(targets, family, attention, tmp_path):
     lines = []
     run_torchrun([str(Path(__file__).parent / "ep_int4_worker.py"), "--model", str(targets[family][0]), "--out",
                   str(out), *(["--whole-attention"] if attention == "whole" else [])], 2, on_line=lines.append)
+    assert_ranks_left_cleanly(lines, 2)
     two = torch.load(out)
     one = _forward(load_int4_target(TargetConfig(model=str(targets[family][0])), "cpu"))
     torch.testing.assert_close(two["final"], one["final"], atol=2e-5, rtol=0)
@@ -145,6 +147,7 @@ def test_the_ep_int4_features_stage_writes_the_bf16_backends_store(targets, fami
     assert m2["complete"] and m2["backend"] == "ep_int4" and m2["tp_size"] == 2 and m2["expert_parallel"]
     assert not bad_shards(ep.run_dir / "features", m2["shards"])
     assert any("rank 1/2 ran 3 forwards" in x for x in lines), lines[-20:]
+    assert_ranks_left_cleanly(lines, 2)
     keys = ("file", "ids", "tokens", "samples")
     assert [{k: s[k] for k in keys} for s in m1["shards"]] == [{k: s[k] for k in keys} for s in m2["shards"]]
     for k in ("store_version", "format", "aux_layer_ids", "hidden_size", "samples", "tokens", "bytes"):

@@ -420,6 +420,7 @@ def test_two_gloo_ranks_lead_and_follow_and_store_the_hf_features(stores):
     from eagle3_core.contract.manifest import read_manifest
     from eagle3_core.features.reader import load_head
     from eagle3_core.features.store import bad_shards
+    from conftest import assert_ranks_left_cleanly
     one, two, lines = stores
     d1, d2 = one.run_dir / "features", two.run_dir / "features"
     m1, m2 = read_manifest(d1 / "manifest.json"), read_manifest(d2 / "manifest.json")
@@ -429,6 +430,7 @@ def test_two_gloo_ranks_lead_and_follow_and_store_the_hf_features(stores):
     assert m2["aux_layer_ids"] == m1["aux_layer_ids"] == [1, 3, 4]
     assert any("rank 1/2 ran 3 forwards" in x for x in lines), lines[-20:]
     assert any("aux layers [1, 3, 4] = inputs of layers [2, 4, 5]" in x for x in lines), lines[-20:]
+    assert_ranks_left_cleanly(lines, 2)
     for a, b in zip(load_head(d1), load_head(d2), strict=True):                  # read from the checkpoint
         assert torch.equal(a, b)
     assert_same_samples(d1, d2, "sglang", bit_identical=None)      # target_top1: the all-gathered argmax

@@ -16,6 +16,7 @@ from eagle3_core.features.store import bad_shards
 from eagle3_core.pipeline.features_stage import feature_status, run_features
 from eagle3_core.target.loading import load_target_config
 from eagle3_core.target.memory import BYTES_PER_PARAM, meta_model, param_bytes_per_rank
+from conftest import assert_ranks_left_cleanly
 from feature_stores import assert_same_samples, features_run, kill_a_rank_then_rerun, run_one_thread
 from tiny_targets import build
 from tokenized_rows import random_rows
@@ -61,6 +62,7 @@ def test_sharded_target_stores_the_one_process_features(stores, fam, ep):
         assert m1[k] == m2[k], k
     assert sha256_file(d1 / "head.safetensors") == sha256_file(d2 / "head.safetensors")
     assert any("rank 1/2 ran 3 forwards" in x for x in lines), lines[-20:]
+    assert_ranks_left_cleanly(lines, 2)
     # what check counts per rank (parallel_fit, from the config on the meta device) is what the rank holds
     held = [x for x in lines if "rank 1/2 holds" in x][0].split("holds ")[1].split()[0]
     counted = param_bytes_per_rank(meta_model(load_target_config(tp.target)), 2, ep) // BYTES_PER_PARAM

@@ -31,7 +31,8 @@ from torch.distributed.tensor import DTensor
 
 from eagle3_core.config import PipelineConfig, load_config
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.distributed.launch import die_with_parent, emit_line
+from eagle3_core.distributed.launch import emit_line
+from eagle3_core.distributed.rank_exit import rank_main
 from eagle3_core.features.extract import HFExtractor
 
 _FORWARD, _HEAD, _STOP = "forward", "head", "stop"
@@ -121,8 +122,7 @@ def run_worker(cfg: PipelineConfig, store_key: str | None = None, log=print) -> 
     if rank != 0:
         n = follow(inner)
         log(f"features: rank {rank}/{world} ran {n} forwards")
-        dist.barrier()                # leave together: a rank tearing its groups down first aborted (SIGABRT)
-        return None
+        return None                   # rank_exit.rank_main meets the other ranks at a barrier, then leaves
     leader = Leader(inner)
     try:
         rows = pq.read_table(RunLayout(cfg.run_dir).tokenized_train).to_pylist()
@@ -132,27 +132,21 @@ def run_worker(cfg: PipelineConfig, store_key: str | None = None, log=print) -> 
                                     backend=backend.name, store_key=store_key, mix_backends=f.mix_backends)
     finally:
         leader.stop()                 # on an error too: the followers leave their loop and the run ends at once
-    dist.barrier()
     return manifest
 
 
 def worker_main(argv: list[str] | None, description: str, run, init=init_group) -> None:
     """The command line of a torchrun features worker: `--config` (a PipelineConfig JSON file, read before the
-    process group exists, so a bad file fails alone) and `--store-key`; then, dying with its parent, `init()` the
-    process group, `run(cfg, store_key, log=emit_line)` (its lines to torchrun's output), and destroy the group
-    on an error too."""
+    process group exists, so a bad file fails alone) and `--store-key`; then the rank runs through
+    rank_exit.rank_main: `init()` the process group, `run(cfg, store_key, log=emit_line)` (its lines to torchrun's
+    output), and leave in order (threads joined, group destroyed, os._exit), on an error too."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--config", required=True, type=Path, help="a PipelineConfig JSON file")
     ap.add_argument("--store-key", default=None, help="the store key recorded in the manifest and head.json "
                                                       "(pipeline.features_stage.store_key)")
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
-    die_with_parent()
-    init()
-    try:
-        run(cfg, args.store_key, log=emit_line)
-    finally:
-        dist.destroy_process_group()
+    rank_main(init, lambda: run(cfg, args.store_key, log=emit_line))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.distributed.launch import die_with_parent, emit_line
+from eagle3_core.distributed.rank_exit import rank_main
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -40,15 +41,18 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 def shutdown_distributed() -> None:
     """Leave the process group cleanly on every rank: collect garbage first (a DDP model's reducer sits in reference
-    cycles and holds the group; freed at interpreter exit, after the group is gone, its gloo threads abort the
-    process with 'terminate called without an active exception'), wait for every rank, then destroy the group.
-    Only on success: a rank that failed must not wait in a barrier the others may never reach."""
+    cycles and holds the group), wait for every rank, then destroy the group. Only on success: a rank that failed
+    must not wait in a barrier the others may never reach. (The trainer's own entry, `main`, ends through
+    rank_exit.rank_main, which does this and also ends the process without tearing the interpreter down under
+    gloo's threads; this is for scripts that run trainer.train under torchrun themselves.)"""
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`--config run.json` (read and checked before the process group exists, so a bad file fails alone), then
+    run_train on this rank through rank_exit.rank_main (group joined, left in order, on an error too)."""
     from eagle3_core.pipeline.train_stage import run_train
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, type=Path, help="a PipelineConfig JSON file")
@@ -57,13 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.train.device not in ("auto", kind):       # the same config on every rank, each on its own device
         raise ValueError(f"train.device is {cfg.train.device!r}: under torchrun use 'auto' (or {kind!r}); each "
                          f"rank trains on its own device ({'cuda:LOCAL_RANK' if kind == 'cuda' else 'cpu'})")
-    rank, _, _ = init_distributed()
-    try:
-        run_train(cfg, log=emit_line if rank == 0 else lambda s: None)
-    except BaseException:
-        dist.destroy_process_group()          # no barrier: the other ranks may never reach it; torchrun stops them
-        raise
-    shutdown_distributed()
+    rank_main(init_distributed, lambda: run_train(cfg, log=emit_line if dist.get_rank() == 0 else lambda s: None))
 
 
 if __name__ == "__main__":
