@@ -34,6 +34,7 @@ from eagle3_core.data.budget import budget_problems
 from eagle3_core.data.prompt_set import source_specs
 from eagle3_core.data.readers import missing_source_files
 from eagle3_core.data.template_kwargs import chat_template_file, kwarg_problem
+from eagle3_core.data.text_probe import target_template, text_api_problems
 from eagle3_core.features.backends import BACKENDS, backend_name
 from eagle3_core.features.sglang_env import probe_sglang, sglang_env_problems
 from eagle3_core.features.store_formats import FORMATS, bytes_per_token, features_bytes
@@ -149,7 +150,8 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     kwargs = cfg.generation.chat_template_kwargs
     text_api = cfg.server.kind != "transformers" and cfg.generation.api_for(cfg.server.kind) == "openai"
     if chat_template is DETECT:
-        chat_template = None if target_config is not None or not (kwargs or text_api) else _template_of(cfg)
+        chat_template = (None if target_config is not None or not (kwargs or text_api)
+                         else target_template(cfg.target))
     if text_api and chat_template is not None:
         problems += text_api_problems(chat_template, kwargs)
     facts["chat_template_kwargs"] = ({"kwargs": kwargs, "checked against": "the target's chat template"}
@@ -274,27 +276,6 @@ def disk_check(cfg: PipelineConfig, H_t: int, disk) -> tuple[dict, list[tuple[st
                         f"runs the target every epoch: python -m eagle3_core.plan CONFIG --disk SIZE prints each "
                         f"one's hours), or lower features.max_length or prompts.num_train")]
     return facts, []
-
-
-def text_api_problems(chat_template: str, kwargs: dict | None) -> list[tuple[str, str]]:
-    """[('generation.api', why and the fix)] when the text API cannot train what the target writes under `kwargs`
-    (data.text_probe: one turn with reasoning and one cut-off turn through the template), else []."""
-    from eagle3_core.data.text_probe import text_api_problem
-    if (why := text_api_problem(chat_template, kwargs)) is None:
-        return []
-    return [("generation.api", f"'openai' returns text, which the tokenize stage re-renders with the target's chat "
-                               f"template, and under chat_template_kwargs {kwargs or {}} the template does not render "
-                               f"what the target writes: {why}; every such answer would be refused after the whole "
-                               f"generation. Set generation.api 'sglang' (or 'auto' with server.kind 'sglang'): the "
-                               f"server's own token ids are trained as they are")]
-
-
-def _template_of(cfg: PipelineConfig) -> str | None:
-    """The target's default chat template (its tokenizer's, read like the prompts stage reads it), or None."""
-    from eagle3_core.data.template_kwargs import tokenizer_templates
-    from eagle3_core.target.loading import load_tokenizer
-    templates = tokenizer_templates(load_tokenizer(cfg.target))
-    return templates.get("default") or next(iter(templates.values()), None)
 
 
 def render(facts: dict) -> str:

@@ -258,7 +258,8 @@ def test_early_gate_fails_fast_after_the_first_answers(server, tmp_path):
 
 
 def test_report_shows_both_sampling_settings_and_flags_a_mismatch():
-    from eagle3_core.pipeline.report import compare_sampling, sampling_markdown
+    from eagle3_core.evaluation.sampling_compare import compare_sampling
+    from eagle3_core.pipeline.report import sampling_markdown
     same = compare_sampling({"temperature": 0.0, "top_p": 1.0, "chat_template_kwargs": {}}, None)
     assert same["mismatch"] == [] and same["evaluation"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0,
                                                              "thinking": "template default"}
@@ -273,7 +274,8 @@ def test_report_shows_both_sampling_settings_and_flags_a_mismatch():
 
 
 def test_report_names_the_declared_serving_settings_and_their_mismatch_with_evaluation():
-    from eagle3_core.pipeline.report import compare_sampling, sampling_markdown
+    from eagle3_core.evaluation.sampling_compare import compare_sampling
+    from eagle3_core.pipeline.report import sampling_markdown
     regen = {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "chat_template_kwargs": {}}
     sp = compare_sampling(regen, {**regen, "top_k": 0}, {"temperature": 1.0, "top_p": 0.95})
     assert sp["mismatch"] == ["top_k"] and sp["serving_mismatch"] == ["temperature"]

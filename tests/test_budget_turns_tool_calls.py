@@ -180,7 +180,7 @@ def test_two_turn_spec_bench_rows_are_answered_turn_by_turn(tmp_path, target_mod
     path = tmp_path / "train.parquet"
     prompts_mod.write_rows(path, rows[:1])                                      # one row: 2 forwards on CPU
     gen = GenerationConfig(max_new_tokens=3, concurrency=1, turns="all", max_truncated_frac=1.0, gate_after=64)
-    engine = BatchedGenerator(target_model, tokenizer, 1, 3)
+    engine = BatchedGenerator(target_model, tokenizer, 1, 3, stop_ids=[tokenizer.eos_token_id])
     engine.eos = set(range(len(tokenizer)))          # every answer stops at once: a turn cut at max_new_tokens
     #                                                  would end the row (generation/turns.py)
     out = tmp_path / "gen"

@@ -19,7 +19,7 @@ from conftest import ROOT, SHARED_DATA
 from eagle3_core.config import GenerationConfig, PipelineConfig, PromptConfig, ServerConfig
 from eagle3_core.data.chat import prompt_ids
 from eagle3_core.generation.quality import QualityGateError, is_degenerate
-from eagle3_core.generation.regenerate import split_final_answer
+from eagle3_core.generation.turns import split_final_answer
 from eagle3_core.pipeline.generation_stage import (
     finish_generation,
     generation_shard_done,

@@ -59,7 +59,8 @@ def test_an_eos_token_ends_the_answer_before_it(target_model, tokenizer):
     prompt = prompt_ids(tokenizer, [{"role": "user", "content": "What is 12 times 7?"}])
     free = greedy_generate(TargetRunner(target_model, [0]), prompt, 8, set())["tokens"]
     k = next(i for i, t in enumerate(free) if t not in free[:i] and i >= 3)              # first new token at >= 3
-    gen = BatchedGenerator(target_model, tokenizer, max_batch=2, max_new_tokens=8)
+    gen = BatchedGenerator(target_model, tokenizer, max_batch=2, max_new_tokens=8,
+                           stop_ids=[tokenizer.eos_token_id])
     gen.eos = {free[k]}
 
     async def both():

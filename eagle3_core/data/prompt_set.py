@@ -22,6 +22,7 @@ from eagle3_core.data.held_out import Reconciled, choose_held_out, content_diges
 from eagle3_core.data.readers import iter_rows, source_path
 from eagle3_core.data.rejects import check_reject_limit, failed_rejects_path, write_rejects
 from eagle3_core.data.row_formats import ID_FIELDS, RowReject, conversation_text, normalize, to_prompt
+from eagle3_core.data.samples import route_kept
 from eagle3_core.data.tool_calls import check_tool_calls
 from eagle3_core.data.tools import row_tools
 
@@ -86,24 +87,6 @@ def load_source(spec: SourceSpec | str, seed: int = 0, rejects: list | None = No
         out.append({"id": f"{label}/{key}", "source": label, "messages": messages, "mode": mode,
                     "tools": json.dumps(tools) if tools else "", "meta": json.dumps({"row": i, **meta})})
     return out
-
-
-def route_kept(spec: SourceSpec, rows: list[dict], probe) -> tuple[list[dict], dict | None]:
-    """(rows, route) of a mode 'keep' source whose kept choice is 'auto' (SourceSpec.kept); (rows, None) for any
-    other source or without a probe. probe(row) -> None where the row's kept turns train as the target's template
-    renders them, else (cause, reason) (pipeline.prompts_stage.kept_probe). The source's first row is probed: passed,
-    its rows stay kept (route 'train'); refused, every row becomes a prompt row the target answers, as with kept
-    'regenerate' (meta 'kept': 'regenerate', 'kept_auto': the cause). route: {'route', 'probed_row', and where
-    refused 'cause', 'reason'}."""
-    if probe is None or spec.mode != "keep" or spec.kept != "auto" or not rows:
-        return rows, None
-    refused = probe(rows[0])
-    if refused is None:
-        return rows, {"route": "train", "probed_row": rows[0]["id"]}
-    cause, reason = refused
-    rows = [{**r, "mode": "prompt", "meta": json.dumps({**json.loads(r["meta"]), "kept": "regenerate",
-                                                         "kept_auto": cause})} for r in rows]
-    return rows, {"route": "regenerate", "probed_row": rows[0]["id"], "cause": cause, "reason": reason}
 
 
 def _available(cfg: PromptConfig, specs: list[SourceSpec],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 
+from eagle3_core.config.mix import SourceSpec
 from eagle3_core.data.chat import MaskError
 from eagle3_core.data.history import fit, merge_turns, server_turn, template_turn, tokenize_chat
 from eagle3_core.data.markers import TargetMarkers, target_markers
@@ -181,3 +182,21 @@ def batches_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
     if cur:
         batches.append(cur)
     return batches
+
+
+def route_kept(spec: SourceSpec, rows: list[dict], probe) -> tuple[list[dict], dict | None]:
+    """(rows, route) of a mode 'keep' source whose kept choice is 'auto' (SourceSpec.kept); (rows, None) for any
+    other source or without a probe. probe(row) -> None where the row's kept turns train as the target's template
+    renders them, else (cause, reason) (pipeline.prompts_stage.kept_probe). The source's first row is probed: passed,
+    its rows stay kept (route 'train'); refused, every row becomes a prompt row the target answers, as with kept
+    'regenerate' (meta 'kept': 'regenerate', 'kept_auto': the cause). route: {'route', 'probed_row', and where
+    refused 'cause', 'reason'}."""
+    if probe is None or spec.mode != "keep" or spec.kept != "auto" or not rows:
+        return rows, None
+    refused = probe(rows[0])
+    if refused is None:
+        return rows, {"route": "train", "probed_row": rows[0]["id"]}
+    cause, reason = refused
+    rows = [{**r, "mode": "prompt", "meta": json.dumps({**json.loads(r["meta"]), "kept": "regenerate",
+                                                         "kept_auto": cause})} for r in rows]
+    return rows, {"route": "regenerate", "probed_row": rows[0]["id"], "cause": cause, "reason": reason}

@@ -12,6 +12,8 @@ means the target writes no reasoning; a template that knows `</think>` and does 
 from __future__ import annotations
 
 from eagle3_core.data.chat import THINK_CLOSE, renderable_message
+from eagle3_core.data.template_kwargs import tokenizer_templates
+from eagle3_core.target.loading import load_tokenizer
 
 PROMPT = [{"role": "user", "content": "What is 2+2?"}]
 REASONING, ANSWER = "Two plus two makes four.", "It is 4."
@@ -53,3 +55,22 @@ def text_api_problem(template: str, kwargs: dict | None) -> str | None:
                 return (f"{name}: the template drops its {part.replace('_content', '')} after the generation "
                         f"prompt (renders {span[:60]!r})")
     return None
+
+
+def text_api_problems(chat_template: str, kwargs: dict | None) -> list[tuple[str, str]]:
+    """[('generation.api', why and the fix)] when the text API cannot train what the target writes under `kwargs`
+    (data.text_probe: one turn with reasoning and one cut-off turn through the template), else []."""
+    if (why := text_api_problem(chat_template, kwargs)) is None:
+        return []
+    return [("generation.api", f"'openai' returns text, which the tokenize stage re-renders with the target's chat "
+                               f"template, and under chat_template_kwargs {kwargs or {}} the template does not render "
+                               f"what the target writes: {why}; every such answer would be refused after the whole "
+                               f"generation. Set generation.api 'sglang' (or 'auto' with server.kind 'sglang'): the "
+                               f"server's own token ids are trained as they are")]
+
+
+def target_template(target) -> str | None:
+    """The default chat template of `target` (a TargetConfig): its tokenizer's, read like the prompts stage reads
+    it; None when it has none."""
+    templates = tokenizer_templates(load_tokenizer(target))
+    return templates.get("default") or next(iter(templates.values()), None)

@@ -15,6 +15,7 @@ import asyncio
 import json
 from pathlib import Path
 
+from eagle3_core.data.markers import stop_ids
 from eagle3_core.evaluation.acceptance import bootstrap_ci
 from eagle3_core.evaluation.speculate import stop_greedy
 
@@ -47,8 +48,9 @@ def greedy_outputs(cfg, prompts: list[list[int]], eos_ids: set[int], log=print) 
     elif cfg.server.kind == "transformers":
         from eagle3_core.serving.hf_generate import BatchedGenerator
         from eagle3_core.target.loading import load_target, load_tokenizer
-        gen = BatchedGenerator(load_target(cfg.target), load_tokenizer(cfg.target), cfg.generation.concurrency,
-                               max_new)
+        model, tok = load_target(cfg.target), load_tokenizer(cfg.target)
+        gen = BatchedGenerator(model, tok, cfg.generation.concurrency, max_new,
+                               stop_ids=stop_ids(tok, model.generation_config.eos_token_id))
         answers = asyncio.run(_gather(gen.complete, prompts))
     else:
         urls = cfg.server.urls or ([cfg.server.url] if cfg.server.url else [])

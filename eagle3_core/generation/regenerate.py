@@ -47,7 +47,7 @@ from eagle3_core.config import GenerationConfig, ServerConfig
 from eagle3_core.generation.answer_shard import KEY_META, AnswerShardWriter
 from eagle3_core.generation.progress import Progress
 from eagle3_core.generation.quality import EarlyGate, gate_limits
-from eagle3_core.generation.turns import later_user_turns, parsed_answer, regenerate_row
+from eagle3_core.generation.turns import later_user_turns, parsed_answer, regenerate_row, split_final_answer
 from eagle3_core.serving.client import (
     TOKEN_ID_APIS,
     RequestRejected,
@@ -124,23 +124,6 @@ def iter_prompt_rows(path: Path, start: int, stop: int, batch_rows: int = 256) -
             if index >= start:
                 yield index, row
             index += 1
-
-
-def split_final_answer(messages: list[dict], mode: str | None, where: str) -> tuple[list[dict], dict | None]:
-    """(messages to send, the kept final assistant turn or None). Raises ValueError naming `where` when there is
-    nothing to answer or (mode 'keep') nothing to keep."""
-    if not messages:
-        raise ValueError(f"{where}: empty conversation")
-    prompt, last = (messages[:-1], messages[-1]) if messages[-1].get("role") == "assistant" else (messages, None)
-    if mode == "keep":
-        if last is None:
-            raise ValueError(f"{where}: mode 'keep' but the conversation does not end with an assistant turn")
-        return prompt, last
-    if not prompt or prompt[-1].get("role") not in ("user", "tool"):
-        role = prompt[-1].get("role") if prompt else None
-        raise ValueError(f"{where}: nothing to answer (the conversation before the final assistant turn ends with "
-                         f"{role!r}, not a user or tool turn)")
-    return prompt, None
 
 
 async def regenerate(prompts_path: Path, out: Path, shards: list[int] | dict[int, tuple[int, int]], key: str,

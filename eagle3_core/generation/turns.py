@@ -182,3 +182,20 @@ async def regenerate_row(messages: list[dict], max_turns: int | None, ask: Ask, 
     return {**data, "messages": out, "completion_tokens": tokens_sum, "attempts": attempts_sum,
             "turn_requests": len(turns), "turns": json.dumps(turns), "server": turns[-1]["server"],
             "turn_prompt_ids": prompts, "turn_output_ids": outputs}
+
+
+def split_final_answer(messages: list[dict], mode: str | None, where: str) -> tuple[list[dict], dict | None]:
+    """(messages to send, the kept final assistant turn or None). Raises ValueError naming `where` when there is
+    nothing to answer or (mode 'keep') nothing to keep."""
+    if not messages:
+        raise ValueError(f"{where}: empty conversation")
+    prompt, last = (messages[:-1], messages[-1]) if messages[-1].get("role") == "assistant" else (messages, None)
+    if mode == "keep":
+        if last is None:
+            raise ValueError(f"{where}: mode 'keep' but the conversation does not end with an assistant turn")
+        return prompt, last
+    if not prompt or prompt[-1].get("role") not in ("user", "tool"):
+        role = prompt[-1].get("role") if prompt else None
+        raise ValueError(f"{where}: nothing to answer (the conversation before the final assistant turn ends with "
+                         f"{role!r}, not a user or tool turn)")
+    return prompt, None

@@ -16,6 +16,7 @@ from eagle3_core.config.sampling_config import SamplingConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import busy_seconds, write_manifest
 from eagle3_core.contract.run_stage import run_stage
+from eagle3_core.data.markers import stop_ids
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
 
 
@@ -238,8 +239,9 @@ def _generation_engine(cfg: PipelineConfig, tok, log):
     g = cfg.generation
     log(f"generation: target in this process on {device} (transformers, batches of {g.concurrency})")
     # loaded once per process: the flow's shard tasks (threads of one process) share it; finish_generation frees it
-    return BatchedGenerator(loaded_target(cfg.target.model_dump_json(), device, torch.float32), tok, g.concurrency,
-                            g.max_new_tokens, g.temperature)
+    model = loaded_target(cfg.target.model_dump_json(), device, torch.float32)
+    return BatchedGenerator(model, tok, g.concurrency, g.max_new_tokens, g.temperature,
+                            stop_ids=stop_ids(tok, model.generation_config.eos_token_id))
 
 
 def run_generation_shard(cfg: PipelineConfig, shard: int, log=print, urls: list[str] | None = None,

@@ -43,7 +43,7 @@ def _prompts_key(cfg: PipelineConfig, prompt_fields: dict) -> str:
 
 
 def kept_probe(tokenizer, template_kwargs: dict | None):
-    """probe(row) -> None | (cause, reason) for data.prompt_set.route_kept: None where every assistant turn of the
+    """probe(row) -> None | (cause, reason) for data.samples.route_kept: None where every assistant turn of the
     kept row trains on the text path as the target's template renders it with `template_kwargs` (samples.row_samples:
     the round trip, an empty think block where the target thinks), else the cause (history.CAUSES, 'template' for a
     template error or a row it cannot train) and the refusal's message."""

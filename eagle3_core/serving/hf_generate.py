@@ -21,27 +21,22 @@ import torch
 LINGER_S = 0.05       # wait this long for more requests before running a batch that is not full
 
 
-def eos_token_ids(model, tokenizer) -> set[int]:
-    """The ids generation stops on: the model's generation config (int or list), the tokenizer's eos token and the
-    chat template's end of turn (data.markers.stop_ids: what every stage stops on)."""
-    from eagle3_core.data.markers import stop_ids
-    return set(stop_ids(tokenizer, getattr(model.generation_config, "eos_token_id", None)))
-
-
 class BatchedGenerator:
     """Collects `complete()` calls of concurrent asyncio tasks into batches and runs them through `model.generate` in
     one worker thread (the event loop keeps flushing and reporting meanwhile).
 
     model: a HF causal LM in eval mode; tokenizer: its tokenizer (decoding, pad id); max_batch: rows per batch;
-    max_new_tokens, temperature: as GenerationConfig (temperature 0 = greedy)."""
+    max_new_tokens, temperature: as GenerationConfig (temperature 0 = greedy). stop_ids: every id the target stops on
+    (data.markers.stop_ids: the generation config's EOS list, the tokenizer's EOS and the chat template's end of
+    turn; given by the caller, which knows the template: serving sits below data in the layer order)."""
 
     def __init__(self, model, tokenizer, max_batch: int, max_new_tokens: int, temperature: float = 0.0,
-                 name: str = "transformers"):
+                 name: str = "transformers", *, stop_ids):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.max_new_tokens, self.temperature, self.name = max_new_tokens, temperature, name
-        self.eos = eos_token_ids(model, tokenizer)
+        self.eos = set(stop_ids)
         if not self.eos:
             raise ValueError("the target has no eos_token_id (generation config or tokenizer): answers could not stop")
         pad = tokenizer.pad_token_id
