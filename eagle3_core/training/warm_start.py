@@ -307,7 +307,7 @@ def init_from_check(cfg, tcfg, ids: list[int] | None) -> tuple[dict, list[tuple[
     L = num_layers(tcfg)
     defaults = default_aux_layer_ids(L) if L >= 7 else None
     want = draft_shape(tcfg, cfg.draft.draft_vocab_size, ids if ids is not None else defaults or [],
-                       overrides=cfg.draft.geometry())
+                       overrides=cfg.draft.geometry(), capacity=cfg.draft.capacity())
     problems = init_problems(cfg.train.init_from, want, keep, defaults, sglang_rule(tcfg))
     if ids is None:                                         # reported under features.aux_layer_ids already
         problems = [p for p in problems if p[0] != "features.aux_layer_ids"]
