@@ -232,3 +232,12 @@ def test_the_replay_evaluator_runs_the_option_as_a_recomputation_without_caches(
             P += a + 1
     assert got == want
     assert max(got) == steps and min(got) < steps
+
+
+def test_the_llama_cpp_deployment_refuses_a_draft_it_cannot_serve_before_converting(tmp_path):
+    from eagle3_core.evaluation.llama_cpp_deploy import convert_draft
+    from eagle3_core.serving.launcher import ServerError
+    out = save_draft(tiny_draft(num_hidden_layers=2), tmp_path / "export")
+    with pytest.raises(ServerError, match=r"two_layers: llama.cpp does not serve it \(llama-cpp-python 0.3.36"):
+        convert_draft(out, tmp_path / "no-target", tmp_path / "draft.gguf")
+    assert not (tmp_path / "draft.gguf").exists()
