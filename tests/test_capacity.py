@@ -241,3 +241,12 @@ def test_the_llama_cpp_deployment_refuses_a_draft_it_cannot_serve_before_convert
     with pytest.raises(ServerError, match=r"two_layers: llama.cpp does not serve it \(llama-cpp-python 0.3.36"):
         convert_draft(out, tmp_path / "no-target", tmp_path / "draft.gguf")
     assert not (tmp_path / "draft.gguf").exists()
+
+
+def test_a_warm_start_from_a_one_layer_draft_into_two_layers_is_refused_naming_the_weight():
+    from eagle3_core.training.warm_start import warm_draft
+    with pytest.raises(CheckpointError, match=r"the draft has no layers\.1\.\S+, which this run's capacity options"):
+        warm_draft(tiny_draft(), tiny_draft(num_hidden_layers=2))
+    init = tiny_draft(seed=1, num_hidden_layers=2)
+    fresh, _ = warm_draft(init, tiny_draft(num_hidden_layers=2))
+    assert torch.equal(fresh.layers["1"].mlp.up_proj.weight, init.layers["1"].mlp.up_proj.weight)

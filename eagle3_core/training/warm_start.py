@@ -268,6 +268,10 @@ def warm_draft(init: Eagle3Draft, fresh: Eagle3Draft) -> tuple[Eagle3Draft, dict
         for name, t in dst.items():
             if name in skip:
                 continue
+            if name not in src:
+                raise CheckpointError(f"warm start: the draft has no {name}, which this run's capacity options "
+                                      f"(draft.num_hidden_layers {fresh.shape.num_hidden_layers}, fc_norm "
+                                      f"{fresh.shape.fc_norm}) add; start from a draft with the same options")
             if src[name].shape != t.shape:
                 raise CheckpointError(f"warm start: {name} is {tuple(src[name].shape)} in the draft, "
                                       f"{tuple(t.shape)} in this run")
