@@ -22,7 +22,7 @@ def draft_shape(cfg: PipelineConfig):
     from eagle3_core.training.draft_geometry import draft_shape as family_draft_shape
     tcfg = target_config(cfg)
     return family_draft_shape(tcfg, cfg.draft.draft_vocab_size, aux_ids(cfg, num_layers(tcfg)),
-                       overrides=cfg.draft.geometry())
+                       overrides=cfg.draft.geometry(), capacity=cfg.draft.capacity())
 
 
 def init_default_aux_ids(cfg: PipelineConfig) -> list[int] | None:
@@ -131,7 +131,7 @@ def train_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     number of GPUs), the draft settings, and the warm-start draft's weights (train.init_from)."""
     from eagle3_core.pipeline.vocab_stage import init_key
     up = upstream_keys(cfg, "train") if up is None else up
-    return stage_key(up["features"], up["vocab"], resolved_train_fields(cfg), cfg.draft,
+    return stage_key(up["features"], up["vocab"], resolved_train_fields(cfg), cfg.draft.key_fields(),
                      *([init_key(cfg)] if cfg.train.init_from is not None else []))
 
 
@@ -142,7 +142,7 @@ def train_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, 
     if cfg.train.loss != "kl":                                          # older runs all trained with 'kl'
         return ()
     up = upstream_keys(cfg, "train") if up is None else up
-    return (stage_key(up["features"], up["vocab"], train_fields_v4(cfg.train), cfg.draft,
+    return (stage_key(up["features"], up["vocab"], train_fields_v4(cfg.train), cfg.draft.key_fields(),
                       *([init_key(cfg)] if cfg.train.init_from is not None else [])),)
 
 

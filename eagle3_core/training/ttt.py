@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3_core.training.ttt_attention import COMPILE
+from eagle3_core.training.ttt_attention import COMPILE, ttt_caches
 
 
 def shift_left(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
@@ -217,7 +217,7 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
     weights = draft.step_weights(dt) if dt is not None else None
     hidden = draft.fuse(batch["aux"])                                      # [B, T, H]
     start = trim_start(mask, ttt_length) if trim else 0
-    cache_k, cache_v = [], []
+    cache_k, cache_v = ttt_caches()                                  # layer 0 lists, room for later layers
     total = 0.0
     stats = {"n": [], "correct": [], "chain": [], "loss": []}
     chain = None
