@@ -12,6 +12,7 @@ from pathlib import Path
 
 from conftest import ROOT
 from eagle3_core.config import PipelineConfig
+from eagle3_core.config.mix_presets import MIXES
 
 CONFIGS = ROOT / "configs"
 
@@ -20,7 +21,7 @@ SIZES = {
     "prompts.num_train", "prompts.num_eval", "prompts.mix.sources.*.count", "prompts.mix.sources.*.max_rows",
     "generation.max_new_tokens", "generation.concurrency", "generation.shard_size", "generation.gate_after",
     "features.max_length", "features.shard_samples", "features.batch_tokens", "features.tp_size",
-    "server.extra_args", "draft.draft_vocab_size", "train.epochs", "train.batch_tokens", "train.eval_frac",
+    "server.extra_args", "draft.draft_vocab_size", "train.epochs", "train.batch_tokens", "train.window_context", "train.eval_frac",
     "eval.max_new_tokens", "deploy_sglang.tp_size", "deploy_sglang.concurrency",
 }
 LOCATIONS = {
@@ -34,6 +35,14 @@ DECLARED = SIZES | LOCATIONS
 def shipped(name: str) -> dict:
     """The config file configs/<name>.json as a dict, as shipped."""
     return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def _expanded(cfg: dict) -> dict:
+    """`cfg` with a preset mix named by prompts.mix (a string) written out as its sources (the same mix)."""
+    cfg = copy.deepcopy(cfg)
+    if isinstance(cfg.get("prompts", {}).get("mix"), str):
+        cfg["prompts"]["mix"] = MIXES[cfg["prompts"]["mix"]].model_dump(mode="json", exclude_defaults=True)
+    return cfg
 
 
 def _flat(d, prefix: str = "") -> dict[str, object]:
@@ -51,7 +60,7 @@ def _pattern(path: str) -> str:
 
 def overridden_fields(name: str, cfg: dict) -> set[str]:
     """The declared-pattern paths (`prompts.mix.sources.*.count`) where `cfg` differs from configs/<name>.json."""
-    a, b = _flat(shipped(name)), _flat(cfg)
+    a, b = _flat(_expanded(shipped(name))), _flat(_expanded(cfg))
     paths = {p for p in a.keys() | b.keys() if a.get(p, None) != b.get(p, None)}
     # a list leaf (server.extra_args) and the dict leaves below it are one field
     return {_pattern(p) for p in paths}
@@ -61,7 +70,7 @@ def rehearsal_config(name: str, overrides: dict[str, object],
                      sources: dict[str, dict] | None = None) -> PipelineConfig:
     """configs/<name>.json with `overrides` ({dotted path: value}) and, per mix source label, `sources` ({label:
     {field: value}}) applied. Raises AssertionError naming a field that is not DECLARED (a size or a location)."""
-    cfg = copy.deepcopy(shipped(name))
+    cfg = _expanded(shipped(name)) if sources else copy.deepcopy(shipped(name))
     for path, value in overrides.items():
         assert _pattern(path) in DECLARED, f"{path} is neither a size nor a location: the rehearsal keeps it shipped"
         *head, leaf = path.split(".")
@@ -69,8 +78,9 @@ def rehearsal_config(name: str, overrides: dict[str, object],
         for key in head:
             node = node.setdefault(key, {})
         node[leaf] = value
-    for spec in cfg["prompts"]["mix"]["sources"] if isinstance(cfg["prompts"].get("mix"), dict) else []:
-        for field, value in (sources or {}).get(spec["name"], {}).items():
+    assert not set(sources or {}) - {s["name"] for s in cfg["prompts"]["mix"]["sources"]}, "unknown source"
+    for spec in cfg["prompts"]["mix"]["sources"] if sources else []:
+        for field, value in sources.get(spec["name"], {}).items():
             assert f"prompts.mix.sources.*.{field}" in DECLARED, f"source field {field} is not declared"
             spec[field] = value
     changed = overridden_fields(name, cfg)
