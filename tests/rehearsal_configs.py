@@ -28,6 +28,7 @@ LOCATIONS = {
     "run_dir", "sglang_python", "target.model", "target.revision", "target.trust_remote_code",
     "prompts.mix.sources.*.hf", "prompts.mix.sources.*.revision", "prompts.mix.sources.*.data_files",
     "prompts.mix.sources.*.split", "prompts.mix.sources.*.config", "server.kind", "server.url",
+    "deploy_sglang.baseline_url", "deploy_sglang.eagle3_url",
 }
 DECLARED = SIZES | LOCATIONS
 

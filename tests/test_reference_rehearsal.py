@@ -41,6 +41,7 @@ def test_only_declared_fields_are_overridden_and_anything_else_is_refused(tmp_pa
     assert shipped("kimi_k25_smoke")["features"]["format"] == "fp8"
 
 
+@pytest.mark.slow          # builds Kimi-K2.5's 61-layer meta model twice (in-process and per-GPU fit): 41 s at load 20
 def test_check_passes_the_two_run_configs_on_one_node_and_refuses_the_teams_naming_the_field():
     """As shipped, offline from Kimi-K2.5's config.json on one node of 8 x 141 GB: the agentic and smoke configs
     pass; the team's (max length 2,048, 2,048 new tokens) is refused: no room for a prompt in a sample."""
