@@ -253,3 +253,11 @@ def tiny_target_dirs(tmp_path_factory):
     from tiny_targets import FAMILIES, build
     root = tmp_path_factory.mktemp("tiny_targets")
     return {f: build(f, root / f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def kimi_rehearsal_target(tmp_path_factory):
+    """The reference rehearsal's target (tests/kimi_rehearsal.py), built once per session: a tiny Kimi-K2.5
+    (Kimi_K25Config, MLA, routed experts packed INT4) with the K2.5-style template and Kimi's two end tokens."""
+    from kimi_rehearsal import build_target
+    return build_target(tmp_path_factory.mktemp("kimi_rehearsal") / "target")

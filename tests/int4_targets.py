@@ -33,28 +33,30 @@ QUANT_CONFIG = {
 EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def text_config(layers: int = 3, experts: int = 4):
+def text_config(layers: int = 3, experts: int = 4, **kw):
     """DeepseekV3Config at tiny scale with dims the INT4 groups divide: hidden 64, expert width 32 (every expert
-    matrix's input dimension a multiple of 32), 4 heads of MLA, first layer dense."""
+    matrix's input dimension a multiple of 32), 4 heads of MLA, first layer dense. kw: other fields on top (a
+    tokenizer's vocab_size, a longer max_position_embeddings)."""
     from transformers import DeepseekV3Config
 
     from tiny_targets import YARN
-    return DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
-                            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
-                            tie_word_embeddings=False, moe_intermediate_size=32, n_routed_experts=experts,
+    fields = {"vocab_size": 128, "max_position_embeddings": 256, **kw}
+    return DeepseekV3Config(**fields, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                            num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+                            moe_intermediate_size=32, n_routed_experts=experts,
                             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
                             topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
                             v_head_dim=8, rope_parameters=dict(YARN))
 
 
-def config(family: str, layers: int = 3):
+def config(family: str, layers: int = 3, **kw):
     if family == "deepseek_v3":
-        return text_config(layers)
+        return text_config(layers, **kw)
     if family == "kimi_k25":
         from transformers import Kimi_K25Config
         vision = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
                       pos_emb_height=4, pos_emb_width=4, pos_emb_time=2)
-        return Kimi_K25Config(text_config=text_config(layers).to_dict(), vision_config=vision,
+        return Kimi_K25Config(text_config=text_config(layers, **kw).to_dict(), vision_config=vision,
                               projection_hidden_size=16, tie_word_embeddings=False)
     raise ValueError(family)
 
@@ -72,17 +74,18 @@ def pack_expert(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def build_int4(family: str, out: Path, layers: int = 3, seed: int = 0, bf16_twin: Path | None = None) -> Path:
+def build_int4(family: str, out: Path, layers: int = 3, seed: int = 0, bf16_twin: Path | None = None,
+               **kw) -> Path:
     """Save a random-weight target of `family` ('deepseek_v3' or 'kimi_k25') with INT4-packed routed experts to
     `out` (model.safetensors, config.json); returns `out`. bf16_twin: also save there the same target with every
     expert stored as its bf16 dequantization (compressed-tensors' `decompress`), no quantization_config: what the
-    in-process `hf` backend reads in the model dtype."""
+    in-process `hf` backend reads in the model dtype. kw: text_config fields on top (vocab_size, ...)."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     scheme = QuantizationScheme(targets=["Linear"],
                                 weights=QuantizationArgs(**QUANT_CONFIG["config_groups"]["group_0"]["weights"]))
     from eagle3_core.target.loading import auto_model_class
-    cfg = config(family, layers)
+    cfg = config(family, layers, **kw)
     torch.manual_seed(seed)
     model = auto_model_class(cfg, family).from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
