@@ -1,6 +1,11 @@
 """EAGLE-3 draft training throughput: our TTT step against SpecForge 0.2.0's on identical shapes and inputs.
 
 GPU (the point of it): python benchmarks/train_throughput.py            Llama-3.1-8B-shaped draft, bf16, T=2048
+Kimi-K2.5-sized draft: python benchmarks/train_throughput.py --shape kimi --out kimi.json
+                       the draft the pipeline builds for configs/kimi_k25_agentic_100k.json (training.draft_geometry:
+                       H 7168, 64 heads x 128, 64 KV heads, I 18432, N 32000, target vocab 163,840, rope theta 1e6)
+                       in mode long at 8K, 16K and 32K tokens, ours (compiled, new step) beside SpecForge, 3 runs
+                       each (1 warm-up + 2 timed steps); out of memory is reported as that row's result
 CPU smoke test:        python benchmarks/train_throughput.py --tiny     small shapes, checks the script runs
 
 Modes (--mode):
@@ -12,6 +17,10 @@ Modes (--mode):
          sequences per batch as fill our rows on average. tok/s counts real tokens only, for both.
   long   one sequence of each of --long-lengths tokens (8K, 16K, 32K): tok/s and peak memory.
 --repeats R runs each variant R times (fresh weights and compile caches kept) and prints the median, min and max.
+--out PATH writes the rows (tok/s median, min, max, MFU, peak GiB, error) and the device as JSON; with --shape kimi
+also `rate_for_rates_json`: ours at 16,384 tokens (the config's train.batch_tokens) as a configs/rates.json rate.
+Batches of mode long are built on the CPU and moved to the device by each variant, and the target's lm_head and
+embedding stay on the CPU, so that one row's memory is what its own step holds.
 
 One measured step = TTT forward (ttt_length steps) + backward + grad clipping + AdamW step, on one batch of
 B x T tokens with random weights and random features (aux [B, T, 3H], target final hidden [B, T, H], target
@@ -56,16 +65,23 @@ from reference_paths import reference_ttt_loss  # noqa: E402
 
 FULL = {"H": 4096, "nh": 32, "nkv": 8, "hd": 128, "I": 14336, "V": 128256, "N": 32000, "T": 2048}
 TINY = {"H": 64, "nh": 4, "nkv": 2, "hd": 16, "I": 128, "V": 512, "N": 256, "T": 64}
+# training.draft_geometry's Kimi-K2.5 recipe on Kimi-K2.5 (SpecForge configs/kimi-k25-eagle3.json's geometry)
+KIMI = {"H": 7168, "nh": 64, "nkv": 64, "hd": 128, "I": 18432, "V": 163840, "N": 32000, "T": 16384, "theta": 1e6}
+SHAPES = {"llama8b": FULL, "kimi": KIMI}
 
 
 @dataclass
 class Result:
     name: str
     tok_s: float = float("nan")
+    tok_s_min: float = float("nan")
+    tok_s_max: float = float("nan")
+    runs: int = 0
     mfu: float = float("nan")
     peak_gib: float = float("nan")
     loss: float = float("nan")
     error: str = ""
+    failed_runs: str = ""                  # some (not all) runs failed: how many, and the first error
 
 
 def flops_per_token(s: dict, K: int, context: float | None = None) -> float:
@@ -101,7 +117,7 @@ def make_inputs(s: dict, B: int, device: torch.device, seed: int = 0) -> dict:
 def make_draft(s: dict, inp: dict, device: torch.device) -> Eagle3Draft:
     shape = DraftShape(hidden_size=s["H"], target_hidden_size=s["H"], num_attention_heads=s["nh"],
                        num_key_value_heads=s["nkv"], head_dim=s["hd"], intermediate_size=s["I"],
-                       vocab_size=s["V"], draft_vocab_size=s["N"], rope_theta=500000.0,
+                       vocab_size=s["V"], draft_vocab_size=s["N"], rope_theta=s.get("theta", 500000.0),
                        max_position_embeddings=max(8192, s["T"] * 2), aux_layer_ids=[1, 15, 28])
     with torch.device(device):
         draft = Eagle3Draft(shape)
@@ -166,7 +182,8 @@ def _features(s: dict, B: int, T: int, device: torch.device, g: torch.Generator,
     """Random token ids, aux [B, T, 3H] and final [B, T, H] bf16 on `device`, and the target's argmax of final."""
     H = s["H"]
     final = torch.randn(B, T, H, generator=g).to(device, torch.bfloat16)
-    top1 = torch.cat([(final[b].float() @ lm_head.T).argmax(-1)[None] for b in range(B)])
+    top1 = torch.cat([torch.cat([(final[b, a:a + 4096].to(lm_head.device).float() @ lm_head.T).argmax(-1).to(device)
+                                 for a in range(0, T, 4096)])[None] for b in range(B)])   # [4096, V] at a time
     return {"input_ids": torch.randint(0, s["V"], (B, T), generator=g).to(device),
             "aux": torch.randn(B, T, 3 * H, generator=g).to(device, torch.bfloat16), "final": final,
             "target_top1": top1}
@@ -185,6 +202,11 @@ def real_batches(s: dict, lengths: list[int], row_len: int, n: int, device, lm_h
     return ours, theirs, per_batch
 
 
+def on_device(batch: dict, device: torch.device) -> dict:
+    """`batch` with its tensors on `device` (mode long builds its batches on the CPU)."""
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 def ours_step_fn(s: dict, inp: dict, device: torch.device, K: int, attention: str, compile_: bool,
                  fast: bool = True, batches: list[dict] | None = None, whole: bool = False):
     """A training step of ours: on the fixed batch of `inp`, or cycling through `batches` (packed rows). whole:
@@ -196,12 +218,13 @@ def ours_step_fn(s: dict, inp: dict, device: torch.device, K: int, attention: st
     loss_fn = packed_ttt_loss if whole else ttt_loss if fast else reference_ttt_loss
     if compile_:
         compile_for_training(draft)
-    head_draft = inp["lm_head"][inp["vocab"]]                                  # [N, H_t] fp32
+    head_draft = inp["lm_head"][inp["vocab"].to(inp["lm_head"].device)].to(device)   # [N, H_t] fp32
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     keys = ("input_ids", "loss_mask", "aux", "final", "target_top1", "doc", "position")
     if batches is None:
         batches = [{**inp, "tokens": inp["input_ids"].numel()}]
+    batches = [on_device(b, device) for b in batches]
     if device.type != "cuda":                                              # fp32 on CPU, as the trainer does
         batches = [{k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in b.items()}
                    for b in batches]
@@ -232,7 +255,7 @@ def specforge_step_fn(s: dict, inp: dict, device: torch.device, K: int, backend:
     cfg = LlamaConfig(hidden_size=s["H"], num_attention_heads=s["nh"], num_key_value_heads=s["nkv"],
                       head_dim=s["hd"], intermediate_size=s["I"], vocab_size=s["V"], num_hidden_layers=1,
                       max_position_embeddings=max(8192, s["T"] * 2), rms_norm_eps=1e-5, hidden_act="silu",
-                      rope_theta=500000.0, tie_word_embeddings=False, pretraining_tp=1)
+                      rope_theta=s.get("theta", 500000.0), tie_word_embeddings=False, pretraining_tp=1)
     cfg.draft_vocab_size = s["N"]
     with torch.device(device):
         model = LlamaForCausalLMEagle3(cfg, attention_backend=backend)
@@ -247,9 +270,10 @@ def specforge_step_fn(s: dict, inp: dict, device: torch.device, K: int, backend:
     wrapper = OnlineEagle3Model(draft_model=model, length=K, attention_backend=backend)
     opt = BF16Optimizer(model, lr=1e-4, max_grad_norm=0.5, total_steps=1000)
     opt.configure_grad_norm_reduction(enabled=False)
-    lm_head = inp["lm_head"].to(torch.bfloat16)
+    lm_head = inp["lm_head"].to(device, torch.bfloat16)
     if batches is None:
         batches = [{**inp, "attention_mask": torch.ones_like(inp["input_ids"]), "tokens": inp["input_ids"].numel()}]
+    batches = [on_device(b, device) for b in batches]
     it = itertools.cycle(batches)
 
     def step():
@@ -353,17 +377,49 @@ def summary_row(name: str, runs: list[Result]) -> Result:
     if not ok:
         return runs[0]
     med = ok[len(ok) // 2] if len(ok) % 2 else Result(name, statistics.median(r.tok_s for r in ok),
-                                                      statistics.median(r.mfu for r in ok),
-                                                      max(r.peak_gib for r in ok), ok[0].loss)
+                                                      mfu=statistics.median(r.mfu for r in ok),
+                                                      peak_gib=max(r.peak_gib for r in ok), loss=ok[0].loss)
     spread = f" [min {ok[0].tok_s:,.0f}, max {ok[-1].tok_s:,.0f}, {len(ok)} runs]" if len(ok) > 1 else ""
-    return Result(name + spread, med.tok_s, med.mfu, med.peak_gib, med.loss)
+    failed = [r.error for r in runs if r.error]
+    return Result(name + spread, med.tok_s, ok[0].tok_s, ok[-1].tok_s, len(ok), med.mfu, med.peak_gib, med.loss,
+                  failed_runs=f"{len(failed)} of {len(runs)} runs failed: {failed[0]}" if failed else "")
+
+
+def write_json(path: str, args, s: dict, K: int, device: torch.device, results: list[Result]) -> dict:
+    """The rows as JSON at `path` (and returned): device, shapes, TTT steps, and per row its name, tok/s median,
+    min and max, runs, MFU, peak GiB and error (out of memory included: that row's result); with --shape kimi the
+    rate configs/rates.json's profile kimi_k25_draft takes (ours at T=16384, the config's train.batch_tokens)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    rows = [{"variant": r.name.split(" [")[0], "tok_s": r.tok_s, "tok_s_min": r.tok_s_min, "tok_s_max": r.tok_s_max,
+             "runs": r.runs, "mfu": r.mfu, "peak_gib": r.peak_gib, "loss": r.loss, "error": r.error,
+             "failed_runs": r.failed_runs}
+            for r in results]
+    out = {"device": name, "torch": torch.__version__, "shape": args.shape, "shapes": s, "ttt": K, "mode": args.mode,
+           "repeats": args.repeats, "rows": rows}
+    ours16 = [r for r in rows if r["variant"].startswith("T=16384:ours") and not r["error"]]
+    if args.shape == "kimi" and ours16:
+        best = max(ours16, key=lambda r: r["tok_s"])
+        out["rate_for_rates_json"] = {
+            "value": round(best["tok_s"]), "unit": "token passes/s", "status": "measured",
+            "source": f"benchmarks/train_throughput.py --shape kimi on one {name}, {time.strftime('%Y-%m-%d')}: "
+                      f"{best['variant']} median of {best['runs']} (min {best['tok_s_min']:,.0f}, max "
+                      f"{best['tok_s_max']:,.0f}), one 16,384-token sequence, TTT {K}"}
+    text = json.dumps(out, indent=2, default=float).replace("NaN", "null")      # strict JSON: no NaN
+    Path(path).write_text(text)
+    print(text)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="small shapes on CPU (smoke test of this script)")
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="llama8b",
+                    help="the draft: llama8b (Llama-3.1-8B's) or kimi (Kimi-K2.5's, as draft_geometry builds it; "
+                         "defaults then: --mode long, --compile on, --repeats 3, --warmup 1, --iters 2)")
+    ap.add_argument("--out", default=None, help="write the rows as JSON to this path (and print it)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    ap.add_argument("--mode", choices=("fixed", "real", "long"), default="fixed", help="see the module docstring")
+    ap.add_argument("--mode", choices=("fixed", "real", "long"), default=None, help="see the module docstring "
+                                                                                     "(default fixed)")
     ap.add_argument("--batch", type=int, default=1, help="fixed: sequences per step (B)")
     ap.add_argument("--seq", type=int, default=None, help="fixed: sequence length T (default 2048; --tiny 64)")
     ap.add_argument("--row-tokens", type=int, default=None, help="real: tokens per packed row (default 8192; "
@@ -372,7 +428,8 @@ def main() -> None:
                     help="real: JSON with a 'lengths' list (or a bare list) of sample token lengths")
     ap.add_argument("--long-lengths", default=None, help="long: comma-separated sequence lengths (default "
                                                          "8192,16384,32768; --tiny 128,256)")
-    ap.add_argument("--repeats", type=int, default=1, help="runs of each variant: median, min and max printed")
+    ap.add_argument("--repeats", type=int, default=None, help="runs of each variant: median, min and max "
+                                                              "printed (default 1)")
     ap.add_argument("--ttt", type=int, default=7, help="TTT steps K")
     ap.add_argument("--iters", type=int, default=None, help="timed steps (default 10; --tiny 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")
@@ -380,7 +437,8 @@ def main() -> None:
     ap.add_argument("--attention", default=None,
                     help="our TTT attention implementations to measure, comma-separated (default: "
                          "merged_flex on CUDA; merged_math on CPU, where flex has no backward)")
-    ap.add_argument("--compile", default="off,on", help="our variants without/with torch.compile: off,on")
+    ap.add_argument("--compile", default=None, help="our variants without/with torch.compile: off,on (the "
+                                                     "default)")
     ap.add_argument("--step", default="old,new",
                     help="fixed: our TTT step paths: new (ttt.ttt_loss: RoPE and weight casts once per batch, fused "
                          "loss from teacher logits) and/or old (the former step, tests/reference_paths.py; both "
@@ -394,17 +452,23 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="profile one step of this variant, e.g. "
                                                   "ours:merged_flex:on:new or specforge:flex_attention")
     args = ap.parse_args()
+    kimi = args.shape == "kimi"
+    args.mode = args.mode or ("long" if kimi else "fixed")
+    args.compile = args.compile or ("on" if kimi else "off,on")
+    args.repeats = args.repeats or (3 if kimi else 1)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu"))
-    s = dict(TINY if args.tiny else FULL)
+    s = dict(TINY if args.tiny else SHAPES[args.shape])
+    if args.tiny and kimi:                                   # Kimi's proportions at toy size: no GQA, theta 1e6
+        s.update(nkv=s["nh"], theta=1e6)
     if args.seq:
         s["T"] = args.seq
-    iters = args.iters or (2 if args.tiny else 10)
-    warmup = args.warmup or (1 if args.tiny else 3)
+    iters = args.iters or (2 if args.tiny or kimi else 10)
+    warmup = args.warmup or (1 if args.tiny or kimi else 3)
     B, K = args.batch, args.ttt
     print(f"mode {args.mode}, shapes {s}, TTT {K}, device {device} "
           f"({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch {torch.__version__}")
-    inp = make_inputs(s, B, device)
+    inp = make_inputs({**s, "T": min(s["T"], 256)} if args.mode == "long" else s, B, device)   # long: its own rows
     if args.check:
         for check in (check_equivalence, packed_check):
             try:
@@ -439,8 +503,10 @@ def main() -> None:
         for T in lens:
             sT = {**s, "T": T}
             g = torch.Generator().manual_seed(T)
-            cases.append((f"T={T}:", sT, [packed_row(sT, [T], T, device, g, inp["lm_head"])],
-                          [padded_batch(sT, [T], device, g, inp["lm_head"])], None))
+            cpu = torch.device("cpu")                                    # moved to the device per variant
+            cases.append((f"T={T}:", sT, [packed_row(sT, [T], T, cpu, g, inp["lm_head"])],
+                          [padded_batch(sT, [T], cpu, g, inp["lm_head"])], None))
+        inp["lm_head"], inp["embed"] = inp["lm_head"].cpu(), inp["embed"].cpu()   # each variant takes its copy
     steps = list(filter(None, args.step.split(",")))
     if args.mode == "fixed" and "whole" in steps:
         sys.exit("--step whole needs packed rows: --mode real or long")
@@ -494,6 +560,8 @@ def main() -> None:
                   f"{b.name.split(' [')[0]} {b.tok_s:,.0f} tok/s = {a.tok_s / b.tok_s:.2f}x (goal >= 1.5x)")
         elif ours and backends:
             print(f"{prefix or args.mode}: no SpecForge measurement succeeded: ratio not available (errors above)")
+    if args.out:
+        write_json(args.out, args, s, K, device, results)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ A rates file (JSON, configs/rates.json) holds named profiles; each rate is {valu
 the reference team's 2,300 tok/s) or 'scaled' (derived from a measured rate by a stated ratio).
 `--measure RUN_DIR` writes the measured rates of a finished run (its manifests' counts and seconds) into a
 profile. A profile with `"beside": OTHER` (e.g. a backend's measured projection) is planned next to OTHER's
-features row whenever OTHER is planned (features_beside).
+features row whenever OTHER is planned (features_beside); one with `"train_from": OTHER` takes its train rate
+from profile OTHER (the draft's own measured rate: kimi_k25_agentic's from kimi_k25_draft; load_rates).
 """
 from __future__ import annotations
 
@@ -34,13 +35,22 @@ DEFAULT_RATES = Path(__file__).resolve().parents[1] / "configs" / "rates.json"
 
 
 def load_rates(path: str | Path, profile: str) -> dict[str, dict]:
-    """The rates of `profile` in the rates file at `path`: {name: {value, unit, status, source}}. Raises ValueError
-    naming the file, profile and rate for an unknown profile, a missing field or a status outside STATUSES."""
+    """The rates of `profile` in the rates file at `path`: {name: {value, unit, status, source}}. A profile with
+    `"train_from": OTHER` takes train_tok_s_per_gpu from profile OTHER (the draft's own measured profile, e.g.
+    kimi_k25_draft), its source saying so. Raises ValueError naming the file, profile and rate for an unknown
+    profile, a missing field, a status outside STATUSES, or a train_from profile without that rate."""
     data = json.loads(Path(path).read_text())
     profiles = data.get("profiles", {})
     if profile not in profiles:
         raise ValueError(f"{path}: no profile {profile!r}; profiles: {sorted(profiles)}")
-    rates = profiles[profile]["rates"]
+    rates = dict(profiles[profile]["rates"])
+    if "train_from" in profiles[profile]:
+        other = profiles[profile]["train_from"]
+        train = load_rates(path, other).get("train_tok_s_per_gpu")
+        if train is None:
+            raise ValueError(f"{path}: profile {profile!r} has train_from {other!r}, which has no "
+                             "train_tok_s_per_gpu; add that rate to it or drop train_from")
+        rates["train_tok_s_per_gpu"] = {**train, "source": f"{train['source']} [profile {other}]"}
     for name, r in rates.items():
         missing = {"value", "unit", "status", "source"} - set(r)
         if missing or r["status"] not in STATUSES or not str(r["source"]).strip():

@@ -26,6 +26,9 @@ KIMI = ROOT / "configs" / "kimi_k25_agentic_100k.json"
 TEAM = ROOT / "configs" / "kimi_k25_team_10k_to_100k.json"
 KIMI_CONFIGS = [KIMI, TEAM, ROOT / "configs" / "kimi_k25_smoke.json"]
 PROFILES = sorted(json.loads(RATES.read_text())["profiles"])
+# the Kimi-K2.5-sized draft's own train rate (profile kimi_k25_draft, measured by benchmarks/train_throughput.py
+# --shape kimi), which kimi_k25_agentic plans its train stage with (train_from)
+DRAFT_TOK_S = json.loads(RATES.read_text())["profiles"]["kimi_k25_draft"]["rates"]["train_tok_s_per_gpu"]["value"]
 
 
 def _stage(p, name):
@@ -69,7 +72,7 @@ def test_a_rate_without_a_source_or_status_is_refused_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"rates\.json: profile 'reference_kimi_k25' rate 'gpus_per_server'"):
         load_rates(path, "reference_kimi_k25")
     with pytest.raises(ValueError, match=r"no profile 'nope'; profiles: \['demo_cpu', 'kimi_k25_agentic', "
-                                         r"'kimi_k25_ep_int4_h200', 'reference_kimi_k25'\]"):
+                                         r"'kimi_k25_draft', 'kimi_k25_ep_int4_h200', 'reference_kimi_k25'\]"):
         load_rates(path, "nope")
 
 
@@ -174,7 +177,7 @@ def test_plan_counts_the_samples_after_the_history_split():
 def test_the_agentic_reference_config_plans_its_own_lengths_and_the_teams_config_is_refused_by_check(capsys):
     """configs/kimi_k25_agentic_100k.json (max_length 32,768, 8,192 new tokens; docs/reference_case.md) planned
     with the per-token profile kimi_k25_agentic: its tokens per sample, disk from Kimi-K2.5's hidden size and the
-    fp8 format, hours from the team's rates per token. The team's 2048-token config is kept for its arithmetic,
+    fp8 format, hours from the team's rates per token (train: the draft's own profile). The team's 2048-token config is kept for its arithmetic,
     and check refuses it: 2,048 new tokens leave no room for a prompt in max_length 2,048."""
     from eagle3_core.check import check_run
     cfg = load_config(KIMI)
@@ -185,11 +188,14 @@ def test_the_agentic_reference_config_plans_its_own_lengths_and_the_teams_config
     assert p["disk_bytes"] == 99000 * 5200 * bytes_per_token("fp8", 7168)                 # 14.8 TB of fp8
     assert _stage(p, "generation")["hours"] == pytest.approx(94248 * 2600 / 2300 / 3600)   # 29.6 h
     assert _stage(p, "features")["hours"] == pytest.approx(99000 * 5200 / (1.48 * 2000) / 3600)   # 48.3 h
-    assert _stage(p, "train")["hours"] == pytest.approx(4 * 99000 * 5200 / (9750 * 8 * 0.9) / 3600)
+    assert _stage(p, "train")["hours"] == pytest.approx(4 * 99000 * 5200 / (DRAFT_TOK_S * 8 * 0.9) / 3600)
     main([str(KIMI), "--profile", "kimi_k25_agentic", "--gpus", "8"])
     out = capsys.readouterr().out
     assert "99000 samples (94248 regenerated), 5200 tokens and 2600 answer tokens per sample" in out
-    assert "| total | 86.05 | | 14.77 TB |" in out and "| total | 86.05 | | 29.53 TB |" in out      # fp8, bf16
+    total = sum(r["hours"] for r in p["stages"])                  # generation + features + train (no eval rate)
+    assert total == pytest.approx(94248 * 2600 / 2300 / 3600 + 99000 * 5200 / (1.48 * 2000) / 3600
+                                  + _stage(p, "train")["hours"])
+    assert f"| total | {total:.2f} | | 14.77 TB |" in out and f"| total | {total:.2f} | | 29.53 TB |" in out
     from eagle3_core.check import target_config_file
     kimi = target_config_file(ROOT / "tests" / "data" / "kimi_k25" / "config.json")
     facts, problems = check_run(load_config(TEAM), target_config=kimi, memory=(128 << 30, "head node"),
@@ -271,7 +277,7 @@ def test_the_agentic_config_on_the_teams_node_fits_11_tb_only_online_and_nothing
     assert [rows[f]["fits"] for f in ("bf16", "fp8", "online")] == [False, False, True]
     assert rows["fp8"]["disk_bytes"] == 99000 * 5200 * (4 * 7168 + 17)                           # 14.77 TB
     assert rows["fp8"]["max_samples"] == int(11e12 // (5200 * (4 * 7168 + 17))) == 73735
-    E, gen, train = 4, 94248 * 2600 / 2300 / 3600, 4 * 99000 * 5200 / (9750 * 8 * 0.9) / 3600
+    E, gen, train = 4, 94248 * 2600 / 2300 / 3600, 4 * 99000 * 5200 / (DRAFT_TOK_S * 8 * 0.9) / 3600
     assert rows["online"]["hours"] == pytest.approx(gen + train + E * 99000 * 5200 / 2960 / 3600)   # 231.0 h
     assert not any(r["within"] for r in rows.values())
     ep = fill_rates(load_rates(RATES, "kimi_k25_ep_int4_h200"), team, "kimi_k25_agentic")
@@ -282,10 +288,12 @@ def test_the_agentic_config_on_the_teams_node_fits_11_tb_only_online_and_nothing
           "--disk", "11TB", "--days", "2.5"])
     out = capsys.readouterr().out
     assert "Fits 11.00 TB free (--disk; TB = 10^12 bytes) within 2.5 days (60 h):" in out
-    assert "| fp8 | 14.77 TB | no | 45.5 | yes | 73735 |" in out
-    assert "| online | 0.00 TB | yes | 68.6 | no | all |" in out
+    fp8_h, online_h = gen + 99000 * 5200 / 18552 / 3600 + train, rows["online"]["hours"]     # 45.5 h, 68.6 h at 9,750
+    assert f"| fp8 | 14.77 TB | no | {fp8_h:.1f} | yes | 73735 |" in out
+    assert f"| online | 0.00 TB | yes | {online_h:.1f} | no | all |" in out
     assert ("No format fits: bf16 needs 29.53 TB > 11.00 TB; fp8 needs 14.77 TB > 11.00 TB; fp8_topk needs 14.90 TB "
-            "> 11.00 TB; online needs 68.6 h > 60 h.\nThe most train samples that fit both: 86620 in online") in out
+            f"> 11.00 TB; online needs {online_h:.1f} h > 60 h.\nThe most train samples that fit both: "
+            f"{rows['online']['samples_in_time']} in online") in out
 
 
 def test_plan_fits_the_run_dirs_free_disk_by_default(tmp_path, capsys):
@@ -312,3 +320,25 @@ def test_plan_names_the_plateau_rules_ceiling_and_expected_epochs_when_epochs_ar
     assert "10 epochs expected until the plateau" in note and "ceiling 10 epochs and 7200 s of training" in note
     assert _stage(rule, "train")["hours"] == pytest.approx(_stage(fixed, "train")["hours"] * 10 / cfg.train.epochs)
     assert _stage(fixed, "train")["note"].startswith(f"{cfg.train.epochs} epochs, DDP")
+
+
+def test_the_kimi_config_plans_training_with_the_kimi_drafts_own_profile(tmp_path):
+    """kimi_k25_agentic's train rate is profile kimi_k25_draft's (the Kimi-sized draft measured, not the 8B-shaped
+    draft's rate scaled): changing that profile's value changes the planned train hours; a train_from profile
+    without the rate is refused naming both."""
+    rates = load_rates(RATES, "kimi_k25_agentic")
+    own = load_rates(RATES, "kimi_k25_draft")["train_tok_s_per_gpu"]
+    assert rates["train_tok_s_per_gpu"]["value"] == own["value"] == DRAFT_TOK_S
+    assert rates["train_tok_s_per_gpu"]["source"] == own["source"] + " [profile kimi_k25_draft]"
+    data = json.loads(RATES.read_text())
+    data["profiles"]["kimi_k25_draft"]["rates"]["train_tok_s_per_gpu"].update(value=12345, status="measured")
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps(data))
+    p = plan_run(load_config(KIMI), load_rates(path, "kimi_k25_agentic"), gpus=8)
+    assert _stage(p, "train")["rate"]["status"] == "measured"
+    assert _stage(p, "train")["hours"] == pytest.approx(4 * 99000 * 5200 / (12345 * 8 * 0.9) / 3600)
+    data["profiles"]["kimi_k25_draft"]["rates"] = {}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"profile 'kimi_k25_agentic' has train_from 'kimi_k25_draft', which has no "
+                                         r"train_tok_s_per_gpu"):
+        load_rates(path, "kimi_k25_agentic")

@@ -51,6 +51,16 @@ def aux_ids_of(cfg: PipelineConfig, model) -> list[int]:
     return resolve_aux_ids(cfg.features.aux_layer_ids, num_layers(model.config))
 
 
+def split_extractor(cfg: PipelineConfig, model) -> Extractor:
+    """An HFExtractor of this rank's share of a sharded target with lm_head split over the vocabulary across the
+    ranks where it is whole (features.vocab_split.split_lm_head), computing fp8_topk's teacher in the forward
+    when features.format needs it (store_formats.needs_head)."""
+    from eagle3_core.features.store_formats import needs_head
+    from eagle3_core.features.vocab_split import split_lm_head
+    head = split_lm_head(model)
+    return HFExtractor(model, aux_ids_of(cfg, model), split_head=head, teacher=needs_head(cfg.features.format))
+
+
 def load_hf(cfg: PipelineConfig, device: str, log=print) -> Extractor:
     """'hf': the whole target in this process (target.loading.load_target) as an HFExtractor."""
     from eagle3_core.target.loading import load_target
@@ -64,7 +74,7 @@ def load_hf_tp(cfg: PipelineConfig, device: str, log=print) -> Extractor:
     from eagle3_core.target.loading import load_target
     f = cfg.features
     model = load_target(cfg.target, device, tp_size=f.tp_size, expert_parallel=f.expert_parallel)
-    return HFExtractor(model, aux_ids_of(cfg, model))
+    return split_extractor(cfg, model)
 
 
 def load_ep_int4(cfg: PipelineConfig, device: str, log=print) -> Extractor:
@@ -76,7 +86,7 @@ def load_ep_int4(cfg: PipelineConfig, device: str, log=print) -> Extractor:
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else device
     model = load_int4_target(cfg.target, dev, dist.get_rank(), dist.get_world_size(),
                              shard_attention=cfg.features.shard_attention)
-    return HFExtractor(model, aux_ids_of(cfg, model))
+    return split_extractor(cfg, model)
 
 
 def load_specforge_import(cfg: PipelineConfig, device: str, log=print) -> Extractor:

@@ -21,6 +21,8 @@ from typing import ClassVar, Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
+from eagle3_core.features.store_formats import fp8_rounded
+from eagle3_core.features.vocab_split import SplitHead
 from eagle3_core.target.family import text_config
 from eagle3_core.target.loading import capture, decoder, decoder_layers, default_aux_ids
 
@@ -48,11 +50,14 @@ class HFExtractor:
     aux_layer_ids: None -> default_aux_ids(model.config). compile: torch.compile the layers' attention, MLP and
     norm sub-modules (fuses RMSNorm, RoPE and SiLU*up into few kernels; the decoder layers themselves stay eager so
     the capture hooks stay outside compiled code). lm_head_chunk: tokens per lm_head matmul for the argmax (bounds
-    the [chunk, V] logits). Raises ValueError on an aux id out of range.
+    the [chunk, V] logits). split_head: this rank's vocabulary slice of lm_head (features.vocab_split; the
+    argmax and head_weights then gather over the ranks, every rank calling forward together); teacher: with
+    split_head, forward also returns fp8_topk's 'teacher' (store_formats.exact_top's tuple, gathered over the
+    slices). Raises ValueError on an aux id out of range.
     """
 
     def __init__(self, model, aux_layer_ids: list[int] | None = None, compile: bool = False,
-                 lm_head_chunk: int = 4096):
+                 lm_head_chunk: int = 4096, split_head: SplitHead | None = None, teacher: bool = False):
         self.model = model
         self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_ids(model.config)
         layers = decoder_layers(model)
@@ -64,6 +69,7 @@ class HFExtractor:
         self.base = decoder(model)
         self.lm_head = model.get_output_embeddings()
         self.lm_head_chunk = lm_head_chunk
+        self.split_head, self.teacher = split_head, bool(teacher and split_head)
         if compile:
             for layer in layers:
                 for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
@@ -89,9 +95,18 @@ class HFExtractor:
         rows = final.reshape(B * T, -1).index_select(0, real)               # [N_tok, H_t]
         top1 = torch.zeros(B * T, dtype=torch.int32, device=self.device)
         for a in range(0, rows.shape[0], self.lm_head_chunk):
-            chunk = self.lm_head(rows[a:a + self.lm_head_chunk]).argmax(-1)  # [chunk] from [chunk, V] logits
+            chunk = self._top1(rows[a:a + self.lm_head_chunk])                # [chunk]
             top1.index_copy_(0, real[a:a + self.lm_head_chunk], chunk.to(torch.int32))
-        return {"aux": aux, "final": final, "target_top1": top1.view(B, T), "lengths": lengths}
+        out = {"aux": aux, "final": final, "target_top1": top1.view(B, T), "lengths": lengths}
+        if self.teacher:
+            out["teacher"] = self.split_head.exact_top(final, fp8_rounded(final))
+        return out
+
+    def _top1(self, rows: torch.Tensor) -> torch.Tensor:
+        """The argmax over the target vocab of rows [c, H_t]: from [c, V] logits, or gathered from the split."""
+        if self.split_head is not None:
+            return self.split_head.top1(rows)
+        return self.lm_head(rows).argmax(-1)
 
     def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(input embedding [V, H_t], lm_head [V, H_t]) weights, detached, on the model's device, model dtype.
@@ -102,6 +117,8 @@ class HFExtractor:
             return w.full_tensor() if isinstance(w, DTensor) else w
         emb = self.model.get_input_embeddings().weight
         lm = self.model.get_output_embeddings().weight
+        if self.split_head is not None:
+            return whole(emb), self.split_head.whole()
         return whole(emb), (whole(lm) if lm is not emb else whole(emb))
 
     def __call__(self, seqs: list[list[int]]) -> list[dict]:

@@ -98,14 +98,16 @@ def write_shards(extractor, jobs: list[tuple[Path, list[dict]]], store_format: s
     straight from the host copies to the file (shard_parts, shard_writer.write_shard_parts). Returns the number of
     tokens extracted."""
     n_tokens = 0
-    head = extractor.head_weights()[1] if ff.needs_head(store_format) else None
+    in_forward = getattr(extractor, "teacher", False)                  # a vocab-split head: forward's 'teacher'
+    head = extractor.head_weights()[1] if ff.needs_head(store_format) and not in_forward else None
     with ShardWriter(writer_threads) as writer:
         for path, part in jobs:
             pieces = []
             if store_format != "online":
                 for batch in batches_by_tokens([len(r["input_ids"]) for r in part], batch_tokens):
                     out = extractor.forward([part[i]["input_ids"] for i in batch])
-                    enc = ff.encode(store_format, out["aux"], out["final"], out["target_top1"], head)
+                    enc = ff.encode(store_format, out["aux"], out["final"], out["target_top1"], head,
+                                    out.get("teacher"))
                     pieces.append((HostCopy(enc), batch, out["lengths"].tolist()))
             n_tokens += sum(len(r["input_ids"]) for r in part)
 

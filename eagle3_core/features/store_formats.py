@@ -75,6 +75,11 @@ def _unfp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.float().unflatten(-1, (groups, -1)) * scale.float()[..., None]).flatten(-2)
 
 
+def fp8_rounded(final: torch.Tensor) -> torch.Tensor:
+    """final [..., H_t] as the fp8 formats store it (one scale per row), decoded to fp32."""
+    return _unfp8(*_fp8_rows(final, 1))
+
+
 def needs_head(name: str) -> bool:
     """Whether `encode` needs the target's lm_head for format `name` (its top-k logits)."""
     return name == "fp8_topk"
@@ -106,17 +111,18 @@ def exact_top(final: torch.Tensor, rounded: torch.Tensor, head: torch.Tensor,
 
 
 def encode(name: str, aux: torch.Tensor, final: torch.Tensor, top1: torch.Tensor,
-           head: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+           head: torch.Tensor | None = None, teacher: tuple | None = None) -> dict[str, torch.Tensor]:
     """The stored tensors of one batch or sample: aux [..., 3H_t], final [..., H_t], top1 [...] (any float dtype,
     any device; runs where the tensors are, so fp8 halves the device-to-host copy too). head [V, H_t]: the
-    target's lm_head, needed by fp8_topk (needs_head); raises ValueError without it."""
+    target's lm_head, needed by fp8_topk (needs_head) unless `teacher` is exact_top's output already computed
+    (a vocab-split head: features.vocab_split); raises ValueError with neither."""
     if name == "online":
         return {}
     if name == "fp8_topk":
-        if head is None:
+        if head is None and teacher is None:
             raise ValueError("feature format 'fp8_topk' stores the target's top-k logits: encode needs its lm_head")
         out = encode("fp8", aux, final, top1)
-        vals, ids, shift = exact_top(final, _unfp8(out["final"], out["final_scale"]), head)
+        vals, ids, shift = teacher or exact_top(final, _unfp8(out["final"], out["final_scale"]), head)
         return {**out, "teacher_logits": vals, "teacher_ids": ids, "tail_shift": shift}
     if name in ("bf16", "fp32"):
         dt = torch.bfloat16 if name == "bf16" else torch.float32

@@ -54,6 +54,7 @@ class Leader:
         self.inner = inner
         self.model, self.aux_layer_ids = inner.model, inner.aux_layer_ids
         self.hidden_size, self.device = inner.hidden_size, inner.device
+        self.teacher = getattr(inner, "teacher", False)      # fp8_topk's teacher comes with each forward
 
     def forward(self, seqs: list[list[int]]) -> dict:
         _send((_FORWARD, seqs))

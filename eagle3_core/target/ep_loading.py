@@ -16,8 +16,9 @@ compressed-tensors (tried on a 2-layer DeepseekV3, 2 processes, CPU; issue 48). 
   whole (small, and each rank needs the full latents). The forward's head count comes from the reshapes (-1).
 - dense MLP (layers < first_k_dense_replace): gate/up rows and down columns 1/W each, down inside a RowParallel.
 - MoE: int4_experts.ShardedMoE (router whole, experts INT4, shared expert 1/W, one all-reduce).
-- lm_head and the input embedding whole on every rank (2.3 GB at Kimi's 163,840 x 7,168 bf16): the argmax and
-  the head weights then need no collective.
+- lm_head and the input embedding loaded whole on every rank (2.3 GB each at Kimi's 163,840 x 7,168 bf16); the
+  features backend then keeps only 1/W of lm_head's rows per rank (features.vocab_split: argmax and teacher top-k
+  gathered exactly over the slices).
 `shard_attention=False` keeps attention whole on every rank (each rank computes it all; no all-reduce there).
 Only the text model is read; a vision tower (Kimi-K2.5) is allocated but never loaded or run.
 """
