@@ -83,7 +83,7 @@ def run_stage(task_, cfg: PipelineConfig, stage: str, *args):
 def plan_generation_task(config: PipelineConfig) -> dict:
     """The generation stage's shards: {'shards': every id, 'done': finished ones (record and file intact for the
     current inputs), 'needs_server': whether any unfinished shard holds rows to regenerate}."""
-    generation_shards(config)                     # removes shards past the last one
+    generation_shards(config, get_run_logger().info)     # keeps shards past the last one, saying so
     status = generation_status(config)
     ids, done, needs = status["shards"], status["done"], status["needs_server"]
     get_run_logger().info("generation: %s shards, %s finished, %s to run; %s", len(ids), len(done),

@@ -45,7 +45,8 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
         if gguf is None:
             log("deploy: target is not GGUF; llama.cpp deployment skipped (use the SGLang benchmark)")
             return {"skipped": "target is not GGUF"}
-        draft_gguf = convert_draft(Path(up["export_dir"]), Path(local_model_dir(cfg.target)), out / "draft.gguf")
+        draft_gguf = convert_draft(RunLayout(cfg.run_dir).stored(up["export_dir"]), Path(local_model_dir(cfg.target)),
+                                   out / "draft.gguf")
         rows = prompts_mod.read_rows(RunLayout(cfg.run_dir).prompts_eval)
         S, n_new = cfg.eval.num_draft_steps, cfg.eval.max_new_tokens
         kwargs = cfg.generation.chat_template_kwargs or None     # the server renders each row with them, its tools
@@ -160,8 +161,9 @@ def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
         from eagle3_core.target.loading import load_target_config, load_tokenizer
         d, up = cfg.deploy_sglang, upstream_manifest(cfg.run_dir, "train")
         steps = d.num_steps or cfg.eval.num_draft_steps
-        spec = SpecArgs(up["export_dir"], steps, d.topk, d.num_draft_tokens or steps + 1)
-        preflight(Path(up["export_dir"]), load_target_config(cfg.target))
+        export = RunLayout(cfg.run_dir).stored(up["export_dir"])
+        spec = SpecArgs(str(export), steps, d.topk, d.num_draft_tokens or steps + 1)
+        preflight(export, load_target_config(cfg.target))
         tok = load_tokenizer(cfg.target)
         prompts = deploy_sglang_prompts(cfg, tok, benchmark_prompts(DEFAULT_SPEC_BENCH, True, d.per_category))
         server_args = target_server_args(d.tp_size, d.ep_size, cfg.target.trust_remote_code, cfg.target.revision,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.config.eval_config import SHARDED_BACKENDS, resolved_evaluator
@@ -158,11 +157,11 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
                              f"{cfg.features.backend!r}: the sampled replay reads the target's probabilities of its "
                              f"own samples, which needs the target in one process (features.backend 'hf'); set "
                              f"eval.sampling.temperature 0 for this run")
-        preflight(Path(up["export_dir"]), target_config(cfg))
+        preflight(RunLayout(cfg.run_dir).stored(up["export_dir"]), target_config(cfg))
         tok = load_tokenizer(cfg.target)
         rows = prompts_mod.read_rows(RunLayout(cfg.run_dir).prompts_eval)
         prompts = held_out_prompt_ids(cfg, tok, rows)
-        trained = load_draft(Path(up["export_dir"]))
+        trained = load_draft(RunLayout(cfg.run_dir).stored(up["export_dir"]))
         untrained, _ = fresh_draft(cfg)
         ids = trained.shape.aux_layer_ids
         eos = set(stop_ids(tok, generation_eos_ids(cfg.target)))        # every id the target stops on

@@ -9,6 +9,7 @@ from contextlib import contextmanager, nullcontext
 from functools import lru_cache
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 
 from eagle3_core.config import PipelineConfig
@@ -101,7 +102,20 @@ def generation_plan(cfg: PipelineConfig) -> list[tuple[int, int, str]]:
             return n
         return n if rec.get("inputs_key") == legacy and start == k * S else None
 
-    return [(a, b, rows_digest(ids[a:b], digests[a:b])) for a, b in append_only_ranges(len(ids), S, kept)]
+    ranges = append_only_ranges(len(ids), S, kept)
+    if len(ranges) > 1 and _cut_finished_shard(out, len(ranges) - 1, ids[ranges[-1][0]:ranges[-1][1]], key, legacy):
+        ranges.pop()                # a lower num_train ends inside a finished shard: trained on fewer, shard kept
+    return [(a, b, rows_digest(ids[a:b], digests[a:b])) for a, b in ranges]
+
+
+def _cut_finished_shard(out: Path, k: int, ids: list[str], key: str, legacy: str) -> bool:
+    """Whether the plan's last shard k, rows `ids`, is a finished shard of these inputs written for more rows than
+    the prompt set now holds from its start, those rows among them (a lower prompts.num_train): rewriting it for
+    its first len(ids) rows would drop answers already paid for, so the plan ends before it and its files stay."""
+    rec, path = _record(out / f"shard_{k:05d}.json"), out / f"shard_{k:05d}.parquet"
+    if rec.get("inputs_key") not in (key, legacy) or (rec.get("prompts") or 0) <= len(ids) or not path.exists():
+        return False
+    return set(ids) <= set(pq.read_table(path, columns=["id"])["id"].to_pylist())
 
 
 def _record_ok(out: Path, k: int, plan: list[tuple[int, int, str]], key: str, legacy: str) -> dict | None:
@@ -200,15 +214,17 @@ def generation_servers(cfg: PipelineConfig):
         yield s.base_urls()
 
 
-def generation_shards(cfg: PipelineConfig) -> list[int]:
+def generation_shards(cfg: PipelineConfig, log=print) -> list[int]:
     """Indices of this run's generation shards (generation_plan), finished or not: `run_generation_shard` returns a
-    finished shard's record at once. Deletes shards past the last one (left by a larger prompt set). Raises
-    FileNotFoundError if the prompts stage has not run."""
-    from eagle3_core.generation.regenerate import remove_shards_from
+    finished shard's record at once. Shards on disk past the last one (left by a larger prompt set: a night with a
+    lower prompts.num_train) are kept, never deleted, and used again when the set grows back; `log` says how many.
+    Raises FileNotFoundError if the prompts stage has not run."""
     n = len(generation_plan(cfg))
     out = RunLayout(cfg.run_dir).generations
     out.mkdir(parents=True, exist_ok=True)
-    remove_shards_from(out, n)
+    if past := sorted(k for f in out.glob("shard_*.parquet") if (k := int(f.stem.split("_")[1])) >= n):
+        log(f"generation: this run has {n} shard(s); {len(past)} more on disk (shards {past[0]}..{past[-1]}, of a "
+            f"larger prompt set) kept unused, not deleted: they count again when prompts.num_train grows back")
     return list(range(n))
 
 
@@ -343,7 +359,7 @@ def run_generation(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     when no server answers.
     """
     t0 = time.monotonic()
-    shards = generation_shards(cfg)
+    shards = generation_shards(cfg, log)
     status = generation_status(cfg)
     todo = [k for k in shards if k not in status["done"]]
     log(f"generation: {len(shards) - len(todo)} of {len(shards)} shards already finished")

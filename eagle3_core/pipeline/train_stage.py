@@ -94,8 +94,8 @@ def claim_training_dir(out: Path, key: str, accepted: tuple[str, ...] = ()) -> N
     (out / "inputs_key").write_text(key)
 
 
-# the train settings that change the trained draft; batching (resolved) and window_context (packed rows only)
-# count as resolved_train_fields says
+# the train settings that change the trained draft; batching (as asked) and window_context (rows that may be packed)
+# count as train_recipe_fields says
 TRAIN_RESULT_FIELDS = ("epochs", "lr", "warmup_frac", "batch_tokens", "grad_accum", "grad_clip", "ttt_length",
                        "step_weight", "eval_frac", "seed", "init_from", "init_vocab")
 # the ones that change how the same steps are computed or kept, not the draft: out of the key, so that changing
@@ -103,16 +103,24 @@ TRAIN_RESULT_FIELDS = ("epochs", "lr", "warmup_frac", "batch_tokens", "grad_accu
 TRAIN_HOW_FIELDS = ("checkpoint_every", "keep_checkpoints", "device", "attention", "compile", "graph")
 
 
-def resolved_train_fields(cfg: PipelineConfig) -> dict:
-    """The train settings the train key hashes: TRAIN_RESULT_FIELDS, batching as it resolves here
-    (setup.resolved_batching: 'auto' is packed rows on CUDA, padded batches on CPU) and, for packed rows, the
-    window context in effect (TrainConfig.context_tokens; padded batches have no windows)."""
-    from eagle3_core.training.setup import resolved_batching
+def train_recipe_fields(cfg: PipelineConfig, batching: str | None = None) -> dict:
+    """The train settings the train key hashes: TRAIN_RESULT_FIELDS, train.batching as the user asked for it
+    ('auto', 'packed' or 'padded', never what this host resolves 'auto' to: a run trained on a GPU node and moved
+    to a CPU box keeps its key) and, unless the rows are padded, the window context (TrainConfig.context_tokens;
+    padded batches have no windows). `batching` replaces train.batching (the older formula: resolved_train_fields)."""
     t = cfg.train
-    batching = resolved_batching(t)
+    batching = batching or t.batching
     return {**t.model_dump(mode="json", include=set(TRAIN_RESULT_FIELDS)), "batching": batching,
-            "window_context": t.context_tokens() if batching == "packed" else None, **_plateau_ceilings(t),
+            "window_context": t.context_tokens() if batching != "padded" else None, **_plateau_ceilings(t),
             **({"loss": t.loss} if t.loss != "kl" else {})}          # newer than the key: counts when not 'kl'
+
+
+def resolved_train_fields(cfg: PipelineConfig, batching: str) -> dict:
+    """The train settings as the train key hashed them before it hashed the recipe asked for (main up to 24b95b7):
+    'auto' batching resolved on the host that keyed the run, `batching` ('packed' on CUDA, 'padded' on a CPU;
+    setup.resolved_batching). Equal to train_recipe_fields for an explicit 'packed' or 'padded'."""
+    resolved = batching if cfg.train.batching == "auto" else cfg.train.batching
+    return train_recipe_fields(cfg, resolved)
 
 
 def _plateau_ceilings(t) -> dict:
@@ -127,23 +135,29 @@ def _plateau_ceilings(t) -> dict:
 
 def train_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     """Inputs key of the training stage: the features and vocab keys (`up`: {'features', 'vocab': their keys};
-    default: read from their manifests), the train settings that change the draft (resolved_train_fields; any
-    number of GPUs), the draft settings, and the warm-start draft's weights (train.init_from)."""
-    from eagle3_core.pipeline.vocab_stage import init_key
+    default: read from their manifests), the train recipe (train_recipe_fields; any number of GPUs, any host), the
+    draft settings, and the warm-start draft's weights (train.init_from)."""
     up = upstream_keys(cfg, "train") if up is None else up
-    return stage_key(up["features"], up["vocab"], resolved_train_fields(cfg), cfg.draft,
+    return _key(cfg, up, train_recipe_fields(cfg))
+
+
+def _key(cfg: PipelineConfig, up: dict, train_fields: dict) -> str:
+    from eagle3_core.pipeline.vocab_stage import init_key
+    return stage_key(up["features"], up["vocab"], train_fields, cfg.draft,
                      *([init_key(cfg)] if cfg.train.init_from is not None else []))
 
 
 def train_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
-    """The keys a train stage finished before the keys hashed results only holds for the same settings
-    (compat.train_fields_v4: every train field hashed): such a run stays done, and its checkpoints resume."""
-    from eagle3_core.pipeline.vocab_stage import init_key
+    """The keys a finished train stage may hold for the same settings, so that it stays done and its checkpoints
+    resume: with 'auto' batching, the keys it had when the key hashed 'auto' as resolved on the host that trained
+    (packed rows on CUDA, padded on a CPU: resolved_train_fields), and the key from before the keys hashed results
+    only (compat.train_fields_v4: every train field hashed)."""
     if cfg.train.loss != "kl":                                          # older runs all trained with 'kl'
         return ()
     up = upstream_keys(cfg, "train") if up is None else up
-    return (stage_key(up["features"], up["vocab"], train_fields_v4(cfg.train), cfg.draft,
-                      *([init_key(cfg)] if cfg.train.init_from is not None else [])),)
+    resolved = [_key(cfg, up, resolved_train_fields(cfg, b)) for b in ("packed", "padded")
+                if cfg.train.batching == "auto"]
+    return (*resolved, _key(cfg, up, train_fields_v4(cfg.train)))
 
 
 def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
@@ -173,7 +187,7 @@ def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
                               sglang_rule=sglang_rule(target_config(cfg)))
         log(f"train: best epoch {summary['best']['epoch']} (tau_sim {summary['best']['tau_sim']:.2f}); "
             f"exported to {export}")
-        return {"export_dir": str(export), "export_dtype": str(EXPORT_DTYPE).removeprefix("torch."),
+        return {"export_dir": RunLayout(cfg.run_dir).relative(export), "export_dtype": str(EXPORT_DTYPE).removeprefix("torch."),
                 "best": summary["best"], "steps": summary["steps"], "history": summary["history"],
                 "stopping": summary["stopping"],
                 "train_samples": len(train_s), "eval_samples": len(eval_s), "world_size": dp.world}
