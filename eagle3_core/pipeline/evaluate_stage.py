@@ -9,9 +9,9 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.config.eval_config import SHARDED_BACKENDS, resolved_evaluator
 from eagle3_core.contract.compat import EVAL_FIELDS_V4, fields_v4
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.contract.run_stage import run_stage
 from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.chat import prompt_ids
+from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_config, upstream_keys, upstream_manifest
 from eagle3_core.pipeline.train_stage import fresh_draft
 from eagle3_core.training.checkpoint import load_draft
@@ -230,7 +230,7 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
             + f"{report['consistency']['steps_compared']} steps")
         return result
 
-    return run_stage(out, evaluate_key(cfg), body, accepted=evaluate_older_keys(cfg), outputs=("report.json",),
-                     log=log)
+    d = stage_run.decision(cfg, "evaluate", evaluate_key, evaluate_older_keys)
+    return stage_run.run(d, body, outputs=("report.json",), log=log)
 
 

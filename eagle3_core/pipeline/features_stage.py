@@ -18,10 +18,10 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.compat import head_keys
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest
-from eagle3_core.contract.run_stage import run_stage
 from eagle3_core.distributed.launch import run_torchrun
 from eagle3_core.features.backends import close_extractors, open_extractor, selected_backend
 from eagle3_core.features.store import bad_shards, extract_features, write_record
+from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
 
 # the feature settings that change what the store holds
@@ -83,8 +83,9 @@ def feature_shards(cfg: PipelineConfig) -> list[int]:
     return list(range(len(plan_ranges(ids, cfg.features.shard_samples, store.get("shards", [])))))
 
 
-def _store_intact(out: Path):
-    """run_stage's intact check of the features stage: the shards its manifest lists (store.bad_shards)."""
+def store_intact(cfg: PipelineConfig):
+    """The features stage's intact check (run.decide): the shards its manifest lists (store.bad_shards)."""
+    out = RunLayout(cfg.run_dir).features
     return lambda manifest: bad_shards(out, manifest["shards"])
 
 
@@ -226,7 +227,7 @@ def run_features(cfg: PipelineConfig, log=print, workers: int | None = None, **r
     again alone. Raises TorchrunError if a rank fails (finished
     shards are kept: rerun to finish), ValueError for an unknown backend or a store mixing backends."""
     out, backend = RunLayout(cfg.run_dir).features, selected_backend(cfg)
-    key, skey = features_key(cfg), store_key(cfg)
+    d, skey = stage_run.decision(cfg, "features", features_key, intact=store_intact), store_key(cfg)
 
     def body() -> dict:
         refuse_mixed_store(cfg)                    # before any rank (or this process) loads the target
@@ -243,7 +244,7 @@ def run_features(cfg: PipelineConfig, log=print, workers: int | None = None, **r
             f"{manifest['format']}, {manifest['bytes_per_token']:.0f} bytes/token")
         return {**manifest, "backend": backend.name}
 
-    return run_stage(out, key, body, intact=_store_intact(out), write=write_record, log=log)
+    return stage_run.run(d, body, write=write_record, log=log)
 
 
 def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
@@ -284,7 +285,9 @@ def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print)
     is on disk. Raises ValueError naming the shards that are missing, stale or corrupt (rerun them with
     run_features_shard)."""
     close_extractors()
-    key, skey, out = features_key(cfg), store_key(cfg), RunLayout(cfg.run_dir).features
+    d, skey, out = stage_run.decision(cfg, "features", features_key, intact=store_intact), store_key(cfg), \
+        RunLayout(cfg.run_dir).features
+    key = d.key
 
     def body() -> dict:
         want = feature_shards(cfg)
@@ -307,4 +310,4 @@ def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print)
                 "seconds": sum(by_id[i]["seconds"] for i in want),
                 "tokens_per_s": sum(m["tokens"] for m in ran) / ran_s if ran and ran_s > 0 else None}
 
-    return run_stage(out, key, body, intact=_store_intact(out), write=write_record, log=log)
+    return stage_run.run(d, body, write=write_record, log=log)

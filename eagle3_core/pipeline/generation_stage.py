@@ -9,15 +9,15 @@ from contextlib import contextmanager, nullcontext
 from functools import lru_cache
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.config.sampling_config import SamplingConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import busy_seconds, write_manifest
-from eagle3_core.contract.run_stage import run_stage
 from eagle3_core.data.markers import stop_ids
+from eagle3_core.generation.answer_shard import holds_more_rows
+from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
 
 
@@ -103,19 +103,9 @@ def generation_plan(cfg: PipelineConfig) -> list[tuple[int, int, str]]:
         return n if rec.get("inputs_key") == legacy and start == k * S else None
 
     ranges = append_only_ranges(len(ids), S, kept)
-    if len(ranges) > 1 and _cut_finished_shard(out, len(ranges) - 1, ids[ranges[-1][0]:ranges[-1][1]], key, legacy):
+    if len(ranges) > 1 and holds_more_rows(out, len(ranges) - 1, ids[ranges[-1][0]:ranges[-1][1]], (key, legacy)):
         ranges.pop()                # a lower num_train ends inside a finished shard: trained on fewer, shard kept
     return [(a, b, rows_digest(ids[a:b], digests[a:b])) for a, b in ranges]
-
-
-def _cut_finished_shard(out: Path, k: int, ids: list[str], key: str, legacy: str) -> bool:
-    """Whether the plan's last shard k, rows `ids`, is a finished shard of these inputs written for more rows than
-    the prompt set now holds from its start, those rows among them (a lower prompts.num_train): rewriting it for
-    its first len(ids) rows would drop answers already paid for, so the plan ends before it and its files stay."""
-    rec, path = _record(out / f"shard_{k:05d}.json"), out / f"shard_{k:05d}.parquet"
-    if rec.get("inputs_key") not in (key, legacy) or (rec.get("prompts") or 0) <= len(ids) or not path.exists():
-        return False
-    return set(ids) <= set(pq.read_table(path, columns=["id"])["id"].to_pylist())
 
 
 def _record_ok(out: Path, k: int, plan: list[tuple[int, int, str]], key: str, legacy: str) -> dict | None:
@@ -300,9 +290,6 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
     out, key, g = RunLayout(cfg.run_dir).generations, generation_shard_key(cfg), cfg.generation
     plan, legacy = generation_plan(cfg), generation_key(cfg)
 
-    def changed(manifest: dict) -> list[str]:       # run_stage's intact check: every shard's record and file
-        return [f"shard_{k:05d}.parquet" for k in range(len(plan)) if _record_ok(out, k, plan, key, legacy) is None]
-
     def body() -> dict:
         records = []
         for k in range(len(plan)):
@@ -337,7 +324,16 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
             "server": _server_desc(cfg), "shards": [r["file"] for r in records],
             "seconds": seconds if seconds is not None else busy_seconds(records)}
 
-    return run_stage(out, generation_stage_key(cfg), body, intact=changed)
+    d = stage_run.decision(cfg, "generation", generation_stage_key, intact=generation_intact)
+    return stage_run.run(d, body)
+
+
+def generation_intact(cfg: PipelineConfig):
+    """The generation stage's intact check (run.decide): every shard of the plan has its record and file."""
+    out, key, legacy = RunLayout(cfg.run_dir).generations, generation_shard_key(cfg), generation_key(cfg)
+    plan = generation_plan(cfg)
+    return lambda manifest: [f"shard_{k:05d}.parquet" for k in range(len(plan))
+                             if _record_ok(out, k, plan, key, legacy) is None]
 
 
 def _request_counts(records: list[dict]) -> dict:

@@ -10,7 +10,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.compat import train_fields_v4
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest, write_manifest
-from eagle3_core.contract.run_stage import run_stage
+from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import aux_ids, stage_key, target_config, upstream_keys
 from eagle3_core.target.family import sglang_rule
 from eagle3_core.training.checkpoint import EXPORT_DTYPE, clear_training_state, export_draft, load_draft
@@ -171,8 +171,8 @@ def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
     from eagle3_core.training.trainer import train
     dp = DataParallel.from_process_group()
     out = RunLayout(cfg.run_dir).draft
-    up = upstream_keys(cfg, "train")
-    key, older = train_key(cfg, up), train_older_keys(cfg, up)
+    d = stage_run.decision(cfg, "train", train_key, train_older_keys)
+    key, older = d.key, d.accepted[1:]
 
     def body() -> dict:
         train_s, eval_s = train_split(cfg, dp)
@@ -187,13 +187,14 @@ def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
                               sglang_rule=sglang_rule(target_config(cfg)))
         log(f"train: best epoch {summary['best']['epoch']} (tau_sim {summary['best']['tau_sim']:.2f}); "
             f"exported to {export}")
-        return {"export_dir": RunLayout(cfg.run_dir).relative(export), "export_dtype": str(EXPORT_DTYPE).removeprefix("torch."),
+        return {"export_dir": RunLayout(cfg.run_dir).relative(export),
+                "export_dtype": str(EXPORT_DTYPE).removeprefix("torch."),
                 "best": summary["best"], "steps": summary["steps"], "history": summary["history"],
                 "stopping": summary["stopping"],
                 "train_samples": len(train_s), "eval_samples": len(eval_s), "world_size": dp.world}
 
-    manifest = run_stage(out, key, body, accepted=older, outputs=EXPORT_FILES, log=log,
-                         write=write_manifest if dp.is_main else (lambda path, m: m))
+    manifest = stage_run.run(d, body, outputs=EXPORT_FILES, log=log,
+                             write=write_manifest if dp.is_main else (lambda path, m: m))
     dp.barrier()                                   # the manifest exists when any rank returns
     return manifest if dp.is_main else read_manifest(out / "manifest.json")
 

@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.contract.run_stage import run_stage
+from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import sha256_unchanged_file, stage_key, target_config, upstream_keys, upstream_manifest
 
 
@@ -78,4 +78,5 @@ def run_vocab(cfg: PipelineConfig, log=print) -> dict:
                 "coverage_per_source": per_source, "always_in_vocab": markers, "markers_missing": missing,
                 "from": str(init_dir(cfg.train.init_from)) if kept_init_vocab(cfg) else "counts"}
 
-    return run_stage(out, vocab_key(cfg), body, outputs=("vocab_map.safetensors",), log=log)
+    d = stage_run.decision(cfg, "vocab", vocab_key)
+    return stage_run.run(d, body, outputs=("vocab_map.safetensors",), log=log)
