@@ -105,3 +105,27 @@ def test_a_night_with_a_lower_num_train_deletes_no_generation_shard(tmp_path):
     run_prompts(cfg, log=lambda *_: None)
     assert generation_shards(cfg, lines.append) == [0, 1, 2] and len(lines) == 1
     assert [p[:2] for p in generation_plan(cfg)] == [(0, 4), (4, 8), (8, 10)]
+
+
+def test_replay_recordings_extract_through_the_features_backend_and_a_rerun_extracts_nothing(tmp_path,
+                                                                                           target_model):
+    """The evaluate stage's replay recordings (features.store_run, no features stage called): the aux states of
+    prompt + output are the target's own hidden states at the aux layers (id i = HF hidden_states[i + 1], stored
+    in the store's format), and a rerun with the same sequences reads the same store, writing nothing."""
+    from eagle3_core.pipeline.evaluate_stage import replay_recordings
+    cfg = preset("debug_tiny", run_dir=tmp_path / "run")
+    cfg.features.aux_layer_ids = [1, 14, 26]
+    prompts, outputs = [[1, 2, 3, 4, 5], [9, 8, 7]], [[10, 11, 12], [6, 5]]
+    recs = replay_recordings(cfg, prompts, outputs, log=lambda *_: None)
+    for rec, p, g in zip(recs, prompts, outputs):
+        with torch.no_grad():
+            hs = target_model(torch.tensor([p + g]), output_hidden_states=True).hidden_states
+        want = torch.cat([hs[i + 1][0] for i in (1, 14, 26)], dim=-1).float()
+        assert rec["prompt"] == p and rec["tokens"] == g and rec["aux"].shape == want.shape
+        assert torch.allclose(rec["aux"], want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    store = cfg.run_dir / "eval" / "replay" / "features"
+    stamps = {f.name: f.stat().st_mtime_ns for f in store.iterdir()}
+    lines = []
+    again = replay_recordings(cfg, prompts, outputs, log=lines.append)
+    assert {f.name: f.stat().st_mtime_ns for f in store.iterdir()} == stamps and not lines
+    assert all(torch.equal(a["aux"], b["aux"]) for a, b in zip(recs, again))

@@ -8,23 +8,12 @@ from safetensors.torch import save_file
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.pipeline import run as stage_run
-from eagle3_core.pipeline.keys import sha256_unchanged_file, stage_key, target_config, upstream_keys, upstream_manifest
+from eagle3_core.pipeline.keys import init_key, stage_key, target_config, upstream_keys, upstream_manifest
 
 
 def kept_init_vocab(cfg: PipelineConfig) -> bool:
     """True when the vocab stage keeps the warm-start draft's map (train.init_from with init_vocab 'keep')."""
     return cfg.train.init_from is not None and cfg.train.init_vocab == "keep"
-
-
-def init_key(cfg: PipelineConfig) -> dict | None:
-    """What identifies the warm-start draft in a key: its directory and the sha256 of its weights (model.safetensors,
-    or a SpecForge checkpoint's training_state.pt; hashed again only when their size or mtime changes); None
-    without train.init_from."""
-    if cfg.train.init_from is None:
-        return None
-    from eagle3_core.training.warm_start import init_source
-    src = init_source(cfg.train.init_from)
-    return {"dir": str(src.dir), "sha256": sha256_unchanged_file(src.weights)}
 
 
 def vocab_key(cfg: PipelineConfig, up: dict | None = None) -> str:
