@@ -232,6 +232,22 @@ def e2e_run(prefect_server, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def e2e_memorised(e2e_run, target_model, tokenizer):
+    """debug_tiny's trained draft with what the replay tests feed it: (draft, TargetRunner over the draft's aux
+    layers, eos ids, token ids of the first 3 training prompts: memorised, so their answers are accepted at length)."""
+    from eagle3_core.contract.layout import RunLayout
+    from eagle3_core.data.chat import prompt_ids
+    from eagle3_core.data.prompt_set import read_rows
+    from eagle3_core.evaluation.speculate import TargetRunner
+    from eagle3_core.training.checkpoint import load_draft
+    cfg, summary = e2e_run
+    draft = load_draft(summary["draft_dir"]).eval()
+    rows = read_rows(RunLayout(cfg.run_dir).prompts_train)[:3]
+    return (draft, TargetRunner(target_model, draft.shape.aux_layer_ids), {tokenizer.eos_token_id},
+            [prompt_ids(tokenizer, r["messages"]) for r in rows])
+
+
+@pytest.fixture(scope="session")
 def tiny_target_dirs(tmp_path_factory):
     """{family: directory} of tiny random-weight targets of every family in tiny_targets.FAMILIES."""
     from tiny_targets import FAMILIES, build

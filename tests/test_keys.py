@@ -14,7 +14,7 @@ EVAL = ("eval.evaluator", "eval.num_draft_steps", "eval.max_new_tokens", "eval.t
         "eval.tree_num_draft_tokens", "eval.tree_prompts", "eval.untrained_prompts", "eval.sampling")
 DRAFT = ("draft.draft_vocab_size", "draft.seed", "draft.num_attention_heads", "draft.num_key_value_heads",
          "draft.head_dim", "draft.intermediate_size", "draft.rope_theta", "draft.rope_scaling",
-         "draft.max_position_embeddings")
+         "draft.max_position_embeddings", "draft.num_hidden_layers", "draft.variant")
 
 # the fields each stage's key hashes, at the base config below (fields that count only in some settings, e.g.
 # train.window_context for packed rows, are tested on their own further down)
@@ -81,6 +81,7 @@ def _flips(tmp_path) -> dict[str, object]:
         "draft.draft_vocab_size": 16000, "draft.seed": 1, "draft.num_attention_heads": 8,
         "draft.num_key_value_heads": 2, "draft.head_dim": 64, "draft.intermediate_size": 1024,
         "draft.rope_theta": 1e6, "draft.rope_scaling": "none", "draft.max_position_embeddings": 4096,
+        "draft.num_hidden_layers": 2, "draft.variant": "eagle3.1",
         "train.epochs": 3, "train.max_epochs": 12, "train.max_train_s": 600.0, "train.lr": 2e-3, "train.warmup_frac": 0.1, "train.batch_tokens": 2048,
         "train.grad_accum": 2, "train.grad_clip": 1.0, "train.ttt_length": 5, "train.step_weight": 0.9,
         "train.eval_frac": 0.1, "train.seed": 1, "train.checkpoint_every": 7, "train.keep_checkpoints": 1,
@@ -178,6 +179,22 @@ def test_the_plateau_rules_ceilings_count_only_with_epochs_unset_and_away_from_t
     assert "max_epochs" not in train_recipe_fields(PipelineConfig.model_validate(base))
     assert key(max_epochs=24, max_train_s=None) == key() != key(max_epochs=12) != key(max_train_s=200.0)
     assert key(epochs=6, max_epochs=12, max_train_s=200.0) == key(epochs=6)
+
+
+def test_the_draft_capacity_options_count_only_away_from_their_defaults(tmp_path):
+    """draft.num_hidden_layers and draft.variant at their defaults are not hashed: the train key is the one that
+    hashed the draft settings before they existed (every other draft field, as written)."""
+    from eagle3_core.pipeline.keys import stage_key
+    from eagle3_core.pipeline.train_stage import train_recipe_fields
+    base, up = _base(tmp_path), _up("train")
+    cfg = PipelineConfig.model_validate(base)
+    before = {k: v for k, v in cfg.draft.model_dump(mode="json").items() if k not in ("num_hidden_layers", "variant")}
+    assert STAGES["train"].key(cfg, up) == stage_key(up["features"], up["vocab"], train_recipe_fields(cfg), before)
+
+    def key(**draft):
+        return STAGES["train"].key(PipelineConfig.model_validate({**base, "draft": {**base.get("draft", {}),
+                                                                                     **draft}}), up)
+    assert key(num_hidden_layers=1, variant="eagle3") == key() != key(num_hidden_layers=2) != key(variant="eagle3.1")
 
 
 def test_the_evaluate_key_hashes_the_resolved_evaluator(tmp_path):

@@ -17,18 +17,10 @@ from test_speculate import ScriptedDraft
 
 
 @pytest.mark.slow
-def test_replay_takes_the_verify_steps_of_real_decoding(e2e_run, target_model, tokenizer):
-    from eagle3_core.contract.layout import RunLayout
-    from eagle3_core.data.prompt_set import read_rows
-    from eagle3_core.training.checkpoint import load_draft
-    cfg, summary = e2e_run
-    draft = load_draft(summary["draft_dir"]).eval()
-    runner = TargetRunner(target_model, draft.shape.aux_layer_ids)
-    eos = {tokenizer.eos_token_id}
-    rows = read_rows(RunLayout(cfg.run_dir).prompts_train)[:3]           # memorised: long accepted runs
-    prompts = [prompt_ids(tokenizer, r["messages"]) for r in rows]
-    prompts += [prompt_ids(tokenizer, [{"role": "user", "content": t}])
-                for t in ["def add(a, b):", "Explain recursion in one sentence."]]
+def test_replay_takes_the_verify_steps_of_real_decoding(e2e_memorised, target_model, tokenizer):
+    draft, runner, eos, prompts = e2e_memorised
+    prompts = prompts + [prompt_ids(tokenizer, [{"role": "user", "content": t}])
+                          for t in ["def add(a, b):", "Explain recursion in one sentence."]]
     recs = record_target(runner, prompts, 40, eos)
     assert [len(r["aux"]) for r in recs] == [len(p) + len(r["tokens"]) for p, r in zip(prompts, recs)]
     assert recs[0]["aux"].shape[1] == 3 * target_model.config.hidden_size
@@ -236,7 +228,7 @@ def test_replay_keeps_the_stop_token_and_takes_the_verify_steps_of_decoding_on_d
                                  "eval": cfg.eval.model_copy(update={"max_new_tokens": 24})})
     run_prompts(cfg, log=lambda *_: None)
     prompts = held_out_prompt_ids(cfg, tokenizer, read_rows(RunLayout(cfg.run_dir).prompts_eval))
-    prompts += [prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in ["Say hello.", "What is 2+2?"]]
+    prompts = prompts + [prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in ["Say hello.", "What is 2+2?"]]
     eos = set(stop_ids(tokenizer, generation_eos_ids(cfg.target)))
     lines = []
     served = greedy_outputs(cfg, prompts, eos, log=lines.append)

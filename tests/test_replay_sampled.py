@@ -246,24 +246,13 @@ def test_temperature_0_through_the_sampled_path_is_the_greedy_replay_for_a_scrip
 
 
 @pytest.mark.slow
-def test_temperature_0_through_the_sampled_path_is_the_greedy_replay_on_the_trained_draft(e2e_run, target_model,
-                                                                                          tokenizer):
+def test_temperature_0_through_the_sampled_path_is_the_greedy_replay_on_the_trained_draft(e2e_memorised):
     """debug_tiny's trained draft on the embedded target: at temperature 0 every seed records the greedy tokens,
     and both rules of the sampled replay take exactly the verify steps of replay_eval's greedy replay (tau and
     per-prompt counts equal). At temperature 0.7 the seeds give other trajectories and tau stays in [1, S + 1]."""
-    from eagle3_core.contract.layout import RunLayout
-    from eagle3_core.data.chat import prompt_ids
-    from eagle3_core.data.prompt_set import read_rows
     from eagle3_core.evaluation.replay_eval import record_target, replay_measure
     from eagle3_core.evaluation.replay_sampled import record_sampled
-    from eagle3_core.evaluation.speculate import TargetRunner
-    from eagle3_core.training.checkpoint import load_draft
-    cfg, summary = e2e_run
-    draft = load_draft(summary["draft_dir"]).eval()
-    runner = TargetRunner(target_model, draft.shape.aux_layer_ids)
-    eos = {tokenizer.eos_token_id}
-    rows = read_rows(RunLayout(cfg.run_dir).prompts_train)[:3]           # memorised: long accepted runs
-    prompts = [prompt_ids(tokenizer, r["messages"]) for r in rows]
+    draft, runner, eos, prompts = e2e_memorised
     greedy = record_target(runner, prompts, 32, eos)
     sampled = record_sampled(runner, prompts, 32, eos, SamplingConfig(), seeds=[0, 1])
     assert [r["tokens"] for r in sampled] == [g["tokens"] for g in greedy for _ in range(2)]

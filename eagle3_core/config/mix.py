@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 
 from eagle3_core.config.strict import StrictModel
 
-FORMATS = ("auto", "openai", "sharegpt", "alpaca", "prompt_response", "spec_bench", "swe_agent")
+FORMATS = ("auto", "openai", "sharegpt", "alpaca", "prompt_response", "spec_bench", "swe_agent", "bfcl")
 
 
 class SourceSpec(StrictModel):

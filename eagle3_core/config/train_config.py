@@ -9,6 +9,9 @@ from pydantic import Field, model_validator
 from eagle3_core.config.strict import StrictModel
 
 
+CAPACITY_FIELDS = ("num_hidden_layers", "variant")
+
+
 class DraftConfig(StrictModel):
     draft_vocab_size: int = Field(32000, ge=2, description="N, the draft vocabulary (capped at the target's V)")
     seed: int = Field(0, description="seed of the draft's initial weights")
@@ -23,6 +26,26 @@ class DraftConfig(StrictModel):
         None, description="None: family recipe; 'none': plain RoPE; or a {'rope_type': 'llama3', ...} dict")
     max_position_embeddings: int | None = Field(None, ge=1, description="draft positions, at least the target's "
                                                                         "context (None: family recipe)")
+
+    # capacity options (eagle3_core.training.capacity: what they are, which engines serve them); a wider MLP is
+    # intermediate_size above. In the train key only away from their defaults (key_fields).
+    num_hidden_layers: int = Field(1, ge=1, le=8, description="draft decoder layers (EAGLE-3: 1; layers after the "
+                                   "first take the hidden stream alone; llama.cpp serves 1 only)")
+    variant: Literal["eagle3", "eagle3.1"] = Field(
+        "eagle3", description="'eagle3.1' (arXiv 2605.09992): an RMSNorm per aux hidden state before fc (fc_norm) "
+        "and the normed hidden state fed to the next draft step (norm_output); SGLang and vLLM >= 0.22 serve it")
+
+    def capacity(self) -> dict:
+        """The capacity options as DraftShape fields: num_hidden_layers, fc_norm, norm_output."""
+        v31 = self.variant == "eagle3.1"
+        return {"num_hidden_layers": self.num_hidden_layers, "fc_norm": v31, "norm_output": v31}
+
+    def key_fields(self) -> dict:
+        """The draft settings a stage key hashes: every field, the capacity options only away from their defaults
+        (so that keys written before they existed stay the same)."""
+        fields = type(self).model_fields
+        return {k: v for k, v in self.model_dump(mode="json").items()
+                if k not in CAPACITY_FIELDS or getattr(self, k) != fields[k].default}
 
     def geometry(self) -> dict:
         """The geometry fields (target_family.GEOMETRY_FIELDS) as a dict; None entries mean 'derive'."""

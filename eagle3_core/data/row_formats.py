@@ -17,6 +17,9 @@ Formats (detected from the row's fields unless the source names one):
                   (HumanEval `prompt`, GSM8K `question`/`answer`, problem/thinking/solution sets)
   spec_bench      `turns`: [user turn, ...]; only the first turn is a prompt (later turns need the target's own
                   earlier answers: kept in meta.later_user_turns, answered under generation.turns 'all')
+  bfcl            Berkeley Function Calling Leaderboard (PyPI `bfcl-eval`, `bfcl_eval/data/BFCL_v4_*.json`):
+                  `question`: [[turn messages], ...] and `function`: the tool schemas (data.tools reads them); the
+                  first turn is the prompt, later turns counted in meta.later_turns
 Mode 'prompt' cuts the conversation before its final assistant turn (the target regenerates it); mode 'keep' needs
 a conversation that ends with an assistant turn.
 """
@@ -55,6 +58,8 @@ def detect_format(row: dict, spec) -> str:
             return "sharegpt" if fmt == "openai" and _looks_sharegpt(row[key]) else fmt
     if isinstance(row.get("turns"), list):
         return "spec_bench"
+    if isinstance(row.get("question"), list) and isinstance(row.get("function"), list):
+        return "bfcl"
     if isinstance(row.get("instruction"), str):
         return "alpaca"
     if spec.prompt_field or any(isinstance(row.get(k), str) for k in PROMPT_FIELDS):
@@ -93,6 +98,12 @@ def normalize(row, spec) -> tuple[list[dict], dict]:
         msgs = [{"role": "user", "content": _text(turns[0], 0)}] if turns else []
         meta["later_turns"] = max(len(turns) - 1, 0)
         meta["later_user_turns"] = [_text(t, k) for k, t in enumerate(turns[1:], 1)]
+    elif fmt == "bfcl":
+        turns = row.get("question") or []
+        if not (turns and isinstance(turns[0], list)):
+            raise RowReject("field 'question' is not a list of turns (each a list of messages), as BFCL's are")
+        msgs = [_message(m, k, "openai") for k, m in enumerate(turns[0])]
+        meta["later_turns"] = len(turns) - 1
     elif fmt == "alpaca":
         extra = row.get("input") or ""
         msgs = [{"role": "user", "content": (row.get("instruction") or "") + ("\n\n" + extra if extra else "")}]

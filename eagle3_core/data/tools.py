@@ -7,6 +7,9 @@ Where they are found:
   hermes   a `<tools> ... </tools>` block inside the system message (NousResearch hermes-function-calling-v1,
            Hermes tool-calling prompt format): a JSON list, or a Python literal of one (single quotes, as in
            `func-calling.json`), of schemas with or without the {"type": "function", "function": ...} wrapper
+  bfcl     a `function` field: a list of {name, description, parameters} whose types are BFCL's names ('dict',
+           'float', 'tuple', 'any', ...), mapped to JSON-schema types by BFCL's own table (bfcl-eval
+           `bfcl_eval/constants/type_mappings.py` GORILLA_TO_OPENAPI: dict -> object, float -> number, ...)
 The system text stays as the data has it (it is what the rows' answers were written after); the schemas also go
 into the row's `tools` column, which the generation stage sends with each request and the tokenize stage renders.
 A template that renders tools itself then shows them twice for Hermes rows: give such sources without the block
@@ -21,6 +24,21 @@ import re
 from eagle3_core.data.row_formats import RowReject
 
 _BLOCK = re.compile(r"<tools>(.*?)</tools>", re.DOTALL)
+# BFCL's parameter type names -> JSON schema (bfcl-eval 2026.3.23 constants/type_mappings.py GORILLA_TO_OPENAPI)
+BFCL_TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": "string", "list": "array",
+              "bool": "boolean", "double": "number", "long": "integer", "short": "integer", "byte": "integer",
+              "char": "string", "String": "string", "Any": "string", "ArrayList": "array", "Array": "array",
+              "HashMap": "object", "Hashtable": "object", "Queue": "array", "Stack": "array", "Bigint": "integer"}
+
+
+def json_schema_types(schema):
+    """A copy of `schema` with every string `type` of BFCL's (BFCL_TYPES) as its JSON-schema type."""
+    if isinstance(schema, list):
+        return [json_schema_types(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: (BFCL_TYPES.get(v, v) if k == "type" and isinstance(v, str) else json_schema_types(v))
+            for k, v in schema.items()}
 
 
 def _function(entry, where: str) -> dict:
@@ -46,8 +64,10 @@ def _parse(text: str, where: str):
 
 
 def row_tools(row: dict, messages: list[dict]) -> tuple[list[dict], str | None]:
-    """(tools, where they came from: 'tools' | 'system' | None) of one raw row and its normalized messages.
+    """(tools, where they came from: 'tools' | 'function' | 'system' | None) of one raw row and its normalized messages.
     Raises RowReject naming the field when a `tools` field or `<tools>` block cannot be read."""
+    if isinstance(row.get("function"), list) and isinstance(row.get("question"), list):   # BFCL
+        return [_function(json_schema_types(t), "field 'function'") for t in row["function"]], "function"
     raw = row.get("tools")
     if raw:
         raw = _parse(raw, "field 'tools'") if isinstance(raw, str) else raw

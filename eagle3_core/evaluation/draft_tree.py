@@ -86,17 +86,17 @@ def build_tree(draft, root_token: int, h: torch.Tensor, logits: torch.Tensor, dc
 
     expand(-1, 1.0, logits, 1)
     frontier = list(range(topk))                                 # level 0: every candidate is expanded
-    state = {-1: (h, None, None)}                                # node -> (out hidden, path k, path v)
+    state = {-1: (h, None)}                                      # node -> (out hidden, path keys/values)
     for level in range(1, num_steps):
         first_new = len(cand_tok)
         for node in frontier:
-            h_in, pk, pv = state[cand_parent[node]]
-            # a fresh dict: decode extends it, the committed cache stays as it is
-            cache = ({"k": dcache["k"], "v": dcache["v"]} if pk is None     # prefix + this node's ancestors
-                     else {"k": torch.cat([dcache["k"], pk], 2), "v": torch.cat([dcache["v"], pv], 2)})
+            h_in, path = state[cand_parent[node]]
+            # a fresh dict: decode extends it, the committed cache stays as it is; every entry ('k', 'v' and a
+            # multi-layer draft's 'k1', 'v1', ...) is [1, nkv, positions, hd]: prefix + this node's ancestors
+            cache = dict(dcache) if path is None else {t: torch.cat([c, path[t]], 2) for t, c in dcache.items()}
             out, lg = draft.decode(torch.tensor([[cand_tok[node]]], device=h_in.device), h_in,
                                    torch.tensor([[n_ctx + level - 1]], device=h_in.device), cache)
-            state[node] = (out, cache["k"][:, :, n_ctx:], cache["v"][:, :, n_ctx:])
+            state[node] = (out, {t: c[:, :, n_ctx:] for t, c in cache.items()})
             expand(node, cand_score[node], lg[0, -1], level + 1)
         # the k best of this level's k*k candidates are expanded next (ties: lower index, as a stable sort)
         new = range(first_new, len(cand_tok))

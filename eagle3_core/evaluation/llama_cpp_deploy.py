@@ -25,6 +25,7 @@ import torch
 
 from eagle3_core.serving.client import generate_all
 from eagle3_core.serving.launcher import ServerError, llama_server_binary
+from eagle3_core.training.capacity import unservable
 from eagle3_core.training.checkpoint import shape_from_config
 
 # Near-tie threshold (nats) for llama.cpp's lossless check. Its batched verify and one-token decode run different
@@ -45,10 +46,14 @@ def convert_draft(draft_dir: Path, target_dir: Path, out_file: Path,
     target_dir: the target's HF directory (config.json + tokenizer), e.g. `target.local_model_dir(...)`.
     llama_cpp_layer_ids: None (the right thing) writes our aux ids (layer outputs) + 1, which llama.cpp reads as
     layer inputs (GGUF `eagle3.target_layers`); anything else is written as given, for convention experiments.
-    Raises ServerError with the converter's output tail if it fails.
+    Raises ServerError with the converter's output tail if it fails, or naming the capacity option llama.cpp does
+    not serve (training.capacity.SERVES) before converting.
     """
     cfg = json.loads((Path(draft_dir) / "config.json").read_text())
-    output_ids = shape_from_config(cfg, str(Path(draft_dir) / "config.json")).aux_layer_ids   # layer outputs
+    shape = shape_from_config(cfg, str(Path(draft_dir) / "config.json"))
+    if (why := unservable(shape, ("llama.cpp",))) is not None:
+        raise ServerError(f"{draft_dir}: {why}")
+    output_ids = shape.aux_layer_ids                                                    # layer outputs
     layer_inputs = llama_cpp_layer_ids if llama_cpp_layer_ids is not None else [i + 1 for i in output_ids]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "draft"

@@ -144,7 +144,7 @@ def replay_chain_sampled(draft, rec: dict, num_steps: int, s: SamplingConfig, ru
         roots.append(P)
         if target_ids is None:
             target_ids = draft.draft_to_target(torch.arange(logits.shape[-1], device=dev))
-        cache, h_in, lg, a = {"k": dcache["k"], "v": dcache["v"]}, h, logits, 0
+        cache, h_in, lg, a = dict(dcache), h, logits, 0                  # every layer's committed cache
         while a < num_steps:
             t = P + a + 1                                               # the position drafted now holds seq[t]
             if t < len(seq):

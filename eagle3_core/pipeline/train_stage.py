@@ -93,7 +93,7 @@ def train_key(cfg: PipelineConfig, up: dict | None = None) -> str:
 
 
 def _key(cfg: PipelineConfig, up: dict, train_fields: dict) -> str:
-    return stage_key(up["features"], up["vocab"], train_fields, cfg.draft,
+    return stage_key(up["features"], up["vocab"], train_fields, cfg.draft.key_fields(),
                      *([init_key(cfg)] if cfg.train.init_from is not None else []))
 
 

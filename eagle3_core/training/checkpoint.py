@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3_core.target.family import PLUS_ONE, TOP_KEY, sglang_ids
+from eagle3_core.training.capacity import ENGINES, unservable
 from eagle3_core.training.draft_model import DraftShape, Eagle3Draft
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -47,7 +48,46 @@ def expected_tensors(s: DraftShape) -> dict[str, tuple[tuple[int, ...], torch.dt
         "lm_head.weight": ((s.draft_vocab_size, H), None),
         "d2t": ((s.draft_vocab_size,), torch.int64),
         "t2d": ((s.vocab_size,), torch.bool),
+        **capacity_tensors(s),
     }
+
+
+def capacity_tensors(s: DraftShape) -> dict[str, tuple[tuple[int, ...], None]]:
+    """The tensors of the capacity options (training.capacity), SGLang's names (0.5.14 `models/llama_eagle3.py`):
+    `fc_norm.{j}.weight` [H_t] per aux chunk; per later layer i `layers.{i}.*` with q/k/v taking H inputs, plus
+    `layers.{i}.input_layernorm.weight`, a copy of its hidden_norm (vLLM `models/llama_eagle3.py` norms a later
+    layer's input with input_layernorm, SGLang with hidden_norm: both names make both engines run the same draft)."""
+    H, qd, kvd, I = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim, \
+        s.intermediate_size
+    out = {f"fc_norm.{j}.weight": ((s.target_hidden_size,), None) for j in range(3 if s.fc_norm else 0)}
+    for i in range(1, s.num_hidden_layers):
+        p = f"layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": ((qd, H), None), p + "self_attn.k_proj.weight": ((kvd, H), None),
+                    p + "self_attn.v_proj.weight": ((kvd, H), None), p + "self_attn.o_proj.weight": ((H, qd), None),
+                    p + "mlp.gate_proj.weight": ((I, H), None), p + "mlp.up_proj.weight": ((I, H), None),
+                    p + "mlp.down_proj.weight": ((H, I), None), p + "hidden_norm.weight": ((H,), None),
+                    p + ENGINE_COPY: ((H,), None), p + "post_attention_layernorm.weight": ((H,), None)})
+    return out
+
+
+ENGINE_COPY = "input_layernorm.weight"    # of a later layer: vLLM's name of its hidden_norm (capacity_tensors)
+
+
+def with_engine_copies(tensors: dict, s: DraftShape) -> dict:
+    """The draft's state dict plus the copy each later layer's hidden_norm gets under vLLM's name."""
+    return {**tensors, **{f"layers.{i}.{ENGINE_COPY}": tensors[f"layers.{i}.hidden_norm.weight"].clone()
+                          for i in range(1, s.num_hidden_layers)}}
+
+
+def without_engine_copies(tensors: dict, s: DraftShape, where: str) -> dict:
+    """`tensors` less the engine copies, each checked equal to its hidden_norm. Raises CheckpointError."""
+    out = dict(tensors)
+    for i in range(1, s.num_hidden_layers):
+        copy, norm = out.pop(f"layers.{i}.{ENGINE_COPY}"), out[f"layers.{i}.hidden_norm.weight"]
+        if not torch.equal(copy, norm):
+            raise CheckpointError(f"{where}: layers.{i}.{ENGINE_COPY} differs from layers.{i}.hidden_norm.weight: "
+                                  f"SGLang and vLLM would run different drafts; write both from the same norm")
+    return out
 
 
 def check_tensors(tensors: dict[str, torch.Tensor], s: DraftShape, where: str) -> None:
@@ -90,7 +130,7 @@ def sglang_config(s: DraftShape, dtype: torch.dtype, rule: str = PLUS_ONE) -> di
     except ValueError as e:
         raise CheckpointError(f"{e}, and retrain (the draft cannot be served by SGLang on this target)") from None
     return {
-        "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
+        "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": s.num_hidden_layers,
         "hidden_size": s.hidden_size, "target_hidden_size": s.target_hidden_size,
         "intermediate_size": s.intermediate_size, "num_attention_heads": s.num_attention_heads,
         "num_key_value_heads": s.num_key_value_heads, "head_dim": s.head_dim, "rms_norm_eps": s.rms_norm_eps,
@@ -101,6 +141,7 @@ def sglang_config(s: DraftShape, dtype: torch.dtype, rule: str = PLUS_ONE) -> di
         "pad_token_id": None, "attention_bias": False, "mlp_bias": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": nested, "use_aux_hidden_state": True},
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids],
+        **{k: True for k in ("fc_norm", "norm_output") if getattr(s, k)},     # SGLang's and vLLM's EAGLE-3.1 flags
     }
 
 
@@ -113,7 +154,7 @@ def save_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype | None = None, 
     s = draft.shape
     dtype = dtype or draft.fc.weight.dtype
     tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
-               for k, v in draft.state_dict().items()}
+               for k, v in with_engine_copies(draft.state_dict(), s).items()}
     check_tensors(tensors, s, f"export to {out}")
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -130,13 +171,17 @@ def save_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype | None = None, 
 EXPORT_DTYPE = torch.bfloat16          # public drafts ship bf16; SGLang's --dtype auto turns float32 into float16
 
 
-def export_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype = EXPORT_DTYPE, *, sglang_rule: str) -> Path:
+def export_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype = EXPORT_DTYPE, *, sglang_rule: str,
+                 engines: tuple[str, ...] = ENGINES) -> Path:
     """Write the serving export of a trained draft (save_draft in `dtype`, bf16 by default, its nested aux ids by
     `sglang_rule`: target.family.sglang_rule of the target it serves) and prove it: d2t and
     t2d name the same target ids (vocab_map.check_vocab_map), and the reloaded export gives step-0 logits bit for
     bit equal to the trained draft cast to `dtype`. Returns `out`. Raises ValueError (vocab map) or
-    CheckpointError (the export does not reproduce the draft)."""
+    CheckpointError (the export does not reproduce the draft, or none of `engines`, the deploy targets, serves its
+    capacity options: training.capacity.SERVES, the refusal naming option and engine)."""
     import copy
+    if (why := unservable(draft.shape, engines)) is not None:
+        raise CheckpointError(f"export to {out}: {why}")
 
     from eagle3_core.data.vocab_map import check_vocab_map
     check_vocab_map(draft.d2t.cpu(), draft.t2d.cpu(), f"export to {out}")
@@ -176,7 +221,9 @@ def shape_from_config(cfg: dict, where: str) -> DraftShape:
         head_dim=cfg["head_dim"], intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
         draft_vocab_size=cfg["draft_vocab_size"], rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
         rope_scaling=cfg.get("rope_scaling"), max_position_embeddings=cfg["max_position_embeddings"],
-        hidden_act=cfg.get("hidden_act", "silu"), aux_layer_ids=list(ids))
+        hidden_act=cfg.get("hidden_act", "silu"), aux_layer_ids=list(ids),
+        num_hidden_layers=cfg.get("num_hidden_layers", 1), fc_norm=bool(cfg.get("fc_norm", False)),
+        norm_output=bool(cfg.get("norm_output", False)))
 
 
 def load_draft(path: Path, dtype: torch.dtype | None = None) -> Eagle3Draft:
@@ -189,6 +236,7 @@ def load_draft(path: Path, dtype: torch.dtype | None = None) -> Eagle3Draft:
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
     check_tensors(tensors, s, str(path / "model.safetensors"))
+    tensors = without_engine_copies(tensors, s, str(path / "model.safetensors"))
     draft = Eagle3Draft(s).to(dtype or tensors["fc.weight"].dtype)
     draft.load_state_dict(tensors, strict=True)
     return draft

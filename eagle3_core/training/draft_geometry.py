@@ -85,9 +85,10 @@ def geometry_problems(geom: dict, config) -> list[tuple[str, str]]:
 
 
 def draft_shape(config, draft_vocab_size: int, aux_layer_ids: list[int], hidden_size: int | None = None,
-                overrides: dict | None = None):
+                overrides: dict | None = None, capacity: dict | None = None):
     """DraftShape for a target config (composite configs unwrapped): H_t, V, norms from the text model, geometry
-    from `draft_geometry`, N capped at V. Raises ValueError listing every geometry problem (field and fix)."""
+    from `draft_geometry`, N capped at V, the capacity options (DraftConfig.capacity(); None: EAGLE-3's one layer).
+    Raises ValueError listing every geometry problem (field and fix)."""
     t = text_config(config)
     geom = draft_geometry(t, overrides)
     problems = geometry_problems(geom, t)
@@ -97,4 +98,4 @@ def draft_shape(config, draft_vocab_size: int, aux_layer_ids: list[int], hidden_
     H_t, V = value(t, "hidden_size"), value(t, "vocab_size")
     return DraftShape(hidden_size=hidden_size or H_t, target_hidden_size=H_t, vocab_size=V,
                       draft_vocab_size=min(draft_vocab_size, V), rms_norm_eps=value(t, "rms_norm_eps", 1e-6),
-                      hidden_act="silu", aux_layer_ids=list(aux_layer_ids), **geom)
+                      hidden_act="silu", aux_layer_ids=list(aux_layer_ids), **geom, **(capacity or {}))

@@ -9,6 +9,13 @@ features g at step 0, the draft's own previous output after) and predicts x_{t+2
     a = h + o_proj(attn(q,k,v(x)))                             residual is the hidden input
     out = a + mlp(post_attention_layernorm(a))                 fed to the next step (pre-norm)
     logits = lm_head(norm(out))                                [B, T, N]
+
+Capacity options (DraftShape; which engines serve them: eagle3_core.training.capacity):
+- num_hidden_layers L > 1: layers 1..L-1 (`layers.{i}`) take the stream `out` alone (H inputs, no embedding) as
+  pre-norm Llama layers whose input norm is `hidden_norm` (SGLang 0.5.14 `models/llama_eagle3.py`: layer i > 0 runs
+  hidden_norm(hidden, residual)), each with its own KV cache;
+- fc_norm (EAGLE-3.1, arXiv 2605.09992): one RMSNorm per aux chunk [H_t] before fc (`fc_norm.{j}`);
+- norm_output (EAGLE-3.1): the hidden state fed to the next step is norm(out), not out (SGLang `norm_output`).
 """
 from __future__ import annotations
 
@@ -20,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3_core.training.ttt_attention import IMPLEMENTATIONS, acc_dtype, ttt_attention
+from eagle3_core.training.ttt_attention import (IMPLEMENTATIONS, acc_dtype, cached_attention, later_caches,
+                                                ttt_attention)
 
 
 @dataclass
@@ -40,6 +48,9 @@ class DraftShape:
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
     aux_layer_ids: list[int] = field(default_factory=list)
+    num_hidden_layers: int = 1       # L decoder layers (layer 0 the EAGLE-3 midlayer)
+    fc_norm: bool = False            # EAGLE-3.1: RMSNorm per aux chunk before fc
+    norm_output: bool = False        # EAGLE-3.1: the normed hidden state fed back
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,17 +104,18 @@ class DraftAttention(nn.Module):
     """Attention over a TTT cache: causal over step-0 keys, plus the diagonal key of each later step
     (EAGLE-3 paper section 3.2; SpecForge `specforge/core/eagle3.py`). With one cached step and a prefix cache it is ordinary causal attention."""
 
-    def __init__(self, s: DraftShape):
+    def __init__(self, s: DraftShape, in_features: int | None = None):
         super().__init__()
         self.s = s
-        self.q_proj = nn.Linear(2 * s.hidden_size, s.num_attention_heads * s.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * s.hidden_size, s.num_key_value_heads * s.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * s.hidden_size, s.num_key_value_heads * s.head_dim, bias=False)
+        d_in = in_features or 2 * s.hidden_size           # 2H for layer 0 [embedding, hidden], H for later layers
+        self.q_proj = nn.Linear(d_in, s.num_attention_heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(d_in, s.num_key_value_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_in, s.num_key_value_heads * s.head_dim, bias=False)
         self.o_proj = nn.Linear(s.num_attention_heads * s.head_dim, s.hidden_size, bias=False)
         self.impl = "eager"                  # TTT attention implementation (Eagle3Draft.set_attention)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: dict | None = None):
-        """x [B, T, 2H] -> q [B, nh, T, hd], k/v [B, nkv, T, hd] with RoPE applied to q and k.
+        """x [B, T, 2H] (H for a later layer) -> q [B, nh, T, hd], k/v [B, nkv, T, hd] with RoPE applied to q and k.
         w: optional {'q', 'k', 'v'} weights to use instead of the parameters (Eagle3Draft.step_weights)."""
         B, T, _ = x.shape
         s = self.s
@@ -154,6 +166,28 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
 
+class DraftLaterLayer(nn.Module):
+    """Decoder layer i >= 1 of a multi-layer draft: a pre-norm Llama layer on the stream (H inputs), its input norm
+    named `hidden_norm` as SGLang names it (the export adds vLLM's name, checkpoint.engine_copies)."""
+
+    def __init__(self, s: DraftShape):
+        super().__init__()
+        self.self_attn = DraftAttention(s, s.hidden_size)
+        self.mlp = DraftMLP(s)
+        self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+    def qkv(self, x, positions, rope=None, rope_fn=None):
+        """x [B, T, H] the stream -> q, k, v of this layer (RoPE'd)."""
+        cos, sin = rope if rope is not None else rope_fn(positions)
+        return self.self_attn.project(self.hidden_norm(x), cos, sin)
+
+    def finish(self, x, attn):
+        """x [B, T, H] the stream (the residual), attn [B, T, nh*hd] -> the stream after this layer."""
+        a = x + self.self_attn.o_proj(attn)
+        return a + self.mlp(self.post_attention_layernorm(a))
+
+
 class Eagle3Draft(nn.Module):
     """EAGLE-3 draft. Parameter names are SGLang's checkpoint names (`models/llama_eagle3.py` `load_weights`).
 
@@ -168,7 +202,11 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
         self.embed_tokens.weight.requires_grad_(s.hidden_size != s.target_hidden_size)
         self.fc = nn.Linear(3 * s.target_hidden_size, s.hidden_size, bias=False)
+        if s.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(s.target_hidden_size, s.rms_norm_eps) for _ in range(3))
         self.midlayer = DraftDecoderLayer(s)
+        if s.num_hidden_layers > 1:        # names layers.1 .. layers.{L-1}, as the engines load them
+            self.layers = nn.ModuleDict({str(i): DraftLaterLayer(s) for i in range(1, s.num_hidden_layers)})
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = nn.Linear(s.hidden_size, s.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(s.draft_vocab_size, dtype=torch.long))
@@ -179,8 +217,14 @@ class Eagle3Draft(nn.Module):
         different speed and memory. Raises ValueError for an unknown name."""
         if impl not in IMPLEMENTATIONS:
             raise ValueError(f"unknown TTT attention {impl!r}; choose one of {IMPLEMENTATIONS}")
+        for layer in self.later_layers():
+            layer.self_attn.impl = impl
         self.midlayer.self_attn.impl = impl
         return self
+
+    def later_layers(self) -> list:
+        """Decoder layers 1..L-1 in order (empty for the one-layer EAGLE-3 draft)."""
+        return list(self.layers.values()) if self.shape.num_hidden_layers > 1 else []
 
     def init_weights(self, seed: int) -> None:
         """Deterministic init of the trainable weights (normal std 0.02, norms 1); keeps a frozen embed_tokens,
@@ -210,7 +254,9 @@ class Eagle3Draft(nn.Module):
         return {k: params[name].to(dtype) for k, name in self.STEP_WEIGHTS.items()}
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux [B, T, 3*H_t] target aux hidden states -> g [B, T, H]."""
+        """aux [B, T, 3*H_t] target aux hidden states -> g [B, T, H]; with fc_norm each H_t chunk normed first."""
+        if self.shape.fc_norm:
+            aux = torch.cat([n(c) for n, c in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
         return self.fc(aux)
 
     def rope(self, positions: torch.Tensor):
@@ -234,9 +280,18 @@ class Eagle3Draft(nn.Module):
         cache_k.append(k)
         cache_v.append(v)
         attn = self.midlayer.self_attn.ttt_attend(q, cache_k, cache_v, doc, block_mask)
-        if weights is None:
-            return self.attention_outputs(hidden, attn)
-        return self.attention_outputs(hidden, attn, weights)
+        if not self.later_layers():
+            if weights is None:
+                return self.attention_outputs(hidden, attn)
+            return self.attention_outputs(hidden, attn, weights)
+        out = self.layer0_out(hidden, attn, weights)
+        for i, layer in enumerate(self.later_layers()):        # their caches ride on cache_k/cache_v's 'later' list
+            caches = later_caches(cache_k, cache_v, i)
+            q, k, v = layer.qkv(out, positions, rope, self.rope)
+            caches[0].append(k)
+            caches[1].append(v)
+            out = layer.finish(out, layer.self_attn.ttt_attend(q, caches[0], caches[1], doc, block_mask))
+        return self.head(out, weights)
 
     def attention_inputs(self, token_ids, hidden, positions, rope=None, weights: dict | None = None):
         """token_ids [B, T], hidden [B, T, H], positions [B, T] -> q [B, nh, T, hd], k/v [B, nkv, T, hd] (RoPE'd).
@@ -254,15 +309,25 @@ class Eagle3Draft(nn.Module):
     def attention_outputs(self, hidden, attn, weights: dict | None = None):
         """hidden [B, T, H] (the residual), attn [B, T, nh*hd] -> (out [B, T, H] pre-norm, logits [B, T, N]).
         weights: optional step_weights()."""
+        return self.head(self.layer0_out(hidden, attn, weights), weights)
+
+    def layer0_out(self, hidden, attn, weights: dict | None = None):
+        """hidden [B, T, H] (the residual), attn [B, T, nh*hd] -> out [B, T, H], the stream after layer 0."""
         layer = self.midlayer
         if weights is None:
             a = hidden + layer.self_attn.o_proj(attn)
-            out = a + layer.mlp(layer.post_attention_layernorm(a))
-            return out, self.lm_head(self.norm(out))
+            return a + layer.mlp(layer.post_attention_layernorm(a))
         dt = weights["o"].dtype
         a = hidden + F.linear(attn.to(dt), weights["o"])
-        out = a + layer.mlp(layer.post_attention_layernorm(a).to(dt), weights)
-        return out, F.linear(self.norm(out).to(dt), weights["lm_head"])
+        return a + layer.mlp(layer.post_attention_layernorm(a).to(dt), weights)
+
+    def head(self, out, weights: dict | None = None):
+        """out [B, T, H] the stream after the last layer -> (hidden fed to the next step [B, T, H]: norm(out) with
+        norm_output, else out; logits [B, T, N] = lm_head(norm(out)))."""
+        normed = self.norm(out)
+        logits = self.lm_head(normed) if weights is None else F.linear(normed.to(weights["lm_head"].dtype),
+                                                                       weights["lm_head"])
+        return (normed if self.shape.norm_output else out), logits
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab ids to target ids through the d2t offsets."""
@@ -275,14 +340,9 @@ class Eagle3Draft(nn.Module):
         earlier positions (absent when empty) and is extended in place; the T new queries attend causally among
         themselves and to all P cached keys. Returns (out [1, T, H], logits [1, T, N]).
         """
-        q, k, v = self.attention_inputs(token_ids, hidden, positions)
-        if "k" in cache:
-            k = torch.cat([cache["k"], k], dim=2)
-            v = torch.cat([cache["v"], v], dim=2)
-        cache["k"], cache["v"] = k, v
-        T, P = q.shape[2], k.shape[2] - q.shape[2]
-        mask = torch.ones(T, T + P, dtype=torch.bool, device=q.device).tril(diagonal=P)  # [T, P+T]
-        rep = q.shape[1] // k.shape[1]
-        attn = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                              attn_mask=mask)
-        return self.attention_outputs(hidden, attn.transpose(1, 2).reshape(1, T, -1))
+        attn = cached_attention(*self.attention_inputs(token_ids, hidden, positions), cache, "")
+        out = self.layer0_out(hidden, attn)
+        for i, layer in enumerate(self.later_layers(), start=1):     # layer i's cache: 'k{i}', 'v{i}'
+            out = layer.finish(out, cached_attention(*layer.qkv(out, positions, None, self.rope), cache, str(i)))
+        return self.head(out)
+

@@ -191,7 +191,7 @@ def packed_ttt_loss(draft, batch: dict, head_draft: torch.Tensor, ttt_length: in
     row's flex BlockMask (ttt_attention.document_block_mask) are made here, outside the graphs. Inside a train()
     call whose train.graph resolves to 'row' (compiled_training), ttt_loss is compiled whole instead: one graph of
     K steps, slower to compile, faster per row (ROW_GRAPH_TOKENS). Elsewhere ttt_loss runs as is."""
-    if not compiled(batch["input_ids"].device):
+    if not compiled(batch["input_ids"].device) or draft.shape.num_hidden_layers > 1:   # step graphs: layer 0 only
         return ttt_loss(draft, batch, head_draft, ttt_length, step_weight, position_loss=position_loss)
     if GRAPH_SCOPE[0] == "row":
         if draft.midlayer.self_attn.impl == "merged_flex":

@@ -18,7 +18,8 @@ def draft_shape(cfg: PipelineConfig):
     from eagle3_core.training.draft_geometry import draft_shape as family_draft_shape
     tcfg = load_target_config(cfg.target)
     ids = resolve_aux_ids(cfg.features.aux_layer_ids, num_layers(tcfg))
-    return family_draft_shape(tcfg, cfg.draft.draft_vocab_size, ids, overrides=cfg.draft.geometry())
+    return family_draft_shape(tcfg, cfg.draft.draft_vocab_size, ids, overrides=cfg.draft.geometry(),
+                              capacity=cfg.draft.capacity())
 
 
 def init_default_aux_ids(cfg: PipelineConfig) -> list[int] | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3_core.training.ttt_attention import COMPILE
+from eagle3_core.training.ttt_attention import COMPILE, ttt_caches
 
 
 def shift_left(x: torch.Tensor, s: int, fill=0) -> torch.Tensor:
@@ -217,7 +217,8 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
     weights = draft.step_weights(dt) if dt is not None else None
     hidden = draft.fuse(batch["aux"])                                      # [B, T, H]
     start = trim_start(mask, ttt_length) if trim else 0
-    cache_k, cache_v = [], []
+    # plain lists for the one-layer draft (what the compiled row graph traces); room for later layers' caches else
+    cache_k, cache_v = ttt_caches() if draft.shape.num_hidden_layers > 1 else ([], [])
     total = 0.0
     stats = {"n": [], "correct": [], "chain": [], "loss": []}
     chain = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 try:  # torch >= 2.9
@@ -223,3 +224,38 @@ def ttt_attention(q: torch.Tensor, keys: list, values: list, impl: str = "eager"
     if impl == "merged_flex":
         return ttt_attention_merged(q, keys, values, causal_attention_flex, compile_merge, doc, block_mask)
     raise ValueError(f"unknown TTT attention {impl!r}; choose one of {IMPLEMENTATIONS}")
+
+
+def cached_attention(q, k, v, cache: dict, tag: str) -> torch.Tensor:
+    """Batch-1 attention of T new queries q [1, nh, T, hd] over the P cached keys of cache['k'+tag] and the new
+    ones, causal among the new; extends the cache in place. Returns [1, T, nh*hd]."""
+    if "k" + tag in cache:
+        k = torch.cat([cache["k" + tag], k], dim=2)
+        v = torch.cat([cache["v" + tag], v], dim=2)
+    cache["k" + tag], cache["v" + tag] = k, v
+    T, P = q.shape[2], k.shape[2] - q.shape[2]
+    mask = torch.ones(T, T + P, dtype=torch.bool, device=q.device).tril(diagonal=P)  # [T, P+T]
+    rep = q.shape[1] // k.shape[1]
+    attn = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask)
+    return attn.transpose(1, 2).reshape(1, T, -1)
+
+
+class _LaterCaches(list):
+    """The TTT caches of layers 1..L-1, kept beside layer 0's: a list attribute of the cache_k list."""
+
+
+def later_caches(cache_k: list, cache_v: list, i: int) -> tuple[list, list]:
+    """(keys, values) TTT cache lists of later layer i (0-based among layers 1..L-1), created on first use. They
+    hang on layer 0's cache_k list (ttt.ttt_loss passes plain lists; a later layer's cache lives as long as it)."""
+    if not hasattr(cache_k, "later"):
+        raise ValueError("a multi-layer draft's TTT step needs cache lists made by draft_model.ttt_caches()")
+    while len(cache_k.later) <= i:
+        cache_k.later.append(([], []))
+    return cache_k.later[i]
+
+
+def ttt_caches() -> tuple[list, list]:
+    """(cache_k, cache_v): empty TTT cache lists for Eagle3Draft.step, with room for later layers' caches."""
+    k = _LaterCaches()
+    k.later = []
+    return k, []

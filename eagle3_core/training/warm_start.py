@@ -268,6 +268,10 @@ def warm_draft(init: Eagle3Draft, fresh: Eagle3Draft) -> tuple[Eagle3Draft, dict
         for name, t in dst.items():
             if name in skip:
                 continue
+            if name not in src:
+                raise CheckpointError(f"warm start: the draft has no {name}, which this run's capacity options "
+                                      f"(draft.num_hidden_layers {fresh.shape.num_hidden_layers}, fc_norm "
+                                      f"{fresh.shape.fc_norm}) add; start from a draft with the same options")
             if src[name].shape != t.shape:
                 raise CheckpointError(f"warm start: {name} is {tuple(src[name].shape)} in the draft, "
                                       f"{tuple(t.shape)} in this run")
@@ -307,7 +311,7 @@ def init_from_check(cfg, tcfg, ids: list[int] | None) -> tuple[dict, list[tuple[
     L = num_layers(tcfg)
     defaults = default_aux_layer_ids(L) if L >= 7 else None
     want = draft_shape(tcfg, cfg.draft.draft_vocab_size, ids if ids is not None else defaults or [],
-                       overrides=cfg.draft.geometry())
+                       overrides=cfg.draft.geometry(), capacity=cfg.draft.capacity())
     problems = init_problems(cfg.train.init_from, want, keep, defaults, sglang_rule(tcfg))
     if ids is None:                                         # reported under features.aux_layer_ids already
         problems = [p for p in problems if p[0] != "features.aux_layer_ids"]
