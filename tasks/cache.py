@@ -13,22 +13,36 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefect.cache_policies import TASK_SOURCE, CachePolicy
+from prefect.context import TaskRunContext
 from prefect.utilities.hashing import hash_objects
 
-from eagle3_core.pipeline.table import inputs_key
+from eagle3_core.pipeline import run
+from eagle3_core.pipeline.table import adopt, inputs_key
+
+
+def _task_run_id() -> str | None:
+    ctx = TaskRunContext.get()
+    return str(ctx.task_run.id) if ctx is not None and ctx.task_run is not None else None
+
+
+run.scope_id = _task_run_id           # a stage body finds the decision its task run's cache policy adopted
 
 
 @dataclass
 class StageInputs(CachePolicy):
     """Key: the stage's inputs key for the task's `config`, its run directory and its `shard` argument (if any).
-    Other arguments (a server URL, shard manifests) are left out: they follow from these."""
+    Other arguments (a server URL, shard manifests) are left out: they follow from these. A stage-level task takes
+    the flow's done decision over (table.adopt: its key and whether it is done, kept for the task's body), so that
+    the task computes its key once and decides once."""
 
     stage: str = ""
 
     def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any],
                     **kwargs: Any) -> str | None:
         cfg = inputs["config"]
-        return hash_objects(self.stage, str(cfg.run_dir), inputs_key(cfg, self.stage), inputs.get("shard"))
+        if "shard" in inputs:
+            return hash_objects(self.stage, str(cfg.run_dir), inputs_key(cfg, self.stage), inputs["shard"])
+        return hash_objects(self.stage, str(cfg.run_dir), adopt(cfg, self.stage, str(task_ctx.task_run.id)), None)
 
 
 def stage_cache(stage: str) -> CachePolicy:

@@ -22,7 +22,8 @@ from eagle3_core.contract.layout import STAGE_DIRS
 from eagle3_core.contract.run_lock import run_lock
 from eagle3_core.pipeline.features_stage import feature_status
 from eagle3_core.pipeline.generation_stage import generation_servers, generation_shards, generation_status
-from eagle3_core.pipeline.table import invalidate_stage, stage_done
+from eagle3_core.pipeline.run import release
+from eagle3_core.pipeline.table import done, invalidate_stage
 from eagle3_core.serving.launcher import running_server
 from tasks.artifacts import ShardProgress, shard_table
 from tasks.logs import run_log
@@ -75,15 +76,19 @@ def forget(cfg: PipelineConfig, refresh: bool, *stage_names: str) -> None:
 
 
 def run_stage(task_, cfg: PipelineConfig, stage: str, *args):
-    """Run a stage task; Prefect's cache may answer only if the stage's manifest on disk matches its inputs."""
-    return task_.with_options(refresh_cache=not stage_done(cfg, stage))(cfg, *args)
+    """Run a stage task; Prefect's cache may answer only if the stage's manifest on disk matches its inputs. The
+    stage's one done decision (table.done), which the task's cache policy and body take over."""
+    try:
+        return task_.with_options(refresh_cache=done(cfg, stage) is None)(cfg, *args)
+    finally:
+        release(cfg, stage)
 
 
 @task(name="plan-generation", task_run_name="plan-generation", cache_policy=NO_CACHE)
 def plan_generation_task(config: PipelineConfig) -> dict:
     """The generation stage's shards: {'shards': every id, 'done': finished ones (record and file intact for the
     current inputs), 'needs_server': whether any unfinished shard holds rows to regenerate}."""
-    generation_shards(config)                     # removes shards past the last one
+    generation_shards(config, get_run_logger().info)     # keeps shards past the last one, saying so
     status = generation_status(config)
     ids, done, needs = status["shards"], status["done"], status["needs_server"]
     get_run_logger().info("generation: %s shards, %s finished, %s to run; %s", len(ids), len(done),

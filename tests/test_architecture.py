@@ -138,6 +138,17 @@ def test_no_import_cycle_and_no_import_against_the_layer_order():
     assert not [a for a, targets in edges.items() if "eagle3_core" in targets], "import the defining module"
 
 
+def test_no_stage_module_imports_another():
+    """A stage module (pipeline/*_stage.py) imports no other stage module, at module level or inside a function:
+    what two stages share lives below them (training.startup, features.store_run, pipeline.keys, pipeline.run)."""
+    stages = {p.stem for p in (ROOT / "eagle3_core" / "pipeline").glob("*_stage.py")}
+    between = [(path.stem, line, module) for path in (ROOT / "eagle3_core" / "pipeline").glob("*_stage.py")
+               for line, module, name in _imports(path)
+               if (other := module.rsplit(".", 1)[-1] if module.startswith("eagle3_core.pipeline.") else
+                   (name if module == "eagle3_core.pipeline" else None)) in stages and other != path.stem]
+    assert len(stages) == 8 and between == [], between
+
+
 def test_no_module_imports_another_modules_private_name():
     found = []
     for path in _py_files("eagle3_core", "benchmarks", "tasks", "flows"):

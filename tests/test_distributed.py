@@ -230,7 +230,8 @@ def test_train_stage_under_torchrun_equals_the_one_process_stage(tmp_path):
     assert (m1["world_size"], m2["world_size"]) == (1, 2) and m1["steps"] == m2["steps"] >= 4
     assert m1["best"]["epoch"] == m2["best"]["epoch"] and m2["train_samples"] == 12
     assert m1["history"][0]["train"]["loss"] != m1["history"][1]["train"]["loss"]     # it trained
-    assert m1["export_dtype"] == m2["export_dtype"] and all(Path(m["export_dir"]).is_dir() for m in (m1, m2))
+    assert m1["export_dtype"] == m2["export_dtype"]
+    assert all((r / m["export_dir"]).is_dir() for r, m in ((one.run_dir, m1), (two.run_dir, m2)))
     a, b = (load_file(r / "draft" / "best" / "model.safetensors") for r in (one.run_dir, two.run_dir))   # fp32
     for name, t in a.items():
         assert torch.allclose(t, b[name], rtol=1e-4, atol=1e-6), name

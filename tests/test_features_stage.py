@@ -173,12 +173,12 @@ def test_a_mixed_store_is_refused_by_check_and_before_any_rank_starts(target, tm
     refuses it before torchrun starts or anything loads; per shard, before the target loads. Nothing left to
     extract, or mix_backends true: no refusal."""
     from eagle3_core.check import check_run
-    from eagle3_core.pipeline import features_stage
+    from eagle3_core.features import store_run
     from eagle3_core.target.loading import load_target_config
     echo = _run_dir(tmp_path / "run", target, backend="echo")
     run_features_shard(echo, 0, log=lambda s: None)
     launched = []
-    monkeypatch.setattr(features_stage, "run_torchrun", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(store_run, "run_torchrun", lambda *a, **k: launched.append(a))
     tp = echo.model_copy(update={"features": echo.features.model_copy(update={"backend": "hf_tp", "tp_size": 2})})
     tcfg = load_target_config(tp.target)
     _, problems = check_run(tp, target_config=tcfg, memory=(1 << 40, "test"), gpus=None)
@@ -220,7 +220,7 @@ def _calls(path: Path, names: tuple[str, ...]) -> list[tuple[str, ast.Call]]:
 
 def test_the_features_stage_has_one_manifest_writer(target, tmp_path, monkeypatch):
     """Over the code: in the store, its backends, workers and the stage, the only file writes of a manifest are
-    store.write_record's (and the workers' part records, parts/rank_N.json); every run_stage of the stage writes
+    store.write_record's (and the workers' part records, parts/rank_N.json); every stage_run.run of the stage writes
     through write_record. At run time: every write of features/manifest.json and head.json, on the one-call and the
     per-shard paths, comes from write_record."""
     modules = [*sorted((ROOT / "eagle3_core" / "features").glob("*.py")),
@@ -229,7 +229,7 @@ def test_the_features_stage_has_one_manifest_writer(target, tmp_path, monkeypatc
               for where, c in _calls(p, ("write_manifest", "write_atomic"))]
     assert {(m, w) for m, w, arg in writes if arg != "part_path"} == {("store.py", "write_record")}, writes
     assert [a for m, _, a in writes if m == "extract_workers.py"] == ["part_path"]
-    stage = _calls(ROOT / "eagle3_core" / "pipeline" / "features_stage.py", ("run_stage",))
+    stage = _calls(ROOT / "eagle3_core" / "pipeline" / "features_stage.py", ("run",))
     assert len(stage) == 2 and all({k.arg: ast.unparse(k.value) for k in c.keywords}.get("write") == "write_record"
                                    for _, c in stage)
 

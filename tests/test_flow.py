@@ -2,6 +2,7 @@
 and bad input failing the flow run with a message that names the file or URL, nothing earlier lost."""
 import asyncio
 import json
+import shutil
 
 import pytest
 from prefect.client.orchestration import get_client
@@ -136,3 +137,30 @@ def test_unreachable_server_fails_the_run_keeping_earlier_stages(prefect_server,
         eagle3_pipeline(cfg)
     assert (cfg.run_dir / "prompts" / "manifest.json").exists()          # the prompts stage is kept
     assert (cfg.run_dir / "prompts" / "train.parquet").exists()
+
+
+@pytest.mark.slow
+def test_a_run_directory_copied_elsewhere_evaluates_its_own_draft(e2e_run, tmp_path):
+    """The finished run copied to another directory (as from a GPU node to a CPU box), the original moved out of
+    reach: its train stage is done there (export_dir stored relative to the run directory) and its evaluate stage,
+    run again, pre-flights and measures the copy's own export; a manifest that stored the old absolute path (as
+    main did) resolves to the copy too."""
+    from eagle3_core.contract.layout import RunLayout
+    from eagle3_core.pipeline.evaluate_stage import run_evaluate
+    from eagle3_core.pipeline.table import invalidate_stage, stage_done
+    cfg, _ = e2e_run
+    copy = cfg.model_copy(update={"run_dir": tmp_path / "moved" / "debug_tiny"})
+    shutil.copytree(cfg.run_dir, copy.run_dir)
+    train = json.loads((copy.run_dir / "draft" / "manifest.json").read_text())
+    assert train["export_dir"] == "draft/export" and stage_done(copy, "train")
+    train["export_dir"] = str(cfg.run_dir / "draft" / "export")          # as main stored it: absolute
+    (copy.run_dir / "draft" / "manifest.json").write_text(json.dumps(train))
+    away = cfg.run_dir.with_name("away")
+    cfg.run_dir.rename(away)
+    try:
+        assert RunLayout(copy.run_dir).stored(train["export_dir"]) == copy.run_dir / "draft" / "export"
+        invalidate_stage(copy, "evaluate")
+        m = run_evaluate(copy, log=lambda *_: None)
+    finally:
+        away.rename(cfg.run_dir)
+    assert m["summary"]["preflight"] == "passed" and 1.0 <= m["summary"]["trained"]["tau"] <= 4

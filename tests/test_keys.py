@@ -142,30 +142,41 @@ def test_every_field_is_classified_and_each_key_changes_exactly_for_the_fields_i
             assert STAGES[name].key(cfg0, _up(name, **{u: "another key"})) != keys0[name], (name, u)
 
 
-def test_the_train_key_hashes_the_resolved_batching_not_the_device(tmp_path):
-    """'auto' is padded batches on a CPU and packed rows on CUDA (setup.resolved_batching): equal keys where the
-    resolution is equal, whatever the device; the window context counts for packed rows only."""
+def test_the_train_key_hashes_the_batching_asked_for_not_the_host(tmp_path, monkeypatch):
+    """'auto' is padded batches on a CPU and packed rows on CUDA (setup.resolved_batching): the key hashes what the
+    user asked for, so that it is the same on every host (a run moved from a GPU node to a CPU box keeps its
+    work); the window context counts unless the rows are padded. The keys 'auto' had when it was hashed as resolved
+    (packed on CUDA, padded on a CPU) stay accepted (Stage.older)."""
     base, up = _base(tmp_path), _up("train")
 
+    def cfg(**train):
+        return PipelineConfig.model_validate({**base, "train": {**base["train"], **train}})
+
     def key(**train):
-        return STAGES["train"].key(PipelineConfig.model_validate({**base, "train": {**base["train"], **train}}), up)
-    assert key(batching="auto", device="cpu") == key(batching="padded") == key(batching="padded", device="cuda")
-    assert key(batching="auto", device="cuda:1") == key(batching="packed") != key(batching="padded")
+        return STAGES["train"].key(cfg(**train), up)
+    on_cpu = key(batching="auto", device="cpu")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert on_cpu == key(batching="auto", device="cuda:1") == key(batching="auto") != key(batching="padded")
+    assert key(batching="padded") == key(batching="padded", device="cuda") != key(batching="packed")
     assert key(batching="packed", window_context=64) != key(batching="packed")
+    assert key(batching="auto", window_context=64) != key(batching="auto")
     assert key(batching="padded", window_context=64) == key(batching="padded")
     assert key(batching="packed", device="cpu", keep_checkpoints=1, checkpoint_every=3, attention="eager",
                compile=True, graph="row") == key(batching="packed")
+    older = STAGES["train"].older(cfg(batching="auto"), up)
+    assert {key(batching="packed"), key(batching="padded")} < set(older)
+    assert STAGES["train"].older(cfg(batching="packed"), up) == STAGES["train"].older(cfg(batching="packed"), up)[-1:]
 
 
 def test_the_plateau_rules_ceilings_count_only_with_epochs_unset_and_away_from_their_defaults(tmp_path):
     """train.max_epochs / max_train_s change the draft only when train.epochs is unset (the plateau rule); at their
     defaults they are not hashed, so a run keyed before the rule had them keeps its key."""
-    from eagle3_core.pipeline.train_stage import resolved_train_fields
+    from eagle3_core.pipeline.train_stage import train_recipe_fields
     base, up = _base(tmp_path), _up("train")
 
     def key(**train):
         return STAGES["train"].key(PipelineConfig.model_validate({**base, "train": {**base["train"], **train}}), up)
-    assert "max_epochs" not in resolved_train_fields(PipelineConfig.model_validate(base))
+    assert "max_epochs" not in train_recipe_fields(PipelineConfig.model_validate(base))
     assert key(max_epochs=24, max_train_s=None) == key() != key(max_epochs=12) != key(max_train_s=200.0)
     assert key(epochs=6, max_epochs=12, max_train_s=200.0) == key(epochs=6)
 
@@ -174,11 +185,11 @@ def test_the_draft_capacity_options_count_only_away_from_their_defaults(tmp_path
     """draft.num_hidden_layers and draft.variant at their defaults are not hashed: the train key is the one that
     hashed the draft settings before they existed (every other draft field, as written)."""
     from eagle3_core.pipeline.keys import stage_key
-    from eagle3_core.pipeline.train_stage import resolved_train_fields
+    from eagle3_core.pipeline.train_stage import train_recipe_fields
     base, up = _base(tmp_path), _up("train")
     cfg = PipelineConfig.model_validate(base)
     before = {k: v for k, v in cfg.draft.model_dump(mode="json").items() if k not in ("num_hidden_layers", "variant")}
-    assert STAGES["train"].key(cfg, up) == stage_key(up["features"], up["vocab"], resolved_train_fields(cfg), before)
+    assert STAGES["train"].key(cfg, up) == stage_key(up["features"], up["vocab"], train_recipe_fields(cfg), before)
 
     def key(**draft):
         return STAGES["train"].key(PipelineConfig.model_validate({**base, "draft": {**base.get("draft", {}),

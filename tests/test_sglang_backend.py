@@ -443,7 +443,7 @@ def test_a_killed_sglang_rank_leaves_only_intact_shards_and_a_rerun_finishes(sto
     from feature_stores import kill_a_rank_then_rerun
     from tokenized_rows import random_rows
 
-    from eagle3_core.pipeline.features_stage import foreign_python
+    from eagle3_core.features.store_run import foreign_python
     _, ref, _ = stores
     rows = random_rows(8)
     for i, r in enumerate(rows):

@@ -213,7 +213,7 @@ def test_a_specforge_training_checkpoint_warm_starts_read_with_weights_only(tmp_
 
     from specforge.training.checkpoint import CheckpointManager
 
-    from eagle3_core.pipeline.vocab_stage import init_key
+    from eagle3_core.pipeline.keys import init_key
     from eagle3_core.training.warm_start import init_source, init_vocab_map
     old = tiny_draft(4)
     opt = torch.optim.AdamW([p for p in old.parameters() if p.requires_grad], lr=1e-4)

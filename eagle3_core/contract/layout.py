@@ -89,3 +89,22 @@ class RunLayout:
     def draft_export(self) -> Path:
         """draft/export: the exported draft (SGLang-loadable)."""
         return self.draft / "export"
+
+    def relative(self, path: Path) -> str:
+        """`path` (under the run directory) as a manifest stores it: relative to the run directory, so that a run
+        directory copied or moved elsewhere still finds its own files (read back by `stored`)."""
+        return Path(path).relative_to(self.run_dir).as_posix()
+
+    def stored(self, value: str) -> Path:
+        """A path a manifest stored, resolved under this run directory: relative to it (`relative`), or, as
+        manifests stored it before (absolute, or relative to the directory the run started in, e.g.
+        'runs/demo/draft/export'), from its stage directory on (the last part naming one of STAGE_DIRS), where
+        that exists here. Any other path as stored."""
+        path = Path(value)
+        if not path.is_absolute() and (self.run_dir / path).exists():
+            return self.run_dir / path
+        parts = path.parts
+        for i in range(len(parts) - 1, -1, -1):
+            if parts[i] in STAGE_DIRS.values() and (self.run_dir / Path(*parts[i:])).exists():
+                return self.run_dir / Path(*parts[i:])
+        return path

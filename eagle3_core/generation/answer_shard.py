@@ -59,6 +59,19 @@ def finished_record(out: Path, k: int, key: str, rows_sha256: str | None = None)
     return rec if file_intact(out / rec["file"], rec) else None
 
 
+def holds_more_rows(out: Path, k: int, ids: list[str], keys: tuple[str, ...]) -> bool:
+    """Whether shard k, planned for the rows `ids`, is a shard written for one of `keys` for more rows than that,
+    those rows among them (a prompt set cut short by a lower prompts.num_train): rewriting it for `ids` would drop
+    answers already paid for, so the plan ends before it and its files stay (pipeline.generation_stage)."""
+    path, record = out / shard_name(k), out / f"shard_{k:05d}.json"
+    if not path.exists() or not record.exists():
+        return False
+    rec = json.loads(record.read_text())
+    if rec.get("inputs_key") not in keys or (rec.get("prompts") or 0) <= len(ids):
+        return False
+    return set(ids) <= set(pq.read_table(path, columns=["id"])["id"].to_pylist())
+
+
 class AnswerShardWriter:
     """Answers of one shard: buffered, flushed to part files, merged into the shard file by `finalize`."""
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -347,11 +346,3 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int] | dict[int
 def _gate_row(row_id: str, data: dict) -> dict:
     return {"id": row_id, "response": data["response"], "reasoning": data["reasoning"],
             "finish_reason": data["finish_reason"]}
-
-
-def remove_shards_from(out: Path, first: int) -> None:
-    """Delete shard files, records and parts of shards >= `first` (left by a larger prompt set)."""
-    for f in [*out.glob("shard_*.parquet"), *out.glob("shard_*.json"), *out.glob("partial/shard_*")]:
-        if int(f.name.split("_")[1].split(".")[0]) >= first:
-            shutil.rmtree(f) if f.is_dir() else f.unlink()
-

@@ -7,9 +7,9 @@ from pathlib import Path
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.compat import DEPLOY_SGLANG_FIELDS_V4, EVAL_FIELDS_V4, fields_v4
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.contract.run_stage import done_manifest, run_stage
 from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.chat import prompt_ids
+from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, upstream_keys, upstream_manifest
 
 
@@ -45,7 +45,8 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
         if gguf is None:
             log("deploy: target is not GGUF; llama.cpp deployment skipped (use the SGLang benchmark)")
             return {"skipped": "target is not GGUF"}
-        draft_gguf = convert_draft(Path(up["export_dir"]), Path(local_model_dir(cfg.target)), out / "draft.gguf")
+        draft_gguf = convert_draft(RunLayout(cfg.run_dir).stored(up["export_dir"]), Path(local_model_dir(cfg.target)),
+                                   out / "draft.gguf")
         rows = prompts_mod.read_rows(RunLayout(cfg.run_dir).prompts_eval)
         S, n_new = cfg.eval.num_draft_steps, cfg.eval.max_new_tokens
         kwargs = cfg.generation.chat_template_kwargs or None     # the server renders each row with them, its tools
@@ -68,8 +69,8 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
             f"{summary['lossless']}")
         return {"summary": summary}
 
-    return run_stage(out, deploy_llama_cpp_key(cfg), body, accepted=deploy_llama_cpp_older_keys(cfg),
-                     outputs=("draft.gguf",), log=log)
+    d = stage_run.decision(cfg, "deploy-llama-cpp", deploy_llama_cpp_key, deploy_llama_cpp_older_keys)
+    return stage_run.run(d, body, outputs=("draft.gguf",), log=log)
 
 
 def generation_speed_warnings(cfg: PipelineConfig, summary: dict) -> list[str]:
@@ -144,13 +145,13 @@ def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
     {'skipped': reason}."""
     from eagle3_core.target.loading import gguf_path
     out = RunLayout(cfg.run_dir).deploy_sglang
-    key, older = deploy_sglang_key(cfg), deploy_sglang_older_keys(cfg)
-    if (m := done_manifest(out, [key, *older])):
-        return m
+    d = stage_run.decision(cfg, "deploy-sglang", deploy_sglang_key, deploy_sglang_older_keys)
+    if d.manifest is not None:
+        return d.manifest
     if (why := deploy_sglang_skip(cfg)) is not None:
         log(f"deploy-sglang: skipped: {why}")
         if cfg.deploy_sglang.enabled == "off" or gguf_path(cfg.target) is not None:   # the config decides: done
-            return run_stage(out, key, lambda: {"skipped": why, "seconds": 0.0})
+            return stage_run.run(d, lambda: {"skipped": why, "seconds": 0.0})
         return {"skipped": why}                                   # this machine decides: a GPU host will run it
 
     def body() -> dict:
@@ -160,8 +161,9 @@ def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
         from eagle3_core.target.loading import load_target_config, load_tokenizer
         d, up = cfg.deploy_sglang, upstream_manifest(cfg.run_dir, "train")
         steps = d.num_steps or cfg.eval.num_draft_steps
-        spec = SpecArgs(up["export_dir"], steps, d.topk, d.num_draft_tokens or steps + 1)
-        preflight(Path(up["export_dir"]), load_target_config(cfg.target))
+        export = RunLayout(cfg.run_dir).stored(up["export_dir"])
+        spec = SpecArgs(str(export), steps, d.topk, d.num_draft_tokens or steps + 1)
+        preflight(export, load_target_config(cfg.target))
         tok = load_tokenizer(cfg.target)
         prompts = deploy_sglang_prompts(cfg, tok, benchmark_prompts(DEFAULT_SPEC_BENCH, True, d.per_category))
         server_args = target_server_args(d.tp_size, d.ep_size, cfg.target.trust_remote_code, cfg.target.revision,
@@ -178,4 +180,4 @@ def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
             log(f"deploy-sglang: WARNING {w}")
         return {"verdict": v, "prompts": len(prompts), "report": str(out / "sglang_bench.md")}
 
-    return run_stage(out, key, body, outputs=("sglang_bench.md",), log=log)
+    return stage_run.run(d, body, outputs=("sglang_bench.md",), log=log)

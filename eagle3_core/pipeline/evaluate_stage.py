@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.config.eval_config import SHARDED_BACKENDS, resolved_evaluator
 from eagle3_core.contract.compat import EVAL_FIELDS_V4, fields_v4
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.contract.run_stage import run_stage
 from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.chat import prompt_ids
-from eagle3_core.pipeline.keys import stage_key, target_config, upstream_keys, upstream_manifest
-from eagle3_core.pipeline.train_stage import fresh_draft
+from eagle3_core.pipeline import run as stage_run
+from eagle3_core.pipeline.keys import stage_key, target_config, target_key, upstream_keys, upstream_manifest
 from eagle3_core.training.checkpoint import load_draft
+from eagle3_core.training.startup import fresh_draft
 
 
 def evaluate_key(cfg: PipelineConfig, up: dict | None = None) -> str:
@@ -115,25 +114,40 @@ def _sampled(cfg: PipelineConfig, target, prompts, drafts: dict, eos: set[int], 
 
 def replay_recordings(cfg, prompts: list[list[int]], outputs: list[list[int]], log=print) -> list[dict]:
     """replay_eval recordings {prompt, tokens, aux (float32 [n + M, 3H_t])}: the aux states of prompt + output
-    from the run's features backend (pipeline.features_stage.run_features on a run of its own,
-    eval/replay/: its tokenized/train.parquet holds the sequences, a rerun with the same sequences is done)."""
+    extracted by the run's features backend (features.store_run, as the features stage extracts) into a store of
+    the evaluate stage's own, eval/replay/ (its tokenized/train.parquet holds the sequences: what torchrun ranks
+    read); a rerun with the same sequences, settings and target reads that store again, extracting nothing."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from eagle3_core.contract.manifest import sha256_json, write_manifest
+    from eagle3_core.contract.manifest import read_manifest, sha256_json, write_manifest
+    from eagle3_core.features.backends import close_extractors, selected_backend
     from eagle3_core.features.reader import load_samples
-    from eagle3_core.pipeline.features_stage import run_features
+    from eagle3_core.features.store import bad_shards, write_record
+    from eagle3_core.features.store_run import extract_here, launch
     sub = cfg.model_copy(update={"run_dir": RunLayout(cfg.run_dir).eval / "replay",
                                  "features": cfg.features.model_copy(update={"import_from": None})})
     layout = RunLayout(sub.run_dir)
     seqs = [p + g for p, g in zip(prompts, outputs, strict=True)]
-    rows = [{"id": f"eval-{i}", "input_ids": s, "loss_mask": [0] * len(p) + [1] * len(g)}
-            for i, (s, p, g) in enumerate(zip(seqs, prompts, outputs, strict=True))]
-    layout.tokenized_train.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), layout.tokenized_train)
-    write_manifest(layout.tokenized_train.parent / "manifest.json",
-                   {"inputs_key": sha256_json(["replay-recording", seqs]), "rows": len(rows)})
-    run_features(sub, log)
+    key = stage_key("replay-recording", seqs, sub.features.model_dump(
+        mode="json", include={"aux_layer_ids", "max_length", "shard_samples", "format"}), target_key(sub))
+    done = read_manifest(layout.features / "manifest.json")
+    if not done or done.get("inputs_key") != key or bad_shards(layout.features, done.get("shards", [])):
+        rows = [{"id": f"eval-{i}", "input_ids": s, "loss_mask": [0] * len(p) + [1] * len(g)}
+                for i, (s, p, g) in enumerate(zip(seqs, prompts, outputs, strict=True))]
+        layout.tokenized_train.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows), layout.tokenized_train)
+        write_manifest(layout.tokenized_train.parent / "manifest.json",
+                       {"inputs_key": sha256_json(["replay-recording", seqs]), "rows": len(rows)})
+        if selected_backend(sub).torchrun:
+            store = launch(sub, key, None, log)
+        else:
+            try:
+                store = extract_here(sub, key, log, rows=rows)
+            finally:
+                close_extractors()
+        write_record(layout.features / "manifest.json", {**{k: v for k, v in store.items() if k != "how"},
+                                                          "inputs_key": key})
     samples = load_samples(layout.features)
     return [{"prompt": p, "tokens": g, "aux": s["aux"].float()} for p, g, s in zip(prompts, outputs, samples,
                                                                                   strict=True)]
@@ -158,11 +172,11 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
                              f"{cfg.features.backend!r}: the sampled replay reads the target's probabilities of its "
                              f"own samples, which needs the target in one process (features.backend 'hf'); set "
                              f"eval.sampling.temperature 0 for this run")
-        preflight(Path(up["export_dir"]), target_config(cfg))
+        preflight(RunLayout(cfg.run_dir).stored(up["export_dir"]), target_config(cfg))
         tok = load_tokenizer(cfg.target)
         rows = prompts_mod.read_rows(RunLayout(cfg.run_dir).prompts_eval)
         prompts = held_out_prompt_ids(cfg, tok, rows)
-        trained = load_draft(Path(up["export_dir"]))
+        trained = load_draft(RunLayout(cfg.run_dir).stored(up["export_dir"]))
         untrained, _ = fresh_draft(cfg)
         ids = trained.shape.aux_layer_ids
         eos = set(stop_ids(tok, generation_eos_ids(cfg.target)))        # every id the target stops on
@@ -231,7 +245,7 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
             + f"{report['consistency']['steps_compared']} steps")
         return result
 
-    return run_stage(out, evaluate_key(cfg), body, accepted=evaluate_older_keys(cfg), outputs=("report.json",),
-                     log=log)
+    d = stage_run.decision(cfg, "evaluate", evaluate_key, evaluate_older_keys)
+    return stage_run.run(d, body, outputs=("report.json",), log=log)
 
 

@@ -18,10 +18,10 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.compat import head_keys
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest
-from eagle3_core.contract.run_stage import run_stage
-from eagle3_core.distributed.launch import run_torchrun
-from eagle3_core.features.backends import close_extractors, open_extractor, selected_backend
-from eagle3_core.features.store import bad_shards, extract_features, write_record
+from eagle3_core.features.backends import close_extractors, selected_backend
+from eagle3_core.features.store import bad_shards, write_record
+from eagle3_core.features.store_run import extract_here, launch
+from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
 
 # the feature settings that change what the store holds
@@ -83,8 +83,9 @@ def feature_shards(cfg: PipelineConfig) -> list[int]:
     return list(range(len(plan_ranges(ids, cfg.features.shard_samples, store.get("shards", [])))))
 
 
-def _store_intact(out: Path):
-    """run_stage's intact check of the features stage: the shards its manifest lists (store.bad_shards)."""
+def store_intact(cfg: PipelineConfig):
+    """The features stage's intact check (run.decide): the shards its manifest lists (store.bad_shards)."""
+    out = RunLayout(cfg.run_dir).features
     return lambda manifest: bad_shards(out, manifest["shards"])
 
 
@@ -161,60 +162,6 @@ def feature_shard_done(cfg: PipelineConfig, shard: int) -> bool:
     return shard in _finished_entries(cfg, (store_key(cfg), features_key(cfg)), only=shard)[1]
 
 
-def _extract(cfg: PipelineConfig, skey: str, log, only_shards: set[int] | None = None,
-             rows: list[dict] | None = None) -> dict:
-    """The store extraction in this process with the selected per-shard backend's Extractor (open_extractor:
-    loaded once per process)."""
-    f, backend = cfg.features, selected_backend(cfg)
-    extractor = open_extractor(cfg, log)
-    return extract_features(extractor, rows if rows is not None else tokenized_rows(cfg),
-                            RunLayout(cfg.run_dir).features, extractor.aux_layer_ids, f.shard_samples,
-                            f.batch_tokens, store_format=f.format, log=log, target=cfg.target.model_dump(),
-                            writer_threads=f.writer_threads, only_shards=only_shards, backend=backend.name,
-                            store_key=skey, mix_backends=f.mix_backends)
-
-
-def _launch(cfg: PipelineConfig, skey: str, workers: int | None, log, **rdzv) -> dict:
-    """All shards under torchrun: the backend's features.tp_size ranks (tp_extract), or `workers` whole-target
-    workers per node (extract_workers); `rdzv`: nnodes, node_rank, rdzv_endpoint when the ranks span hosts.
-    Every line the ranks print goes to `log` (and features/torchrun.log for a sharded target). Returns the store
-    manifest rank 0 wrote. Raises TorchrunError if a rank fails (finished shards are kept: rerun to finish)."""
-    f, backend, out = cfg.features, selected_backend(cfg), RunLayout(cfg.run_dir).features
-    if workers and backend.torchrun:
-        raise ValueError(f"features.backend {backend.name!r}: its ranks share one sharded target (features.tp_size); "
-                         f"workers each load the whole target (backend 'hf')")
-    nnodes = rdzv.get("nnodes", 1)
-    if backend.torchrun and f.tp_size % nnodes:
-        raise ValueError(f"features.tp_size = {f.tp_size} is not a multiple of nnodes = {nnodes}")
-    out.mkdir(parents=True, exist_ok=True)
-    config_file = out / ("tp_config.json" if backend.torchrun else "workers_config.json")
-    config_file.write_text(cfg.model_dump_json())
-    module = "eagle3_core.features.tp_extract" if backend.torchrun else "eagle3_core.features.extract_workers"
-    run_torchrun(["-m", module, "--config", str(config_file), "--store-key", skey],
-                 f.tp_size // nnodes if backend.torchrun else workers, on_line=log,
-                 log_path=out / "torchrun.log" if backend.torchrun else None, **rdzv, **foreign_python(cfg))
-    manifest = read_manifest(out / "manifest.json")
-    if manifest is None or not manifest.get("complete"):
-        raise RuntimeError(f"features: {out}/manifest.json does not list every shard after the torchrun (node "
-                           f"{rdzv.get('node_rank', 0)}; node 0 writes it): rerun the stage to finish it")
-    how = (f"target sharded over {f.tp_size} ranks ({backend.name})" if backend.torchrun
-           else f"{manifest['workers']} workers")
-    return {**manifest, **({"tp_size": f.tp_size, "expert_parallel": f.expert_parallel or backend.name == "ep_int4"}
-                           if backend.torchrun else {}), "how": how}
-
-
-def foreign_python(cfg: PipelineConfig) -> dict:
-    """run_torchrun's `python` and `env` for the run's features backend: backend 'sglang' with cfg.sglang_python
-    runs the ranks with that interpreter and this project first on PYTHONPATH (its eagle3_core, the SGLang
-    environment's packages); every other backend runs with this process's python ({})."""
-    if cfg.features.backend != "sglang" or not cfg.sglang_python:
-        return {}
-    import os
-    root = str(Path(__file__).resolve().parents[2])
-    return {"python": cfg.sglang_python,
-            "env": {"PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}}
-
-
 def run_features(cfg: PipelineConfig, log=print, workers: int | None = None, **rdzv) -> dict:
     """The features stage, every shard in one call; returns its manifest (features/manifest.json: the store's
     record with the inputs key). Per-shard backends extract in this process (the flow runs one task per shard
@@ -226,15 +173,15 @@ def run_features(cfg: PipelineConfig, log=print, workers: int | None = None, **r
     again alone. Raises TorchrunError if a rank fails (finished
     shards are kept: rerun to finish), ValueError for an unknown backend or a store mixing backends."""
     out, backend = RunLayout(cfg.run_dir).features, selected_backend(cfg)
-    key, skey = features_key(cfg), store_key(cfg)
+    d, skey = stage_run.decision(cfg, "features", features_key, intact=store_intact), store_key(cfg)
 
     def body() -> dict:
         refuse_mixed_store(cfg)                    # before any rank (or this process) loads the target
         if backend.torchrun or workers:
-            manifest = _launch(cfg, skey, workers, log, **rdzv)
+            manifest = launch(cfg, skey, workers, log, **rdzv)
         else:
             try:
-                manifest = {**_extract(cfg, skey, log), "how": "in this process"}
+                manifest = {**extract_here(cfg, skey, log), "how": "in this process"}
             finally:
                 close_extractors()
             on_policy_gate(cfg, tokenized_rows(cfg), [manifest["shards"][0]["file"]], log)
@@ -243,7 +190,7 @@ def run_features(cfg: PipelineConfig, log=print, workers: int | None = None, **r
             f"{manifest['format']}, {manifest['bytes_per_token']:.0f} bytes/token")
         return {**manifest, "backend": backend.name}
 
-    return run_stage(out, key, body, intact=_store_intact(out), write=write_record, log=log)
+    return stage_run.run(d, body, write=write_record, log=log)
 
 
 def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
@@ -268,7 +215,7 @@ def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
     extracted = entry is None
     if extracted:
         refuse_mixed_store(cfg)                    # before the target loads
-        store = _extract(cfg, skey, log, {shard}, rows)
+        store = extract_here(cfg, skey, log, {shard}, rows)
         entry = next(e for e in store["shards"] if e["file"] == f"shard_{shard:05d}.safetensors")
         log(f"features: shard {shard}: {entry['samples']} samples, {entry['tokens']} tokens in "
             f"{time.monotonic() - t0:.1f} s")
@@ -284,7 +231,9 @@ def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print)
     is on disk. Raises ValueError naming the shards that are missing, stale or corrupt (rerun them with
     run_features_shard)."""
     close_extractors()
-    key, skey, out = features_key(cfg), store_key(cfg), RunLayout(cfg.run_dir).features
+    d, skey, out = stage_run.decision(cfg, "features", features_key, intact=store_intact), store_key(cfg), \
+        RunLayout(cfg.run_dir).features
+    key = d.key
 
     def body() -> dict:
         want = feature_shards(cfg)
@@ -307,4 +256,4 @@ def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print)
                 "seconds": sum(by_id[i]["seconds"] for i in want),
                 "tokens_per_s": sum(m["tokens"] for m in ran) / ran_s if ran and ran_s > 0 else None}
 
-    return run_stage(out, key, body, intact=_store_intact(out), write=write_record, log=log)
+    return stage_run.run(d, body, write=write_record, log=log)

@@ -15,8 +15,9 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.config.sampling_config import SamplingConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import busy_seconds, write_manifest
-from eagle3_core.contract.run_stage import run_stage
 from eagle3_core.data.markers import stop_ids
+from eagle3_core.generation.answer_shard import holds_more_rows
+from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
 
 
@@ -101,7 +102,10 @@ def generation_plan(cfg: PipelineConfig) -> list[tuple[int, int, str]]:
             return n
         return n if rec.get("inputs_key") == legacy and start == k * S else None
 
-    return [(a, b, rows_digest(ids[a:b], digests[a:b])) for a, b in append_only_ranges(len(ids), S, kept)]
+    ranges = append_only_ranges(len(ids), S, kept)
+    if len(ranges) > 1 and holds_more_rows(out, len(ranges) - 1, ids[ranges[-1][0]:ranges[-1][1]], (key, legacy)):
+        ranges.pop()                # a lower num_train ends inside a finished shard: trained on fewer, shard kept
+    return [(a, b, rows_digest(ids[a:b], digests[a:b])) for a, b in ranges]
 
 
 def _record_ok(out: Path, k: int, plan: list[tuple[int, int, str]], key: str, legacy: str) -> dict | None:
@@ -200,15 +204,17 @@ def generation_servers(cfg: PipelineConfig):
         yield s.base_urls()
 
 
-def generation_shards(cfg: PipelineConfig) -> list[int]:
+def generation_shards(cfg: PipelineConfig, log=print) -> list[int]:
     """Indices of this run's generation shards (generation_plan), finished or not: `run_generation_shard` returns a
-    finished shard's record at once. Deletes shards past the last one (left by a larger prompt set). Raises
-    FileNotFoundError if the prompts stage has not run."""
-    from eagle3_core.generation.regenerate import remove_shards_from
+    finished shard's record at once. Shards on disk past the last one (left by a larger prompt set: a night with a
+    lower prompts.num_train) are kept, never deleted, and used again when the set grows back; `log` says how many.
+    Raises FileNotFoundError if the prompts stage has not run."""
     n = len(generation_plan(cfg))
     out = RunLayout(cfg.run_dir).generations
     out.mkdir(parents=True, exist_ok=True)
-    remove_shards_from(out, n)
+    if past := sorted(k for f in out.glob("shard_*.parquet") if (k := int(f.stem.split("_")[1])) >= n):
+        log(f"generation: this run has {n} shard(s); {len(past)} more on disk (shards {past[0]}..{past[-1]}, of a "
+            f"larger prompt set) kept unused, not deleted: they count again when prompts.num_train grows back")
     return list(range(n))
 
 
@@ -284,9 +290,6 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
     out, key, g = RunLayout(cfg.run_dir).generations, generation_shard_key(cfg), cfg.generation
     plan, legacy = generation_plan(cfg), generation_key(cfg)
 
-    def changed(manifest: dict) -> list[str]:       # run_stage's intact check: every shard's record and file
-        return [f"shard_{k:05d}.parquet" for k in range(len(plan)) if _record_ok(out, k, plan, key, legacy) is None]
-
     def body() -> dict:
         records = []
         for k in range(len(plan)):
@@ -321,7 +324,16 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
             "server": _server_desc(cfg), "shards": [r["file"] for r in records],
             "seconds": seconds if seconds is not None else busy_seconds(records)}
 
-    return run_stage(out, generation_stage_key(cfg), body, intact=changed)
+    d = stage_run.decision(cfg, "generation", generation_stage_key, intact=generation_intact)
+    return stage_run.run(d, body)
+
+
+def generation_intact(cfg: PipelineConfig):
+    """The generation stage's intact check (run.decide): every shard of the plan has its record and file."""
+    out, key, legacy = RunLayout(cfg.run_dir).generations, generation_shard_key(cfg), generation_key(cfg)
+    plan = generation_plan(cfg)
+    return lambda manifest: [f"shard_{k:05d}.parquet" for k in range(len(plan))
+                             if _record_ok(out, k, plan, key, legacy) is None]
 
 
 def _request_counts(records: list[dict]) -> dict:
@@ -343,7 +355,7 @@ def run_generation(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     when no server answers.
     """
     t0 = time.monotonic()
-    shards = generation_shards(cfg)
+    shards = generation_shards(cfg, log)
     status = generation_status(cfg)
     todo = [k for k in shards if k not in status["done"]]
     log(f"generation: {len(shards) - len(todo)} of {len(shards)} shards already finished")

@@ -63,6 +63,17 @@ def sha256_unchanged_file(path: Path) -> str:
     return _sha256_cached(path, st.st_size, st.st_mtime_ns)
 
 
+def init_key(cfg: PipelineConfig) -> dict | None:
+    """What identifies the warm-start draft in a key: its directory and the sha256 of its weights (model.safetensors,
+    or a SpecForge checkpoint's training_state.pt; hashed again only when their size or mtime changes); None
+    without train.init_from."""
+    if cfg.train.init_from is None:
+        return None
+    from eagle3_core.training.warm_start import init_source
+    src = init_source(cfg.train.init_from)
+    return {"dir": str(src.dir), "sha256": sha256_unchanged_file(src.weights)}
+
+
 def aux_ids(cfg: PipelineConfig, num_layers: int) -> list[int]:
     """features.aux_layer_ids resolved and checked for an L-layer target (target_family.resolve_aux_ids)."""
     from eagle3_core.target.family import resolve_aux_ids

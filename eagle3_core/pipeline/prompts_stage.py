@@ -6,9 +6,9 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.compat import prompt_fields_v4
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest
-from eagle3_core.contract.run_stage import run_stage
 from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.held_out import digests_from_files, eval_set_digest
+from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_key
 
 
@@ -155,5 +155,11 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
                 "unpinned": [s.label for s in specs if s.hf and not s.revision and s.hf not in ("json", "parquet")],
                 "rejects": str(out / "rejects.jsonl"), "kept_routes": routes}
 
-    return run_stage(out, prompts_key(cfg), body, accepted=prompts_older_keys(cfg),
-                     intact=lambda m: routes_stale(cfg, m), outputs=("train.parquet", "eval.parquet"), log=log)
+    d = stage_run.decision(cfg, "prompts", prompts_key, prompts_older_keys, prompts_intact)
+    return stage_run.run(d, body, outputs=("train.parquet", "eval.parquet"), log=log)
+
+
+def prompts_intact(cfg: PipelineConfig):
+    """The prompts stage's check beyond its files (stage_run.decide): kept sources routed as they still are
+    (routes_stale)."""
+    return lambda manifest: routes_stale(cfg, manifest)

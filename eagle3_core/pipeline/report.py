@@ -27,7 +27,7 @@ def collect(run_dir: Path) -> dict:
         "generated_tokens": m["generations"]["completion_tokens"], "server": m["generations"]["server"],
         "feature_bytes_per_token": m["features"]["bytes_per_token"], "aux_layer_ids": m["features"]["aux_layer_ids"],
         "draft_vocab_size": m["vocab"]["draft_vocab_size"], "vocab_coverage": m["vocab"]["coverage"],
-        "best_epoch": m["draft"]["best"], "draft_dir": m["draft"]["export_dir"],
+        "best_epoch": m["draft"]["best"], "draft_dir": str(RunLayout(run_dir).stored(m["draft"]["export_dir"])),
         "stage_seconds": {s: round(m[s]["seconds"], 1) for s in STAGES},
         "eval": ev,
         "llama_cpp": m["deploy_llama_cpp"].get("summary"),

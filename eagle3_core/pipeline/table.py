@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from eagle3_core.config import PipelineConfig
-from eagle3_core.contract.layout import STAGE_DIRS, RunLayout
-from eagle3_core.contract.run_stage import done_manifest
+from eagle3_core.contract.layout import STAGE_DIRS
+from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.deploy_stage import (
     deploy_llama_cpp_key,
     deploy_llama_cpp_older_keys,
@@ -17,10 +17,10 @@ from eagle3_core.pipeline.deploy_stage import (
     deploy_sglang_older_keys,
 )
 from eagle3_core.pipeline.evaluate_stage import evaluate_key, evaluate_older_keys
-from eagle3_core.pipeline.features_stage import features_key
-from eagle3_core.pipeline.generation_stage import generation_stage_key
+from eagle3_core.pipeline.features_stage import features_key, store_intact
+from eagle3_core.pipeline.generation_stage import generation_intact, generation_stage_key
 from eagle3_core.pipeline.keys import UPSTREAM, upstream_keys
-from eagle3_core.pipeline.prompts_stage import prompts_key, prompts_older_keys
+from eagle3_core.pipeline.prompts_stage import prompts_intact, prompts_key, prompts_older_keys
 from eagle3_core.pipeline.tokenize_stage import tokenize_key
 from eagle3_core.pipeline.train_stage import train_key, train_older_keys
 from eagle3_core.pipeline.vocab_stage import vocab_key
@@ -30,10 +30,12 @@ from eagle3_core.pipeline.vocab_stage import vocab_key
 class Stage:
     """A row of the stage table. key(cfg, up): the inputs key its manifest holds when it is done, from the config
     and `up`, {upstream stage: its manifest's inputs_key}. older(cfg, up): the keys of older formulas a finished
-    run's manifest may hold for the same settings (contract.compat), also done."""
+    run's manifest may hold for the same settings (contract.compat), also done. intact(cfg): the check of outputs
+    its manifest's `files` record does not cover (the shards of generation and features), for run.decide."""
     name: str
     key: Callable[[PipelineConfig, dict], str]
     older: Callable[[PipelineConfig, dict], tuple[str, ...]] = lambda cfg, up: ()
+    intact: Callable[[PipelineConfig], Callable[[dict], list[str]]] | None = None
 
     @property
     def upstream(self) -> tuple[str, ...]:
@@ -47,10 +49,10 @@ class Stage:
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in [
-    Stage("prompts", prompts_key, prompts_older_keys),
-    Stage("generation", generation_stage_key),
+    Stage("prompts", prompts_key, prompts_older_keys, prompts_intact),
+    Stage("generation", generation_stage_key, intact=generation_intact),
     Stage("tokenize", tokenize_key),
-    Stage("features", features_key),
+    Stage("features", features_key, intact=store_intact),
     Stage("vocab", vocab_key),
     Stage("train", train_key, train_older_keys),
     Stage("evaluate", evaluate_key, evaluate_older_keys),
@@ -69,14 +71,25 @@ def inputs_key(cfg: PipelineConfig, stage: str) -> str:
 
 def stage_done(cfg: PipelineConfig, stage: str) -> bool:
     """True if stage `stage` has a manifest under cfg.run_dir for its current inputs (its key, or an older formula
-    of it: Stage.older) whose recorded output files are intact (run_stage.done_manifest)."""
-    up, row = upstream_keys(cfg, stage), STAGES[stage]
-    return done_manifest(RunLayout(cfg.run_dir).stage_dir(stage), [row.key(cfg, up), *row.older(cfg, up)]) is not None
+    of it: Stage.older) whose outputs are intact (run.decide). Decides now; a flow asks `done` instead."""
+    row = STAGES[stage]
+    return stage_run.decide(cfg, stage, row.key, row.older, row.intact).manifest is not None
+
+
+def done(cfg: PipelineConfig, stage: str) -> dict | None:
+    """The flow's one done decision before a task of stage `stage` (run.done: kept for that task's cache policy
+    and body): the done manifest, or None."""
+    row = STAGES[stage]
+    return stage_run.done(cfg, stage, row.key, row.older, row.intact)
+
+
+def adopt(cfg: PipelineConfig, stage: str, scope: str) -> str:
+    """The inputs key the cache policy of task run `scope` hashes: the flow's decision taken over (run.adopt)."""
+    row = STAGES[stage]
+    return stage_run.adopt(cfg, stage, scope, row.key, row.older, row.intact).key
 
 
 def invalidate_stage(cfg: PipelineConfig, stage: str) -> None:
-    """Forget that stage `stage` is done under cfg.run_dir (its manifest and its shards' sidecars), so that its
-    next run recomputes everything. Data files stay until they are overwritten."""
-    out = RunLayout(cfg.run_dir).stage_dir(stage)
-    for path in [out / "manifest.json", out / "head.json", *out.glob("shard_*.json")]:
-        path.unlink(missing_ok=True)
+    """Forget that stage `stage` is done under cfg.run_dir (run.invalidate), so that its next run recomputes
+    everything. Data files stay until they are overwritten."""
+    stage_run.invalidate(cfg, stage)

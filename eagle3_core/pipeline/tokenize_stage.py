@@ -8,9 +8,9 @@ from jinja2 import TemplateError
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.contract.run_stage import run_stage
 from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.rejects import finish_rejects
+from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
 
 
@@ -113,4 +113,5 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
                              "ids)"),
             "token_sources": sources, "server_ids_check": check}
 
-    return run_stage(out, tokenize_key(cfg), body, outputs=("train.parquet",), log=log)
+    d = stage_run.decision(cfg, "tokenize", tokenize_key)
+    return stage_run.run(d, body, outputs=("train.parquet",), log=log)

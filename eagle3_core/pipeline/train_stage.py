@@ -4,64 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from safetensors.torch import load_file
-
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.compat import train_fields_v4
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest, write_manifest
-from eagle3_core.contract.run_stage import run_stage
-from eagle3_core.pipeline.keys import aux_ids, stage_key, target_config, upstream_keys
+from eagle3_core.pipeline import run as stage_run
+from eagle3_core.pipeline.keys import init_key, stage_key, target_config, upstream_keys
 from eagle3_core.target.family import sglang_rule
 from eagle3_core.training.checkpoint import EXPORT_DTYPE, clear_training_state, export_draft, load_draft
-
-
-def draft_shape(cfg: PipelineConfig):
-    """The draft's shape: target config (composite configs unwrapped), family recipe, cfg.draft's geometry."""
-    from eagle3_core.target.family import num_layers
-    from eagle3_core.training.draft_geometry import draft_shape as family_draft_shape
-    tcfg = target_config(cfg)
-    return family_draft_shape(tcfg, cfg.draft.draft_vocab_size, aux_ids(cfg, num_layers(tcfg)),
-                       overrides=cfg.draft.geometry(), capacity=cfg.draft.capacity())
-
-
-def init_default_aux_ids(cfg: PipelineConfig) -> list[int] | None:
-    """The aux layer ids a warm-start draft whose config names none was trained on: those SGLang captures for such
-    a draft on this target (config.default_aux_layer_ids); None for a target too shallow for them."""
-    from eagle3_core.config import default_aux_layer_ids
-    from eagle3_core.target.family import num_layers
-    try:
-        return default_aux_layer_ids(num_layers(target_config(cfg)))
-    except ValueError:
-        return None
-
-
-def fresh_draft(cfg: PipelineConfig, log=print):
-    """(the draft training starts from, the target's lm_head): the draft built from draft_shape with the target's
-    embedding (features/head) and the vocab map (vocab/), seeded by draft.seed; with train.init_from, carrying the
-    weights of that draft (warm_start.warm_draft: lm_head rows by target token id). Raises ValueError naming each
-    field in which the warm-start draft differs from this run (shape, aux layer ids of the feature store)."""
-    from eagle3_core.features.reader import load_head
-    from eagle3_core.training.setup import build_draft
-    vocab = load_file(str(RunLayout(cfg.run_dir).vocab_map))
-    emb, lm = load_head(RunLayout(cfg.run_dir).features)
-    shape = draft_shape(cfg)
-    store_ids = (read_manifest(RunLayout(cfg.run_dir).manifest("features")) or {}).get("aux_layer_ids")
-    if store_ids is not None and store_ids != shape.aux_layer_ids:
-        raise ValueError(f"features.aux_layer_ids resolves to {shape.aux_layer_ids} but the feature store "
-                         f"{RunLayout(cfg.run_dir).features} holds layers {store_ids}: rerun the features stage")
-    draft = build_draft(shape, emb, vocab["d2t"], vocab["t2d"], cfg.draft.seed)
-    if cfg.train.init_from is not None:
-        from eagle3_core.training.warm_start import load_init, warm_draft
-        init = load_init(cfg.train.init_from, shape, keep_vocab=cfg.train.init_vocab == "keep",
-                         default_aux_ids=init_default_aux_ids(cfg), rule=sglang_rule(target_config(cfg)))
-        draft, info = warm_draft(init, draft)
-        log(f"train: warm start from {cfg.train.init_from}: vocab map {info['vocab']}, "
-            f"{info['lm_head_rows_carried']} of {info['lm_head_rows']} lm_head rows carried by target token id"
-            + ("" if init.shape.max_position_embeddings == shape.max_position_embeddings else
-               f"; its {init.shape.max_position_embeddings} positions become {shape.max_position_embeddings} "
-               f"(plain RoPE: no weight depends on them)"))
-    return draft, lm
+from eagle3_core.training.startup import draft_shape, fresh_draft  # noqa: F401 (draft_shape: for callers)
 
 
 def train_split(cfg: PipelineConfig, dp=None) -> tuple[list, list]:
@@ -94,8 +45,8 @@ def claim_training_dir(out: Path, key: str, accepted: tuple[str, ...] = ()) -> N
     (out / "inputs_key").write_text(key)
 
 
-# the train settings that change the trained draft; batching (resolved) and window_context (packed rows only)
-# count as resolved_train_fields says
+# the train settings that change the trained draft; batching (as asked) and window_context (rows that may be packed)
+# count as train_recipe_fields says
 TRAIN_RESULT_FIELDS = ("epochs", "lr", "warmup_frac", "batch_tokens", "grad_accum", "grad_clip", "ttt_length",
                        "step_weight", "eval_frac", "seed", "init_from", "init_vocab")
 # the ones that change how the same steps are computed or kept, not the draft: out of the key, so that changing
@@ -103,16 +54,24 @@ TRAIN_RESULT_FIELDS = ("epochs", "lr", "warmup_frac", "batch_tokens", "grad_accu
 TRAIN_HOW_FIELDS = ("checkpoint_every", "keep_checkpoints", "device", "attention", "compile", "graph")
 
 
-def resolved_train_fields(cfg: PipelineConfig) -> dict:
-    """The train settings the train key hashes: TRAIN_RESULT_FIELDS, batching as it resolves here
-    (setup.resolved_batching: 'auto' is packed rows on CUDA, padded batches on CPU) and, for packed rows, the
-    window context in effect (TrainConfig.context_tokens; padded batches have no windows)."""
-    from eagle3_core.training.setup import resolved_batching
+def train_recipe_fields(cfg: PipelineConfig, batching: str | None = None) -> dict:
+    """The train settings the train key hashes: TRAIN_RESULT_FIELDS, train.batching as the user asked for it
+    ('auto', 'packed' or 'padded', never what this host resolves 'auto' to: a run trained on a GPU node and moved
+    to a CPU box keeps its key) and, unless the rows are padded, the window context (TrainConfig.context_tokens;
+    padded batches have no windows). `batching` replaces train.batching (the older formula: resolved_train_fields)."""
     t = cfg.train
-    batching = resolved_batching(t)
+    batching = batching or t.batching
     return {**t.model_dump(mode="json", include=set(TRAIN_RESULT_FIELDS)), "batching": batching,
-            "window_context": t.context_tokens() if batching == "packed" else None, **_plateau_ceilings(t),
+            "window_context": t.context_tokens() if batching != "padded" else None, **_plateau_ceilings(t),
             **({"loss": t.loss} if t.loss != "kl" else {})}          # newer than the key: counts when not 'kl'
+
+
+def resolved_train_fields(cfg: PipelineConfig, batching: str) -> dict:
+    """The train settings as the train key hashed them before it hashed the recipe asked for (main up to 24b95b7):
+    'auto' batching resolved on the host that keyed the run, `batching` ('packed' on CUDA, 'padded' on a CPU;
+    setup.resolved_batching). Equal to train_recipe_fields for an explicit 'packed' or 'padded'."""
+    resolved = batching if cfg.train.batching == "auto" else cfg.train.batching
+    return train_recipe_fields(cfg, resolved)
 
 
 def _plateau_ceilings(t) -> dict:
@@ -127,23 +86,28 @@ def _plateau_ceilings(t) -> dict:
 
 def train_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     """Inputs key of the training stage: the features and vocab keys (`up`: {'features', 'vocab': their keys};
-    default: read from their manifests), the train settings that change the draft (resolved_train_fields; any
-    number of GPUs), the draft settings, and the warm-start draft's weights (train.init_from)."""
-    from eagle3_core.pipeline.vocab_stage import init_key
+    default: read from their manifests), the train recipe (train_recipe_fields; any number of GPUs, any host), the
+    draft settings, and the warm-start draft's weights (train.init_from)."""
     up = upstream_keys(cfg, "train") if up is None else up
-    return stage_key(up["features"], up["vocab"], resolved_train_fields(cfg), cfg.draft.key_fields(),
+    return _key(cfg, up, train_recipe_fields(cfg))
+
+
+def _key(cfg: PipelineConfig, up: dict, train_fields: dict) -> str:
+    return stage_key(up["features"], up["vocab"], train_fields, cfg.draft.key_fields(),
                      *([init_key(cfg)] if cfg.train.init_from is not None else []))
 
 
 def train_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
-    """The keys a train stage finished before the keys hashed results only holds for the same settings
-    (compat.train_fields_v4: every train field hashed): such a run stays done, and its checkpoints resume."""
-    from eagle3_core.pipeline.vocab_stage import init_key
+    """The keys a finished train stage may hold for the same settings, so that it stays done and its checkpoints
+    resume: with 'auto' batching, the keys it had when the key hashed 'auto' as resolved on the host that trained
+    (packed rows on CUDA, padded on a CPU: resolved_train_fields), and the key from before the keys hashed results
+    only (compat.train_fields_v4: every train field hashed)."""
     if cfg.train.loss != "kl":                                          # older runs all trained with 'kl'
         return ()
     up = upstream_keys(cfg, "train") if up is None else up
-    return (stage_key(up["features"], up["vocab"], train_fields_v4(cfg.train), cfg.draft.key_fields(),
-                      *([init_key(cfg)] if cfg.train.init_from is not None else [])),)
+    resolved = [_key(cfg, up, resolved_train_fields(cfg, b)) for b in ("packed", "padded")
+                if cfg.train.batching == "auto"]
+    return (*resolved, _key(cfg, up, train_fields_v4(cfg.train)))
 
 
 def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
@@ -157,8 +121,8 @@ def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
     from eagle3_core.training.trainer import train
     dp = DataParallel.from_process_group()
     out = RunLayout(cfg.run_dir).draft
-    up = upstream_keys(cfg, "train")
-    key, older = train_key(cfg, up), train_older_keys(cfg, up)
+    d = stage_run.decision(cfg, "train", train_key, train_older_keys)
+    key, older = d.key, d.accepted[1:]
 
     def body() -> dict:
         train_s, eval_s = train_split(cfg, dp)
@@ -173,13 +137,14 @@ def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
                               sglang_rule=sglang_rule(target_config(cfg)))
         log(f"train: best epoch {summary['best']['epoch']} (tau_sim {summary['best']['tau_sim']:.2f}); "
             f"exported to {export}")
-        return {"export_dir": str(export), "export_dtype": str(EXPORT_DTYPE).removeprefix("torch."),
+        return {"export_dir": RunLayout(cfg.run_dir).relative(export),
+                "export_dtype": str(EXPORT_DTYPE).removeprefix("torch."),
                 "best": summary["best"], "steps": summary["steps"], "history": summary["history"],
                 "stopping": summary["stopping"],
                 "train_samples": len(train_s), "eval_samples": len(eval_s), "world_size": dp.world}
 
-    manifest = run_stage(out, key, body, accepted=older, outputs=EXPORT_FILES, log=log,
-                         write=write_manifest if dp.is_main else (lambda path, m: m))
+    manifest = stage_run.run(d, body, outputs=EXPORT_FILES, log=log,
+                             write=write_manifest if dp.is_main else (lambda path, m: m))
     dp.barrier()                                   # the manifest exists when any rank returns
     return manifest if dp.is_main else read_manifest(out / "manifest.json")
 

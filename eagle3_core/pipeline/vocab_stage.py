@@ -7,24 +7,13 @@ from safetensors.torch import save_file
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.contract.run_stage import run_stage
-from eagle3_core.pipeline.keys import sha256_unchanged_file, stage_key, target_config, upstream_keys, upstream_manifest
+from eagle3_core.pipeline import run as stage_run
+from eagle3_core.pipeline.keys import init_key, stage_key, target_config, upstream_keys, upstream_manifest
 
 
 def kept_init_vocab(cfg: PipelineConfig) -> bool:
     """True when the vocab stage keeps the warm-start draft's map (train.init_from with init_vocab 'keep')."""
     return cfg.train.init_from is not None and cfg.train.init_vocab == "keep"
-
-
-def init_key(cfg: PipelineConfig) -> dict | None:
-    """What identifies the warm-start draft in a key: its directory and the sha256 of its weights (model.safetensors,
-    or a SpecForge checkpoint's training_state.pt; hashed again only when their size or mtime changes); None
-    without train.init_from."""
-    if cfg.train.init_from is None:
-        return None
-    from eagle3_core.training.warm_start import init_source
-    src = init_source(cfg.train.init_from)
-    return {"dir": str(src.dir), "sha256": sha256_unchanged_file(src.weights)}
 
 
 def vocab_key(cfg: PipelineConfig, up: dict | None = None) -> str:
@@ -78,4 +67,5 @@ def run_vocab(cfg: PipelineConfig, log=print) -> dict:
                 "coverage_per_source": per_source, "always_in_vocab": markers, "markers_missing": missing,
                 "from": str(init_dir(cfg.train.init_from)) if kept_init_vocab(cfg) else "counts"}
 
-    return run_stage(out, vocab_key(cfg), body, outputs=("vocab_map.safetensors",), log=log)
+    d = stage_run.decision(cfg, "vocab", vocab_key)
+    return stage_run.run(d, body, outputs=("vocab_map.safetensors",), log=log)

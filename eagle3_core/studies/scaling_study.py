@@ -124,7 +124,8 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     paired comparisons), seconds}. Raises ValueError if `n`
     exceeds the training samples."""
     from eagle3_core.pipeline.keys import target_config
-    from eagle3_core.pipeline.train_stage import claim_training_dir, fresh_draft, train_split
+    from eagle3_core.pipeline.train_stage import claim_training_dir, train_split
+    from eagle3_core.training.startup import fresh_draft
     from eagle3_core.target.family import sglang_rule
     from eagle3_core.training.checkpoint import export_draft, load_draft
     from eagle3_core.training.trainer import train

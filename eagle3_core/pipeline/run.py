@@ -1,0 +1,137 @@
+"""The one done decision of a stage: its inputs key (and the older keys it accepts) computed once, the manifest that
+holds one of them with its outputs intact, or none (the stage runs).
+
+A task of the pipeline asks once (docs/architecture.md, "Data on disk is the source of truth"): the flow decides
+whether Prefect's cache may answer (`done`, before the task); the task's cache policy takes that decision for its
+key (`adopt`, inside the task run); the stage body takes it from the task run (`decision`) and runs only if it is not
+done (`run`). Called outside a task (a script, torchrun ranks, a test), `decision` decides on the spot.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3_core.config import PipelineConfig
+from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.manifest import read_manifest, write_manifest
+from eagle3_core.contract.run_stage import changed_outputs, record_outputs
+from eagle3_core.pipeline.keys import upstream_keys
+
+KeyFn = Callable[[PipelineConfig, dict], str]
+OlderFn = Callable[[PipelineConfig, dict], tuple[str, ...]]
+IntactFn = Callable[[PipelineConfig], Callable[[dict], list[str]] | None]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A stage's done decision for one config: `key` (its inputs key, what a new manifest holds), `accepted` (key
+    first, then its older formulas), `manifest` (the manifest on disk if it holds one of them and its outputs are
+    intact; None: run the stage), `changed` (the outputs found missing or changed, for the log)."""
+    stage: str
+    out: Path
+    key: str
+    accepted: tuple[str, ...]
+    manifest: dict | None
+    changed: tuple[str, ...] = ()
+
+
+# the task-run id of the running Prefect task (installed by the task layer, tasks/cache.py; eagle3_core never imports
+# prefect): None outside a task
+scope_id: Callable[[], str | None] = lambda: None
+_pending: dict[tuple, tuple[str, Decision]] = {}       # (stage, run_dir) -> (config JSON, the flow's decision)
+_adopted: dict[tuple, tuple[str, Decision]] = {}       # (stage, run_dir) -> (task run, its decision): one each
+_lock = threading.Lock()
+CALLS = {"decide": 0}                                   # done decisions made in this process (tests count them)
+
+
+def decide(cfg: PipelineConfig, stage: str, key: KeyFn, older: OlderFn | None = None,
+           intact: IntactFn | None = None) -> Decision:
+    """Stage `stage`'s done decision now: key(cfg, up) and older(cfg, up) with `up` the upstream keys read once from
+    their manifests (keys.upstream_keys), then the manifest in its directory if it holds one of them and its outputs
+    (its `files` record, and intact(cfg)(manifest) where given) are intact. Raises FileNotFoundError naming an
+    upstream stage that has not run."""
+    with _lock:
+        CALLS["decide"] += 1
+    up = upstream_keys(cfg, stage)
+    k = key(cfg, up)
+    accepted = (k, *(older(cfg, up) if older else ()))
+    out = RunLayout(cfg.run_dir).stage_dir(stage)
+    manifest, changed = read_manifest(out / "manifest.json"), ()
+    if manifest is not None and manifest.get("inputs_key") in accepted:
+        changed = tuple(changed_outputs(out, manifest, intact(cfg) if intact else None))
+    done = manifest if manifest is not None and manifest.get("inputs_key") in accepted and not changed else None
+    return Decision(stage, out, k, accepted, done, changed)
+
+
+def _slot(cfg: PipelineConfig, stage: str) -> tuple[str, str]:
+    return stage, str(Path(cfg.run_dir).resolve())
+
+
+def done(cfg: PipelineConfig, stage: str, key: KeyFn, older: OlderFn | None = None,
+         intact: IntactFn | None = None) -> dict | None:
+    """The flow's question before a task of `stage`: its done manifest, or None. The decision is kept for the task
+    call that follows (its cache policy adopts it: `adopt`), so that the task decides nothing again."""
+    d = decide(cfg, stage, key, older, intact)
+    with _lock:
+        _pending[_slot(cfg, stage)] = (cfg.model_dump_json(), d)
+    return d.manifest
+
+
+def adopt(cfg: PipelineConfig, stage: str, scope: str, key: KeyFn, older: OlderFn | None = None,
+          intact: IntactFn | None = None) -> Decision:
+    """The cache policy's decision for task run `scope`: the flow's (`done`, for the same config), else one made
+    now; kept for the stage body of that task run (`decision`)."""
+    with _lock:
+        cfg_json, d = _pending.pop(_slot(cfg, stage), (None, None))
+    if d is None or cfg_json != cfg.model_dump_json():
+        d = decide(cfg, stage, key, older, intact)
+    with _lock:
+        _adopted[_slot(cfg, stage)] = (scope, d)        # replaces one a cache hit left (its body never ran)
+    return d
+
+
+def decision(cfg: PipelineConfig, stage: str, key: KeyFn, older: OlderFn | None = None,
+             intact: IntactFn | None = None) -> Decision:
+    """The stage body's decision: the one its task run's cache policy adopted, else one made now."""
+    scope, slot = scope_id(), _slot(cfg, stage)
+    with _lock:
+        if scope is not None and _adopted.get(slot, (None,))[0] == scope:
+            return _adopted.pop(slot)[1]
+    return decide(cfg, stage, key, older, intact)
+
+
+def run(d: Decision, body: Callable[[], dict], outputs: Sequence[str] = (),
+        write: Callable[[Path, dict], dict] = write_manifest, log=None) -> dict:
+    """The stage's manifest for decision `d`: the done manifest as it is (`body` not called), else `body()`'s dict
+    plus inputs_key, seconds (the body's wall time unless it says its own) and the `files` record of `outputs`
+    (names relative to the stage directory), written atomically by `write` (manifest.write_manifest; the feature
+    store passes store.write_record, its manifest's one writer). `log` names outputs found changed."""
+    if d.manifest is not None:
+        return d.manifest
+    if d.changed and log is not None:
+        log(f"{d.out.name}: {list(d.changed)} missing or changed since written; running the stage again")
+    t0 = time.monotonic()
+    manifest = body()
+    files = {"files": record_outputs(d.out, outputs)} if outputs else {}
+    return write(d.out / "manifest.json", {"seconds": time.monotonic() - t0, **manifest, "inputs_key": d.key,
+                                           **files})
+
+
+def release(cfg: PipelineConfig, stage: str) -> None:
+    """Drop the decision kept for a task of `stage` (after the task returned: one answered from Prefect's cache
+    never ran its body, which would have taken it)."""
+    with _lock:
+        _pending.pop(_slot(cfg, stage), None)
+        _adopted.pop(_slot(cfg, stage), None)
+
+
+def invalidate(cfg: PipelineConfig, stage: str) -> None:
+    """Forget that stage `stage` is done under cfg.run_dir (its manifest and its shards' sidecars, and any decision
+    kept for a task), so that its next run recomputes everything. Data files stay until they are overwritten."""
+    out = RunLayout(cfg.run_dir).stage_dir(stage)
+    for path in [out / "manifest.json", out / "head.json", *out.glob("shard_*.json")]:
+        path.unlink(missing_ok=True)
+    release(cfg, stage)

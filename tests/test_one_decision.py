@@ -1,0 +1,56 @@
+"""One done decision and one key computation per task (pipeline/run.py): the flow decides before the task, the
+task's cache policy and the stage body take that decision over; a stage body called alone decides on its own."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import SHARED_DATA
+from eagle3_core.config import preset
+from eagle3_core.pipeline import prompts_stage, run, table
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The prompts stage's key function, counting its calls (the table's row and the stage body's name)."""
+    calls = []
+    original = prompts_stage.prompts_key
+
+    def key(cfg, up=None):
+        calls.append(cfg.run_dir)
+        return original(cfg, up)
+    monkeypatch.setitem(table.STAGES, "prompts", dataclasses.replace(table.STAGES["prompts"], key=key))
+    monkeypatch.setattr(prompts_stage, "prompts_key", key)
+    return calls
+
+
+def _cfg(tmp_path):
+    cfg = preset("debug_tiny", run_dir=tmp_path / "run")
+    cfg.prompts.sources = [str(SHARED_DATA / "gsm8k" / "train.jsonl")]
+    return cfg
+
+
+def test_a_task_decides_once_and_computes_its_key_once(prefect_server, tmp_path, counted):
+    from flows.stage_flows import prompts_flow
+    cfg = _cfg(tmp_path)
+    for attempt in ("runs", "done"):
+        before = run.CALLS["decide"]
+        counted.clear()
+        manifest = prompts_flow(cfg)
+        assert run.CALLS["decide"] - before == 1 and len(counted) == 1, (attempt, run.CALLS, counted)
+        assert len(manifest["train_ids"]) == 6
+    assert not run._pending and not run._adopted                  # nothing kept past the task
+
+
+def test_a_stage_body_called_alone_decides_on_its_own(tmp_path, counted):
+    cfg = _cfg(tmp_path)
+    first = prompts_stage.run_prompts(cfg, log=lambda *_: None)
+    before = run.CALLS["decide"]
+    assert prompts_stage.run_prompts(cfg, log=lambda *_: None) == first and run.CALLS["decide"] - before == 1
+    assert len(counted) == 2
+    (cfg.run_dir / "prompts" / "train.parquet").unlink()          # an output gone: not done, whoever asks
+    assert not table.stage_done(cfg, "prompts")
+    lines = []
+    prompts_stage.run_prompts(cfg, log=lines.append)
+    assert any("missing or changed" in line for line in lines) and table.stage_done(cfg, "prompts")
