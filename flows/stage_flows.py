@@ -20,6 +20,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from eagle3_core.config import PipelineConfig, preset
 from tasks import stage_tasks as t
 from tasks.artifacts import pipeline_progress, stage_started  # noqa: F401 (pipeline_progress: for flows.pipeline)
+from tasks.logs import done_before_this_run, readable
 from tasks.control import (  # noqa: F401 (locked, first_attempt: re-exported for callers of flows.stage_flows)
     first_attempt,
     forget,
@@ -77,17 +78,14 @@ SUMMARY_FIELDS = {
 }
 
 
-def summary_line(stage: str, manifest: dict) -> str:
-    """One line saying what stage `stage` produced (its manifest's SUMMARY_FIELDS, counts for lists, tau for
-    evaluate) and how long it took (the manifest's seconds: 0 when every piece was already done)."""
+def summary_line(stage: str, manifest: dict, skipped: bool = False) -> str:
+    """One line saying what stage `stage` produced (its manifest's SUMMARY_FIELDS as a person reads them:
+    tasks.logs.readable; tau for evaluate) and how long it took (the manifest's seconds: 0 when every piece was
+    already done), or 'skipped (done before this run)' when `skipped`, without another run's time."""
     parts = []
     inner = manifest.get("summary") if isinstance(manifest.get("summary"), dict) else {}
     for key in SUMMARY_FIELDS.get(stage, ()):
-        value = manifest.get(key, inner.get(key))                 # deploy manifests keep theirs in 'summary'
-        if isinstance(value, list):
-            value = len(value)
-        if isinstance(value, float):
-            value = f"{value:.3g}"
+        value = readable(key, manifest.get(key, inner.get(key)))   # deploy manifests keep theirs in 'summary'
         if value is not None and not isinstance(value, dict):
             parts.append(f"{key} {value}")
     best = manifest.get("best")
@@ -99,13 +97,14 @@ def summary_line(stage: str, manifest: dict) -> str:
             parts.append(f"tau {name} {ev[name]['tau']:.3f}")
     seconds = manifest.get("seconds")
     took = f" in {seconds:.1f} s" if isinstance(seconds, (int, float)) else ""
-    return f"{stage}: done{took}" + (f" ({', '.join(parts)})" if parts else "")
+    head = f"{stage}: skipped (done before this run)" if skipped else f"{stage}: done{took}"
+    return head + (f" ({', '.join(parts)})" if parts else "")
 
 
 def summarize(stage: str, manifest: dict) -> dict:
     """Log stage `stage`'s summary line in its flow run and every run above it (the pipeline run's log then holds
     one line per stage); returns `manifest`."""
-    log_in_parent_runs(logging.INFO, "%s", summary_line(stage, manifest))
+    log_in_parent_runs(logging.INFO, "%s", summary_line(stage, manifest, done_before_this_run(stage)))
     return manifest
 
 

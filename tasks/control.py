@@ -19,6 +19,7 @@ from prefect.futures import as_completed
 from eagle3_core.check import check_or_raise
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import STAGE_DIRS
+from eagle3_core.contract.numbers import eta_text
 from eagle3_core.contract.run_lock import run_lock
 from eagle3_core.pipeline.features_stage import feature_status
 from eagle3_core.pipeline.generation_stage import generation_servers, generation_shards, generation_status
@@ -181,12 +182,13 @@ def run_shards(task_, cfg: PipelineConfig, stage: str, plan: dict, *args, parall
     runner."""
     shard_ids, done = plan["shards"], set(plan["done"])
     progress = ShardProgress(cfg.run_dir, stage, len(shard_ids))
-    t0 = time.monotonic()
+    t0, ran = time.monotonic(), []
 
     def step(shard: int, state) -> None:
         progress.step()
         n, N = progress.done, progress.total
-        eta = f", ETA {(time.monotonic() - t0) / n * (N - n) / 60:.1f} min" if n < N else ""
+        ran.extend([shard] if state.name != "Cached" else [])    # a cached shard is no rate: eta_text
+        eta = eta_text(time.monotonic() - t0, len(ran), N - n)
         log_in_parent_runs(logging.INFO, "%s: %s of %s shards done (shard %s: %s)%s", stage, n, N, shard,
                            state.name, eta)               # in the pipeline run's log too
 

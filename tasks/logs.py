@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from pathlib import Path
 
 from prefect import get_run_logger
-from prefect.context import get_run_context
+from prefect.context import FlowRunContext, get_run_context
 from prefect.exceptions import MissingContextError
 from prefect.logging.handlers import APILogHandler
+
+from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.numbers import human_bytes, percent
 
 FORWARDED = ("transformers", "httpx")
 # Prefect's loggers that log a failure with its traceback: the task run that raised it, then every flow run above
@@ -41,6 +45,30 @@ def run_log(level: int = FORWARD_LEVEL):
     finally:
         for lg in loggers:
             lg.removeHandler(handler)
+
+
+def readable(key: str, value):
+    """A manifest value as a summary line shows it: bytes per token in kB, fractions as percentages, other floats
+    to 3 significant digits, lists by their length; anything else as it is."""
+    if isinstance(value, list):
+        return len(value)
+    if key == "bytes_per_token" and isinstance(value, (int, float)):
+        return f"{human_bytes(value)}/token"
+    if key == "coverage" and isinstance(value, float):
+        return percent(value)
+    return f"{value:.3g}" if isinstance(value, float) else value
+
+
+def done_before_this_run(stage: str) -> bool:
+    """True when stage `stage`'s manifest (of the current flow run's config.run_dir) was written before this flow
+    run started: the stage was skipped here, and its manifest's seconds are another run's."""
+    ctx = FlowRunContext.get()
+    cfg = (ctx.parameters or {}).get("config") if ctx else None
+    if cfg is None:
+        return False
+    run_dir = cfg.run_dir if hasattr(cfg, "run_dir") else Path(cfg["run_dir"])
+    path = RunLayout(run_dir).manifest(stage)
+    return path.exists() and path.stat().st_mtime < ctx.start_time.timestamp()
 
 
 class TracebackOnce(logging.Filter):

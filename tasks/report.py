@@ -6,6 +6,7 @@ import json
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
@@ -14,12 +15,28 @@ from tasks.artifacts import publish_report, run_key
 from tasks.logs import run_log
 
 
+def run_started_at() -> float | None:
+    """The current flow run's start (Unix seconds): stages whose manifests are older were skipped by this run."""
+    ctx = FlowRunContext.get()
+    start = ctx.flow_run.start_time if ctx and ctx.flow_run else None
+    return start.timestamp() if start else None
+
+
+def earlier_report(config: PipelineConfig) -> dict | None:
+    """The run directory's previous report.json (its quiet speeds, for the load flag), None before the first."""
+    path = config.run_dir / "report.json"
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except ValueError:                      # a report cut short by a crash: no earlier speeds
+        return None
+
+
 # not cached: it computes nothing, and every flow run should carry its own report artifacts
 @task(name="report", task_run_name="report", cache_policy=NO_CACHE, timeout_seconds=600)
 def report_task(config: PipelineConfig) -> dict:
     """Write run_dir/report.{md,json} from the stage manifests and publish them (Markdown, tables, plots)."""
     with run_log() as log:
-        summary = report.collect(config.run_dir)
+        summary = report.collect(config.run_dir, config.train.init_from, run_started_at(), earlier_report(config))
         summary["plots"] = report.write_plots(summary, config.run_dir)
         md = report.markdown(summary)
         (config.run_dir / "report.md").write_text(md)
@@ -31,5 +48,8 @@ def report_task(config: PipelineConfig) -> dict:
                                  description="acceptance per position, tau with CI and per category, tokens/s")
         for warning in report.warnings(summary["eval"], summary.get("llama_cpp")):
             log.warning("report: %s", warning)
+        for source, why in summary["speed"]["flags"].items():
+            log.warning("report: %s speeds measured on a loaded machine (%s): flagged, left out of the speed-up",
+                        source, why)
         log.info("report written to %s", config.run_dir / "report.md")
         return summary
