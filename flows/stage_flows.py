@@ -46,14 +46,24 @@ def run_label(config) -> str:
 def run_name(stage: str):
     """flow_run_name for the flow of `stage`: '<run>-<stage>' (e.g. 'demo-features'), not Prefect's random name,
     so the Runs page says which run and which stage each flow run is. A run a deployment started keeps the name it
-    was created with (the UI's Custom run form shows and lets the user pick it; the run's link carries it)."""
+    was created with (the UI's Custom run form shows and lets the user pick it; the run's link carries it),
+    unless a schedule created it."""
     def name() -> str:
         ctx = FlowRunContext.get()
         run = ctx.flow_run if ctx else None
-        if run is not None and run.deployment_id is not None and run.parent_task_run_id is None:
+        if run is not None and run.deployment_id is not None and run.parent_task_run_id is None \
+                and not run.auto_scheduled:                # a schedule's run has a random name: named here
             return run.name
         return f"{run_label((ctx.parameters if ctx else {}).get('config'))}-{stage}"
     return name
+
+
+STAGE_ARGS = """
+
+    Args:
+        config: the run's settings (a preset's values); run_dir is the run: the stage writes under it, and the
+            run's name and run: tag come from its last folder.
+        refresh: recompute this stage, ignoring what is done on disk (off: finished work is reused)."""
 
 
 def label(config: PipelineConfig, stage: str) -> None:
@@ -63,7 +73,8 @@ def label(config: PipelineConfig, stage: str) -> None:
     ctx = FlowRunContext.get()
     if ctx is None or ctx.flow_run is None:
         return
-    tags = sorted({*ctx.flow_run.tags, f"run:{run_label(config)}", f"stage:{stage}"})
+    kept = {t for t in ctx.flow_run.tags if not t.startswith(("run:", "stage:"))}   # a deployment's defaults
+    tags = sorted({*kept, f"run:{run_label(config)}", f"stage:{stage}"})
     with get_client(sync_client=True) as client:
         client.update_flow_run(ctx.flow_run.id, tags=tags)
 
@@ -190,3 +201,8 @@ def deploy_sglang_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> 
     """Serve the draft on SGLang (EAGLE3) against the same server without it: tau, tok/s, speed-up and break-even
     tau per concurrency; skipped, saying why, for GGUF targets and where SGLang is not installed."""
     return one_task_stage(config, "deploy-sglang", refresh, t.deploy_sglang_task)
+
+
+for _stage_flow in (prompts_flow, generation_flow, features_flow, vocab_flow, train_flow, evaluate_flow,
+                    deploy_llama_cpp_flow, deploy_sglang_flow):     # the form's field descriptions (Prefect reads Args)
+    _stage_flow.fn.__doc__ = (_stage_flow.fn.__doc__ or "") + STAGE_ARGS

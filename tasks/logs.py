@@ -71,27 +71,73 @@ def done_before_this_run(stage: str) -> bool:
     return path.exists() and path.stat().st_mtime < ctx.start_time.timestamp()
 
 
+def failure_text(exc: BaseException) -> str:
+    """'ServerExited: <its message>': an exception as the run log and Prefect's state message show it (its str
+    with real line breaks, not the repr's literal '\\n')."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+# failures already logged in full, oldest first: (type, message) -> the flow runs whose page shows it (a task run's
+# records show on its flow run's page) and whether its traceback was logged
+_said: dict[tuple[str, str], dict] = {}
+
+
+def _entry(exc: BaseException) -> dict:
+    """The record of `exc` in _said, made on first sight. By type and message, not by object: a task's exception
+    re-raised from its persisted result in the flow above is another object."""
+    key = (type(exc).__name__, str(exc))
+    if key not in _said:
+        _said[key] = {"runs": set(), "traceback": False}
+        while len(_said) > 200:
+            _said.pop(next(iter(_said)))
+    return _said[key]
+
+
 class TracebackOnce(logging.Filter):
-    """Prefect logs a failure's traceback in the task run that raised it and again in each flow run above it (a
-    stage's subflow, the pipeline): the same ~40 lines two or three times, burying the cause. This filter keeps the
-    first traceback of an exception and leaves later records their one line (the exception's repr); an exception
-    whose class sets `traceback_helps = False` (a refusal naming a config field and its fix: check.CheckError)
-    is logged without one."""
+    """One failure, one message per run page. Prefect logs a failure in the task run that raised it and again in
+    each flow run above it (a stage's subflow, the pipeline), each with its traceback and the exception's repr
+    (line breaks as literal '\\n'), then 'Finished in state Failed(<the whole message>)'. This filter keeps, per
+    flow run page, the first record of a failure in full (failure_text, real line breaks) and shortens later
+    ones to the type with 'cause and fix above'; the traceback is logged once in all (never for a class that sets
+    `traceback_helps = False`: a refusal naming a config field and its fix, check.CheckError, or a server that
+    exited, launcher.ServerExited); a final-state line names the state alone. A plain record that quotes a
+    failure (run_shards' line in the runs above a stage) counts as that page's full message."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
+        run = str(getattr(record, "flow_run_id", None))
         if exc is None:
             if record.exc_info:              # exc_info=True outside an exception: Prefect's 'NoneType: None' line
                 record.exc_info = None
+            _plain(record, run)
             return True
-        if getattr(exc, "_eagle3_traceback_logged", False) or not getattr(exc, "traceback_helps", True):
+        said, msg = _entry(exc), record.getMessage()
+        if run in said["runs"]:
+            record.msg, record.args = msg.replace(repr(exc), f"{type(exc).__name__} (cause and fix above)"), ()
             record.exc_info, record.exc_text = None, None
-        else:
-            try:
-                exc._eagle3_traceback_logged = True
-            except AttributeError:            # an exception type without a __dict__: log it each time
-                pass
+            return True
+        said["runs"].add(run)
+        record.msg, record.args = msg.replace(repr(exc), failure_text(exc)), ()
+        if said["traceback"] or not getattr(exc, "traceback_helps", True):
+            record.exc_info, record.exc_text = None, None
+        said["traceback"] = True
         return True
+
+
+def _plain(record: logging.LogRecord, run: str) -> None:
+    """A record without an exception: 'Finished in state Failed('...ServerExited: <the message>')' becomes
+    'Finished in state Failed (ServerExited: cause and fix above)'; a line quoting a failure's message marks it
+    said on its run's page."""
+    msg = record.getMessage()
+    for (name, text), said in reversed(_said.items()):       # a state's message is a repr: compare a first line
+        first = (text.splitlines() or [""])[0][:60]
+        if not first or first not in msg:
+            continue
+        if msg.startswith("Finished in state "):
+            record.msg, record.args = f"{msg.split('(', 1)[0].rstrip()} ({name}: cause and fix above)", ()
+        else:
+            said["runs"].add(run)
+        return
 
 
 def install_traceback_once() -> None:

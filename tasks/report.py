@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import json
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext
 
+from eagle3_core.check import render
 from eagle3_core.config import PipelineConfig
+from eagle3_core.contract.layout import STAGE_DIRS
 from eagle3_core.contract.layout import RunLayout
+from eagle3_core.pipeline.table import stage_done
 from eagle3_core.pipeline import report
 from tasks.artifacts import publish_report, run_key
 from tasks.logs import run_log
@@ -53,3 +56,39 @@ def report_task(config: PipelineConfig) -> dict:
                         source, why)
         log.info("report written to %s", config.run_dir / "report.md")
         return summary
+
+
+def check_summary(facts: dict) -> str:
+    """A few lines of check's facts for the run log's first screen: the target, its aux layers, the draft vocab
+    and the disk the features need against what is free."""
+    v, d, aux = facts.get("vocab") or {}, facts.get("disk") or {}, (facts.get("aux_layer_ids") or {}).get("ours")
+    return (f"check: passed: target {facts.get('target')} ({facts.get('family')}, {facts.get('layers')} layers, "
+            f"hidden {facts.get('hidden_size')}); aux layers {aux}; draft vocab {v.get('N')} of {v.get('V')}; "
+            f"features need {d.get('features_gb')} GB, {d.get('free_gb')} GB free at {d.get('where')}")
+
+
+def publish_check(config: PipelineConfig, facts: dict, log) -> None:
+    """Log check_summary and publish every fact as the markdown artifact `check-<run>` (the log keeps its first
+    screen for the plan of the run)."""
+    key = run_key(config.run_dir, "check")
+    create_markdown_artifact(f"# check of {config.run_dir}\n\n```\n{render(facts)}\n```\n", key=key,
+                             description="every fact check read from the config and the target's config files")
+    log.info("%s; every fact in the artifact %s", check_summary(facts), key)
+
+
+@task(name="plan-stages", task_run_name="plan-stages", cache_policy=NO_CACHE)
+def plan_stages_task(config: PipelineConfig, refresh: bool = False) -> dict:
+    """Log what this run will do, on its first screen: the stages done for these inputs (skipped) and those to run.
+    A stage after one that runs is listed to run: it is skipped only if its inputs come out the same. Returns
+    {'skip': [...], 'run': [...]}."""
+    skip, run = [], []
+    for stage in STAGE_DIRS:
+        try:
+            done = not refresh and not run and stage_done(config, stage)
+        except (FileNotFoundError, KeyError, ValueError):        # an upstream stage not done: no key yet
+            done = False
+        (skip if done else run).append(stage)
+    get_run_logger().info("plan: skip %s (done for these inputs); run %s", ", ".join(skip) or "nothing",
+                          ", ".join(run) or "nothing")
+    return {"skip": skip, "run": run}
+

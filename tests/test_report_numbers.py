@@ -146,3 +146,25 @@ def test_stage_times_by_stage_name_and_skipped(tmp_path):
     assert nums.stage_times(tmp_path, manifests, None)["train"] == 102.5
     md = markdown(_report(tmp_path, _eval()))
     assert "| train | evaluate | total |" in md and "| skipped | 3.0 | 3.0 |" in md
+
+
+def test_every_form_field_has_a_description_and_runs_are_tagged_at_creation(tmp_path):
+    """The deployment form (Prefect's schema of the flow's parameters): nightly, refresh, config and every field
+    of every config model described; a deployment's runs carry run:<run dir name> and stage:<stage> from their
+    creation (deployment tags), not only once they start."""
+    from prefect.utilities.callables import parameter_schema
+
+    from deployments.serve import creation_tags, deployment_specs
+    from flows.pipeline import eagle3_pipeline
+    from flows.stage_flows import deploy_sglang_flow, train_flow
+    for fl in (eagle3_pipeline, train_flow, deploy_sglang_flow):
+        schema = parameter_schema(fl.fn).model_dump()
+        undescribed = [k for k, v in schema["properties"].items() if not v.get("description")]
+        undescribed += [f"{d}.{f}" for d, sch in schema.get("definitions", {}).items()
+                        for f, p in sch.get("properties", {}).items() if not p.get("description")]
+        assert undescribed == [], (fl.name, undescribed)
+    nightly = parameter_schema(eagle3_pipeline.fn).model_dump()["properties"]["nightly"]["description"]
+    assert "nightly schedule" in nightly and "promoted only if tau is" in nightly
+    tags = {sp["name"]: creation_tags(sp) for sp in deployment_specs(tmp_path / "runs", "UTC")}
+    assert tags["debug-tiny"] == ["eagle3", "run:debug_tiny", "stage:pipeline"]
+    assert tags["train"] == ["eagle3", "run:demo", "stage:train"]
