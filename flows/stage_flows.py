@@ -20,6 +20,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from eagle3_core.config import PipelineConfig, preset
 from tasks import stage_tasks as t
 from tasks.artifacts import pipeline_progress, stage_started  # noqa: F401 (pipeline_progress: for flows.pipeline)
+from tasks.cancel import end_cancelled, say_cancelled  # noqa: F401 (say_cancelled: for flows.pipeline)
 from tasks.logs import done_before_this_run, readable
 from tasks.control import (  # noqa: F401 (locked, first_attempt: re-exported for callers of flows.stage_flows)
     first_attempt,
@@ -206,3 +207,5 @@ def deploy_sglang_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> 
 for _stage_flow in (prompts_flow, generation_flow, features_flow, vocab_flow, train_flow, evaluate_flow,
                     deploy_llama_cpp_flow, deploy_sglang_flow):     # the form's field descriptions (Prefect reads Args)
     _stage_flow.fn.__doc__ = (_stage_flow.fn.__doc__ or "") + STAGE_ARGS
+    _stage_flow.on_crashed_hooks.append(end_cancelled)     # a cancel above ends it Cancelled (tasks/cancel.py)
+    _stage_flow.on_cancellation_hooks.append(say_cancelled)   # and its log, and the logs above it, say so

@@ -182,11 +182,13 @@ def log_in_parent_runs(level: int, msg: str, *args, here: str | None = None) -> 
             flow_run_logger(flow_run=run).log(level, msg, *args)
 
 
-def run_shards(task_, cfg: PipelineConfig, stage: str, plan: dict, *args, parallel: bool = False) -> list[dict]:
+def run_shards(task_, cfg: PipelineConfig, stage: str, plan: dict, *args, parallel: bool = False,
+               in_flight: int = 2) -> list[dict]:
     """Run one task per shard of `plan` (plan_*_task), let every shard finish, then fail if any failed (naming
     them). A shard not in plan['done'] ignores Prefect's cache. parallel=False runs them one after another in the
     flow's thread, where a task timeout can interrupt a hung shard; parallel=True submits them to the flow's task
-    runner."""
+    runner, `in_flight` at a time (the runner's threads): a shard is submitted only when one ends, so that once
+    the flow run is cancelled (SIGTERM stops the servers and interrupts this loop) no queued shard starts."""
     shard_ids, done = plan["shards"], set(plan["done"])
     progress = ShardProgress(cfg.run_dir, stage, len(shard_ids))
     t0, ran = time.monotonic(), []
@@ -201,11 +203,17 @@ def run_shards(task_, cfg: PipelineConfig, stage: str, plan: dict, *args, parall
 
     states = []
     if parallel:
-        futures = {task_.with_options(refresh_cache=i not in done).submit(cfg, i, *args): i for i in shard_ids}
-        for fut in as_completed(list(futures)):
+        queue, running, ended = list(shard_ids), {}, {}
+        while queue or running:
+            while queue and len(running) < in_flight:
+                i = queue.pop(0)
+                running[task_.with_options(refresh_cache=i not in done).submit(cfg, i, *args)] = i
+            fut = next(as_completed(list(running)))
             fut.wait()                     # keeps the final state on the future (the API's copy may lag)
-            step(futures[fut], fut.state)
-        states = [f.state for f in futures]
+            i = running.pop(fut)
+            ended[i] = fut.state
+            step(i, fut.state)
+        states = [ended[i] for i in shard_ids]
     else:
         for i in shard_ids:
             states.append(task_.with_options(refresh_cache=i not in done)(cfg, i, *args, return_state=True))

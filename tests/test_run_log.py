@@ -80,3 +80,22 @@ def test_a_failure_whose_traceback_helps_keeps_it_once_in_all():
     above = _record("prefect.flow_runs", "Encountered exception during execution: %r", exc, exc, run="pipeline")
     assert f.filter(above) and above.exc_info is None and above.getMessage().endswith("a bug\nsecond line")
     assert sys.exc_info()[0] is None
+
+
+def test_a_stopped_or_exited_server_is_never_retried():
+    """ServerStopped raised while handling a dropped connection (what a shard meets when the stage's server is
+    stopped by a cancel) is no transient error: the task gives up instead of 'Retry 1/3'."""
+    import httpx
+
+    from eagle3_core.serving.launcher import ServerStopped
+    from tasks.retry import is_transient
+    req = httpx.Request("POST", "http://127.0.0.1:9")
+    try:
+        try:
+            raise httpx.ConnectError("connection refused", request=req)
+        except httpx.ConnectError:
+            raise ServerStopped("the inference server at http://127.0.0.1:9 was stopped by this process")
+    except ServerStopped as e:
+        stopped = e
+    assert stopped.__context__ is not None and is_transient(stopped.__context__)
+    assert not is_transient(stopped) and not is_transient(ServerExited("exited"))
