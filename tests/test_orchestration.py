@@ -24,7 +24,7 @@ STAGE_TASKS = {"prompts", "generation-shard-0", "generation-shard-1", "finish-ge
                "deploy-llama-cpp", "deploy-sglang"}
 # tasks/control.py's tasks that read the run's state each time (never cached; metadata only): the config check and
 # the shard plans
-CONTROL_TASKS = {"check", "plan-generation", "plan-features"}
+CONTROL_TASKS = {"check", "plan-stages", "plan-generation", "plan-features"}
 
 
 def _manifests(run_dir):

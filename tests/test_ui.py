@@ -249,11 +249,9 @@ class _loaded_machine:
             p.wait()
 
 
-def _log_lines(run_ids: list[str] | None = None, like: str | None = None) -> list[dict]:
-    """Log entries (REST API), oldest first: of the flow runs `run_ids` (None: all), containing `like`."""
-    flt = {"logs": {}}
-    if run_ids is not None:
-        flt["logs"]["flow_run_id"] = {"any_": run_ids}
+def _log_lines(run_ids: list[str], like: str | None = None) -> list[dict]:
+    """Log entries (REST API), oldest first, of the flow runs `run_ids` and their task runs, containing `like`."""
+    flt = {"logs": {"flow_run_id": {"any_": run_ids}}}
     r = httpx.post(f"{UI}/api/logs/filter", json={**flt, "sort": "TIMESTAMP_ASC", "limit": 200}, timeout=30)
     r.raise_for_status()
     return [e for e in r.json() if like is None or like in e["message"]]
@@ -270,9 +268,9 @@ def _server_started(run_dir: Path, run: dict) -> int:
     """The pid of the generation server a run of `run_dir` started (its start-servers log line), waited for."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline:
-        for e in _log_lines(like=f"{run_dir}/generations/server.attempt-1.log"):
-            if "started: pid" in e["message"]:
-                return int(e["message"].split("started: pid ")[1].split(",")[0])
+        subflows = [sub["id"] for sub in _subflows(run["id"]) if sub["name"].endswith("-generation")]
+        for e in _log_lines(subflows, like="started: pid") if subflows else []:     # the start-servers task's
+            return int(e["message"].split("started: pid ")[1].split(",")[0])
         state = httpx.get(f"{UI}/api/flow_runs/{run['id']}", timeout=30).json()["state"]["type"]
         assert state not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"), f"the run ended first: {state}"
         time.sleep(0.5)
