@@ -61,7 +61,9 @@ def report_task(config: PipelineConfig) -> dict:
 def check_summary(facts: dict) -> str:
     """A few lines of check's facts for the run log's first screen: the target, its aux layers, the draft vocab
     and the disk the features need against what is free."""
-    v, d, aux = facts.get("vocab") or {}, facts.get("disk") or {}, (facts.get("aux_layer_ids") or {}).get("ours")
+    v, d, aux = facts.get("vocab") or {}, facts.get("disk") or {}, facts.get("aux_layer_ids")
+    if isinstance(aux, dict):                              # {'ours (layer outputs)': [...], 'sglang': {...}, ...}
+        aux = next(iter(aux.values()), None)
     return (f"check: passed: target {facts.get('target')} ({facts.get('family')}, {facts.get('layers')} layers, "
             f"hidden {facts.get('hidden_size')}); aux layers {aux}; draft vocab {v.get('N')} of {v.get('V')}; "
             f"features need {d.get('features_gb')} GB, {d.get('free_gb')} GB free at {d.get('where')}")
@@ -88,7 +90,10 @@ def plan_stages_task(config: PipelineConfig, refresh: bool = False) -> dict:
         except (FileNotFoundError, KeyError, ValueError):        # an upstream stage not done: no key yet
             done = False
         (skip if done else run).append(stage)
-    get_run_logger().info("plan: skip %s (done for these inputs); run %s", ", ".join(skip) or "nothing",
-                          ", ".join(run) or "nothing")
+    if skip:
+        get_run_logger().info("plan: skip %s (done for these inputs); run %s", ", ".join(skip),
+                              ", ".join(run) or "nothing")
+    else:
+        get_run_logger().info("plan: run every stage (none done for these inputs): %s", ", ".join(run))
     return {"skip": skip, "run": run}
 

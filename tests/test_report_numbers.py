@@ -168,3 +168,15 @@ def test_every_form_field_has_a_description_and_runs_are_tagged_at_creation(tmp_
     tags = {sp["name"]: creation_tags(sp) for sp in deployment_specs(tmp_path / "runs", "UTC")}
     assert tags["debug-tiny"] == ["eagle3", "run:debug_tiny", "stage:pipeline"]
     assert tags["train"] == ["eagle3", "run:demo", "stage:train"]
+
+
+def test_checks_log_line_is_a_summary_and_its_facts_an_artifact(tmp_path):
+    """The run log's first screen gets one line of check's ~100 lines of facts (the rest: the check artifact)."""
+    from eagle3_core.check import check_or_raise, render
+    from eagle3_core.config import preset
+    from tasks.report import check_summary
+    facts = check_or_raise(preset("debug_tiny", tmp_path / "run"), log=lambda text: None)
+    line = check_summary(facts)
+    assert line.startswith("check: passed: target embedded (llama, 30 layers, hidden 576); aux layers [1, 14, 26]; "
+                           "draft vocab 1024 of 49152; features need ")
+    assert "\n" not in line and len(render(facts).splitlines()) > 50
