@@ -26,7 +26,7 @@ from eagle3_core.pipeline.generation_stage import generation_servers, generation
 from eagle3_core.pipeline.table import invalidate_stage, stage_done
 from eagle3_core.serving.launcher import running_server
 from tasks.artifacts import ShardProgress, shard_table
-from tasks.logs import failure_text, run_log
+from tasks.logs import failure_text, note_failure, run_log
 from tasks.report import publish_check
 
 ALL_STAGES = tuple(STAGE_DIRS)
@@ -162,16 +162,12 @@ def inference_servers(config: PipelineConfig, needed: bool):
             _stop(started["handle"])
 
 
-def log_in_parent_runs(level: int, msg: str, *args, here: str | None = None) -> None:
+def log_in_parent_runs(level: int, msg: str, *args) -> None:
     """Log to the current flow run and to every flow run above it (a stage flow called by the pipeline flow), so
-    that what a user must act on shows on the run page they opened; `here`: another text for the current run
-    (whose page already shows its task runs' records)."""
+    that what a user must act on shows on the run page they opened."""
     from prefect.client.orchestration import get_client
     from prefect.logging.loggers import flow_run_logger
-    if here is not None:
-        get_run_logger().log(level, "%s", here)
-    else:
-        get_run_logger().log(level, msg, *args)
+    get_run_logger().log(level, msg, *args)
     ctx = FlowRunContext.get()
     run = ctx.flow_run if ctx else None
     if run is None or run.parent_task_run_id is None:
@@ -219,13 +215,14 @@ def run_shards(task_, cfg: PipelineConfig, stage: str, plan: dict, *args, parall
             states.append(task_.with_options(refresh_cache=i not in done)(cfg, i, *args, return_state=True))
             step(i, states[-1])
     failed = [i for i, st in zip(shard_ids, states) if not st.is_completed()]
-    if failed:                  # the cause once per run page: the task's record here, this line in the runs above
+    if failed:                  # the cause once per run page: this line, here and in every run above
         exc = next(st for st in states if not st.is_completed()).result(raise_on_failure=False)
         text = failure_text(exc) if isinstance(exc, BaseException) else str(exc)
         fix = "" if "retry" in text else "; fix the cause and retry this flow run: only they will run again"
+        if isinstance(exc, BaseException):
+            note_failure(exc)              # this line is each page's full message: later records refer to it
         log_in_parent_runs(logging.ERROR, "%s: shards %s of %s failed (first error: %s)%s", stage, failed,
-                           len(shard_ids), text, fix, here=f"{stage}: shards {failed} of {len(shard_ids)} failed "
-                           f"(first error: {type(exc).__name__}, its cause and fix above)")
+                           len(shard_ids), text, fix)
     results = [st.result() for st in states]                  # raises the first failure
     shard_table(cfg.run_dir, stage, results)
     return results

@@ -4,6 +4,7 @@ messages and transformers' loading chatter out while warnings and errors show.""
 from __future__ import annotations
 
 import logging
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -82,6 +83,12 @@ def failure_text(exc: BaseException) -> str:
 _said: dict[tuple[str, str], dict] = {}
 
 
+def note_failure(exc: BaseException) -> None:
+    """Register `exc` before a plain line quotes it (run_shards' line): that line then counts as the full message
+    of each run page it reaches, and Prefect's later records of the failure there are shortened."""
+    _entry(exc)
+
+
 def _entry(exc: BaseException) -> dict:
     """The record of `exc` in _said, made on first sight. By type and message, not by object: a task's exception
     re-raised from its persisted result in the flow above is another object."""
@@ -124,20 +131,24 @@ class TracebackOnce(logging.Filter):
         return True
 
 
+_FINAL = re.compile(r"^Finished in state (\w+)\((.*)\)$", re.S)
+_EXC_NAME = re.compile(r"exception:? (\w+):")
+
+
 def _plain(record: logging.LogRecord, run: str) -> None:
-    """A record without an exception: 'Finished in state Failed('...ServerExited: <the message>')' becomes
-    'Finished in state Failed (ServerExited: cause and fix above)'; a line quoting a failure's message marks it
-    said on its run's page."""
+    """A record without an exception: a final-state line with a long message ('Finished in state Failed('Task run
+    encountered an exception ServerExited: <the message as a repr>')') becomes 'Finished in state Failed
+    (ServerExited: cause and fix in the error line)' (the error line is the run page's record of the failure:
+    TracebackOnce, or run_shards' line); a line quoting a registered failure marks it said on its run's page."""
     msg = record.getMessage()
-    for (name, text), said in reversed(_said.items()):       # a state's message is a repr: compare a first line
-        first = (text.splitlines() or [""])[0][:60]
-        if not first or first not in msg:
-            continue
-        if msg.startswith("Finished in state "):
-            record.msg, record.args = f"{msg.split('(', 1)[0].rstrip()} ({name}: cause and fix above)", ()
-        else:
-            said["runs"].add(run)
+    if (final := _FINAL.match(msg)):
+        if len(final[2]) > 120 or "\\n" in final[2]:
+            name = (_EXC_NAME.search(final[2]) or [None, "error"])[1]
+            record.msg, record.args = f"Finished in state {final[1]} ({name}: cause and fix in the error line)", ()
         return
+    for (name, text), said in _said.items():               # the whole message quoted: that page has it
+        if text and f"{name}: {text}" in msg:
+            said["runs"].add(run)
 
 
 def install_traceback_once() -> None:

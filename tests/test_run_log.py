@@ -7,7 +7,7 @@ import logging
 import sys
 
 from eagle3_core.serving.launcher import ServerExited, log_tail
-from tasks.logs import TracebackOnce, failure_text
+from tasks.logs import TracebackOnce, failure_text, note_failure
 
 LLAMA_TAIL = """\
 0.41.931.701 I slot      release: id  0 | task 4 | stop processing: n_tokens = 188, truncated = 0
@@ -57,8 +57,23 @@ def test_a_failure_is_said_once_per_run_page_then_referred_to():
     assert flow.getMessage() == "Encountered exception during execution: ServerExited (cause and fix above)"
     final = _record("prefect.flow_runs", "Finished in state %s", None,
                     "Failed('Flow run encountered an exception: ServerExited: " + repr(str(exc))[1:-1] + "')")
-    assert f.filter(final) and final.getMessage() == "Finished in state Failed (ServerExited: cause and fix above)"
-    # the pipeline's page: run_shards' line quoting the failure is its one full message
+    assert f.filter(final)
+    assert final.getMessage() == "Finished in state Failed (ServerExited: cause and fix in the error line)"
+    done = _record("prefect.task_runs", "Finished in state %s", None, "Completed()")
+    assert f.filter(done) and done.getMessage() == "Finished in state Completed()"
+    # a failure Prefect logs only in a task's final state (a task whose retry condition said no): shortened too;
+    # run_shards registers it and its line, on every page it reaches, is that page's full message
+    other = ServerExited(str(exc).replace("pid 7", "pid 8"))
+    task_final = _record("prefect.task_runs", "Finished in state %s", None, "Failed(\"Task run encountered an "
+                         "exception ServerExited: " + repr(str(other))[1:-1] + "\")", run="generation")
+    assert f.filter(task_final) and task_final.getMessage().startswith("Finished in state Failed (ServerExited: ")
+    note_failure(other)
+    for page in ("generation", "pipeline"):
+        line = _record("prefect.flow_runs", "generation: shards [1] of 4 failed (first error: %s)", None,
+                       failure_text(other), run=page)
+        assert f.filter(line) and "pid 8) was killed by signal 9" in line.getMessage()
+        top = _record("prefect.flow_runs", "Encountered exception during execution: %r", other, other, run=page)
+        assert f.filter(top) and top.getMessage().endswith("ServerExited (cause and fix above)")
     line = _record("prefect.flow_runs", "generation: shards [1] of 4 failed (first error: %s)", None,
                    failure_text(exc), run="pipeline")
     assert f.filter(line) and "was killed by signal 9" in line.getMessage()
