@@ -142,7 +142,7 @@ def _plain(record: logging.LogRecord, run: str) -> None:
     TracebackOnce, or run_shards' line); a line quoting a registered failure marks it said on its run's page."""
     msg = record.getMessage()
     if (final := _FINAL.match(msg)):
-        if len(final[2]) > 120 or "\\n" in final[2]:
+        if "encountered an exception" in final[2] or len(final[2]) > 120 or "\\n" in final[2]:
             name = (_EXC_NAME.search(final[2]) or [None, "error"])[1]
             record.msg, record.args = f"Finished in state {final[1]} ({name}: cause and fix in the error line)", ()
         return
