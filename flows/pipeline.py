@@ -18,7 +18,8 @@ from tasks.nightly import finish_night_task, plan_night_task
 from tasks.report import plan_stages_task, report_task
 
 
-@flow(name="eagle3-pipeline", flow_run_name=s.run_name("pipeline"), on_cancellation=[s.say_cancelled])
+@flow(name="eagle3-pipeline", flow_run_name=s.run_name("pipeline"), on_cancellation=[s.say_cancelled],
+      on_crashed=[s.end_cancelled])
 def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False, nightly: bool = False) -> dict:
     """Run every stage on `config` (default: the embedded demo preset) and publish the report as artifacts.
     refresh=True recomputes every stage; otherwise finished stages and shards are reused. nightly=True (what the

@@ -3,8 +3,8 @@ and every run above it says so in its log.
 
 Prefect delivers a cancel as SIGTERM to the flow process. With the runner's control channel the engine marks each
 flow run Cancelled itself; without it (a work-pool worker, or a cancel in a run's first seconds) every subflow in
-the process is marked Crashed ('Execution was aborted by a termination signal') while the root becomes Cancelled.
-This on_crashed hook turns such a subflow's Crashed into Cancelled when the root run is being cancelled, and the
+the process, and under `serve` the root too, is marked Crashed ('Execution was aborted by a termination signal').
+This on_crashed hook turns such a Crashed into Cancelled when the root run was being cancelled, and the
 on_cancellation hook `say_cancelled` puts one line in the run's log and every run above it (the runner cancels a
 root run without a word in its log).
 """
@@ -40,14 +40,16 @@ def say_cancelled(flow, flow_run, state) -> None:
 
 
 def end_cancelled(flow, flow_run, state) -> None:
-    """Prefect on_crashed hook of the stage flows: a subflow crashed by a termination signal while its root run
-    is Cancelling or Cancelled is set Cancelled, and the line 'cancelled: ...' goes to it and every run above."""
-    if flow_run.parent_task_run_id is None or "termination signal" not in (state.message or ""):
+    """Prefect on_crashed hook of the pipeline and stage flows: a run crashed by a termination signal whose root
+    run was being cancelled (its state history holds Cancelling) is set Cancelled, and the line 'cancelled: ...'
+    goes to it and every run above."""
+    if "termination signal" not in (state.message or ""):
         return
     with get_client(sync_client=True) as client:
         chain = _chain(client, flow_run)
-        root = chain[-1]
-        if root.state is None or not (root.state.is_cancelling() or root.state.is_cancelled()):
+        root = chain[-1] if chain else flow_run
+        # the root's history: a cancel passes Cancelling before the SIGTERM (the root itself may be Crashed by now)
+        if not any(s.is_cancelling() or s.is_cancelled() for s in client.read_flow_run_states(root.id)):
             return                                      # a SIGTERM that is no cancel (a shutdown): a crash
         client.set_flow_run_state(flow_run.id, Cancelled(message=f"cancelled by the cancel of {root.name}"),
                                   force=True)
