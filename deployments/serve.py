@@ -72,10 +72,18 @@ def deployment_specs(run_root: Path, timezone: str) -> list[dict]:
     return specs
 
 
+def creation_tags(spec: dict) -> list[str]:
+    """The tags a deployment's runs carry from their creation: eagle3, run:<its run directory's name> and
+    stage:<its stage> (the flow relabels a run whose form changed run_dir when it starts: stage_flows.label)."""
+    stage = "pipeline" if spec["flow"] is eagle3_pipeline else spec["flow"].name
+    return ["eagle3", f"run:{stages.run_label(spec['parameters']['config'])}", f"stage:{stage}"]
+
+
 def runner_deployments(run_root: Path, timezone: str = "UTC") -> list:
     """The deployments as RunnerDeployments for `serve` (flow runs execute in the serving process's host)."""
     return [sp["flow"].to_deployment(name=sp["name"], parameters=sp["parameters"], description=sp["description"],
-                                     schedule=sp["schedule"], tags=["eagle3"], concurrency_limit=one_at_a_time())
+                                     schedule=sp["schedule"], tags=creation_tags(sp),
+                                     concurrency_limit=one_at_a_time())
             for sp in deployment_specs(run_root, timezone)]
 
 
@@ -86,7 +94,7 @@ def deploy_to_pools(run_root: Path, timezone: str = "UTC") -> list:
         entry = f"{Path(sp['flow'].fn.__code__.co_filename).relative_to(ROOT)}:{sp['flow'].fn.__name__}"
         fl = sp["flow"].from_source(source=str(ROOT), entrypoint=entry)
         ids.append(fl.deploy(name=sp["name"], work_pool_name=sp["pool"], parameters=sp["parameters"],
-                             description=sp["description"], schedule=sp["schedule"], tags=["eagle3"],
+                             description=sp["description"], schedule=sp["schedule"], tags=creation_tags(sp),
                              concurrency_limit=one_at_a_time(), build=False, push=False, print_next_steps=False))
     return ids
 

@@ -15,10 +15,11 @@ from eagle3_core.config import PipelineConfig, load_config, preset
 from flows import stage_flows as s
 from tasks.control import ALL_STAGES, check_task
 from tasks.nightly import finish_night_task, plan_night_task
-from tasks.report import report_task
+from tasks.report import plan_stages_task, report_task
 
 
-@flow(name="eagle3-pipeline", flow_run_name=s.run_name("pipeline"))
+@flow(name="eagle3-pipeline", flow_run_name=s.run_name("pipeline"), on_cancellation=[s.say_cancelled],
+      on_crashed=[s.end_cancelled])
 def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False, nightly: bool = False) -> dict:
     """Run every stage on `config` (default: the embedded demo preset) and publish the report as artifacts.
     refresh=True recomputes every stage; otherwise finished stages and shards are reused. nightly=True (what the
@@ -26,12 +27,21 @@ def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False, nigh
     the new ones regenerated and extracted, a warm start from last night's draft, promoted/ updated only if tau is not
     worse, and the report's table of nights. Holds the run directory's lock throughout (a second run of the same
     directory is refused, naming this one). The run is named '<run>-pipeline' and its stage subflows
-    '<run>-<stage>', tagged run:<run> and stage:<stage>; its log holds every stage's summary line."""
+    '<run>-<stage>', tagged run:<run> and stage:<stage>; its log holds every stage's summary line.
+
+    Args:
+        config: the run's settings (a preset's values); run_dir is the run: every stage writes under it, and the
+            run's name and run: tag come from its last folder.
+        refresh: recompute every stage, ignoring what is done on disk (off: finished stages and shards are reused).
+        nightly: a night's work on this run (what the nightly schedule passes): every prompt of the sources, only
+            the new ones regenerated and extracted, a warm start from the current draft, promoted only if tau is
+            not worse; off: one run of the config as it is."""
     s.label(config, "pipeline")
     check_task(config)                # config + target config files only: fails in seconds
     with s.locked(config), s.pipeline_progress(config.run_dir, ALL_STAGES):    # this run's page: stage k of N
         if nightly:
             config, night = plan_night_task(config)
+        plan_stages_task(config, refresh)                                 # the first screen: what will run
         s.forget(config, refresh, *ALL_STAGES)
         s.prompts_flow(config)
         s.generation_flow(config)

@@ -20,6 +20,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from eagle3_core.config import PipelineConfig, preset
 from tasks import stage_tasks as t
 from tasks.artifacts import pipeline_progress, stage_started  # noqa: F401 (pipeline_progress: for flows.pipeline)
+from tasks.cancel import end_cancelled, say_cancelled  # noqa: F401 (say_cancelled: for flows.pipeline)
+from tasks.logs import done_before_this_run, readable
 from tasks.control import (  # noqa: F401 (locked, first_attempt: re-exported for callers of flows.stage_flows)
     first_attempt,
     forget,
@@ -45,14 +47,24 @@ def run_label(config) -> str:
 def run_name(stage: str):
     """flow_run_name for the flow of `stage`: '<run>-<stage>' (e.g. 'demo-features'), not Prefect's random name,
     so the Runs page says which run and which stage each flow run is. A run a deployment started keeps the name it
-    was created with (the UI's Custom run form shows and lets the user pick it; the run's link carries it)."""
+    was created with (the UI's Custom run form shows and lets the user pick it; the run's link carries it),
+    unless a schedule created it."""
     def name() -> str:
         ctx = FlowRunContext.get()
         run = ctx.flow_run if ctx else None
-        if run is not None and run.deployment_id is not None and run.parent_task_run_id is None:
+        if run is not None and run.deployment_id is not None and run.parent_task_run_id is None \
+                and not run.auto_scheduled:                # a schedule's run has a random name: named here
             return run.name
         return f"{run_label((ctx.parameters if ctx else {}).get('config'))}-{stage}"
     return name
+
+
+STAGE_ARGS = """
+
+    Args:
+        config: the run's settings (a preset's values); run_dir is the run: the stage writes under it, and the
+            run's name and run: tag come from its last folder.
+        refresh: recompute this stage, ignoring what is done on disk (off: finished work is reused)."""
 
 
 def label(config: PipelineConfig, stage: str) -> None:
@@ -62,7 +74,8 @@ def label(config: PipelineConfig, stage: str) -> None:
     ctx = FlowRunContext.get()
     if ctx is None or ctx.flow_run is None:
         return
-    tags = sorted({*ctx.flow_run.tags, f"run:{run_label(config)}", f"stage:{stage}"})
+    kept = {t for t in ctx.flow_run.tags if not t.startswith(("run:", "stage:"))}   # a deployment's defaults
+    tags = sorted({*kept, f"run:{run_label(config)}", f"stage:{stage}"})
     with get_client(sync_client=True) as client:
         client.update_flow_run(ctx.flow_run.id, tags=tags)
 
@@ -77,17 +90,14 @@ SUMMARY_FIELDS = {
 }
 
 
-def summary_line(stage: str, manifest: dict) -> str:
-    """One line saying what stage `stage` produced (its manifest's SUMMARY_FIELDS, counts for lists, tau for
-    evaluate) and how long it took (the manifest's seconds: 0 when every piece was already done)."""
+def summary_line(stage: str, manifest: dict, skipped: bool = False) -> str:
+    """One line saying what stage `stage` produced (its manifest's SUMMARY_FIELDS as a person reads them:
+    tasks.logs.readable; tau for evaluate) and how long it took (the manifest's seconds: 0 when every piece was
+    already done), or 'skipped (done before this run)' when `skipped`, without another run's time."""
     parts = []
     inner = manifest.get("summary") if isinstance(manifest.get("summary"), dict) else {}
     for key in SUMMARY_FIELDS.get(stage, ()):
-        value = manifest.get(key, inner.get(key))                 # deploy manifests keep theirs in 'summary'
-        if isinstance(value, list):
-            value = len(value)
-        if isinstance(value, float):
-            value = f"{value:.3g}"
+        value = readable(key, manifest.get(key, inner.get(key)))   # deploy manifests keep theirs in 'summary'
         if value is not None and not isinstance(value, dict):
             parts.append(f"{key} {value}")
     best = manifest.get("best")
@@ -99,13 +109,14 @@ def summary_line(stage: str, manifest: dict) -> str:
             parts.append(f"tau {name} {ev[name]['tau']:.3f}")
     seconds = manifest.get("seconds")
     took = f" in {seconds:.1f} s" if isinstance(seconds, (int, float)) else ""
-    return f"{stage}: done{took}" + (f" ({', '.join(parts)})" if parts else "")
+    head = f"{stage}: skipped (done before this run)" if skipped else f"{stage}: done{took}"
+    return head + (f" ({', '.join(parts)})" if parts else "")
 
 
 def summarize(stage: str, manifest: dict) -> dict:
     """Log stage `stage`'s summary line in its flow run and every run above it (the pipeline run's log then holds
     one line per stage); returns `manifest`."""
-    log_in_parent_runs(logging.INFO, "%s", summary_line(stage, manifest))
+    log_in_parent_runs(logging.INFO, "%s", summary_line(stage, manifest, done_before_this_run(stage)))
     return manifest
 
 
@@ -191,3 +202,10 @@ def deploy_sglang_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> 
     """Serve the draft on SGLang (EAGLE3) against the same server without it: tau, tok/s, speed-up and break-even
     tau per concurrency; skipped, saying why, for GGUF targets and where SGLang is not installed."""
     return one_task_stage(config, "deploy-sglang", refresh, t.deploy_sglang_task)
+
+
+for _stage_flow in (prompts_flow, generation_flow, features_flow, vocab_flow, train_flow, evaluate_flow,
+                    deploy_llama_cpp_flow, deploy_sglang_flow):     # the form's field descriptions (Prefect reads Args)
+    _stage_flow.fn.__doc__ = (_stage_flow.fn.__doc__ or "") + STAGE_ARGS
+    _stage_flow.on_crashed_hooks.append(end_cancelled)     # a cancel above ends it Cancelled (tasks/cancel.py)
+    _stage_flow.on_cancellation_hooks.append(say_cancelled)   # and its log, and the logs above it, say so

@@ -19,7 +19,9 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from eagle3_core.contract.numbers import eta_text
 from eagle3_core.pipeline.report import RUN_NAMES, embed_images
+from eagle3_core.pipeline.report_numbers import before_training_label
 
 
 def run_key(run_dir: Path | str, name: str) -> str:
@@ -28,14 +30,6 @@ def run_key(run_dir: Path | str, name: str) -> str:
     path = Path(run_dir).resolve()
     slug = re.sub(r"[^a-z0-9]+", "-", path.name.lower()).strip("-")[:40] or "run"
     return f"{name}-{slug}-{hashlib.sha1(str(path).encode()).hexdigest()[:6]}"
-
-
-def eta_text(done: float, total: float, elapsed_s: float) -> str:
-    """', ETA 3.2 min' from the rate so far ('' before the first item or once done)."""
-    if done <= 0 or done >= total:
-        return ""
-    eta = elapsed_s / done * (total - done)
-    return f", ETA {eta / 3600:.1f} h" if eta >= 7200 else f", ETA {eta / 60:.1f} min"
 
 
 class PipelineProgress:
@@ -103,7 +97,7 @@ class Progress:
     def update(self, done: int, total: int | None = None, detail: str = "") -> None:
         self.total = total or self.total
         desc = (f"{self.name}: {done} of {self.total} {self.what}{detail}"
-                f"{eta_text(done, self.total, time.monotonic() - self.t0)}")
+                f"{eta_text(time.monotonic() - self.t0, done, self.total - done)}")
         update_progress_artifact(self.id, 100.0 * done / max(self.total, 1), description=desc)
         mirror_to_pipeline(self.run_dir, desc, done / max(self.total, 1))
 
@@ -189,6 +183,7 @@ def acceptance_plot(summary: dict, history: list[dict], path: Path) -> Path:
     ev = summary["eval"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
     for key, name in RUN_NAMES.items():
+        name = name.replace("untrained", before_training_label(summary))
         if key not in ev:
             continue
         acc = ev[key]["accept_per_position"]
@@ -209,6 +204,7 @@ def acceptance_rows(summary: dict) -> list[dict]:
     trained draft on llama.cpp) under distinct names, tau and its 95% interval to 3 decimals."""
     ev, rows = summary["eval"], []
     for key, name in RUN_NAMES.items():
+        name = name.replace("untrained", before_training_label(summary))
         if key in ev:
             d = ev[key]
             rows.append({"draft": name, "tau": round(d["tau"], 3), "tau_ci95_low": round(d["tau_ci95"][0], 3),

@@ -19,6 +19,7 @@ from prefect.futures import as_completed
 from eagle3_core.check import check_or_raise
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import STAGE_DIRS
+from eagle3_core.contract.numbers import eta_text
 from eagle3_core.contract.run_lock import run_lock
 from eagle3_core.pipeline.features_stage import feature_status
 from eagle3_core.pipeline.generation_stage import generation_servers, generation_shards, generation_status
@@ -26,7 +27,8 @@ from eagle3_core.pipeline.run import release
 from eagle3_core.pipeline.table import done, invalidate_stage
 from eagle3_core.serving.launcher import running_server
 from tasks.artifacts import ShardProgress, shard_table
-from tasks.logs import run_log
+from tasks.logs import failure_text, note_failure, run_log
+from tasks.report import publish_check
 
 ALL_STAGES = tuple(STAGE_DIRS)
 
@@ -52,9 +54,11 @@ def first_attempt() -> bool:
 def check_task(config: PipelineConfig) -> str:
     """The config against the target's config (eagle3_core.check: config files only, no weights): fails in
     seconds, before any stage runs, with CheckError naming each problem's field, cause and fix (the run log's first
-    error; tasks/logs.py keeps a refusal's traceback out). The facts read are logged when it passes."""
+    error; tasks/logs.py keeps a refusal's traceback out). When it passes, the log gets a few lines (check_summary)
+    and the facts read, ~100 lines, go to the artifact `check-<run>`."""
     with run_log() as log:
-        check_or_raise(config, log=log.info, facts_on_refusal=False)
+        facts = check_or_raise(config, log=lambda text: None, facts_on_refusal=False)
+        publish_check(config, facts, log)
         return "passed"
 
 
@@ -179,39 +183,51 @@ def log_in_parent_runs(level: int, msg: str, *args) -> None:
             flow_run_logger(flow_run=run).log(level, msg, *args)
 
 
-def run_shards(task_, cfg: PipelineConfig, stage: str, plan: dict, *args, parallel: bool = False) -> list[dict]:
+def run_shards(task_, cfg: PipelineConfig, stage: str, plan: dict, *args, parallel: bool = False,
+               in_flight: int = 2) -> list[dict]:
     """Run one task per shard of `plan` (plan_*_task), let every shard finish, then fail if any failed (naming
     them). A shard not in plan['done'] ignores Prefect's cache. parallel=False runs them one after another in the
     flow's thread, where a task timeout can interrupt a hung shard; parallel=True submits them to the flow's task
-    runner."""
+    runner, `in_flight` at a time (the runner's threads): a shard is submitted only when one ends, so that once
+    the flow run is cancelled (SIGTERM stops the servers and interrupts this loop) no queued shard starts."""
     shard_ids, done = plan["shards"], set(plan["done"])
     progress = ShardProgress(cfg.run_dir, stage, len(shard_ids))
-    t0 = time.monotonic()
+    t0, ran = time.monotonic(), []
 
     def step(shard: int, state) -> None:
         progress.step()
         n, N = progress.done, progress.total
-        eta = f", ETA {(time.monotonic() - t0) / n * (N - n) / 60:.1f} min" if n < N else ""
+        ran.extend([shard] if state.name != "Cached" else [])    # a cached shard is no rate: eta_text
+        eta = eta_text(time.monotonic() - t0, len(ran), N - n)
         log_in_parent_runs(logging.INFO, "%s: %s of %s shards done (shard %s: %s)%s", stage, n, N, shard,
                            state.name, eta)               # in the pipeline run's log too
 
     states = []
     if parallel:
-        futures = {task_.with_options(refresh_cache=i not in done).submit(cfg, i, *args): i for i in shard_ids}
-        for fut in as_completed(list(futures)):
+        queue, running, ended = list(shard_ids), {}, {}
+        while queue or running:
+            while queue and len(running) < in_flight:
+                i = queue.pop(0)
+                running[task_.with_options(refresh_cache=i not in done).submit(cfg, i, *args)] = i
+            fut = next(as_completed(list(running)))
             fut.wait()                     # keeps the final state on the future (the API's copy may lag)
-            step(futures[fut], fut.state)
-        states = [f.state for f in futures]
+            i = running.pop(fut)
+            ended[i] = fut.state
+            step(i, fut.state)
+        states = [ended[i] for i in shard_ids]
     else:
         for i in shard_ids:
             states.append(task_.with_options(refresh_cache=i not in done)(cfg, i, *args, return_state=True))
             step(i, states[-1])
     failed = [i for i, st in zip(shard_ids, states) if not st.is_completed()]
-    if failed:
-        first = next(st for st in states if not st.is_completed())
-        log_in_parent_runs(logging.ERROR, "%s: shards %s of %s failed (first error: %s); fix the cause and retry "
-                           "this flow run: only they will run again", stage, failed, len(shard_ids),
-                           (first.message or "")[:1500])
+    if failed:                  # the cause once per run page: this line, here and in every run above
+        exc = next(st for st in states if not st.is_completed()).result(raise_on_failure=False)
+        text = failure_text(exc) if isinstance(exc, BaseException) else str(exc)
+        fix = "" if "retry" in text else "; fix the cause and retry this flow run: only they will run again"
+        if isinstance(exc, BaseException):
+            note_failure(exc)              # this line is each page's full message: later records refer to it
+        log_in_parent_runs(logging.ERROR, "%s: shards %s of %s failed (first error: %s)%s", stage, failed,
+                           len(shard_ids), text, fix)
     results = [st.result() for st in states]                  # raises the first failure
     shard_table(cfg.run_dir, stage, results)
     return results

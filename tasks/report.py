@@ -3,15 +3,35 @@ from __future__ import annotations
 
 import json
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext
 
+from eagle3_core.check import render
 from eagle3_core.config import PipelineConfig
+from eagle3_core.contract.layout import STAGE_DIRS
 from eagle3_core.contract.layout import RunLayout
+from eagle3_core.pipeline.table import stage_done
 from eagle3_core.pipeline import report
 from tasks.artifacts import publish_report, run_key
 from tasks.logs import run_log
+
+
+def run_started_at() -> float | None:
+    """The current flow run's start (Unix seconds): stages whose manifests are older were skipped by this run."""
+    ctx = FlowRunContext.get()
+    start = ctx.flow_run.start_time if ctx and ctx.flow_run else None
+    return start.timestamp() if start else None
+
+
+def earlier_report(config: PipelineConfig) -> dict | None:
+    """The run directory's previous report.json (its quiet speeds, for the load flag), None before the first."""
+    path = config.run_dir / "report.json"
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except ValueError:                      # a report cut short by a crash: no earlier speeds
+        return None
 
 
 # not cached: it computes nothing, and every flow run should carry its own report artifacts
@@ -19,7 +39,7 @@ from tasks.logs import run_log
 def report_task(config: PipelineConfig) -> dict:
     """Write run_dir/report.{md,json} from the stage manifests and publish them (Markdown, tables, plots)."""
     with run_log() as log:
-        summary = report.collect(config.run_dir)
+        summary = report.collect(config.run_dir, config.train.init_from, run_started_at(), earlier_report(config))
         summary["plots"] = report.write_plots(summary, config.run_dir)
         md = report.markdown(summary)
         (config.run_dir / "report.md").write_text(md)
@@ -31,5 +51,49 @@ def report_task(config: PipelineConfig) -> dict:
                                  description="acceptance per position, tau with CI and per category, tokens/s")
         for warning in report.warnings(summary["eval"], summary.get("llama_cpp")):
             log.warning("report: %s", warning)
+        for source, why in summary["speed"]["flags"].items():
+            log.warning("report: %s speeds measured on a loaded machine (%s): flagged, left out of the speed-up",
+                        source, why)
         log.info("report written to %s", config.run_dir / "report.md")
         return summary
+
+
+def check_summary(facts: dict) -> str:
+    """A few lines of check's facts for the run log's first screen: the target, its aux layers, the draft vocab
+    and the disk the features need against what is free."""
+    v, d, aux = facts.get("vocab") or {}, facts.get("disk") or {}, facts.get("aux_layer_ids")
+    if isinstance(aux, dict):                              # {'ours (layer outputs)': [...], 'sglang': {...}, ...}
+        aux = next(iter(aux.values()), None)
+    return (f"check: passed: target {facts.get('target')} ({facts.get('family')}, {facts.get('layers')} layers, "
+            f"hidden {facts.get('hidden_size')}); aux layers {aux}; draft vocab {v.get('N')} of {v.get('V')}; "
+            f"features need {d.get('features_gb')} GB, {d.get('free_gb')} GB free at {d.get('where')}")
+
+
+def publish_check(config: PipelineConfig, facts: dict, log) -> None:
+    """Log check_summary and publish every fact as the markdown artifact `check-<run>` (the log keeps its first
+    screen for the plan of the run)."""
+    key = run_key(config.run_dir, "check")
+    create_markdown_artifact(f"# check of {config.run_dir}\n\n```\n{render(facts)}\n```\n", key=key,
+                             description="every fact check read from the config and the target's config files")
+    log.info("%s; every fact in the artifact %s", check_summary(facts), key)
+
+
+@task(name="plan-stages", task_run_name="plan-stages", cache_policy=NO_CACHE)
+def plan_stages_task(config: PipelineConfig, refresh: bool = False) -> dict:
+    """Log what this run will do, on its first screen: the stages done for these inputs (skipped) and those to run.
+    A stage after one that runs is listed to run: it is skipped only if its inputs come out the same. Returns
+    {'skip': [...], 'run': [...]}."""
+    skip, run = [], []
+    for stage in STAGE_DIRS:
+        try:
+            done = not refresh and not run and stage_done(config, stage)
+        except (FileNotFoundError, KeyError, ValueError):        # an upstream stage not done: no key yet
+            done = False
+        (skip if done else run).append(stage)
+    if skip:
+        get_run_logger().info("plan: skip %s (done for these inputs); run %s", ", ".join(skip),
+                              ", ".join(run) or "nothing")
+    else:
+        get_run_logger().info("plan: run every stage (none done for these inputs): %s", ", ".join(run))
+    return {"skip": skip, "run": run}
+

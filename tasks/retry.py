@@ -9,6 +9,8 @@ import os
 import httpx
 from prefect.tasks import exponential_backoff
 
+from eagle3_core.serving.launcher import ServerExited, ServerStopped
+
 # attempts after the first; with BACKOFF_S = 10 the waits are about 10, 20, 40 s (+-50% jitter)
 RETRIES = 3
 # base delay; tests shorten it with EAGLE3_RETRY_DELAY_S (read at import: task options are set at decoration)
@@ -19,10 +21,14 @@ TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 
 
 def is_transient(exc: BaseException | None) -> bool:
-    """True if `exc` or an exception it was raised from is a transient network or server error."""
+    """True if `exc` or an exception it was raised from is a transient network or server error. Never for a server
+    this process stopped (launcher.ServerStopped: the stage ended or was cancelled) or one that exited
+    (ServerExited): a retry would meet the same dead server, however the request failed before."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
+        if isinstance(exc, (ServerStopped, ServerExited)):
+            return False
         if isinstance(exc, httpx.HTTPStatusError):
             return exc.response.status_code in TRANSIENT_STATUS
         if isinstance(exc, (httpx.TransportError, httpx.TimeoutException, ConnectionError, TimeoutError)):

@@ -49,7 +49,8 @@ def runner(prefect_server, tmp_path_factory):
         proc.wait(timeout=30)
 
 
-def _cancel_after_ready(runner_log: Path, deployment: str, parameters: dict, n_ready: int, watch) -> list[int]:
+def _cancel_after_ready(runner_log: Path, deployment: str, parameters: dict, n_ready: int, watch,
+                        seen: dict | None = None) -> list[int]:
     """Start a run of `deployment`, wait for `n_ready` log lines ending in 'ready', call `watch(lines)` (returns the
     pids that must not survive, after checking they are alive), cancel the run through the API, see it Cancelled and
     return those pids. Fails fast (with the run's state, log and the runner's output) if the run ends first."""
@@ -76,6 +77,8 @@ def _cancel_after_ready(runner_log: Path, deployment: str, parameters: dict, n_r
                                  + "\n".join(logs()[-30:]) + "\nrunner output:\n"
                                  + runner_log.read_text()[-4000:]) from None
         pids = watch(lines)
+        if seen is not None:
+            seen["run_id"] = run.id
         client.set_flow_run_state(run.id, Cancelling(), force=True)
         state = _wait("the flow run to be cancelled",
                       lambda: (s := client.read_flow_run(run.id).state) and s.is_final() and s, 120)
@@ -110,3 +113,32 @@ def test_cancelled_flow_run_leaves_no_inference_server(runner, tmp_path):
     watched = _cancel_after_ready(runner, "server-hold/server-hold-test", {"run_dir": str(tmp_path / "run")}, 1,
                                   watch)
     _wait(f"llama-server {watched} to exit", lambda: _gone(watched), 30)
+
+
+@pytest.mark.slow
+def test_a_cancelled_run_ends_its_stage_subflow_cancelled_and_says_so(runner, tmp_path):
+    """The parent of a stage subflow holding the generation server is cancelled: the server exits, the subflow
+    ends Cancelled (not Crashed: tasks/cancel.end_cancelled where the engine's control channel does not mark it),
+    and the parent run's own log says it was cancelled."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect_api import flow_run_tree
+
+    def watch(lines):
+        server = int(lines[0].split()[2])
+        assert "llama-server" in psutil.Process(server).name()
+        return [server]
+    seen = {}
+    watched = _cancel_after_ready(runner, "nested-server-hold/nested-server-hold-test",
+                                  {"run_dir": str(tmp_path / "run")}, 1, watch, seen)
+    _wait(f"llama-server {watched} to exit", lambda: _gone(watched), 30)
+    parent = seen["run_id"]
+    (sub,) = _wait("the subflow to end", lambda: [r for r in flow_run_tree(parent) if r.id != parent
+                                                    and r.state is not None and r.state.is_final()] or None, 60)
+    assert sub.state.is_cancelled(), sub.state
+    with get_client(sync_client=True) as client:
+        msgs = _wait("the parent's log to say it was cancelled", lambda: [
+            x.message for x in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[parent])))
+            if "cancelled" in x.message.lower() and x.task_run_id is None] or None, 30)
+    assert msgs, msgs
+

@@ -4,8 +4,10 @@ deploy` serves the deployments; the browser finds the end-to-end deployment of t
 run with one parameter changed, and watches it complete, seeing the evaluation's progress artifact before the stage
 ends and the running stage's progress on the pipeline run's own page; the report artifact's embedded plots load; a
 nightly run on the finished run keeps its num_train and its export and says so in its log; a second run (another
-run directory) leaves the first run's artifacts in place; a failed run's log opens with the cause. Screenshots go
-to test-artifacts/ui/. Run with `make test-ui` (CI: .ci/run); needs the port (EAGLE3_UI_TEST_PORT) free."""
+run directory, on a machine loaded on purpose) leaves the first run's artifacts in place and its report carries
+the load flag; a failed run's log opens with the cause; the first screen of a nightly no-op shows its plan; a run
+whose llama-server is killed names the cause once, at the top; a run cancelled during generation ends Cancelled
+with its subflows and says so. Screenshots go to test-artifacts/ui/ (failure.png: the page when a check failed). Run with `make test-ui` (CI: .ci/run); needs the port (EAGLE3_UI_TEST_PORT) free."""
 import json
 import os
 import re
@@ -14,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -170,12 +173,19 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
             page.goto(f"{UI}/runs/flow-run/{night['id']}", wait_until="networkidle")
             page.get_by_text("continues the finished run").first.wait_for()
             page.screenshot(path=SHOTS / "3b-nightly-on-a-finished-run.png")
+            plan = page.get_by_text("plan: skip").first                   # its first screen: what it will do
+            plan.wait_for()
+            assert plan.bounding_box()["y"] < 1000, plan.bounding_box()
+            assert page.get_by_text("check: passed").count() >= 1 and page.get_by_text("disk_gb_per_1m").count() == 0
             keys_before = {a["key"] for a in _artifacts("-debug-tiny-")}
             (report,) = _artifacts(report["key"])          # the night published this run's report again
 
             # a second run in another run directory: its artifacts sit beside the first run's
-            second = _run_deployment(served / "runs" / "second" / "debug_tiny", epochs=3)
+            with _loaded_machine():                     # its speeds are measured on a busy machine: flagged
+                second = _run_deployment(served / "runs" / "second" / "debug_tiny", epochs=3)
             assert second["state"]["type"] == "COMPLETED", second["state"]
+            second_md = (served / "runs" / "second" / "debug_tiny" / "report.md").read_text()
+            assert "**Loaded machine**: load average" in second_md and "left out, offline" in second_md
             keys_after = {a["key"] for a in _artifacts("-debug-tiny-")}
             assert keys_before < keys_after and len([k for k in keys_after if k.startswith("eagle3-report-")]) == 2
             assert _artifacts(report["key"])[0]["latest_id"] == report["latest_id"]   # the first report, unchanged
@@ -193,6 +203,11 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
             assert cause.bounding_box()["y"] < 1000, cause.bounding_box()
             assert "give an existing" in cause.inner_text()
             assert page.get_by_text("Traceback").count() == 0
+            _killed_server_run(page, served / "runs" / "killed" / "debug_tiny")
+            _cancelled_generation(page, served / "runs" / "cancelled" / "debug_tiny")
+        except BaseException:
+            page.screenshot(path=SHOTS / "failure.png", full_page=True)          # kept for the failed check
+            raise
         finally:
             browser.close()
     # the run used the changed parameter: 3 training epochs in the draft's manifest
@@ -220,8 +235,102 @@ def _flow_run_id(name: str, timeout_s: float = 120) -> str:
     raise AssertionError(f"no flow run named {name!r} {timeout_s} s after the form was submitted")
 
 
+class _loaded_machine:
+    """Busy loops, two per CPU, for the block: the 1-minute load average rises above the CPUs."""
+
+    def __enter__(self):
+        n = 2 * len(os.sched_getaffinity(0))
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+def _log_lines(run_ids: list[str], like: str | None = None) -> list[dict]:
+    """Log entries (REST API), oldest first, of the flow runs `run_ids` and their task runs, containing `like`."""
+    flt = {"logs": {"flow_run_id": {"any_": run_ids}}}
+    r = httpx.post(f"{UI}/api/logs/filter", json={**flt, "sort": "TIMESTAMP_ASC", "limit": 200}, timeout=30)
+    r.raise_for_status()
+    return [e for e in r.json() if like is None or like in e["message"]]
+
+
+def _subflows(parent: str) -> list[dict]:
+    r = httpx.post(f"{UI}/api/flow_runs/filter", json={"flow_runs": {"parent_flow_run_id": {"any_": [parent]}}},
+                   timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def _server_started(run_dir: Path, run: dict) -> int:
+    """The pid of the generation server a run of `run_dir` started (its start-servers log line), waited for."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        subflows = [sub["id"] for sub in _subflows(run["id"]) if sub["name"].endswith("-generation")]
+        for e in _log_lines(subflows, like="started: pid") if subflows else []:     # the start-servers task's
+            return int(e["message"].split("started: pid ")[1].split(",")[0])
+        state = httpx.get(f"{UI}/api/flow_runs/{run['id']}", timeout=30).json()["state"]["type"]
+        assert state not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"), f"the run ended first: {state}"
+        time.sleep(0.5)
+    raise AssertionError(f"no server of {run_dir} started")
+
+
+def _killed_server_run(page, run_dir: Path) -> None:
+    """A run whose llama-server is SIGKILLed as soon as it started: Failed with the cause as its state message, its
+    page names the cause once (the parent's log holds it once, with its fix; later lines refer to it)."""
+    run = _run_deployment(run_dir, wait=False)
+    os.kill(_server_started(run_dir, run), signal.SIGKILL)
+    run = _wait_run(run)
+    assert run["state"]["type"] == "FAILED", run["state"]
+    assert "killed by signal 9" in run["state"]["message"]                      # Prefect's state message: the text
+    said = _log_lines([run["id"]], like="killed by signal 9")
+    assert len(said) == 1 and "Fix the cause" in said[0]["message"], said
+    page.goto(f"{UI}/runs/flow-run/{run['id']}", wait_until="networkidle")
+    cause = page.get_by_text(re.compile("killed by signal 9")).first
+    cause.wait_for()
+    page.screenshot(path=SHOTS / "7-killed-server-run.png", full_page=True)
+    # once on the page (the log lines before it: check, plan, prompts; at 1400x1000 it sits at y ~1200)
+    assert page.get_by_text(re.compile("killed by signal 9")).count() == 1
+    assert page.get_by_text("print_timing").count() == 0 and page.get_by_text("Traceback").count() == 0
+
+
+def _cancelled_generation(page, run_dir: Path) -> None:
+    """A run cancelled (as the UI's Cancel does: state Cancelling) while generation runs: the run and its
+    subflows end Cancelled, its log says so, no shard task runs after the stop."""
+    run = _run_deployment(run_dir, wait=False)
+    _server_started(run_dir, run)
+    r = httpx.post(f"{UI}/api/flow_runs/{run['id']}/set_state", json={"state": {"type": "CANCELLING"},
+                                                                         "force": True}, timeout=30)
+    r.raise_for_status()
+    run = _wait_run(run)
+    assert run["state"]["type"] == "CANCELLED", run["state"]
+    deadline = time.monotonic() + 120
+    while (subs := _subflows(run["id"])) and any(s["state"]["type"] not in ("CANCELLED", "COMPLETED", "FAILED",
+                                                                             "CRASHED") for s in subs) \
+            and time.monotonic() < deadline:
+        time.sleep(1)
+    ended = {s["name"]: s["state"]["type"] for s in subs}
+    assert ended.get("debug_tiny-generation") == "CANCELLED", ended
+    assert all(v in ("COMPLETED", "CANCELLED") for v in ended.values()), ended
+    assert _log_lines([run["id"]], like="ancelled"), "the cancelled run's log does not say so"
+    page.goto(f"{UI}/runs/flow-run/{run['id']}", wait_until="networkidle")
+    page.screenshot(path=SHOTS / "8-cancelled-run.png", full_page=True)
+
+
+def _wait_run(run: dict) -> dict:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        run = httpx.get(f"{UI}/api/flow_runs/{run['id']}", timeout=30).json()
+        if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return run
+        time.sleep(3)
+    raise AssertionError(f"flow run {run['id']} did not end in {RUN_TIMEOUT_S} s")
+
+
 def _run_deployment(run_dir: Path, epochs: int | None = None, sources: list[str] | None = None,
-                    nightly: bool = False) -> dict:
+                    nightly: bool = False, wait: bool = True) -> dict:
     """A run of eagle3-pipeline/debug-tiny through the REST API with run_dir (and epochs / prompt sources)
     changed, as the nightly schedule starts it if `nightly`, waited for until it ends; returns the flow run."""
     dep = httpx.get(f"{UI}/api/deployments/name/eagle3-pipeline/debug-tiny", timeout=30).json()
@@ -234,10 +343,5 @@ def _run_deployment(run_dir: Path, epochs: int | None = None, sources: list[str]
     run = httpx.post(f"{UI}/api/deployments/{dep['id']}/create_flow_run",
                      json={"parameters": {"config": config, "refresh": False, "nightly": nightly}},
                      timeout=30).json()
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while time.monotonic() < deadline:
-        run = httpx.get(f"{UI}/api/flow_runs/{run['id']}", timeout=30).json()
-        if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
-            return run
-        time.sleep(3)
-    raise AssertionError(f"flow run {run['id']} did not end in {RUN_TIMEOUT_S} s")
+    assert "id" in run, f"the server created no flow run: {run}"
+    return _wait_run(run) if wait else run

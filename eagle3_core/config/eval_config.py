@@ -83,7 +83,7 @@ class SGLangDeployConfig(StrictModel):
     concurrency: list[int] = Field([1, 8, 32], min_length=1, description="concurrency levels measured")
     max_running_requests: int = Field(32, ge=1, description="the same on both servers")
     cuda_graph_max_bs: int = Field(32, ge=1, description="the same on both servers")
-    max_new_tokens: int = Field(256, ge=1)
+    max_new_tokens: int = Field(256, ge=1, description="tokens generated per benchmark request")
     per_category: int | None = Field(10, ge=1, description="Spec-Bench / HumanEval prompts per category")
     startup_timeout_s: float = Field(3600.0, gt=0, description="a 1T-parameter target loads for tens of minutes")
 

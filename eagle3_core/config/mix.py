@@ -89,7 +89,7 @@ class SourceSpec(StrictModel):
 
 class DataMix(StrictModel):
     name: str = Field("custom", description="name recorded in the manifest")
-    sources: list[SourceSpec] = Field(..., min_length=1)
+    sources: list[SourceSpec] = Field(..., min_length=1, description="the data sets of the mix, each with its share")
 
     @model_validator(mode="after")
     def _consistent(self):

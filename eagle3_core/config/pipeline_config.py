@@ -16,15 +16,15 @@ from eagle3_core.config.train_config import DraftConfig, TrainConfig
 
 class PipelineConfig(StrictModel):
     run_dir: Path = Field(Path("runs/demo"), description="every stage writes under this directory")
-    target: TargetConfig = TargetConfig()
-    prompts: PromptConfig = PromptConfig()
-    server: ServerConfig = ServerConfig()
-    generation: GenerationConfig = GenerationConfig()
-    features: FeatureConfig = FeatureConfig()
-    draft: DraftConfig = DraftConfig()
-    train: TrainConfig = TrainConfig()
-    eval: EvalConfig = EvalConfig()
-    deploy_sglang: SGLangDeployConfig = SGLangDeployConfig()
+    target: TargetConfig = Field(TargetConfig(), description="the model the draft serves (weights, revision)")
+    prompts: PromptConfig = Field(PromptConfig(), description="prompt sources and the train / held-out split")
+    server: ServerConfig = Field(ServerConfig(), description="the inference server that regenerates answers")
+    generation: GenerationConfig = Field(GenerationConfig(), description="regeneration: sampling, shards, quality gate")
+    features: FeatureConfig = Field(FeatureConfig(), description="aux hidden states: backend, format, max length")
+    draft: DraftConfig = Field(DraftConfig(), description="the draft model's shape and vocab size")
+    train: TrainConfig = Field(TrainConfig(), description="TTT training: epochs, lr, warm start")
+    eval: EvalConfig = Field(EvalConfig(), description="offline tau on the held-out prompts")
+    deploy_sglang: SGLangDeployConfig = Field(SGLangDeployConfig(), description="the SGLang benchmark (GPU hosts)")
     sglang_python: str | None = Field(None, description="the python of an environment holding SGLang with its own "
                                       "pinned torch and transformers (`make sglang-env`: '.venv-sglang/bin/python', "
                                       "relative to the directory the run starts in): it runs features.backend "

@@ -72,11 +72,11 @@ class TrainConfig(StrictModel):
                                "(epochs unset: of max_epochs' steps, then constant until the rule's decay)")
     batch_tokens: int = Field(4096, ge=16, description="token budget of one optimizer micro-batch")
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
-    grad_clip: float = Field(0.5, gt=0)
+    grad_clip: float = Field(0.5, gt=0, description="gradient norm clipped to this before each step")
     ttt_length: int = Field(7, ge=1, description="training-time-test steps K (EAGLE-3, SpecForge: 7)")
     step_weight: float = Field(0.8, gt=0, description="loss weight of TTT step k is step_weight**k")
     eval_frac: float = Field(0.05, ge=0, lt=1, description="fraction of feature samples held out for eval loss")
-    seed: int = Field(0)
+    seed: int = Field(0, description="seed of torch and of the batch order")
     checkpoint_every: int = Field(200, ge=1, description="optimizer steps between resumable checkpoints "
                                                          "(one is also written at every epoch end)")
     keep_checkpoints: int = Field(3, ge=1, description="newest resumable checkpoints kept on disk")

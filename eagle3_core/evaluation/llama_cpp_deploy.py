@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle3_core.contract.numbers import eta_text
 from eagle3_core.serving.client import generate_all
 from eagle3_core.serving.launcher import ServerError, llama_server_binary
 from eagle3_core.training.capacity import unservable
@@ -118,7 +119,7 @@ def run_requests(url: str, prompts: list[dict], max_new_tokens: int, log=None, l
     def on_done(row: dict) -> None:
         done.append(row["id"])
         n, N = len(done), len(prompts)
-        eta = f", ETA {(time.monotonic() - t0) / n * (N - n) / 60:.1f} min" if n < N else ""
+        eta = eta_text(time.monotonic() - t0, n, N - n)
         if log is not None:
             log(f"deploy: {label}: {n} of {N} prompts{eta}")
     rows = asyncio.run(generate_all(url, prompts, max_new_tokens, 0.0, 1, 2, 600, on_done=on_done,

@@ -9,7 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-LABELS = {"trained": "trained, chain", "trained_tree": "trained, tree", "untrained": "untrained, chain"}
+LABELS = {"trained": "trained, chain", "trained_tree": "trained, tree", "untrained": "untrained, chain",
+          "before_training": "warm start before training, chain"}
 
 
 def run_label(name: str, run: dict) -> str:
@@ -84,17 +85,27 @@ def plot_tau(runs: dict[str, dict], path: Path, tau_sim: float | None = None) ->
     return _save(fig, path)
 
 
-def plot_tok_s(bars: dict[str, float], path: Path, title: str = "Decoding speed, same hardware") -> Path:
-    """Horizontal bars of tokens/s (label -> value); the first bar is the reference (target only)."""
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(bars) + 1.5))
-    labels, vals = list(bars), list(bars.values())
-    ax.barh(range(len(vals)), vals, color=["grey"] + [f"C{i}" for i in range(len(vals) - 1)])
+def tok_s_annotation(bar: dict) -> str:
+    """The text beside a tok/s bar: its value and its ratio against the baseline it names ('' for a baseline)."""
+    v = bar["tokens_per_s"]
+    if bar["baseline"] == bar["label"]:
+        return f" {v:.3g} (baseline)"
+    return f" {v:.3g} ({bar['ratio']:.2f}x vs {bar['baseline']})"
+
+
+def plot_tok_s(bars: list[dict], path: Path, title: str = "Decoding speed, same hardware") -> Path:
+    """Horizontal bars of tokens/s, one per {label, tokens_per_s, baseline, ratio} (report_numbers.speed_bars):
+    baselines grey, each other bar's ratio against the baseline it names (tok_s_annotation)."""
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(bars) + 1.5))
+    labels, vals = [b["label"] for b in bars], [b["tokens_per_s"] for b in bars]
+    ax.barh(range(len(vals)), vals, color=["grey" if b["baseline"] == b["label"] else f"C{i}"
+                                           for i, b in enumerate(bars)])
     ax.set_yticks(range(len(vals)))
     ax.set_yticklabels(labels, fontsize=8)
     ax.invert_yaxis()
-    for i, v in enumerate(vals):
-        ax.text(v, i, f" {v:.3g} ({v / vals[0]:.2f}x)", va="center", fontsize=8)
-    ax.set_xlim(0, max(vals) * 1.3)
+    for i, b in enumerate(bars):
+        ax.text(b["tokens_per_s"], i, tok_s_annotation(b), va="center", fontsize=8)
+    ax.set_xlim(0, max(vals) * 1.6)
     ax.set_xlabel("output tokens / s")
     ax.set_title(title)
     return _save(fig, path)

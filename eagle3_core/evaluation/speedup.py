@@ -94,3 +94,25 @@ def speed_disagreement(measured_tps: float, earlier_tps: float, slots: int, what
             f"{earlier_tps:.1f} tok/s over {slots} slots during generation ({floor:.1f} tok/s per slot at least for "
             f"one stream): the machine was probably busy while it measured, so the speed-up is not the engine's; "
             f"run the stage again on a quiet machine (refresh)")
+
+
+# a speed measured while the 1-minute load average exceeded the CPUs, or below half the same stage's earlier quiet
+# rate, was slowed by something else than the engine
+SLOWER_THAN_EARLIER = 2.0
+
+
+def load_flag(load: dict | None, tokens_per_s: float | None = None, earlier_tps: float | None = None,
+              what: str = "the target alone") -> str | None:
+    """Why a speed measurement was taken on a loaded machine, or None when nothing says so.
+
+    load: contract.numbers.machine_load() taken at the measurement ({'loadavg_1m', 'cpus'}); flagged when the load
+    average exceeds the CPUs (processes waited for a core). tokens_per_s / earlier_tps: this measurement and the
+    same stage's earlier unflagged rate on this run directory (output tok/s, same prompts and engine); flagged when
+    this one is SLOWER_THAN_EARLIER times slower. A flagged speed stays in the report, marked, and out of the
+    headline speed-up."""
+    reasons = []
+    if load and load.get("loadavg_1m") is not None and load["loadavg_1m"] > load.get("cpus", 1):
+        reasons.append(f"load average {load['loadavg_1m']:.1f} on {load['cpus']} CPUs")
+    if tokens_per_s and earlier_tps and tokens_per_s * SLOWER_THAN_EARLIER < earlier_tps:
+        reasons.append(f"{what} measured {tokens_per_s:.1f} tok/s against {earlier_tps:.1f} earlier on this run")
+    return "; ".join(reasons) or None

@@ -7,6 +7,7 @@ from pathlib import Path
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.compat import DEPLOY_SGLANG_FIELDS_V4, EVAL_FIELDS_V4, fields_v4
 from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.numbers import machine_load
 from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.chat import prompt_ids
 from eagle3_core.pipeline import run as stage_run
@@ -60,7 +61,8 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
             spec = run_requests(url, rows, n_new, log, "EAGLE-3 draft", kwargs)
         summary = {**summarize(base, spec, LLAMA_CPP_TIE_GAP), "num_draft_steps": S, "max_new_tokens": n_new,
                    "tie_gap": LLAMA_CPP_TIE_GAP, "draft_gguf": str(draft_gguf),
-                   "server_args": spec_args[2:]}                                 # without the local -md path
+                   "server_args": spec_args[2:],                                 # without the local -md path
+                   "machine_load": machine_load()}                  # the report flags speeds of a busy machine
         summary["warnings"] = generation_speed_warnings(cfg, summary)
         for w in summary["warnings"]:
             log(f"deploy: warning: {w}")

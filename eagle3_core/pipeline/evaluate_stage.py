@@ -9,6 +9,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.config.eval_config import SHARDED_BACKENDS, resolved_evaluator
 from eagle3_core.contract.compat import EVAL_FIELDS_V4, fields_v4
 from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.numbers import eta_text, machine_load
 from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.chat import prompt_ids
 from eagle3_core.pipeline import run as stage_run
@@ -190,6 +191,7 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
             the stage's result."""
             report.update({"eval_ids": [r["id"] for r in rows], "num_draft_steps": S,
                            "max_new_tokens": e.max_new_tokens, "aux_layer_ids": ids, "preflight": "passed",
+                           "machine_load": machine_load(),            # the report flags speeds of a busy machine
                            "sampling": {**e.sampling.model_dump(mode="json"), "greedy": e.sampling.greedy,
                                         "chat_template_kwargs": cfg.generation.chat_template_kwargs},
                            # the TTT simulation is greedy: no comparison with a sampled tau
@@ -226,9 +228,8 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
         t_measure = time.monotonic()
 
         def progress(done: int, total: int, name: str) -> None:
-            eta = (time.monotonic() - t_measure) / done * (total - done)
             log(f"evaluate: {done} of {total} prompt decodes ({name})"
-                + (f", ETA {eta / 60:.1f} min" if eta else ""))
+                + eta_text(time.monotonic() - t_measure, done, total - done))
             if on_progress is not None:
                 on_progress(done, total, name)
 

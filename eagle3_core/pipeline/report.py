@@ -5,14 +5,20 @@ import json
 from pathlib import Path
 
 from eagle3_core.contract.layout import STAGE_DIRS, RunLayout
+from eagle3_core.contract.numbers import human_bytes
 from eagle3_core.evaluation.sampling_compare import compare_sampling
+from eagle3_core.pipeline import report_numbers as nums
 
 # directories of the stages a finished run has (deploy-sglang is optional: it runs on GPU hosts only)
 STAGES = [d for name, d in STAGE_DIRS.items() if name != "deploy-sglang"]
 
 
-def collect(run_dir: Path) -> dict:
-    """Key numbers of a finished run. Raises FileNotFoundError naming a missing manifest."""
+def collect(run_dir: Path, init_from: str | None = None, since: float | None = None,
+            earlier: dict | None = None) -> dict:
+    """Key numbers of a finished run. init_from: the run's train.init_from (the draft measured before training is
+    then a warm start); since: the current flow run's start (Unix seconds; stages done before it are 'skipped' in
+    the stage times); earlier: the previous report.json of this run directory (its quiet speeds, for the load
+    flag: report_numbers.speed_checks). Raises FileNotFoundError naming a missing manifest."""
     m = {}
     for s in STAGES:
         path = Path(run_dir) / s / "manifest.json"
@@ -20,7 +26,7 @@ def collect(run_dir: Path) -> dict:
             raise FileNotFoundError(f"{path} missing: the run did not finish stage {s}")
         m[s] = json.loads(path.read_text())
     ev = m["eval"]["summary"]
-    return {
+    r = {
         "run_dir": str(run_dir), "train_prompts": len(m["prompts"]["train_ids"]),
         "eval_prompts": len(m["prompts"]["eval_ids"]), "samples": m["tokenized"]["samples"],
         "tokens": m["tokenized"]["tokens"], "loss_tokens": m["tokenized"]["loss_tokens"],
@@ -28,14 +34,16 @@ def collect(run_dir: Path) -> dict:
         "feature_bytes_per_token": m["features"]["bytes_per_token"], "aux_layer_ids": m["features"]["aux_layer_ids"],
         "draft_vocab_size": m["vocab"]["draft_vocab_size"], "vocab_coverage": m["vocab"]["coverage"],
         "best_epoch": m["draft"]["best"], "draft_dir": str(RunLayout(run_dir).stored(m["draft"]["export_dir"])),
-        "stage_seconds": {s: round(m[s]["seconds"], 1) for s in STAGES},
+        "stage_seconds": nums.stage_times(Path(run_dir), m, since), "init_from": init_from and str(init_from),
         "eval": ev,
         "llama_cpp": m["deploy_llama_cpp"].get("summary"),
         "sglang": _optional_manifest(RunLayout(run_dir).manifest("deploy-sglang")).get("verdict"),
         "sampling": compare_sampling(m["generations"].get("sampling"), m["eval"].get("sampling"),
                                      m["eval"].get("serving")),
         "by_source": data_by_source(Path(run_dir), m["vocab"].get("coverage_per_source") or {}),
-    }
+    } | {"speed": None}
+    r["speed"] = nums.speed_checks(r, (earlier or {}).get("speed"))
+    return r
 
 
 def data_by_source(run_dir: Path, coverage: dict) -> dict[str, dict]:
@@ -76,16 +84,6 @@ def _on_policy_once(run_dir: Path, compute) -> dict:
     return per
 
 
-def by_source_markdown(by_source: dict[str, dict]) -> list[str]:
-    """The report's per-source table: samples, supervised tokens, on-policy fraction, draft vocab coverage."""
-    pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
-    lines = ["", "Per source: how much of the trained data the target writes itself (on-policy: supervised tokens "
-             "that are the target's argmax) and the draft vocab's coverage of it", "",
-             "| source | samples | supervised tokens | on-policy | draft vocab coverage |", "|---|---|---|---|---|"]
-    return lines + [f"| {s} | {st['samples']} | {st['supervised']} | {pct(st['on_policy'])} | "
-                    f"{pct(st['vocab_coverage'])} |" for s, st in sorted(by_source.items())]
-
-
 def _optional_manifest(path: Path) -> dict:
     """A stage manifest that may be missing (the SGLang deployment runs only on GPU hosts)."""
     return json.loads(path.read_text()) if path.exists() else {}
@@ -111,16 +109,16 @@ def write_plots(r: dict, run_dir: Path) -> dict[str, str]:
     ev, out = r["eval"], Path(run_dir) / "plots"
     runs = _runs(ev)
     tau_sim = (ev.get("consistency") or {}).get("tau_sim_at_steps")
-    bars = {"target only (offline)": ev["baseline"]["tokens_per_s"]} if "baseline" in ev else {}   # replay: none
-    bars.update({run_label(k, d): d["tokens_per_s"] for k, d in runs.items() if "tokens_per_s" in d})
-    lc = r.get("llama_cpp")
-    if lc:
-        bars.update({"llama.cpp, no draft": lc["baseline_tokens_per_s"], "llama.cpp, EAGLE-3": lc["tokens_per_s"]})
-    paths = {"acceptance_per_position": plot_acceptance_per_position(runs, out / "acceptance_per_position.png"),
-             "tau": plot_tau(runs, out / "tau.png", tau_sim)}
+    before = nums.before_training_label(r)
+    label = lambda k, d: run_label(k, d).replace("untrained", before)  # noqa: E731
+    bars = nums.speed_bars(r, label)
+    shown = {("before_training" if k == "untrained" and before != "untrained" else k): d for k, d in runs.items()}
+    paths = {"acceptance_per_position": plot_acceptance_per_position(shown, out / "acceptance_per_position.png"),
+             "tau": plot_tau(shown, out / "tau.png", tau_sim)}
     if len(bars) > 1:
-        paths["tokens_per_s"] = plot_tok_s(bars, out / "tokens_per_s.png",
-                                           "Tokens/s on this machine (ratios vs the first bar)")
+        flagged = ", ".join((r.get("speed") or {}).get("flags") or {})
+        paths["tokens_per_s"] = plot_tok_s(bars, out / "tokens_per_s.png", "Tokens/s on this machine" + (
+            f" (loaded machine: {flagged})" if flagged else ""))
     return {k: str(v.relative_to(run_dir)) for k, v in paths.items()}
 
 
@@ -151,8 +149,11 @@ def warnings(ev: dict, llama_cpp: dict | None = None) -> list[str]:
       runs without held-out features do, it is inflated by overfitting: no evidence of a misconfiguration);
     - llama.cpp vs offline tau: the two intervals do not overlap;
     - tau below 1.2: the whole interval of the trained draft's tau lies below 1.2.
+    None of them with fewer than report_numbers.MIN_PROMPTS_FOR_WARNINGS held-out prompts (the report says so).
     ev: the evaluate stage's summary; llama_cpp: the deploy stage's summary or None."""
     out, tr = [], ev["trained"]
+    if nums.too_few_prompts(ev):
+        return []
     lo, hi = tr["tau_ci95"]
     cons = ev.get("consistency")
     if cons and cons["flagged"] and cons["metrics_from"] == "eval" and not lo <= cons["tau_sim_at_steps"] <= hi:
@@ -228,17 +229,21 @@ def _at(ev: dict) -> str:
 def markdown(r: dict) -> str:
     ev = r["eval"]
     base = ev.get("baseline")
-    tr, runs = ev["trained"], _runs(ev)
+    before = nums.before_training_label(r)
+    tr = ev["trained"]
+    runs = {(before if k == "untrained" else k): d for k, d in _runs(ev).items()}
+    flags = (r.get("speed") or {}).get("flags") or {}
     lines = [
         "# EAGLE-3 draft report", "",
         f"- run: `{r['run_dir']}`; draft (SGLang format): `{r['draft_dir']}`",
         (f"- data: {r['train_prompts']} train prompts ({r['samples']} samples, {r['tokens']} tokens, "
         f"{r['loss_tokens']} supervised), {r['eval_prompts']} held-out prompts; regenerated by {r['server']}"),
-        (f"- aux layers {r['aux_layer_ids']}; features {r['feature_bytes_per_token']:.0f} bytes/token; "
+        nums.headline(r),
+        (f"- aux layers {r['aux_layer_ids']}; features {human_bytes(r['feature_bytes_per_token'])} per token; "
         f"draft vocab {r['draft_vocab_size']} (covers {r['vocab_coverage']:.1%} of supervised tokens)"),
         (f"- best epoch {r['best_epoch']['epoch']} (simulated tau {r['best_epoch']['tau_sim']:.2f}); pre-flight "
         f"check of the draft against the target: {ev.get('preflight', 'not run')}"),
-        *by_source_markdown(r.get("by_source") or {}), "",
+        *nums.by_source_markdown(r.get("by_source") or {}), "",
         (f"## Acceptance length (offline, {_at(ev)}, {ev['num_draft_steps']} draft steps per verify step, "
         f"{ev['max_new_tokens']} new tokens per prompt)"), "",
         ("| draft | drafting | prompts | tau | 95% CI | tokens | verify steps | tok/s | target-only tok/s (same "
@@ -252,11 +257,15 @@ def markdown(r: dict) -> str:
         lines.append(f"| {name} | {_shape(d)} | {d.get('prompts', '')} | {d['tau']:.2f} | "
                      f"{d['tau_ci95'][0]:.2f}-{d['tau_ci95'][1]:.2f} | {d['tokens_from_verify']} | "
                      f"{d['verify_steps']} | {d['tokens_per_s']:.1f} | "
-                     f"{d.get('baseline_tokens_per_s', base['tokens_per_s']):.1f} | {d['speedup']:.2f}x | "
+                     f"{d.get('baseline_tokens_per_s', base['tokens_per_s']):.1f} | {d['speedup']:.2f}x"
+                     f"{' (loaded)' if 'offline' in flags else ''} | "
                      f"{ll['equal']}/{ll['near_tie']}/{ll['mismatch']} |")
     if base is not None:
         lines += [(f"| none (target only) | | {base.get('prompts', '')} | 1.00 | | {base['tokens']} | "
                   f"{base['target_forward_calls']} | {base['tokens_per_s']:.1f} | | 1.00x | |"), ""]
+    if "offline" in flags:
+        lines += [f"**Loaded machine**: {flags['offline']}: these tok/s and speed-ups are not the draft's; measure "
+                  "again on a quiet machine (refresh the evaluate stage).", ""]
     for name, d in runs.items():
         lines.append(f"Acceptance per draft position ({name}, {_shape(d)}): "
                      + ", ".join(f"{i + 1}: {a:.2f}" for i, a in enumerate(d["accept_per_position"])))
@@ -306,6 +315,8 @@ def markdown(r: dict) -> str:
                   f"{lc['tokens']} | {lc['tokens_per_s']:.1f} | {lc['speedup']:.2f}x | "
                   f"{ll['equal']}/{ll['near_tie']}/{ll['mismatch']} |"),
                   f"| no draft | 1.00 | | | {lc['baseline_tokens_per_s']:.1f} | 1.00x | |", "",
+                  *([f"**Loaded machine**: {flags['llama_cpp']}: this speed-up is not the engine's.", ""]
+                    if "llama_cpp" in flags else []),
                   (f"llama.cpp tau / offline tau = {lc['tau'] / tr['tau']:.3f}; draft acceptance rate "
                   f"{lc['acceptance_rate']:.2f} ({lc['draft_n_accepted']} of {lc['draft_n']} drafted).")]
         lines += [f"\n**Warning**: {w}." for w in lc.get("warnings", [])]
@@ -322,14 +333,18 @@ def markdown(r: dict) -> str:
         lines += [f"\n**Warning**: {w}" for w in sg["warnings"]]
     if warned:
         lines += [""] + [f"**Warning**: {w}." for w in warned]
+    elif (n := nums.too_few_prompts(ev)):
+        lines += ["", f"No warnings: {n} held-out prompts are too few for the checks of tau (at least "
+                  f"{nums.MIN_PROMPTS_FOR_WARNINGS})."]
     if r.get("sampling"):
         lines += sampling_markdown(r["sampling"])
     from eagle3_core.pipeline.nightly import nights_markdown
     lines += nights_markdown(Path(r["run_dir"]))
-    lines += ["", "## Wall time per stage (s)", "", "| " + " | ".join(r["stage_seconds"]) + " | total |",
-              "|" + "---|" * (len(r["stage_seconds"]) + 1),
-              "| " + " | ".join(str(v) for v in r["stage_seconds"].values())
-              + f" | {sum(r['stage_seconds'].values()):.1f} |"]
+    secs = r["stage_seconds"]
+    total = sum(v for v in secs.values() if not isinstance(v, str))
+    lines += ["", "## Wall time per stage (s; skipped: done before this run)", "",
+              "| " + " | ".join(secs) + " | total |", "|" + "---|" * (len(secs) + 1),
+              "| " + " | ".join(str(v) for v in secs.values()) + f" | {total:.1f} |"]
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,6 +37,7 @@ class ServerStopped(ServerError):
 class ServerExited(ServerError):
     """A server this process started exited while in use; the message names the exit code or signal and the tail
     of that attempt's log."""
+    traceback_helps = False                 # the cause is outside this code: the run log shows the message alone
 
 
 def next_attempt_log(folder: Path, stem: str = "server") -> Path:
@@ -56,11 +58,19 @@ def next_attempt_log(folder: Path, stem: str = "server") -> Path:
             n += 1
 
 
-def log_tail(log_path: Path | None, lines: int = 20, max_chars: int = 2000) -> str:
-    """The last `lines` lines (at most `max_chars` characters) of a server log; '' if there is none."""
+# llama-server's routine per-request lines (slot timings, request log): nothing about why a server stopped
+_ROUTINE = re.compile(r" I slot |log_server_r|update_slots|print_timing")
+
+
+def log_tail(log_path: Path | None, lines: int = 3, width: int = 200) -> str:
+    """The last `lines` lines of a server log that say something about it (llama-server's per-request timing
+    and request lines left out: _ROUTINE), whole lines, each indented and cut at `width` characters with '...';
+    '' if there is none. The rest is in the log, whose path the caller names."""
     if log_path is None or not Path(log_path).exists():
         return ""
-    return "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-lines:])[-max_chars:]
+    kept = [ln.rstrip() for ln in Path(log_path).read_text(errors="replace").splitlines()
+            if ln.strip() and not _ROUTINE.search(ln)][-lines:]
+    return "\n".join("  " + (ln if len(ln) <= width else ln[:width - 3] + "...") for ln in kept)
 
 
 def describe_exit(returncode: int) -> str:
@@ -179,8 +189,9 @@ def exit_error(url: str, since: float = float("-inf")) -> ServerError | None:
     proc, log_path = entry
     return ServerExited(f"the inference server this stage started ({url}, pid {proc.pid}) "
                         f"{describe_exit(proc.returncode)} while the stage was using it; its log {log_path}, last "
-                        f"lines:\n{log_tail(log_path)}\nFix the cause (memory? a killed process?) and retry the flow "
-                        f"run: finished shards are kept and the stage starts a new server (a new attempt log)")
+                        f"lines:\n{log_tail(log_path)}\nFix the cause (out of memory? a killed process?) and retry "
+                        f"the flow run: finished shards are kept and the stage starts a new server (a new attempt "
+                        f"log)")
 _previous_handler: list = [signal.SIG_DFL]
 
 

@@ -40,6 +40,7 @@ from eagle3_core.training.batch_feed import (
     to_device,
 )
 from eagle3_core.contract.compat import checkpoint_fingerprint_v4
+from eagle3_core.contract.numbers import checkpoint_place, eta_text
 from eagle3_core.training.checkpoint import (
     check_resume,
     load_latest_training_state,
@@ -223,7 +224,7 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                 "sums": {k: v.cpu() for k, v in all_sums.items()} if sums is not None else {},
                 "best": best, "history": json.dumps(history), "rng": rng_states(),
                 "stopping": rule.state_dict() if rule else {}}, step, cfg.keep_checkpoints)
-        say(f"train: checkpoint step {step} (epoch {epoch + 1}, batch {batch})")
+        say(f"train: checkpoint step {step} ({checkpoint_place(epoch, batch)})")
 
     tb = None
     if dp.is_main and tensorboard:
@@ -314,11 +315,10 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
         if tb:
             _epoch_scalars(tb, step, train_m, eval_m)
         elapsed = time.monotonic() - t0
-        eta = elapsed / (epoch + 1 - epoch0) * (epochs - epoch - 1)
         say(f"train: epoch {epoch + 1} of {'at most ' if rule else ''}{epochs}: loss {sum(train_m['loss']):.3f} acc_0 "
             f"{train_m['acc'][0]:.3f} tau_sim {train_m['tau_sim']:.2f}"
             + (f" eval tau_sim {eval_m['tau_sim']:.2f}" if eval_m else "")
-            + f" ({elapsed:.0f} s" + (f", ETA {eta / 60:.1f} min" if eta > 0 else "")
+            + f" ({elapsed:.0f} s" + eta_text(elapsed, epoch + 1 - epoch0, epochs - epoch - 1)
             + (f", {dp.world} ranks)" if dp.world > 1 else ")"))
         if dp.is_main:
             save_draft(draft, out_dir / "last")
