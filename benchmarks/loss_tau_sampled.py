@@ -2,9 +2,10 @@
 and the acceptance-aware one ('tv', total variation: arXiv 2602.23881), with paired intervals (issue 66).
 
   python benchmarks/loss_tau_sampled.py --config configs/e2e_gsm8k.json --recipes configs/recipes_loss_gsm8k.json \
-      --part 1 --out bench/loss_tau.json        # regeneration, tokenize, features, vocab, the 'kl' draft
-  python benchmarks/loss_tau_sampled.py ... --part 2 --out bench/loss_tau.json   # the 'tv' draft, then measure
-  (--part all: both in one call; [--target DIR] [--seeds 2] [--temperature 1.0] [--device cuda])
+      --part 1 --out bench/loss_tau_1.json      # regeneration, tokenize, features, vocab, the 'kl' draft
+  python benchmarks/loss_tau_sampled.py ... --part 2 --out bench/loss_tau_2.json   # the 'tv' draft
+  python benchmarks/loss_tau_sampled.py ... --part 3 --out bench/loss_tau.json     # measure both
+  (--part all: everything in one call; [--target DIR] [--seeds 2] [--temperature 1.0] [--device cuda])
 
 Data and training: benchmarks/recipe_tau_time.py's path (the config's prompts, regeneration on the target,
 tokenize, one features store, each recipe in RUN_DIR/recipes/NAME with its own vocab and train stages; cached by
@@ -100,8 +101,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", type=Path, required=True)
     ap.add_argument("--recipes", type=Path, required=True, help="two recipes: the default loss, then the LK one")
-    ap.add_argument("--part", choices=("1", "2", "all"), default="all",
-                    help="1: data, features and the first draft; 2: the second draft and the measurement")
+    ap.add_argument("--part", choices=("1", "2", "3", "all"), default="all",
+                    help="1: data, features and the first draft; 2: the second draft; 3: the measurement")
     ap.add_argument("--target", default=None, help="target directory instead of the config's target.model")
     ap.add_argument("--out", type=Path, required=True, help="result JSON")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -119,11 +120,11 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    part = train_part(cfg, recipes, names[:1] if a.part == "1" else names[1:] if a.part == "2" else names, work)
+    part = train_part(cfg, recipes, {"1": names[:1], "2": names[1:], "3": []}.get(a.part, names), work)
     result = {"config": str(a.config), "recipes": recipes, "part": a.part,
               "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
               "torch": torch.__version__, **part}
-    if a.part != "1":
+    if a.part in ("3", "all"):
         trained = {n: json.loads((work / n / "trained.json").read_text()) for n in names}
         drafts = {n: Path(t["epochs"][-1]["dir"]) for n, t in trained.items()}
         result.update(measure_part(cfg, drafts, work / "loss_tau", a.device, a.temperature, a.seeds))
