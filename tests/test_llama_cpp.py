@@ -19,6 +19,7 @@ from eagle3_core.evaluation.llama_cpp_deploy import (
     summarize_sampled,
 )
 from eagle3_core.config.sampling_config import SamplingConfig
+from eagle3_core.evaluation.acceptance import compare_outputs
 from eagle3_core.pipeline.train_stage import draft_shape, fresh_draft
 from eagle3_core.serving.launcher import llama_server
 from eagle3_core.target.loading import embedded_gguf_path, local_model_dir
@@ -118,7 +119,7 @@ def test_llama_cpp_samples_at_the_evaluation_settings(tmp_path):
     """llama-server with a draft at temperature 0.7 through llama_cpp_deploy.sampling_fields (two seeds, two GSM8K
     questions): it samples (answers differ from the greedy ones and between seeds) and reports its drafts (an
     untrained draft: tau about 1); without a draft it reads our top_k (top_k 1 at temperature 0.7 gives the greedy
-    answers; its default top_k 40 would not). Needs no trained run (the trained draft's tau: the deploy stage)."""
+    answers up to near-ties; its default top_k 40 would not). Needs no trained run (the trained draft's tau: the deploy stage)."""
     from eagle3_core.config import preset
     cfg = preset("debug_tiny", tmp_path / "run")
     rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": json.loads(line)["question"]}]}
@@ -134,7 +135,9 @@ def test_llama_cpp_samples_at_the_evaluation_settings(tmp_path):
     with llama_server(embedded_gguf_path(), tmp_path / "base.log", parallel=1) as url:     # the sampler itself
         greedy = run_requests(url, rows, 32)
         top1 = run_requests(url, rows, 32, sampling=sampling_fields(hot.model_copy(update={"top_k": 1})))
-    assert [t["token_ids"] for t in top1] == [g["token_ids"] for g in greedy]
+    verdicts = [compare_outputs(t["token_ids"], g["token_ids"], g["gaps"], LLAMA_CPP_TIE_GAP)
+                for t, g in zip(top1, greedy)]
+    assert "mismatch" not in verdicts, verdicts            # the same answers up to near-ties (quantized kernels)
     with llama_server(embedded_gguf_path(), tmp_path / "eagle3.log", parallel=1, extra_args=args) as url:
         spec = run_sampled(url, rows, 32, hot, [0, 1])
     s = summarize_sampled(greedy + greedy, spec)
