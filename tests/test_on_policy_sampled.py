@@ -48,12 +48,13 @@ def _store(tmp_path, target_model, rows: dict[str, list[tuple[list[int], list[in
                "offsets": torch.tensor(offs), "final": torch.cat(final), "aux": torch.zeros(T, 3, dtype=torch.bfloat16)},
               str(tmp_path / "shard_00000.safetensors"), metadata={"ids": json.dumps(names)})
     w = target_model.lm_head.weight.detach().float()
-    save_file({"embed_tokens": w, "lm_head": w}, str(tmp_path / "head.safetensors"))
+    save_file({"embed_tokens": w, "lm_head": w.clone()}, str(tmp_path / "head.safetensors"))
     (tmp_path / "manifest.json").write_text(json.dumps({"format": "bf16", "shards": [
         {"file": "shard_00000.safetensors"}]}))
     return {n: n.split("/")[0] for n in names}
 
 
+@pytest.mark.slow
 def test_the_sampled_gate_passes_the_targets_own_samples_and_refuses_human_text(target_model, tokenizer, tmp_path):
     rows = [json.loads(line) for line in (SHARED_DATA / "gsm8k" / "train.jsonl").read_text().splitlines()[:4]]
     prompts = [prompt_ids(tokenizer, [{"role": "user", "content": r["question"]}]) for r in rows]

@@ -29,8 +29,9 @@ from eagle3_core.features.store_formats import decode
 
 # the sampled gate: a source fails when its supervised tokens average this many nats a token less log-probability
 # under the target than the target's own samples at the regeneration temperature would (logprob_gap < -this).
-# The target's own samples average 0 by construction (more with top-k / top-p); 0.75 is a first choice, not yet
-# calibrated: tests/test_on_policy_sampled.py prints the embedded target's gaps for its own and for human answers
+# The target's own samples average 0 by construction (more with top-k / top-p). On the embedded target
+# (tests/test_on_policy_sampled.py, 4 GSM8K questions, 160 tokens each side) its own answers sampled at 0.7 measured
+# +0.08 (argmax share 84%) and human-written answers -1.15 (argmax share 60%); 0.75 lies between, one target only
 SAMPLED_GAP_NATS = 0.75
 
 
