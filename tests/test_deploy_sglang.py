@@ -95,3 +95,28 @@ def test_the_report_shows_the_sglang_deployment(e2e_run):
                    "concurrency 1", "warnings": []}
     md = report.markdown(r)
     assert "## Deployed on SGLang" in md and "| 1 | 90.0 | 82.3 | 0.91x | 2.10 | 2.30 |" in md
+
+
+def test_the_sglang_benchmark_sends_the_evaluation_sampling_settings(tmp_path):
+    """Both servers get eval.sampling's temperature, top_p, top_k and seed (as sglang 0.5.14's SamplingParams names
+    them: sampling_seed; the stand-in refuses unknown fields and values SGLang refuses); greedy stays temperature 0
+    without top_k/top_p. Only the request is tested: SGLang's tau at temperature > 0 is not measured here (no GPU)."""
+    from eagle3_core.config.sampling_config import SamplingConfig
+    servers = {"base": SGLangStandIn(PLAN), "spec": SGLangStandIn(PLAN, "EAGLE3")}
+
+    async def route(request: httpx.Request) -> httpx.Response:
+        return await servers[request.url.host](request)
+    s = SamplingConfig(temperature=0.7, top_p=0.95, top_k=20, seed=3)
+    result = run_benchmark("target", SpecArgs("draft", 5, 1, 6), PROMPTS, [1], tmp_path, 64, 32, 32,
+                           urls={"baseline": "http://base", "eagle3": "http://spec"},
+                           transport=httpx.MockTransport(route), sampling=s)
+    for server in servers.values():
+        assert [b["sampling_params"] for b in server.bodies[1:]] == [
+            {"max_new_tokens": 64, "temperature": 0.7, "top_p": 0.95, "top_k": 20, "sampling_seed": 3}] * len(PROMPTS)
+    assert result["args"]["sampling"]["temperature"] == 0.7
+    servers = {"base": SGLangStandIn(PLAN), "spec": SGLangStandIn(PLAN, "EAGLE3")}
+    run_benchmark("target", SpecArgs("draft", 5, 1, 6), PROMPTS, [1], tmp_path, 64, 32, 32,
+                  urls={"baseline": "http://base", "eagle3": "http://spec"}, transport=httpx.MockTransport(route),
+                  sampling=SamplingConfig(temperature=1.0, top_k=0))
+    assert servers["spec"].bodies[-1]["sampling_params"] == {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0,
+                                                             "sampling_seed": 0}       # top_k off: SGLang's -1

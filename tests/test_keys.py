@@ -35,9 +35,9 @@ IN_KEY = {
               "train.grad_clip", "train.ttt_length", "train.step_weight", "train.eval_frac", "train.seed",
               "train.batching", "train.init_from", "train.init_vocab", "train.max_epochs", "train.max_train_s", "train.loss",
               *DRAFT},
-    "evaluate": set(EVAL),
-    "deploy-llama-cpp": {"eval.num_draft_steps", "eval.max_new_tokens"},
-    "deploy-sglang": {*TARGET, "eval.num_draft_steps", "deploy_sglang.enabled", "deploy_sglang.baseline_url",
+    "evaluate": {*EVAL, "eval.serving"},                  # a declared serving setting is measured too
+    "deploy-llama-cpp": {"eval.num_draft_steps", "eval.max_new_tokens", "eval.sampling", "eval.serving"},
+    "deploy-sglang": {*TARGET, "eval.num_draft_steps", "eval.sampling", "deploy_sglang.enabled", "deploy_sglang.baseline_url",
                       "deploy_sglang.eagle3_url", "deploy_sglang.tp_size", "deploy_sglang.ep_size",
                       "deploy_sglang.extra_args", "deploy_sglang.num_steps", "deploy_sglang.topk",
                       "deploy_sglang.num_draft_tokens", "deploy_sglang.concurrency",
@@ -231,7 +231,8 @@ def test_stages_whose_key_formula_changed_accept_the_older_key_of_the_same_setti
 def test_sampling_settings_count_only_when_sampled_and_a_greedy_key_is_the_key_before_them(tmp_path):
     """generation.top_k / seed and eval.sampled_seeds change the answers only when sampled, so they count only then
     (and top_k / seed only when set: a sampled run's key from before they existed stays its key); the declared
-    serving settings count nowhere. A greedy evaluate key is the formula before eval.sampling existed."""
+    serving settings count where they differ from eval.sampling (evaluate measures at them too), not where they
+    are the same. A greedy evaluate key without serving settings is the formula before eval.sampling existed."""
     from eagle3_core.config.eval_config import resolved_evaluator
     from eagle3_core.pipeline.keys import stage_key
     base = _base(tmp_path)
@@ -244,12 +245,14 @@ def test_sampling_settings_count_only_when_sampled_and_a_greedy_key_is_the_key_b
     hot = {"temperature": 0.7}
     assert len({key("generation", "generation", **hot), key("generation", "generation", **hot, top_k=20),
                 key("generation", "generation", **hot, seed=3)}) == 3
-    assert key("evaluate", "eval", sampled_seeds=9) == key("evaluate", "eval", serving={"temperature": 1.0}) \
+    assert key("evaluate", "eval", sampled_seeds=9) == key("evaluate", "eval", serving={"temperature": 0.0}) \
         == key("evaluate", "eval", sampling={"temperature": 0.0, "top_p": 0.5, "seed": 4}) == key("evaluate", "eval")
+    assert key("evaluate", "eval", serving={"temperature": 1.0}) != key("evaluate", "eval")
     sampled = {"temperature": 0.7}
     assert len({key("evaluate", "eval", sampling=sampled), key("evaluate", "eval", sampling=sampled, sampled_seeds=9),
                 key("evaluate", "eval", sampling={**sampled, "seed": 1}), key("evaluate", "eval")}) == 4
-    assert key("evaluate", "eval", sampling=sampled, serving={"temperature": 1.0}) == key("evaluate", "eval",
+    assert key("evaluate", "eval", sampling=sampled, serving=sampled) == key("evaluate", "eval", sampling=sampled)
+    assert key("evaluate", "eval", sampling=sampled, serving={"temperature": 1.0}) != key("evaluate", "eval",
                                                                                           sampling=sampled)
     cfg, up = PipelineConfig.model_validate(base), _up("evaluate")
     before = {**cfg.eval.model_dump(mode="json", include={f.split(".")[1] for f in EVAL if f != "eval.sampling"}),
@@ -258,3 +261,23 @@ def test_sampling_settings_count_only_when_sampled_and_a_greedy_key_is_the_key_b
     # older runs all trained with 'kl' and measured greedily: their keys never stand for 'tv' or sampled settings
     assert STAGES["train"].older(_with(base, "train.loss", "tv"), _up("train")) == ()
     assert STAGES["evaluate"].older(_with(base, "eval.sampling", sampled), up) == ()
+
+
+def test_sampling_settings_count_in_the_keys_of_the_stages_that_measure_at_them(tmp_path):
+    """eval.sampling changes what evaluate and both deployments measure, the declared eval.serving what evaluate
+    and the llama.cpp deployment measure (eval.measured_samplings), not the SGLang benchmark's; greedy alone keeps
+    the key (and the older one) a run had before."""
+    base = _base(tmp_path)
+
+    def keys(**ev):
+        cfg = PipelineConfig.model_validate({**base, "eval": {**base["eval"], **ev}})
+        return {st: (STAGES[st].key(cfg, _up(st)), STAGES[st].older(cfg, _up(st)))
+                for st in ("evaluate", "deploy-llama-cpp", "deploy-sglang")}
+    greedy, served = keys(), keys(serving={"temperature": 0.7})
+    sampled = keys(sampling={"temperature": 0.7})
+    assert keys(sampling={"temperature": 0.0, "top_p": 0.5}) == greedy     # greedy ignores top_p
+    assert served["deploy-sglang"] == greedy["deploy-sglang"]
+    for st in ("evaluate", "deploy-llama-cpp"):
+        assert served[st][0] != greedy[st][0] and served[st][1] == () and len(greedy[st][1]) == 1
+    for st in ("evaluate", "deploy-llama-cpp", "deploy-sglang"):
+        assert sampled[st][0] not in (greedy[st][0], served[st][0]) and sampled[st][1] == ()

@@ -1,18 +1,25 @@
 """Deploying drafts on llama.cpp's EAGLE-3 server (an engine nobody here wrote): conversion, layer-id convention in
 the GGUF, acceptance of a trained draft vs an untrained one, greedy output equal to the server without a draft."""
+import json
 from pathlib import Path
 
 import pytest
 from gguf import GGUFReader
 
+from conftest import SHARED_DATA
 from eagle3_core.data.prompt_set import read_rows
 from eagle3_core.evaluation.llama_cpp_deploy import (
     LLAMA_CPP_TIE_GAP,
     convert_draft,
     engine_aux_hidden_states,
     run_requests,
+    run_sampled,
+    sampling_fields,
     summarize,
+    summarize_sampled,
 )
+from eagle3_core.config.sampling_config import SamplingConfig
+from eagle3_core.evaluation.acceptance import compare_outputs
 from eagle3_core.pipeline.train_stage import draft_shape, fresh_draft
 from eagle3_core.serving.launcher import llama_server
 from eagle3_core.target.loading import embedded_gguf_path, local_model_dir
@@ -105,3 +112,35 @@ def test_untrained_draft_gives_tau_one_on_llama_cpp(replay, tmp_path):
     draft_gguf = convert_draft(export, Path(local_model_dir(cfg.target)), tmp_path / "u.gguf")
     s = summarize(base, _serve_draft(draft_gguf, rows, tmp_path / "u.log"), LLAMA_CPP_TIE_GAP)
     assert s["tau"] < 1.1 and s["draft_n"] > 0, s
+
+
+@pytest.mark.slow
+def test_llama_cpp_samples_at_the_evaluation_settings(tmp_path):
+    """llama-server with a draft at temperature 0.7 through llama_cpp_deploy.sampling_fields (two seeds, two GSM8K
+    questions): it samples (answers differ from the greedy ones and between seeds) and reports its drafts (an
+    untrained draft: tau about 1); without a draft it reads our top_k (top_k 1 at temperature 0.7 gives the greedy
+    answers up to near-ties; its default top_k 40 would not). Needs no trained run (the trained draft's tau: the deploy stage)."""
+    from eagle3_core.config import preset
+    cfg = preset("debug_tiny", tmp_path / "run")
+    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": json.loads(line)["question"]}]}
+            for i, line in enumerate((SHARED_DATA / "gsm8k" / "train.jsonl").read_text().splitlines()[:2])]
+    from eagle3_core.training.draft_model import Eagle3Draft
+    untrained = Eagle3Draft(draft_shape(cfg))
+    untrained.init_weights(0)
+    draft_gguf = convert_draft(save_draft(untrained, tmp_path / "u"), Path(local_model_dir(cfg.target)),
+                               tmp_path / "u.gguf")
+    args = ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", "3", "--spec-draft-n-min",
+            "3"]
+    hot = SamplingConfig(temperature=0.7)
+    with llama_server(embedded_gguf_path(), tmp_path / "base.log", parallel=1) as url:     # the sampler itself
+        greedy = run_requests(url, rows, 32)
+        top1 = run_requests(url, rows, 32, sampling=sampling_fields(hot.model_copy(update={"top_k": 1})))
+    verdicts = [compare_outputs(t["token_ids"], g["token_ids"], g["gaps"], LLAMA_CPP_TIE_GAP)
+                for t, g in zip(top1, greedy)]
+    assert "mismatch" not in verdicts, verdicts            # the same answers up to near-ties (quantized kernels)
+    with llama_server(embedded_gguf_path(), tmp_path / "eagle3.log", parallel=1, extra_args=args) as url:
+        spec = run_sampled(url, rows, 32, hot, [0, 1])
+    s = summarize_sampled(greedy + greedy, spec)
+    assert s["requests"] == 4 and s["prompts"] == 2 and s["draft_n"] > 0 and s["tau"] < 1.2, s
+    by_seed = {seed: [r["token_ids"] for r in spec if r["seed"] == seed] for seed in (0, 1)}
+    assert by_seed[0] != [g["token_ids"] for g in greedy] and by_seed[0] != by_seed[1]

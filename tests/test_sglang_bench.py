@@ -39,6 +39,20 @@ from eagle3_core.serving.launcher import ServerError
 
 GENERATE_REQ_FIELDS = {"text", "input_ids", "input_embeds", "image_data", "sampling_params", "rid", "return_logprob",
                        "logprob_start_len", "top_logprobs_num", "stream", "lora_path", "return_hidden_states"}
+# sglang 0.5.14 `srt/sampling/sampling_params.py` SamplingParams.__init__'s arguments, and its checks of the ones
+# the benchmark sends (`verify`: top_k -1 or at least 1, top_p in (0, 1], temperature >= 0)
+SAMPLING_PARAMS_FIELDS = {"max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+                          "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+                          "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+                          "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
+                          "logit_bias", "sampling_seed"}
+
+
+def check_sampling_params(sp: dict) -> None:
+    """Refuse what sglang 0.5.14's SamplingParams would refuse (an unknown argument or a value `verify` rejects)."""
+    assert set(sp) <= SAMPLING_PARAMS_FIELDS, set(sp) - SAMPLING_PARAMS_FIELDS
+    assert sp.get("top_k", -1) == -1 or sp["top_k"] >= 1, sp
+    assert 0 < sp.get("top_p", 1.0) <= 1 and sp.get("temperature", 1.0) >= 0, sp
 
 
 def sglang_response(rid, completion_tokens, prompt_tokens, finish, spec=None):
@@ -76,6 +90,7 @@ class SGLangStandIn:
         assert request.url.path == "/generate" and request.method == "POST"
         body = json.loads(request.content)
         assert set(body) <= GENERATE_REQ_FIELDS, set(body) - GENERATE_REQ_FIELDS
+        check_sampling_params(body["sampling_params"])
         self.bodies.append(body)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)

@@ -48,7 +48,15 @@ class EvalConfig(StrictModel):
     sampled_seeds: int = Field(4, ge=1, description="trajectories per held-out prompt at temperature > 0")
     serving: SamplingConfig | None = Field(None, description="the settings the target is served at (declared, e.g. "
                                            "temperature 1.0, top_p 0.95): shown in the report's sampling table "
-                                           "beside regeneration and evaluation; no stage reads it")
+                                           "beside regeneration and evaluation; where it differs from eval.sampling, "
+                                           "the evaluate stage and the llama.cpp deployment measure tau at it too")
+
+    @property
+    def measured_samplings(self) -> list[SamplingConfig]:
+        """The settings the evaluate stage and the llama.cpp deployment measure tau at: eval.sampling, then the
+        declared eval.serving where it differs (each with eval.sampled_seeds seeds from its own seed when sampled)."""
+        return [self.sampling] + ([self.serving] if self.serving is not None and self.serving != self.sampling
+                                  else [])
 
     @model_validator(mode="after")
     def _tree_sglang_accepts(self):

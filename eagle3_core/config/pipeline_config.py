@@ -9,6 +9,7 @@ from eagle3_core.config.eval_config import EvalConfig, SGLangDeployConfig
 from eagle3_core.config.feature_config import FeatureConfig
 from eagle3_core.config.generation_config import GenerationConfig, ServerConfig
 from eagle3_core.config.prompt_config import PromptConfig
+from eagle3_core.config.sampling_config import SamplingConfig
 from eagle3_core.config.strict import StrictModel
 from eagle3_core.config.target_config import TargetConfig
 from eagle3_core.config.train_config import DraftConfig, TrainConfig
@@ -53,8 +54,10 @@ def preset(name: str, run_dir: str | Path | None = None) -> PipelineConfig:
             train=TrainConfig(epochs=6, lr=1e-3, batch_tokens=4096, ttt_length=3, eval_frac=0.0),
             # tree run on all 16 held-out prompts (~+100 s), paid for by measuring the untrained draft (tau ~1.0
             # by construction) on 4 prompts instead of 16 (~-110 s)
+            # a declared serving temperature of 0.7: tau at T = 0 and 0.7, offline and on llama.cpp (2 sampled
+            # trajectories per held-out prompt)
             eval=EvalConfig(num_draft_steps=3, max_new_tokens=128, tree_topk=4, tree_num_draft_tokens=8,
-                            untrained_prompts=4),
+                            untrained_prompts=4, serving=SamplingConfig(temperature=0.7), sampled_seeds=2),
         )
     elif name == "debug_tiny":
         cfg = PipelineConfig(

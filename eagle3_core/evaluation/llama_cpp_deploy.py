@@ -7,6 +7,10 @@ default and custom ids alike.
 
 Acceptance from llama.cpp: each verify step yields its accepted draft tokens plus one, so per request
 verify steps = predicted_n - draft_n_accepted and tau = sum(predicted_n) / sum(verify steps) (llama.cpp `tools/server`: `timings.draft_n`, `draft_n_accepted`).
+
+Sampling: llama.cpp drafts greedily (the draft's most probable token) and accepts a drafted token while the target's
+own sample equals it (common/speculative.cpp, common/sampling.cpp `common_sampler_sample_and_accept_n`): the
+'greedy_draft' rule of evaluation.replay_sampled, the offline tau to set beside its tau at temperature > 0.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle3_core.config.sampling_config import SamplingConfig
 from eagle3_core.contract.numbers import eta_text
 from eagle3_core.serving.client import generate_all
 from eagle3_core.serving.launcher import ServerError, llama_server_binary
@@ -107,14 +112,27 @@ def _tokens_and_gaps(logprobs_json: str) -> tuple[list[int], list[float]]:
     return ids, gaps
 
 
+def sampling_fields(s: SamplingConfig, seed: int | None = None) -> dict:
+    """llama-server request fields that sample as `s` does (tools/server/README.md of the pinned llama.cpp, the
+    /completion options its OpenAI endpoint also reads): greedy: temperature 0 and top_k 1 (it samples at
+    temperature 0 otherwise); sampled: temperature, top_k (0: the whole vocabulary), top_p, min_p 0 (its defaults,
+    top_k 40, top_p 0.95 and min_p 0.05, would cut the distribution further) and seed (default `s.seed`).
+    llama.cpp's default sampler chain applies top-k and top-p before temperature (SamplingConfig)."""
+    if s.greedy:
+        return {"temperature": 0.0, "top_k": 1}
+    return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": 0.0,
+            "seed": s.seed if seed is None else seed}
+
+
 def run_requests(url: str, prompts: list[dict], max_new_tokens: int, log=None, label: str = "",
-                 template_kwargs: dict | None = None) -> list[dict]:
-    """Greedy answers, one request at a time (single-stream speed), with llama.cpp timings and top-2 logprobs.
-    Each request carries its row's tools and `template_kwargs` (the run's generation.chat_template_kwargs): the
-    server (--jinja) renders the prompt as regeneration did. log: called with 'deploy: <label>: n of N prompts,
-    ETA ...' after each answer."""
+                 template_kwargs: dict | None = None, sampling: dict | None = None) -> list[dict]:
+    """Answers one request at a time (single-stream speed), with llama.cpp timings and top-2 logprobs; greedy
+    unless `sampling` (sampling_fields) says otherwise. Each request carries its row's tools and `template_kwargs`
+    (the run's generation.chat_template_kwargs): the server (--jinja) renders the prompt as regeneration did.
+    log: called with 'deploy: <label>: n of N prompts, ETA ...' after each answer."""
     import time
     t0, done = time.monotonic(), []
+    sampling = sampling or {"temperature": 0.0, "top_k": 1}
 
     def on_done(row: dict) -> None:
         done.append(row["id"])
@@ -122,8 +140,9 @@ def run_requests(url: str, prompts: list[dict], max_new_tokens: int, log=None, l
         eta = eta_text(time.monotonic() - t0, n, N - n)
         if log is not None:
             log(f"deploy: {label}: {n} of {N} prompts{eta}")
-    rows = asyncio.run(generate_all(url, prompts, max_new_tokens, 0.0, 1, 2, 600, on_done=on_done,
-                                    extra={"logprobs": True, "top_logprobs": 2}, template_kwargs=template_kwargs))
+    rows = asyncio.run(generate_all(url, prompts, max_new_tokens, sampling["temperature"], 1, 2, 600,
+                                    on_done=on_done, extra={"logprobs": True, "top_logprobs": 2, **sampling},
+                                    template_kwargs=template_kwargs))
     for r in rows:
         t = json.loads(r["timings"])
         r["predicted_n"] = int(t.get("predicted_n", r["completion_tokens"]))
@@ -134,18 +153,50 @@ def run_requests(url: str, prompts: list[dict], max_new_tokens: int, log=None, l
     return rows
 
 
+def run_sampled(url: str, prompts: list[dict], max_new_tokens: int, s: SamplingConfig, seeds: list[int], log=None,
+                label: str = "", template_kwargs: dict | None = None) -> list[dict]:
+    """run_requests at `s` once per seed of `seeds` (each request carries its seed): rows with `seed` added,
+    seed-major."""
+    return [{**r, "seed": seed} for seed in seeds
+            for r in run_requests(url, prompts, max_new_tokens, log, f"{label}, seed {seed}", template_kwargs,
+                                  sampling_fields(s, seed))]
+
+
+def _speed(base: list[dict], spec: list[dict]) -> dict:
+    """One-stream tok/s with and without the draft and their ratio, from llama.cpp's timings."""
+    base_tps = sum(r["predicted_n"] for r in base) / sum(r["predicted_n"] / r["tokens_per_s"] for r in base)
+    spec_tps = sum(r["predicted_n"] for r in spec) / sum(r["predicted_n"] / r["tokens_per_s"] for r in spec)
+    return {"baseline_tokens_per_s": base_tps, "tokens_per_s": spec_tps, "speedup": spec_tps / base_tps}
+
+
+def summarize_sampled(base: list[dict], spec: list[dict]) -> dict:
+    """summarize's numbers for sampled requests (run_sampled: several seeds per prompt): tau with its 95% bootstrap
+    interval over prompts (each prompt's seeds together, as replay_sampled's), acceptance, tok/s. No token-equality
+    check: at temperature > 0 the server with a draft draws other samples than the one without (lossless is a
+    property of the distribution: replay_sampled's tests)."""
+    from eagle3_core.evaluation.acceptance import bootstrap_ci
+    per: dict[str, list[int]] = {}
+    for r in spec:
+        tot = per.setdefault(r["id"], [0, 0])
+        tot[0], tot[1] = tot[0] + r["predicted_n"], tot[1] + r["predicted_n"] - r["draft_n_accepted"]
+    tokens, steps = [v[0] for v in per.values()], [v[1] for v in per.values()]
+    drafted, accepted = sum(r["draft_n"] for r in spec), sum(r["draft_n_accepted"] for r in spec)
+    return {"tau": sum(tokens) / max(sum(steps), 1), "tau_ci95": bootstrap_ci(tokens, steps),
+            "prompts": len(per), "requests": len(spec), "tokens": sum(tokens), "verify_steps": sum(steps),
+            "draft_n": drafted, "draft_n_accepted": accepted, "acceptance_rate": accepted / max(drafted, 1),
+            **_speed(base, spec), "lossless": "not checked by token equality at temperature > 0"}
+
+
 def summarize(base: list[dict], spec: list[dict], tie_gap: float) -> dict:
     """tau, acceptance, tok/s and the lossless verdicts of llama.cpp's speculative run against its baseline."""
     from eagle3_core.evaluation.acceptance import bootstrap_ci, compare_outputs
     tokens = [r["predicted_n"] for r in spec]
     steps = [r["predicted_n"] - r["draft_n_accepted"] for r in spec]
     verdicts = [compare_outputs(s["token_ids"], b["token_ids"], b["gaps"], tie_gap) for b, s in zip(base, spec)]
-    base_tps = sum(r["predicted_n"] for r in base) / sum(r["predicted_n"] / r["tokens_per_s"] for r in base)
-    spec_tps = sum(tokens) / sum(r["predicted_n"] / r["tokens_per_s"] for r in spec)
     drafted = sum(r["draft_n"] for r in spec)
     accepted = sum(r["draft_n_accepted"] for r in spec)
     return {"tau": sum(tokens) / max(sum(steps), 1), "tau_ci95": bootstrap_ci(tokens, steps),
             "tokens": sum(tokens), "verify_steps": sum(steps), "draft_n": drafted,
             "draft_n_accepted": accepted, "acceptance_rate": accepted / max(drafted, 1),
-            "baseline_tokens_per_s": base_tps, "tokens_per_s": spec_tps, "speedup": spec_tps / base_tps,
+            **_speed(base, spec),
             "lossless": {v: verdicts.count(v) for v in ("equal", "near_tie", "mismatch")}}

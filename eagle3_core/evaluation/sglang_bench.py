@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from eagle3_core.config.sampling_config import SamplingConfig
 from eagle3_core.serving.launcher import ServerError
 
 MISCONFIGURED_TAU = 1.2
@@ -88,11 +89,16 @@ def target_server_args(tp_size: int = 1, ep_size: int = 1, trust_remote_code: bo
     return args + list(extra_args or [])
 
 
-def generate_body(input_ids: list[int], max_new_tokens: int) -> dict:
-    """A greedy /generate request (sglang `GenerateReqInput`: input_ids, sampling_params, stream).
-    max_new_tokens is always set (SGLang's default is 128)."""
-    return {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
-            "stream": False}
+def generate_body(input_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None) -> dict:
+    """A /generate request (sglang `GenerateReqInput`: input_ids, sampling_params, stream), greedy unless
+    `sampling` samples: then its temperature, top_p, top_k (0: off, left out: SGLang's -1) and seed as
+    `sampling_seed` (sglang 0.5.14 `srt/sampling/sampling_params.py` SamplingParams). max_new_tokens is always set
+    (SGLang's default is 128)."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+    if sampling is not None and not sampling.greedy:
+        params.update({"temperature": sampling.temperature, "top_p": sampling.top_p,
+                       **({"top_k": sampling.top_k} if sampling.top_k > 0 else {}), "sampling_seed": sampling.seed})
+    return {"input_ids": input_ids, "sampling_params": params, "stream": False}
 
 
 def parse_generate(data: dict, where: str) -> dict:
@@ -116,15 +122,16 @@ def parse_generate(data: dict, where: str) -> dict:
 
 
 async def run_level(client: httpx.AsyncClient, url: str, prompts: list[dict], concurrency: int,
-                    max_new_tokens: int) -> dict:
-    """Send every prompt ({id, input_ids, category}) once with at most `concurrency` in flight.
+                    max_new_tokens: int, sampling: SamplingConfig | None = None) -> dict:
+    """Send every prompt ({id, input_ids, category}) once with at most `concurrency` in flight (generate_body at
+    `sampling`).
     Returns {concurrency, seconds (wall), rows: [parse_generate + id, category]}. Raises ServerError on HTTP errors."""
     sem = asyncio.Semaphore(concurrency)
 
     async def one(p: dict) -> dict:
         async with sem:
             try:
-                resp = await client.post(f"{url}/generate", json=generate_body(p["input_ids"], max_new_tokens))
+                resp = await client.post(f"{url}/generate", json=generate_body(p["input_ids"], max_new_tokens, sampling))
                 resp.raise_for_status()
             except httpx.HTTPError as e:
                 raise ServerError(f"{url}/generate failed for prompt {p['id']} ({type(e).__name__}: {e})") from e
@@ -222,13 +229,16 @@ def check_server_info(info: dict, spec: SpecArgs | None, max_running_requests: i
 
 
 async def benchmark_server(url: str, prompts: list[dict], concurrencies: list[int], max_new_tokens: int,
-                           timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None) -> dict:
-    """/server_info, one warm-up request, then every concurrency level. Returns {server_info, levels (summarized)}."""
+                           timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None,
+                           sampling: SamplingConfig | None = None) -> dict:
+    """/server_info, one warm-up request, then every concurrency level, every request at `sampling` (None:
+    greedy). Returns {server_info, levels (summarized)}."""
     async with httpx.AsyncClient(timeout=timeout_s, transport=transport) as client:
         info_resp = await client.get(f"{url}/server_info")
         info = info_resp.json() if info_resp.status_code == 200 else {}
-        await run_level(client, url, prompts[:1], 1, min(max_new_tokens, 16))      # warm-up, not counted
-        levels = [summarize_level(await run_level(client, url, prompts, c, max_new_tokens)) for c in concurrencies]
+        await run_level(client, url, prompts[:1], 1, min(max_new_tokens, 16), sampling)      # warm-up, not counted
+        levels = [summarize_level(await run_level(client, url, prompts, c, max_new_tokens, sampling))
+                  for c in concurrencies]
     return {"server_info": {k: info.get(k) for k in ("version", "model_path", "speculative_algorithm",
                                                        "speculative_num_steps", "speculative_eagle_topk",
                                                        "speculative_num_draft_tokens", "max_running_requests",

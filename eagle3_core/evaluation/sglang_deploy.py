@@ -100,7 +100,7 @@ def run_benchmark(target: str, spec: SpecArgs, prompts: list[dict], levels: list
                   max_new_tokens: int, max_running_requests: int, cuda_graph_max_bs: int,
                   server_args: list[str] | None = None, urls: dict[str, str | None] | None = None,
                   host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 1800.0,
-                  transport=None, python: str | None = None) -> dict:
+                  transport=None, python: str | None = None, sampling=None) -> dict:
     """Benchmark the baseline and the EAGLE3 server on `prompts` ({id, category, input_ids}) at each concurrency
     of `levels`; writes sglang_bench.{json,md} and tok_s_vs_concurrency.png under `out` and returns the result
     (args, prompts, baseline, eagle3, verdict with tau, speed-up and break-even tau per level).
@@ -109,6 +109,7 @@ def run_benchmark(target: str, spec: SpecArgs, prompts: list[dict], levels: list
     checked against what was asked for); None starts that server here (`server_command` + `server_args`, both
     with the same --max-running-requests and --cuda-graph-max-bs), logged to out/<name>.log and stopped after.
     transport: an httpx transport for the running servers (tests answer through SGLang stand-ins with it).
+    sampling: a config.SamplingConfig every request samples at (sglang_bench.generate_body; None: greedy).
     Raises ServerError naming the server, ValueError for an EAGLE (not EAGLE3) spec or a missing draft."""
     from eagle3_core.serving.launcher import free_port, launch
     urls = urls or {}
@@ -119,11 +120,12 @@ def run_benchmark(target: str, spec: SpecArgs, prompts: list[dict], levels: list
                              server_args, python)
         if urls.get(name):
             results[name] = asyncio.run(benchmark_server(urls[name].rstrip("/"), prompts, levels, max_new_tokens,
-                                                         transport=transport))
+                                                         transport=transport, sampling=sampling))
         else:
             url = f"http://{host}:{cmd[cmd.index('--port') + 1]}"
             with launch(cmd, url, out / f"{name}.log", startup_timeout_s):
-                results[name] = asyncio.run(benchmark_server(url, prompts, levels, max_new_tokens))
+                results[name] = asyncio.run(benchmark_server(url, prompts, levels, max_new_tokens,
+                                                             sampling=sampling))
         warnings += [f"{name}: {w}" for w in check_server_info(results[name]["server_info"], sp,
                                                                  max_running_requests, cuda_graph_max_bs)]
     v = verdict(results["baseline"]["levels"], results["eagle3"]["levels"])
@@ -131,7 +133,8 @@ def run_benchmark(target: str, spec: SpecArgs, prompts: list[dict], levels: list
     result = {"args": {"target": target, "draft": spec.draft_dir, "steps": spec.num_steps, "topk": spec.topk,
                        "draft_tokens": spec.num_draft_tokens, "max_running_requests": max_running_requests,
                        "cuda_graph_max_bs": cuda_graph_max_bs, "max_new_tokens": max_new_tokens,
-                       "server_args": list(server_args or []), "urls": urls},
+                       "server_args": list(server_args or []), "urls": urls,
+                       "sampling": None if sampling is None else sampling.model_dump(mode="json")},
               "prompts": len(prompts), **results, "verdict": v}
     (out / "sglang_bench.json").write_text(json.dumps(result, indent=2))
     (out / "sglang_bench.md").write_text(markdown(result))

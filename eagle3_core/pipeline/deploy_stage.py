@@ -19,13 +19,19 @@ def deploy_llama_cpp_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     'prompts': their keys}; default: read from their manifests), and the draft steps and tokens per prompt it
     measures with (the server's address and the other eval settings do not change what it measures)."""
     up = upstream_keys(cfg, "deploy-llama-cpp") if up is None else up
-    return stage_key(up["train"], {"num_draft_steps": cfg.eval.num_draft_steps,
-                                   "max_new_tokens": cfg.eval.max_new_tokens}, up["prompts"])
+    e = cfg.eval                        # the sampling settings count only where not greedy alone (keys before them)
+    settings = e.measured_samplings
+    sampled = ({} if [s.greedy for s in settings] == [True] else
+               {"samplings": [s.model_dump(mode="json") for s in settings], "sampled_seeds": e.sampled_seeds})
+    return stage_key(up["train"], {"num_draft_steps": e.num_draft_steps, "max_new_tokens": e.max_new_tokens,
+                                   **sampled}, up["prompts"])
 
 
 def deploy_llama_cpp_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
     """The key a llama.cpp deployment finished before the keys hashed results only holds (every eval setting and
-    server.host)."""
+    server.host; none where it measures at a sampled setting: older runs measured greedily only)."""
+    if [s.greedy for s in cfg.eval.measured_samplings] != [True]:
+        return ()
     up = upstream_keys(cfg, "deploy-llama-cpp") if up is None else up
     return (stage_key(up["train"], fields_v4(cfg.eval, EVAL_FIELDS_V4), cfg.server.host, up["prompts"]),)
 
@@ -33,9 +39,12 @@ def deploy_llama_cpp_older_keys(cfg: PipelineConfig, up: dict | None = None) -> 
 def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
     """Deploy the exported draft on llama.cpp (GGUF conversion, `--spec-type draft-eagle3`) and benchmark it
     against the same server without a draft on the held-out prompts (with their tools and
-    generation.chat_template_kwargs), greedy, one stream (deploy_llama_cpp/).
-    Skipped (manifest says why) when the target is not a GGUF file llama.cpp can serve."""
-    from eagle3_core.evaluation.llama_cpp_deploy import LLAMA_CPP_TIE_GAP, convert_draft, run_requests, summarize
+    generation.chat_template_kwargs), one stream, at each of eval.measured_samplings (greedy: one request per
+    prompt, the lossless check against the baseline's tokens; sampled: eval.sampled_seeds requests per prompt with
+    llama.cpp's own sampling fields, llama_cpp_deploy.sampling_fields) (deploy_llama_cpp/). The summary holds the
+    first setting's numbers and `by_sampling`, one entry per setting. Skipped (manifest says why) when the target
+    is not a GGUF file llama.cpp can serve."""
+    from eagle3_core.evaluation.llama_cpp_deploy import LLAMA_CPP_TIE_GAP, convert_draft, summarize, summarize_sampled
     from eagle3_core.serving.launcher import llama_server
     from eagle3_core.target.loading import gguf_path, local_model_dir
     out = RunLayout(cfg.run_dir).deploy_llama_cpp
@@ -53,26 +62,44 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
         kwargs = cfg.generation.chat_template_kwargs or None     # the server renders each row with them, its tools
         common = dict(host=cfg.server.host, parallel=1, ctx_per_slot=cfg.server.ctx_per_slot * 2,
                       startup_timeout_s=cfg.server.startup_timeout_s)
+        settings = cfg.eval.measured_samplings
         with llama_server(gguf, out / "baseline.log", **common) as url:
-            base = run_requests(url, rows, n_new, log, "no draft", kwargs)
+            base = [_llama_cpp_rows(url, rows, n_new, s, cfg.eval.sampled_seeds, log, "no draft", kwargs)
+                    for s in settings]
         spec_args = ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(S),
                      "--spec-draft-n-min", str(S)]
         with llama_server(gguf, out / "eagle3.log", extra_args=spec_args, **common) as url:
-            spec = run_requests(url, rows, n_new, log, "EAGLE-3 draft", kwargs)
-        summary = {**summarize(base, spec, LLAMA_CPP_TIE_GAP), "num_draft_steps": S, "max_new_tokens": n_new,
+            spec = [_llama_cpp_rows(url, rows, n_new, s, cfg.eval.sampled_seeds, log, "EAGLE-3 draft", kwargs)
+                    for s in settings]
+        by_sampling = [{"sampling": s.model_dump(mode="json"),
+                        **(summarize(b, p, LLAMA_CPP_TIE_GAP) if s.greedy else summarize_sampled(b, p))}
+                       for s, b, p in zip(settings, base, spec, strict=True)]
+        summary = {**by_sampling[0], "by_sampling": by_sampling, "num_draft_steps": S, "max_new_tokens": n_new,
                    "tie_gap": LLAMA_CPP_TIE_GAP, "draft_gguf": str(draft_gguf),
                    "server_args": spec_args[2:],                                 # without the local -md path
                    "machine_load": machine_load()}                  # the report flags speeds of a busy machine
         summary["warnings"] = generation_speed_warnings(cfg, summary)
         for w in summary["warnings"]:
             log(f"deploy: warning: {w}")
-        log(f"deploy: llama.cpp tau {summary['tau']:.2f}, {summary['tokens_per_s']:.1f} tok/s with the draft vs "
-            f"{summary['baseline_tokens_per_s']:.1f} without ({summary['speedup']:.2f}x); lossless "
-            f"{summary['lossless']}")
+        for b in by_sampling:
+            log(f"deploy: llama.cpp at temperature {b['sampling']['temperature']:g}: tau {b['tau']:.2f}, "
+                f"{b['tokens_per_s']:.1f} tok/s with the draft vs {b['baseline_tokens_per_s']:.1f} without "
+                f"({b['speedup']:.2f}x); lossless {b['lossless']}")
         return {"summary": summary}
 
     d = stage_run.decision(cfg, "deploy-llama-cpp", deploy_llama_cpp_key, deploy_llama_cpp_older_keys)
     return stage_run.run(d, body, outputs=("draft.gguf",), log=log)
+
+
+def _llama_cpp_rows(url: str, rows: list[dict], n_new: int, s, n_seeds: int, log, label: str,
+                    kwargs: dict | None) -> list[dict]:
+    """llama_cpp_deploy.run_requests greedy (`s` greedy), else run_sampled at `s` over seeds s.seed ..
+    s.seed + n_seeds - 1."""
+    from eagle3_core.evaluation.llama_cpp_deploy import run_requests, run_sampled
+    if s.greedy:
+        return run_requests(url, rows, n_new, log, label, kwargs)
+    return run_sampled(url, rows, n_new, s, list(range(s.seed, s.seed + n_seeds)), log,
+                       f"{label}, temperature {s.temperature:g}", kwargs)
 
 
 def generation_speed_warnings(cfg: PipelineConfig, summary: dict) -> list[str]:
@@ -93,16 +120,20 @@ def generation_speed_warnings(cfg: PipelineConfig, summary: dict) -> list[str]:
 def deploy_sglang_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     """Inputs key of the SGLang deployment stage: the trained draft (`up`: {'train': its key}; default: read from
     its manifest), the target, the draft steps it serves with (deploy_sglang.num_steps, else eval.num_draft_steps)
-    and the stage's own settings but the server start timeout."""
+    and the stage's own settings but the server start timeout; eval.sampling where it samples (greedy: the key
+    before it existed)."""
     up = upstream_keys(cfg, "deploy-sglang") if up is None else up
-    d = cfg.deploy_sglang
+    d, s = cfg.deploy_sglang, cfg.eval.sampling
     return stage_key(up["train"], cfg.target, d.num_steps or cfg.eval.num_draft_steps,
-                     d.model_dump(mode="json", exclude={"startup_timeout_s", "num_steps"}))
+                     d.model_dump(mode="json", exclude={"startup_timeout_s", "num_steps"}),
+                     *([] if s.greedy else [s.model_dump(mode="json")]))
 
 
 def deploy_sglang_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
     """The key an SGLang deployment finished before the keys hashed results only holds (eval.num_draft_steps and
-    every deploy_sglang setting)."""
+    every deploy_sglang setting; none at a sampled eval.sampling)."""
+    if not cfg.eval.sampling.greedy:
+        return ()
     up = upstream_keys(cfg, "deploy-sglang") if up is None else up
     return (stage_key(up["train"], cfg.target, cfg.eval.num_draft_steps,
                       fields_v4(cfg.deploy_sglang, DEPLOY_SGLANG_FIELDS_V4)),)
@@ -175,7 +206,8 @@ def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
         result = run_benchmark(cfg.target.model, spec, prompts, d.concurrency, out, d.max_new_tokens,
                                d.max_running_requests, d.cuda_graph_max_bs, server_args,
                                {"baseline": d.baseline_url, "eagle3": d.eagle3_url}, host=cfg.server.host,
-                               startup_timeout_s=d.startup_timeout_s, python=cfg.sglang_python)
+                               startup_timeout_s=d.startup_timeout_s, python=cfg.sglang_python,
+                               sampling=cfg.eval.sampling)
         v = result["verdict"]
         log(f"deploy-sglang: tau {v['tau'] if v['tau'] is None else round(v['tau'], 2)}; {v['summary']}")
         for w in v["warnings"]:

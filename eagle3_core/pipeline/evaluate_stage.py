@@ -25,9 +25,11 @@ def evaluate_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     up = upstream_keys(cfg, "evaluate") if up is None else up
     e = cfg.eval
     # the sampling settings count only when sampled (greedy ignores top_p, top_k and seeds: a greedy run's key is
-    # the key it had before they existed); the declared serving settings never (report only)
+    # the key it had before they existed); the declared serving settings where measured (eval.measured_samplings)
     sampled = ({} if e.sampling.greedy else {"sampling": e.sampling.model_dump(mode="json"),
                                               "sampled_seeds": e.sampled_seeds})
+    if len(e.measured_samplings) > 1:
+        sampled.update({"serving": e.serving.model_dump(mode="json"), "sampled_seeds": e.sampled_seeds})
     return stage_key(up["train"], {**e.model_dump(mode="json", exclude={"sampling", "sampled_seeds", "serving"}),
                                     "evaluator": resolved_evaluator(e.evaluator, cfg.features.backend), **sampled},
                      up["prompts"])
@@ -36,7 +38,7 @@ def evaluate_key(cfg: PipelineConfig, up: dict | None = None) -> str:
 def evaluate_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
     """The key an evaluate stage finished before the keys hashed results only holds (the evaluator unresolved;
     none for sampled settings: older runs all measured greedily)."""
-    if not cfg.eval.sampling.greedy:
+    if not cfg.eval.sampling.greedy or len(cfg.eval.measured_samplings) > 1:
         return ()
     up = upstream_keys(cfg, "evaluate") if up is None else up
     return (stage_key(up["train"], fields_v4(cfg.eval, EVAL_FIELDS_V4), up["prompts"]),)
@@ -84,25 +86,26 @@ def _replay(cfg: PipelineConfig, tok, prompts, cats, drafts: dict, eos: set[int]
     return report
 
 
-def _sampled(cfg: PipelineConfig, target, prompts, drafts: dict, eos: set[int], log) -> dict:
-    """eval.sampling at temperature > 0: one trajectory per held-out prompt and seed (eval.sampling.seed ..
-    + eval.sampled_seeds - 1) sampled by the target in this process (`target`: a speculate.TargetRunner), each draft
+def _sampled(cfg: PipelineConfig, target, prompts, drafts: dict, eos: set[int], log, s=None) -> dict:
+    """Sampling settings `s` (default eval.sampling) at temperature > 0: one trajectory per held-out prompt and seed
+    (s.seed .. + eval.sampled_seeds - 1) sampled by the target in this process (`target`: a speculate.TargetRunner), each draft
     replayed against them under both accept rules (replay_sampled). Returns the report's runs {name: the
     'sampled' rule's replay_measure_sampled + rules {rule: tau, tau_ci95, per_prompt}, params, lossless} and
     {evaluator 'replay_sampled', recording}."""
     from eagle3_core.evaluation.replay_sampled import record_sampled, replay_measure_sampled
     e = cfg.eval
-    seeds = list(range(e.sampling.seed, e.sampling.seed + e.sampled_seeds))
-    recs = record_sampled(target, prompts, e.max_new_tokens, eos, e.sampling, seeds)
+    s = e.sampling if s is None else s
+    seeds = list(range(s.seed, s.seed + e.sampled_seeds))
+    recs = record_sampled(target, prompts, e.max_new_tokens, eos, s, seeds)
     log(f"evaluate: sampled {len(recs)} trajectories ({len(prompts)} held-out prompts x {len(seeds)} seeds, "
-        f"{sum(len(r['tokens']) for r in recs)} tokens) at temperature {e.sampling.temperature:g}")
+        f"{sum(len(r['tokens']) for r in recs)} tokens) at temperature {s.temperature:g}")
     report = {"evaluator": "replay_sampled", "recording": {"prompts": len(prompts), "seeds": seeds,
                                                           "tokens": sum(len(r["tokens"]) for r in recs),
                                                           "server": "transformers (this process)"}}
     for name, (draft, idx) in drafts.items():
         keep = set(range(len(prompts)) if idx is None else idx)
         m = replay_measure_sampled(draft.eval(), [r for r in recs if r["prompt_index"] in keep],
-                                   e.num_draft_steps, e.sampling)
+                                   e.num_draft_steps, s)
         r = {k: v for k, v in m["sampled"].items() if k != "accepted"}
         report[name] = {**r, "rules": {rule: {k: m[rule][k] for k in ("tau", "tau_ci95", "per_prompt")}
                                        for rule in m},
@@ -187,8 +190,14 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
             return None if n is None else list(range(min(n, len(prompts))))
 
         def write_report(report: dict) -> dict:
-            """`report` (either evaluator's) completed with what both record, written to eval/report.json;
-            the stage's result."""
+            """`report` (either evaluator's) completed with what both record, the trained draft's sampled replay at
+            the declared serving settings where they differ (`at_serving`), written to eval/report.json; the
+            stage's result."""
+            if len(e.measured_samplings) > 1:
+                s2 = e.measured_samplings[1]
+                report["at_serving"] = {"sampling": s2.model_dump(mode="json"), **_sampled(
+                    cfg, TargetRunner(load_target(cfg.target), ids), prompts, {"trained": (trained, None)}, eos, log,
+                    s2)}
             report.update({"eval_ids": [r["id"] for r in rows], "num_draft_steps": S,
                            "max_new_tokens": e.max_new_tokens, "aux_layer_ids": ids, "preflight": "passed",
                            "machine_load": machine_load(),            # the report flags speeds of a busy machine

@@ -38,7 +38,8 @@ def on_policy_gate(cfg: PipelineConfig, rows: list[dict], files: list[str], log=
     from eagle3_core.features.on_policy import check_on_policy, on_policy_by_source, on_policy_line, sources_of
     if cfg.features.format == "online":
         return
-    per = on_policy_by_source(RunLayout(cfg.run_dir).features, sources_of(rows), files)
+    t = cfg.generation.temperature                  # sampled regeneration: the log-probability gate, not argmax
+    per = on_policy_by_source(RunLayout(cfg.run_dir).features, sources_of(rows), files, t if t > 0 else None)
     log(f"features: on-policy on the first shard: {on_policy_line(per)}")
     check_on_policy(per, cfg.features.min_on_policy, "the first shard")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from eagle3_core.contract.layout import STAGE_DIRS, RunLayout
 from eagle3_core.contract.numbers import human_bytes
-from eagle3_core.evaluation.sampling_compare import compare_sampling
+from eagle3_core.evaluation.sampling_compare import compare_sampling, tau_by_temperature_markdown
 from eagle3_core.pipeline import report_numbers as nums
 
 # directories of the stages a finished run has (deploy-sglang is optional: it runs on GPU hosts only)
@@ -159,10 +159,11 @@ def warnings(ev: dict, llama_cpp: dict | None = None) -> list[str]:
     if cons and cons["flagged"] and cons["metrics_from"] == "eval" and not lo <= cons["tau_sim_at_steps"] <= hi:
         out.append(f"{cons['note']} (the simulated tau lies outside the measured tau's 95% interval "
                    f"{lo:.2f}-{hi:.2f})")
-    if llama_cpp and _disjoint(llama_cpp["tau_ci95"], tr["tau_ci95"]):
-        a = llama_cpp["tau_ci95"]
+    off = tr.get("rules", {}).get("greedy_draft", tr)                   # llama.cpp's accept rule when sampled
+    if llama_cpp and _disjoint(llama_cpp["tau_ci95"], off["tau_ci95"]):
+        a, b = llama_cpp["tau_ci95"], off["tau_ci95"]
         out.append(f"the engine's tau {llama_cpp['tau']:.2f} (95% interval {a[0]:.2f}-{a[1]:.2f}) and the offline "
-                   f"tau {tr['tau']:.2f} ({lo:.2f}-{hi:.2f}) disagree: check the aux layer ids and d2t of the "
+                   f"tau {off['tau']:.2f} ({b[0]:.2f}-{b[1]:.2f}) disagree: check the aux layer ids and d2t of the "
                    f"exported draft")
     if hi < 1.2:
         out.append(f"tau {tr['tau']:.2f} (95% interval {lo:.2f}-{hi:.2f}) is below 1.2, which usually means a "
@@ -336,6 +337,7 @@ def markdown(r: dict) -> str:
     elif (n := nums.too_few_prompts(ev)):
         lines += ["", f"No warnings: {n} held-out prompts are too few for the checks of tau (at least "
                   f"{nums.MIN_PROMPTS_FOR_WARNINGS})."]
+    lines += tau_by_temperature_markdown(ev, lc)
     if r.get("sampling"):
         lines += sampling_markdown(r["sampling"])
     from eagle3_core.pipeline.nightly import nights_markdown
