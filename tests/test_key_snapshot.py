@@ -2,7 +2,9 @@
 `stage_keys` below at the commit it names): a finished run of the demo, debug_tiny, configs/e2e_gsm8k.json or a Kimi
 config stays done under today's code. Each pinned key (today's formula then, and the older formulas it accepted)
 must still be accepted today (the key or an older-key rule: pipeline/table.Stage.older), given the upstream keys
-pinned beside it, on a CPU host and on a CUDA host ('auto' batching resolved to padded or packed rows then)."""
+pinned beside it, on a CPU host and on a CUDA host ('auto' batching resolved to padded or packed rows then).
+A shipped config whose recipe changes on purpose (the stages it must redo) is repinned with the reason in the
+file's `repinned` list."""
 from __future__ import annotations
 
 import json
