@@ -75,7 +75,7 @@ def test_the_probe_extracts_afresh_so_a_tp_size_change_really_shards(tiny_target
     from eagle3_core.config import PipelineConfig
     from eagle3_core.contract.layout import RunLayout
     from eagle3_core.features_probe import probe
-    from eagle3_core.pipeline import features_stage
+    from eagle3_core.features import store_run
     started = []
 
     def torchrun(args, nproc, **kw):
@@ -86,7 +86,7 @@ def test_the_probe_extracts_afresh_so_a_tp_size_change_really_shards(tiny_target
         extract_features(load_target(conf.target, "cpu"), rows, RunLayout(conf.run_dir).features,
                          f.aux_layer_ids, f.shard_samples, f.batch_tokens, log=lambda s: None, backend="hf_tp",
                          store_key=args[args.index("--store-key") + 1])
-    monkeypatch.setattr(features_stage, "run_torchrun", torchrun)
+    monkeypatch.setattr(store_run, "run_torchrun", torchrun)
     cfg = features_run(tmp_path / "run", tiny_target_dirs["llama"], random_rows(6), backend="hf_tp", tp_size=1)
     first = probe(cfg, ["hf", "hf_tp"], 4, log=lambda s: None)
     assert started == [1] and first["ranks"] == {"hf": 1, "hf_tp": 1} and first["ok"]
