@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3_core.config import PipelineConfig, load_config  # noqa: E402
+from eagle3_core.contract.layout import RunLayout  # noqa: E402
 from eagle3_core.data import prompt_set as prompts_mod  # noqa: E402
 from eagle3_core.data.chat import prompt_ids  # noqa: E402
 from eagle3_core.evaluation.acceptance import SpecRun, measure, paired_bootstrap_diff_ci  # noqa: E402
@@ -42,7 +43,7 @@ def main() -> None:
     tok, model = load_tokenizer(cfg.target), load_target(cfg.target)
     rows = prompts_mod.read_rows(a.run_dir / "prompts" / "eval.parquet")[:a.prompts]
     prompts = [prompt_ids(tok, r["messages"]) for r in rows]
-    best = load_draft(Path(draft_manifest["export_dir"]).parent / "best")
+    best = load_draft(RunLayout(a.run_dir).stored(draft_manifest["export_dir"]).parent / "best")
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):

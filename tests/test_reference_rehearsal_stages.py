@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from eagle3_core.contract.layout import RunLayout
 from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.markers import target_markers
 from eagle3_core.pipeline.deploy_stage import run_deploy_sglang
@@ -175,7 +176,7 @@ def test_the_exported_ids_read_by_the_pinned_sglang_name_the_layers_extracted(ag
     the ones the ep_int4 ranks extracted (ids are layer outputs here, layer inputs there)."""
     from kimi_rehearsal import LAYERS
     cfg, out, _, _ = agentic
-    saved = json.loads((Path(out["train"]["export_dir"]) / "config.json").read_text())
+    saved = json.loads((RunLayout(cfg.run_dir).stored(out["train"]["export_dir"]) / "config.json").read_text())
     served = sglang_capture("kimi_k25", saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"], LAYERS)
     extracted = out["features"]["aux_layer_ids"]
     assert [i - 1 for i in served] == extracted and len(extracted) == 3
