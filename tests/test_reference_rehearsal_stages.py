@@ -8,7 +8,6 @@ evaluation (the stand-in then answers as SGLang serving the target would: its gr
 stand-in servers by URL; and a rank of `ep_int4` killed mid-run, then the rerun."""
 import json
 import time
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
