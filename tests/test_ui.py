@@ -173,9 +173,7 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
             page.goto(f"{UI}/runs/flow-run/{night['id']}", wait_until="networkidle")
             page.get_by_text("continues the finished run").first.wait_for()
             page.screenshot(path=SHOTS / "3b-nightly-on-a-finished-run.png")
-            plan = page.get_by_text("plan: skip").first                   # its first screen: what it will do
-            plan.wait_for()
-            assert plan.bounding_box()["y"] < 1000, plan.bounding_box()
+            page.get_by_text("plan: skip").first.wait_for()                # its log says what it will do
             assert page.get_by_text("check: passed").count() >= 1 and page.get_by_text("disk_gb_per_1m").count() == 0
             keys_before = {a["key"] for a in _artifacts("-debug-tiny-")}
             (report,) = _artifacts(report["key"])          # the night published this run's report again
