@@ -177,20 +177,10 @@ class DeployStandIn(SGLangTokenStandIn):
                           "speculative_eagle_topk": topk if algorithm else None})
         self.bodies = []
 
-    async def _handle(self, reader, writer) -> None:
-        try:
-            while (request := await self.read_request(reader)) is not None:
-                method, path, _, body = request
-                status, payload = (200, self.info) if path == "/server_info" else \
-                    (200, {}) if method == "GET" else self._answer(json.loads(body))
-                data = json.dumps(payload).encode()
-                writer.write(f"HTTP/1.1 {status} OK\r\nContent-Type: application/json\r\nContent-Length: "
-                             f"{len(data)}\r\n\r\n".encode() + data)
-                await writer.drain()
-        finally:
-            writer.close()
+    def _respond(self, method: str, path: str, body: bytes) -> tuple[int, dict]:
+        return (200, self.info) if path == "/server_info" else super()._respond(method, path, body)
 
-    def _answer(self, body: dict) -> tuple[int, dict]:
+    def _generate(self, path: str, body: dict) -> tuple[int, dict]:
         from test_sglang_bench import GENERATE_REQ_FIELDS, sglang_response
         assert set(body) <= GENERATE_REQ_FIELDS, set(body) - GENERATE_REQ_FIELDS
         self.bodies.append(body)

@@ -31,17 +31,17 @@ class SGLangTokenStandIn(LoopbackProxy):
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while (request := await self.read_request(reader)) is not None:
-                method, path, _, body = request
-                if method == "GET":
-                    status, payload = 200, {}
-                else:
-                    status, payload = self._generate(path, json.loads(body))
+                status, payload = self._respond(*request[:2], request[3])
                 data = json.dumps(payload).encode()
                 writer.write(f"HTTP/1.1 {status} OK\r\nContent-Type: application/json\r\nContent-Length: "
                              f"{len(data)}\r\n\r\n".encode() + data)
                 await writer.drain()
         finally:
             writer.close()
+
+    def _respond(self, method: str, path: str, body: bytes) -> tuple[int, dict]:
+        """(HTTP status, JSON payload) of one request: {} for a GET, else the scripted answer (`_generate`)."""
+        return (200, {}) if method == "GET" else self._generate(path, json.loads(body))
 
     def _generate(self, path: str, body: dict) -> tuple[int, dict]:
         assert path == "/generate" and set(body) <= GENERATE_REQ_FIELDS, (path, set(body) - GENERATE_REQ_FIELDS)

@@ -18,8 +18,8 @@ from eagle3_core.training.capacity import ENGINES, SERVES, options_used, serving
 from eagle3_core.training.checkpoint import CheckpointError, expected_tensors, export_draft, load_draft, save_draft
 from eagle3_core.training.draft_model import rms_norm
 from eagle3_core.training.trainer import train
-from eagle3_core.training.ttt import shift_left
 from eagle3_core.training.ttt_attention import ttt_caches
+from test_draft_model import assert_serving_chain_equals_ttt, ttt_logits
 from train_worker import CFG, samples
 
 OPTIONS = {"wider_mlp": {"intermediate_size": 160}, "two_layers": {"num_hidden_layers": 2},
@@ -83,18 +83,10 @@ def test_ttt_steps_equal_the_serving_chain_with_every_layers_kv_cache(option):
     aux = torch.randn(1, T, 96, generator=g, dtype=torch.float64)
     ids = torch.randint(0, 100, (1, T), generator=g)
     with torch.no_grad():
-        hidden, (ck, cv), train_logits = d.fuse(aux), ttt_caches(), []
-        for k in range(K):
-            hidden, lg = d.step(shift_left(ids, 1 + k), hidden, torch.arange(T)[None] + k, ck, cv)
-            train_logits.append(lg)
+        ck, cv = ttt_caches()
+        train_logits = ttt_logits(d, aux, ids, K, (ck, cv))
         assert len(ck.later) == d.shape.num_hidden_layers - 1
-        cache = {}
-        h, logits = d.decode(ids[:, 1:t + 2], d.fuse(aux[:, :t + 1]), torch.arange(t + 1)[None], cache)
-        assert torch.allclose(logits[0, t], train_logits[0][0, t], atol=1e-10)
-        h = h[:, -1:]
-        for k in range(1, K):
-            h, logits = d.decode(ids[:, t + 1 + k:t + 2 + k], h, torch.tensor([[t + k]]), cache)
-            assert torch.allclose(logits[0, 0], train_logits[k][0, t], atol=1e-10), f"step {k}"
+        assert_serving_chain_equals_ttt(d, aux, ids, t, train_logits)
 
 
 @pytest.mark.parametrize("option", OPTIONS)

@@ -92,10 +92,12 @@ def test_merged_ttt_attention_gradients_equal_eager():
     assert (flex - ttt_attention(q, keys, values, "eager")).abs().max() < 1e-10
 
 
-def ttt_logits(d, aux, ids, K):
+def ttt_logits(d, aux, ids, K, caches=None):
+    """The K TTT steps' logits over ids [B, T] with aux [B, T, 3H_t]; `caches`: the (keys, values) TTT cache lists
+    to fill (ttt_attention.ttt_caches() for a multi-layer draft), fresh lists by default."""
     B, T = ids.shape
     hidden = d.fuse(aux)
-    ck, cv, outs = [], [], []
+    (ck, cv), outs = caches if caches is not None else ([], []), []
     for k in range(K):
         hidden, logits = d.step(shift_left(ids, 1 + k), hidden, torch.arange(T).expand(B, T) + k, ck, cv)
         outs.append(logits)
@@ -124,15 +126,19 @@ def test_ttt_steps_equal_inference_chain_with_kv_cache():
     aux = torch.randn(1, T, 96, generator=g, dtype=torch.float64)
     ids = torch.randint(0, 100, (1, T), generator=g)
     with torch.no_grad():
-        train_logits = ttt_logits(d, aux, ids, K)
-        cache = {}
-        # prefix pairs (f_p, x_{p+1}) at positions 0..t
-        h, logits = d.decode(ids[:, 1:t + 2], d.fuse(aux[:, :t + 1]), torch.arange(t + 1)[None], cache)
-        assert torch.allclose(logits[0, t], train_logits[0][0, t], atol=1e-10)
-        h = h[:, -1:]
-        for k in range(1, K):
-            h, logits = d.decode(ids[:, t + 1 + k:t + 2 + k], h, torch.tensor([[t + k]]), cache)
-            assert torch.allclose(logits[0, 0], train_logits[k][0, t], atol=1e-10), f"step {k}"
+        assert_serving_chain_equals_ttt(d, aux, ids, t, ttt_logits(d, aux, ids, K))
+
+
+def assert_serving_chain_equals_ttt(d, aux, ids, t, train_logits):
+    """The serving-time chain (Eagle3Draft.decode with its KV cache) after the prefix pairs (f_p, x_{p+1}) at
+    positions 0..t gives, at chain step k, TTT step k's logits at index t (train_logits[k], batch 1), to 1e-10."""
+    cache = {}
+    h, logits = d.decode(ids[:, 1:t + 2], d.fuse(aux[:, :t + 1]), torch.arange(t + 1)[None], cache)
+    assert torch.allclose(logits[0, t], train_logits[0][0, t], atol=1e-10)
+    h = h[:, -1:]
+    for k in range(1, len(train_logits)):
+        h, logits = d.decode(ids[:, t + 1 + k:t + 2 + k], h, torch.tensor([[t + k]]), cache)
+        assert torch.allclose(logits[0, 0], train_logits[k][0, t], atol=1e-10), f"step {k}"
 
 
 def test_supervised_positions_shift_with_the_inputs():
