@@ -151,7 +151,7 @@ def entry_holds(store_dir: Path, entry: dict, part: list[dict], aux_layer_ids: l
 def write_record(path: Path, record: dict) -> dict:
     """The one writer of a feature store's manifest.json (`path`): the store's record (header, finished shards) as
     the store rewrites it after every shard, the worker merge, and the features stage's manifest (the same record
-    with its inputs_key, contract.run_stage's `write`). Where the record names its store key, head.json beside it
+    with its inputs_key, pipeline.run.run's `write`). Where the record names its store key, head.json beside it
     gets {inputs_key: store key, target_id} too, on every path, so that a later run checks its shards without
     loading the target (pipeline.features_stage.feature_status). Returns `record`."""
     path = Path(path)

@@ -4,7 +4,7 @@ names (features.backends: its granularity, who loads the target).
 
 One stage, two ways to run it: `run_features` (every shard in one call: in this process, under a torchrun of the
 backend's ranks, or with `workers` whole-target workers) and, for per-shard backends, the flow's shard tasks
-(`run_features_shard` for each shard, then `finish_features`). Every path goes through contract.run_stage (the done
+(`run_features_shard` for each shard, then `finish_features`). Every path goes through pipeline.run (the done
 check: key and intact shards) and writes features/manifest.json only through the store's one writer
 (store.write_record, which writes head.json on every path)."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Inputs keys of the stages, and the target as every stage reads it. A stage whose manifest holds the key of its
-current inputs is done (contract.run_stage.done_manifest); keys chain: each names its upstream stages' keys.
+current inputs is done (pipeline.run.decide); keys chain: each names its upstream stages' keys.
 
 A key hashes what changes the stage's result and nothing else (docs/architecture.md, "A stage field"): each stage's
 key function takes `up`, {upstream stage: its manifest's inputs_key} (upstream_keys: the stages of UPSTREAM, read
