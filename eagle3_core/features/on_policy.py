@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eagle3_core.features.store_formats import decode
+from eagle3_core.features.store_formats import FINAL_KEYS, decode_final
 
 # the sampled gate: a source fails when its supervised tokens average this many nats a token less log-probability
 # under the target than the target's own samples at the regeneration temperature would (logprob_gap < -this).
@@ -63,9 +63,7 @@ def logprob_sums(final: torch.Tensor, lm_head: torch.Tensor, ids: torch.Tensor, 
 def _logprob_of_shard(f, fmt: str, head: torch.Tensor, tok, mask, off, temperature: float) -> list[tuple]:
     """logprob_sums of every sample of one open shard file (store format `fmt`)."""
     keys = set(f.keys())
-    final = decode(fmt, {k: f.get_tensor(k) for k in ("aux", "aux_scale", "final", "final_scale", "target_top1",
-                                                      "teacher_logits", "teacher_ids", "tail_shift") if k in keys})[
-        "final"]
+    final = decode_final(fmt, {k: f.get_tensor(k) for k in FINAL_KEYS if k in keys})        # the aux states unread
     return [logprob_sums(final[off[i]:off[i + 1]], head, tok[off[i]:off[i + 1]], mask[off[i]:off[i + 1]],
                          temperature) for i in range(len(off) - 1)]
 

@@ -142,9 +142,22 @@ def decode(name: str, t: dict[str, torch.Tensor], widen: bool = True) -> dict[st
         return {**decode("fp8", t), "teacher_logits": t["teacher_logits"].float(),
                 "teacher_ids": t["teacher_ids"].long(), "tail_shift": t["tail_shift"].float()}
     if name == "fp8":
-        aux, final = _unfp8(t["aux"], t["aux_scale"]), _unfp8(t["final"], t["final_scale"])
+        aux = _unfp8(t["aux"], t["aux_scale"])
     elif name in ("bf16", "fp32"):
-        aux, final = (t["aux"].float(), t["final"].float()) if widen else (t["aux"], t["final"])
+        aux = t["aux"].float() if widen else t["aux"]
     else:
         raise ValueError(f"format {name!r} stores no features")
-    return {"aux": aux, "final": final, "target_top1": t["target_top1"].long()}
+    return {"aux": aux, "final": decode_final(name, t, widen), "target_top1": t["target_top1"].long()}
+
+
+FINAL_KEYS = ("final", "final_scale")          # the stored tensors decode_final reads (final_scale: fp8 formats)
+
+
+def decode_final(name: str, t: dict[str, torch.Tensor], widen: bool = True) -> torch.Tensor:
+    """The target's final states [T, H_t] alone (fp32; bf16 with widen False for a bf16 store) from the stored
+    tensors of `encode`: `decode` without reading the aux states, for readers of the final states only."""
+    if name in ("fp8", "fp8_topk"):
+        return _unfp8(t["final"], t["final_scale"])
+    if name in ("bf16", "fp32"):
+        return t["final"].float() if widen else t["final"]
+    raise ValueError(f"format {name!r} stores no features")
