@@ -189,6 +189,15 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
         def subset(n: int | None) -> list[int] | None:                     # the first n held-out prompts
             return None if n is None else list(range(min(n, len(prompts))))
 
+        runners: list = []
+
+        def target_runner():
+            """The target in this process (a speculate.TargetRunner over the draft's aux ids), loaded once per
+            stage however many measurements read it."""
+            if not runners:
+                runners.append(TargetRunner(load_target(cfg.target), ids))
+            return runners[0]
+
         def write_report(report: dict) -> dict:
             """`report` (either evaluator's) completed with what both record, the trained draft's sampled replay at
             the declared serving settings where they differ (`at_serving`), written to eval/report.json; the
@@ -196,8 +205,7 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
             if len(e.measured_samplings) > 1:
                 s2 = e.measured_samplings[1]
                 report["at_serving"] = {"sampling": s2.model_dump(mode="json"), **_sampled(
-                    cfg, TargetRunner(load_target(cfg.target), ids), prompts, {"trained": (trained, None)}, eos, log,
-                    s2)}
+                    cfg, target_runner(), prompts, {"trained": (trained, None)}, eos, log, s2)}
             report.update({"eval_ids": [r["id"] for r in rows], "num_draft_steps": S,
                            "max_new_tokens": e.max_new_tokens, "aux_layer_ids": ids, "preflight": "passed",
                            "machine_load": machine_load(),            # the report flags speeds of a busy machine
@@ -213,7 +221,7 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
 
         cats = [category(r) for r in rows]
         if not e.sampling.greedy:
-            report = _sampled(cfg, TargetRunner(load_target(cfg.target), ids), prompts,
+            report = _sampled(cfg, target_runner(), prompts,
                               {"trained": (trained, None), "untrained": (untrained, subset(e.untrained_prompts))},
                               eos, log)
             result = write_report(report)
@@ -242,9 +250,8 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
             if on_progress is not None:
                 on_progress(done, total, name)
 
-        model = load_target(cfg.target)
-        report = measure(TargetRunner(model, ids), runs, prompts, cats, e.max_new_tokens,
-                         eos, e.tie_gap, on_prompt=progress)
+        report = measure(target_runner(), runs, prompts, cats, e.max_new_tokens, eos, e.tie_gap,
+                         on_prompt=progress)
         report["evaluator"] = "decode"
         result = write_report(report)
         tree = report.get("trained_tree")
