@@ -132,7 +132,7 @@ def run_requests(url: str, prompts: list[dict], max_new_tokens: int, log=None, l
     log: called with 'deploy: <label>: n of N prompts, ETA ...' after each answer."""
     import time
     t0, done = time.monotonic(), []
-    sampling = sampling or {"temperature": 0.0, "top_k": 1}
+    sampling = sampling or sampling_fields(SamplingConfig())                     # greedy
 
     def on_done(row: dict) -> None:
         done.append(row["id"])
