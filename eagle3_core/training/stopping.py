@@ -35,7 +35,9 @@ FLOOR = 0.1               # the learning rate at the end of the decay, a fractio
 # measured epochs the rule ran (epoch tokens: all tokens of the train samples), for `plan`'s expected count
 MEASURED = [
     # configs/e2e_gsm8k.json's 4,000 regenerated answers: tau_sim still rising at 24 fixed epochs (issue 70, one
-    # H100) and at the rule's 14 stable epochs (benchmarks/data/plateau_rule_h100.json): the ceilings decide
+    # H100) and at the rule's 14 stable epochs (benchmarks/data/plateau_rule_h100.json): the ceilings decide. The one
+    # plateau the rule called there (seed 1, plateau_rule_h100_seed1.json) came after epoch 19, 23 epochs with its
+    # decay: one short of the ceiling, so the ceiling stays what plan expects at this size
     {"epoch_tokens": 1_112_398, "epochs": None, "source": "e2e_gsm8k, one H100: no plateau by 24 epochs"},
 ]
 
