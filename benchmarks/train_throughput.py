@@ -208,14 +208,18 @@ def on_device(batch: dict, device: torch.device) -> dict:
 
 
 def ours_step_fn(s: dict, inp: dict, device: torch.device, K: int, attention: str, compile_: bool,
-                 fast: bool = True, batches: list[dict] | None = None, whole: bool = False):
+                 fast: bool = True, batches: list[dict] | None = None, whole: bool = False,
+                 graph: str | None = None, mark=None):
     """A training step of ours: on the fixed batch of `inp`, or cycling through `batches` (packed rows). whole:
     packed rows through packing.packed_ttt_loss, the trainer's path for runs of more than packing.ROW_GRAPH_TOKENS
-    tokens (the whole TTT loss one compiled graph: train.graph 'row')."""
-    if whole:
-        packing.GRAPH_SCOPE[0] = "row"
+    tokens (the whole TTT loss one compiled graph: train.graph 'row'); graph 'step' or 'row': packed rows through
+    packed_ttt_loss with that graph scope (set at every step, so that variants of both scopes can alternate).
+    mark(phase): called after the forward, the backward and the optimizer step ('forward', 'backward',
+    'optimizer'; benchmarks/train_step_profile.py times the phases with it)."""
+    graph = "row" if whole else graph
     draft = make_draft(s, inp, device).set_attention(attention)
-    loss_fn = packed_ttt_loss if whole else ttt_loss if fast else reference_ttt_loss
+    loss_fn = packed_ttt_loss if graph else ttt_loss if fast else reference_ttt_loss
+    mark = mark or (lambda phase: None)
     if compile_:
         compile_for_training(draft)
     head_draft = inp["lm_head"][inp["vocab"].to(inp["lm_head"].device)].to(device)   # [N, H_t] fp32
@@ -232,18 +236,23 @@ def ours_step_fn(s: dict, inp: dict, device: torch.device, K: int, attention: st
 
     def step():
         b = next(it)
+        if graph:
+            packing.GRAPH_SCOPE[0] = graph
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss, _ = loss_fn(draft, {k: b[k] for k in keys if k in b}, head_draft, K, 0.8)
+        mark("forward")
         loss.backward()
+        mark("backward")
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        mark("optimizer")
         return loss.detach(), b["tokens"]
     return step
 
 
 def specforge_step_fn(s: dict, inp: dict, device: torch.device, K: int, backend: str,
-                      batches: list[dict] | None = None):
+                      batches: list[dict] | None = None, mark=None):
     """SpecForge 0.2.0: OnlineEagle3Model around LlamaForCausalLMEagle3 (built from its config: under
     transformers 5.x from_pretrained leaves its rotary caches uninitialised), bf16 weights with its
     BF16Optimizer (fp32 master weights, AdamW, clip 0.5), loss sum_k 0.8**k ploss_k as SpecForge's trainer."""
@@ -275,6 +284,7 @@ def specforge_step_fn(s: dict, inp: dict, device: torch.device, K: int, backend:
         batches = [{**inp, "attention_mask": torch.ones_like(inp["input_ids"]), "tokens": inp["input_ids"].numel()}]
     batches = [on_device(b, device) for b in batches]
     it = itertools.cycle(batches)
+    mark = mark or (lambda phase: None)
 
     def step():
         b = next(it)
@@ -282,8 +292,11 @@ def specforge_step_fn(s: dict, inp: dict, device: torch.device, K: int, backend:
                               target=None, loss_mask=b["loss_mask"][..., None].long(), hidden_states=b["aux"],
                               target_hidden_for_compact=b["final"], target_head_weight=lm_head)
         loss = sum(0.8 ** i * pl for i, pl in enumerate(plosses))
+        mark("forward")
         loss.backward()
-        opt.step()
+        mark("backward")
+        opt.step()                                   # BF16Optimizer: clipping, AdamW on fp32 masters, zero grads
+        mark("optimizer")
         return loss.detach(), b["tokens"]
     return step
 

@@ -115,3 +115,32 @@ def test_a_second_compile_of_the_loss_is_served_from_the_cache_and_a_changed_bac
     assert torch.equal(l0, l1) and torch.equal(g0, g1)
     assert aot2.get("autograd_cache_miss", 0) >= 1 and not aot2.get("autograd_cache_hit"), aot2
     assert torch.allclose(l2, l0) and torch.allclose(g2, 2 * g0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_step_profile_script_runs_on_cpu(tmp_path):
+    """benchmarks/train_step_profile.py --tiny (the GPU command's smoke run): interleaved rounds with a ratio per
+    round, a profile whose kernel shares add up to at most 1 with the three phases, and a cold and a warm compile
+    in fresh processes on one cache folder, all in the JSON it writes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "p.json"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "train_step_profile.py"), "--tiny", "--ours",
+                          "step", "--specforge", "sdpa", "--iters", "1", "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    v = res["pairs"]["variants"]
+    assert v["ours:step"]["runs"] == 3 and v["specforge:sdpa"]["runs"] == 3, v
+    r = res["pairs"]["ratios"]["ours:step / specforge:sdpa"]
+    per = [row["ours:step"] / row["specforge:sdpa"] for row in res["pairs"]["rounds"]]
+    assert r["per_round"] == per and r["min"] <= r["median"] <= r["max"]
+    for p in res["profile"].values():
+        assert p["top"] and sum(k["share"] for k in p["top"]) <= 1 + 1e-9 and set(p["phases_ms"]) == {
+            "forward", "backward", "optimizer"}
+    assert all("first_step_s" in res["compile"][k] for k in ("cold", "warm")), res["compile"]
+    assert res["compile"]["cold"]["log"][-1].startswith(f"train: compile cache {res['compile']['cache_folder']}")
