@@ -50,10 +50,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from specforge_side_by_side import import_specforge  # noqa: E402
 from train_end_to_end import TorchWarnings  # noqa: E402
 from train_throughput import (  # noqa: E402
-    FULL, TINY, flops_per_token, make_draft, make_inputs, ours_step_fn, specforge_step_fn)
+    DATASHEET_TFLOPS, FULL, TINY, flops_per_token, make_inputs, ours_step_fn, specforge_step_fn)
 
-# dense bf16 tensor-core peaks from NVIDIA's datasheets (SXM parts; the datasheets print twice these "with sparsity")
-DATASHEET_TFLOPS = {"H100": 989.0, "H200": 989.0}
 PHASES = ("forward", "backward", "optimizer")
 
 

@@ -36,7 +36,9 @@ FLOPs (model FLOPs, the same count for every variant, so MFU ratios equal throug
   + 2 * H_t*N (teacher logits over the draft vocab, no gradient).
 Not counted: norms, RoPE, softmax/loss elementwise work, the optimizer, SpecForge's extra full-vocab
 log-sum-exp/argmax of the teacher (we read the target's argmax from the feature store instead).
-MFU = FLOPs/s / --peak-tflops (790 TFLOP/s: bf16 dense measured on an H200).
+MFU = FLOPs/s / --peak-tflops: by default the device's dense bf16 peak from NVIDIA's datasheets (H100 SXM and H200
+SXM: 989 TFLOP/s; DATASHEET_TFLOPS); numbers in docs/benchmarks.md before 2026-12-06 used 790 TFLOP/s, a bf16 matrix
+product measured on the H200 host, and say so.
 """
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ TINY = {"H": 64, "nh": 4, "nkv": 2, "hd": 16, "I": 128, "V": 512, "N": 256, "T":
 # training.draft_geometry's Kimi-K2.5 recipe on Kimi-K2.5 (SpecForge configs/kimi-k25-eagle3.json's geometry)
 KIMI = {"H": 7168, "nh": 64, "nkv": 64, "hd": 128, "I": 18432, "V": 163840, "N": 32000, "T": 16384, "theta": 1e6}
 SHAPES = {"llama8b": FULL, "kimi": KIMI}
+# dense bf16 tensor-core peaks from NVIDIA's datasheets (SXM parts; the datasheets print twice these "with sparsity")
+DATASHEET_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
 
 @dataclass
@@ -446,7 +450,8 @@ def main() -> None:
     ap.add_argument("--ttt", type=int, default=7, help="TTT steps K")
     ap.add_argument("--iters", type=int, default=None, help="timed steps (default 10; --tiny 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")
-    ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense peak for MFU (H200 measured)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak for MFU (default: the "
+                                                                     "device's datasheet figure, DATASHEET_TFLOPS)")
     ap.add_argument("--attention", default=None,
                     help="our TTT attention implementations to measure, comma-separated (default: "
                          "merged_flex on CUDA; merged_math on CPU, where flex has no backward)")
@@ -479,6 +484,9 @@ def main() -> None:
     iters = args.iters or (2 if args.tiny or kimi else 10)
     warmup = args.warmup or (1 if args.tiny or kimi else 3)
     B, K = args.batch, args.ttt
+    if args.peak_tflops is None:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        args.peak_tflops = next((v for k, v in DATASHEET_TFLOPS.items() if k in name), float("nan"))
     print(f"mode {args.mode}, shapes {s}, TTT {K}, device {device} "
           f"({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch {torch.__version__}")
     inp = make_inputs({**s, "T": min(s["T"], 256)} if args.mode == "long" else s, B, device)   # long: its own rows

