@@ -26,7 +26,9 @@ Parts, in this order, the JSON written after each (`--out`), each skipped once -
            steps: forward (TTT loss), backward, optimizer (clipping + AdamW).
   compile  the trainer's compile policy (packing.compiled_training, its persistent compile cache included) in a
            fresh process, twice on one new cache folder: cold (empty) and warm; each times its first step (the
-           compile, what the first epoch pays) and the steps after it, with torch's cache hit/miss counters.
+           compile, what the first epoch pays) and the steps after it, with torch's cache hit/miss counters
+           (TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR are left out of the children's environment: a cold
+           start is cold).
 """
 from __future__ import annotations
 
@@ -259,7 +261,7 @@ def compile_child(a) -> None:
 def compile_part(a) -> dict:
     """Part 'compile': the child twice on one new cache folder (cold, then warm)."""
     folder = tempfile.mkdtemp(prefix="eagle3-compile-cache-")
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     env["EAGLE3_COMPILE_CACHE"] = folder
     cmd = [sys.executable, __file__, "--compile-child", "--ttt", str(a.ttt), "--child-graph", a.child_graph,
            "--child-backend", a.child_backend] + (["--tiny"] if a.tiny else []) + \
