@@ -304,9 +304,9 @@ def main() -> None:
     warnings.simplefilter("always")                     # count every warning, not the first of each place
     t_start = time.perf_counter()
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() and not a.tiny else "cpu"))
-    if device.type != "cuda":                           # variant fixed's compiled parts: no C++ compile on a CPU
+    if device.type != "cuda":                           # compiled as on CUDA, by --child-backend (tests' switch)
         from eagle3_core.training import ttt_attention
-        ttt_attention.COMPILE["backend"] = a.child_backend
+        ttt_attention.COMPILE.update(everywhere=True, backend=a.child_backend)
     s, K = dict(TINY if a.tiny else FULL), a.ttt
     a.iters = a.iters or (2 if a.tiny else 10)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
