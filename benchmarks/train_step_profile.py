@@ -231,6 +231,25 @@ def profile_step(step, phases: Phases, device: torch.device, top: int, n: int = 
                      "calls_per_step": c / n} for k, t, c in rows[:top]]}
 
 
+def device_inputs(s: dict, device: torch.device) -> dict:
+    """make_inputs' keys for B = 1, drawn on `device` (seconds, where make_inputs' CPU draws and argmax of the 8B
+    shapes take ~10 s): for the compile timing, whose graphs depend on shapes and dtypes, not values."""
+    g = torch.Generator(device).manual_seed(0)
+    H, V, N, T = s["H"], s["V"], s["N"], s["T"]
+    vocab = torch.randperm(V, generator=g, device=device)[:N].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool, device=device)
+    t2d[vocab] = True
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g, device=device).to(dtype)
+    return {"input_ids": torch.randint(0, V, (1, T), generator=g, device=device),
+            "loss_mask": torch.ones(1, T, dtype=torch.bool, device=device),
+            "aux": randn(1, T, 3 * H, dtype=torch.bfloat16), "final": randn(1, T, H, dtype=torch.bfloat16),
+            "target_top1": vocab[torch.randint(0, N, (1, T), generator=g, device=device)],
+            "lm_head": randn(V, H) * H ** -0.5, "embed": randn(V, H) * 0.02,
+            "d2t": vocab - torch.arange(N, device=device), "t2d": t2d, "vocab": vocab}
+
+
 def compile_child(a) -> None:
     """One fresh process's compile (part 'compile'): the trainer's policy and cache on one packed row."""
     from eagle3_core.config import TrainConfig
@@ -240,7 +259,7 @@ def compile_child(a) -> None:
     if device.type != "cuda":                                  # compile on the CPU too (tests' switch)
         ttt_attention.COMPILE.update(everywhere=True, backend=a.child_backend)
     s, K = dict(TINY if a.tiny else FULL), a.ttt
-    inp = make_inputs(s, 1, device)
+    inp = device_inputs(s, device)
     cfg = TrainConfig(ttt_length=K, batch_tokens=s["T"], batching="packed", graph=a.child_graph)
     counters, lines = torch._dynamo.utils.counters, []
     with compiled_training(cfg, device, True, lines.append):
