@@ -34,6 +34,7 @@ import torch
 
 from eagle3_core.target.loading import cache_root
 
+
 def _torch(module: str):
     """One of torch's own compile modules (torch has no public API for these settings; torch's caching recipe
     names them)."""
