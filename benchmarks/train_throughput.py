@@ -36,7 +36,9 @@ FLOPs (model FLOPs, the same count for every variant, so MFU ratios equal throug
   + 2 * H_t*N (teacher logits over the draft vocab, no gradient).
 Not counted: norms, RoPE, softmax/loss elementwise work, the optimizer, SpecForge's extra full-vocab
 log-sum-exp/argmax of the teacher (we read the target's argmax from the feature store instead).
-MFU = FLOPs/s / --peak-tflops (790 TFLOP/s: bf16 dense measured on an H200).
+MFU = FLOPs/s / --peak-tflops: by default the device's dense bf16 peak from NVIDIA's datasheets (H100 SXM and H200
+SXM: 989 TFLOP/s; DATASHEET_TFLOPS); numbers in docs/benchmarks.md before 2026-12-06 used 790 TFLOP/s, a bf16 matrix
+product measured on the H200 host, and say so.
 """
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ TINY = {"H": 64, "nh": 4, "nkv": 2, "hd": 16, "I": 128, "V": 512, "N": 256, "T":
 # training.draft_geometry's Kimi-K2.5 recipe on Kimi-K2.5 (SpecForge configs/kimi-k25-eagle3.json's geometry)
 KIMI = {"H": 7168, "nh": 64, "nkv": 64, "hd": 128, "I": 18432, "V": 163840, "N": 32000, "T": 16384, "theta": 1e6}
 SHAPES = {"llama8b": FULL, "kimi": KIMI}
+# dense bf16 tensor-core peaks from NVIDIA's datasheets (SXM parts; the datasheets print twice these "with sparsity")
+DATASHEET_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
 
 @dataclass
@@ -208,14 +212,18 @@ def on_device(batch: dict, device: torch.device) -> dict:
 
 
 def ours_step_fn(s: dict, inp: dict, device: torch.device, K: int, attention: str, compile_: bool,
-                 fast: bool = True, batches: list[dict] | None = None, whole: bool = False):
+                 fast: bool = True, batches: list[dict] | None = None, whole: bool = False,
+                 graph: str | None = None, mark=None):
     """A training step of ours: on the fixed batch of `inp`, or cycling through `batches` (packed rows). whole:
     packed rows through packing.packed_ttt_loss, the trainer's path for runs of more than packing.ROW_GRAPH_TOKENS
-    tokens (the whole TTT loss one compiled graph: train.graph 'row')."""
-    if whole:
-        packing.GRAPH_SCOPE[0] = "row"
+    tokens (the whole TTT loss one compiled graph: train.graph 'row'); graph 'step' or 'row': packed rows through
+    packed_ttt_loss with that graph scope (set at every step, so that variants of both scopes can alternate).
+    mark(phase): called after the forward, the backward and the optimizer step ('forward', 'backward',
+    'optimizer'; benchmarks/train_step_profile.py times the phases with it)."""
+    graph = "row" if whole else graph
     draft = make_draft(s, inp, device).set_attention(attention)
-    loss_fn = packed_ttt_loss if whole else ttt_loss if fast else reference_ttt_loss
+    loss_fn = packed_ttt_loss if graph else ttt_loss if fast else reference_ttt_loss
+    mark = mark or (lambda phase: None)
     if compile_:
         compile_for_training(draft)
     head_draft = inp["lm_head"][inp["vocab"].to(inp["lm_head"].device)].to(device)   # [N, H_t] fp32
@@ -232,18 +240,23 @@ def ours_step_fn(s: dict, inp: dict, device: torch.device, K: int, attention: st
 
     def step():
         b = next(it)
+        if graph:
+            packing.GRAPH_SCOPE[0] = graph
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss, _ = loss_fn(draft, {k: b[k] for k in keys if k in b}, head_draft, K, 0.8)
+        mark("forward")
         loss.backward()
+        mark("backward")
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        mark("optimizer")
         return loss.detach(), b["tokens"]
     return step
 
 
 def specforge_step_fn(s: dict, inp: dict, device: torch.device, K: int, backend: str,
-                      batches: list[dict] | None = None):
+                      batches: list[dict] | None = None, mark=None):
     """SpecForge 0.2.0: OnlineEagle3Model around LlamaForCausalLMEagle3 (built from its config: under
     transformers 5.x from_pretrained leaves its rotary caches uninitialised), bf16 weights with its
     BF16Optimizer (fp32 master weights, AdamW, clip 0.5), loss sum_k 0.8**k ploss_k as SpecForge's trainer."""
@@ -275,6 +288,7 @@ def specforge_step_fn(s: dict, inp: dict, device: torch.device, K: int, backend:
         batches = [{**inp, "attention_mask": torch.ones_like(inp["input_ids"]), "tokens": inp["input_ids"].numel()}]
     batches = [on_device(b, device) for b in batches]
     it = itertools.cycle(batches)
+    mark = mark or (lambda phase: None)
 
     def step():
         b = next(it)
@@ -282,8 +296,11 @@ def specforge_step_fn(s: dict, inp: dict, device: torch.device, K: int, backend:
                               target=None, loss_mask=b["loss_mask"][..., None].long(), hidden_states=b["aux"],
                               target_hidden_for_compact=b["final"], target_head_weight=lm_head)
         loss = sum(0.8 ** i * pl for i, pl in enumerate(plosses))
+        mark("forward")
         loss.backward()
-        opt.step()
+        mark("backward")
+        opt.step()                                   # BF16Optimizer: clipping, AdamW on fp32 masters, zero grads
+        mark("optimizer")
         return loss.detach(), b["tokens"]
     return step
 
@@ -433,7 +450,8 @@ def main() -> None:
     ap.add_argument("--ttt", type=int, default=7, help="TTT steps K")
     ap.add_argument("--iters", type=int, default=None, help="timed steps (default 10; --tiny 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")
-    ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense peak for MFU (H200 measured)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak for MFU (default: the "
+                                                                     "device's datasheet figure, DATASHEET_TFLOPS)")
     ap.add_argument("--attention", default=None,
                     help="our TTT attention implementations to measure, comma-separated (default: "
                          "merged_flex on CUDA; merged_math on CPU, where flex has no backward)")
@@ -466,6 +484,9 @@ def main() -> None:
     iters = args.iters or (2 if args.tiny or kimi else 10)
     warmup = args.warmup or (1 if args.tiny or kimi else 3)
     B, K = args.batch, args.ttt
+    if args.peak_tflops is None:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        args.peak_tflops = next((v for k, v in DATASHEET_TFLOPS.items() if k in name), float("nan"))
     print(f"mode {args.mode}, shapes {s}, TTT {K}, device {device} "
           f"({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch {torch.__version__}")
     inp = make_inputs({**s, "T": min(s["T"], 256)} if args.mode == "long" else s, B, device)   # long: its own rows

@@ -275,3 +275,45 @@ def test_training_reads_an_fp8_topk_store_and_its_teacher(tiny_target_dirs, tmp_
         losses[fmt] = steps[0]
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values()) and losses["fp8"] > 0
     assert losses["fp8_topk"] != pytest.approx(losses["fp8"], rel=1e-6), losses
+
+
+def test_a_non_finite_loss_in_a_later_micro_batch_is_named_and_the_weights_stay(tmp_path):
+    """The loss's finiteness is read once per optimizer step, with the gradient norm (not between each forward and
+    its backward): with 2 micro-batches per step, a NaN in the second one's features still names that batch and
+    its sample, and the draft's weights are those of the steps before it (no optimizer step took the NaN)."""
+    data = samples()
+    cfg = CFG.model_copy(update={"grad_accum": 2, "checkpoint_every": 1})
+    from eagle3_core.training.batch_feed import epoch_batches
+    second = epoch_batches(data, cfg, 0)[1]                   # the second micro-batch of the first step
+    data[second[0]]["aux"][0, 0] = float("nan")
+    draft = tiny_draft()
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    with pytest.raises(FloatingPointError, match=rf"epoch 1, step 0, batch 1 \(samples \['{data[second[0]]['id']}'"):
+        train(draft, data, [], torch.randn(100, 32, generator=torch.Generator().manual_seed(1)), cfg,
+              tmp_path / "nan", log=lambda s: None)
+    assert all(torch.equal(v, before[k]) for k, v in draft.state_dict().items())
+    assert not (tmp_path / "nan" / "checkpoints").exists() or not any((tmp_path / "nan" / "checkpoints").iterdir())
+
+
+def test_the_training_loop_reads_the_device_once_per_optimizer_step(tmp_path, monkeypatch):
+    """trainer.train's own code turns tensors into host values (a device synchronisation on a GPU) once per
+    optimizer step, however many micro-batches it accumulates: the G token counts it reads are host tensors of the
+    batch feed, and the rest (gradient norm, mean loss, each micro-batch's finiteness) is one read."""
+    import sys as _sys
+    from eagle3_core.training import trainer as trainer_mod
+    reads = []
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            if _sys._getframe(1).f_code.co_filename == trainer_mod.__file__:
+                reads.append(_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    cfg = CFG.model_copy(update={"grad_accum": 2, "checkpoint_every": 100})
+    out = train(tiny_draft(), samples(), [], torch.randn(100, 32), cfg, tmp_path, log=lambda s: None,
+                stop_after_steps=2, tensorboard=False)
+    from eagle3_core.training.batch_feed import epoch_batches
+    micro_batches = len(epoch_batches(samples(), cfg, 0))          # 3: the epoch's second step has one
+    assert out["steps"] == 2 and micro_batches == 3
+    assert sorted(reads) == sorted(["__int__"] * micro_batches + ["tolist"] * 2), reads

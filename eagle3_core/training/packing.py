@@ -27,6 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
+from eagle3_core.training.compile_cache import persistent_compile_cache
 from eagle3_core.training.ttt import (
     SoftCrossEntropyFromLogits,
     feature_keys,
@@ -253,8 +254,9 @@ def compiled_training(cfg, device: torch.device, pack: bool, log, tokens: int = 
     materialises the [T, T] scores). Packed rows have one shape, so the TTT loss compiles once (packed_ttt_loss:
     a graph per step or per row; the held-out eval runs in grad mode and reuses them): dynamo's caches are reset
     (this run's graphs alone count), its recompile limit raised to 2K + 2 (room for the kernel graphs of
-    ttt_loss called directly, one per TTT step count) and set to fail past it instead of running eagerly; these
-    settings and the graph scope are restored on exit. Padded batches on CUDA recompile per shape: a warning
+    ttt_loss called directly, one per TTT step count) and set to fail past it instead of running eagerly; the
+    compiled artifacts are read from and kept in a persistent cache (compile_cache.persistent_compile_cache: a
+    later run on this machine skips most of the compile); these settings and the graph scope are restored on exit. Padded batches on CUDA recompile per shape: a warning
     line says so. `log` gets one line either way."""
     if not compiled(device):
         log(f"train: {'packed rows' if pack else 'padded batches'} on {device.type}, kernels not compiled")
@@ -265,7 +267,8 @@ def compiled_training(cfg, device: torch.device, pack: bool, log, tokens: int = 
         log(f"train: WARNING padded batches on {device.type}: every new batch shape recompiles flex attention, "
             f"and past torch._dynamo's recompile limit ({dynamo.recompile_limit}) it runs an unfused path that "
             f"materialises the scores; set train.batching 'packed' (one shape)")
-        yield
+        with persistent_compile_cache(device, log):
+            yield
         return
     limit = max(dynamo.recompile_limit, 2 * cfg.ttt_length + 2)
     torch._dynamo.reset()
@@ -275,7 +278,8 @@ def compiled_training(cfg, device: torch.device, pack: bool, log, tokens: int = 
         f"train); dynamo fails past {limit} graphs per function instead of running eagerly")
     GRAPH_SCOPE[0] = scope
     try:
-        with dynamo.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+        with dynamo.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True), \
+                persistent_compile_cache(device, log):
             yield
     finally:
         GRAPH_SCOPE[0] = before

@@ -253,7 +253,11 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                            [ids or batches[g0] for g0, micro in plan for ids in micro], device)
         for g0, micro in plan:
             group = batches[g0:g0 + group_size]
-            loss_sum = torch.zeros(2, dtype=torch.float64, device=device)      # [sum of micro-batch losses, count]
+            # [sum of micro-batch losses, count, then per micro-batch: 1 where its loss is not finite] over all
+            # ranks, and this rank's flags: read with the gradient norm in the step's one host sync (a check per
+            # micro-batch would stop the host between every forward and its backward)
+            loss_sum = torch.zeros(2 + len(micro), dtype=torch.float64, device=device)
+            mine, losses = torch.zeros(len(micro), dtype=torch.float64, device=device), []
             for m, batch_ids in enumerate(micro):
                 real = batch_ids is not None                               # None: a zero-weight pad (W > 1)
                 host = next(feed)
@@ -261,25 +265,23 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                 with dp.sync_gradients(model, last=m + 1 == len(micro)):   # all-reduce on the last one only
                     with _autocast(device):
                         loss, stats = model(batch)
-                    finite = bool(torch.isfinite(loss)) if real else True
-                    if not dp.all_true(finite):                            # every rank stops at this step
-                        where = (f"epoch {epoch + 1}, step {step}, batch {g0 + dp.rank * cfg.grad_accum + m}"
-                                 + (f", rank {dp.rank}" if dp.world > 1 else "")
-                                 + f" (samples {item_ids(train_samples, batch_ids or [], pack)[:4]}...)")
-                        raise FloatingPointError(
-                            f"non-finite loss {loss.item()} at {where}: "
-                            f"{nonfinite_loss_advice(train_samples, batch_ids, pack, cfg.lr)}" if not finite else
-                            f"non-finite loss on another rank at epoch {epoch + 1}, step {step}; see its error")
                     (loss / cfg.grad_accum if real else loss * 0.0).backward()
+                losses.append(loss.detach())
                 if real:
                     stats["loss"] = stats["loss"] * stats["n"]      # weight batch means by their counts
                     sums = stats if sums is None else {k: sums[k] + stats[k] for k in stats}
                     tokens = int(host["valid"].sum())                 # on the host: no device sync
                     n_tokens, my_tokens = n_tokens + tokens, my_tokens + tokens
-                    loss_sum += torch.stack([loss.detach().double(), loss.new_ones((), dtype=torch.float64)])
+                    loss_sum[:2] += torch.stack([loss.detach().double(), loss.new_ones((), dtype=torch.float64)])
+                    mine[m] = (~torch.isfinite(loss.detach())).double()
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)   # the same on every rank: grads synced
+            loss_sum[2:] = mine
             loss_sum = dp.sum(loss_sum)
-            gnorm, mean = torch.stack([gnorm.double(), loss_sum[0] / loss_sum[1]]).tolist()   # one host sync
+            gnorm, mean, *flags = torch.cat([gnorm.double()[None], (loss_sum[0] / loss_sum[1])[None], loss_sum[2:],
+                                             mine]).tolist()                  # the step's one host sync
+            if any(flags):                                     # every rank stops at this step, before opt.step
+                raise _nonfinite_loss(flags[len(micro):], micro, losses, epoch, step, g0, dp, cfg, train_samples,
+                                      pack)
             if not math.isfinite(gnorm):
                 raise FloatingPointError(f"non-finite gradient norm at epoch {epoch + 1}, step {step} (batches "
                                          f"{g0}..{g0 + len(group) - 1}); lower train.lr or check the features "
@@ -338,6 +340,21 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                 f"{best['epoch']}")
             break
     return finish()
+
+
+def _nonfinite_loss(mine: list[float], micro: list, losses: list, epoch: int, step: int, g0: int, dp, cfg,
+                    train_samples: list[dict], pack: bool) -> FloatingPointError:
+    """The error of a step with a non-finite micro-batch loss on some rank: on the rank that had it, naming epoch,
+    step, batch, rank and samples with nonfinite_loss_advice; elsewhere, pointing to that rank's error.
+    mine: this rank's flags per micro-batch (1.0: non-finite); losses: its micro-batch losses."""
+    m = next((i for i, bad in enumerate(mine) if bad), None)
+    if m is None:
+        return FloatingPointError(f"non-finite loss on another rank at epoch {epoch + 1}, step {step}; see its error")
+    where = (f"epoch {epoch + 1}, step {step}, batch {g0 + dp.rank * cfg.grad_accum + m}"
+             + (f", rank {dp.rank}" if dp.world > 1 else "")
+             + f" (samples {item_ids(train_samples, micro[m] or [], pack)[:4]}...)")
+    return FloatingPointError(f"non-finite loss {losses[m].item()} at {where}: "
+                              f"{nonfinite_loss_advice(train_samples, micro[m], pack, cfg.lr)}")
 
 
 def _epoch_scalars(tb, step: int, train_m: dict, eval_m: dict | None) -> None:
