@@ -1,7 +1,8 @@
 """Is one decoder layer the bottleneck? The default draft against larger ones at equal data, in one command on a GPU.
 
   python benchmarks/capacity_domain_study.py --config configs/e2e_gsm8k.json --out capacity.json \
-      [--samples 1000] [--epochs 3] [--arms default,wider_mlp,two_layers,eagle3.1] [--target DIR]
+      [--samples 1000] [--epochs 3] [--arms default,wider_mlp,two_layers,eagle3.1] [--target DIR] [--plot PNG]
+  python benchmarks/capacity_domain_study.py --replot capacity.json --plot docs/img/capacity_h100.png
 
 Data: the config's prompts, regeneration, tokenization and features (benchmarks/train_end_to_end.data_stages and
 recipe_tau_time.features_once, cached by their manifests). Each arm is a recipe of recipe_tau_time (its own run
@@ -73,14 +74,51 @@ def compare(measured: dict, trained: dict) -> dict:
                                     "ci95_paired": paired_bootstrap_diff_ci(m["per_prompt"], base["per_prompt"]),
                                     "extra_gpu_seconds": extra,
                                     "tau_per_extra_gpu_second": (m["tau"] - base["tau"]) / extra if extra > 0 else None}
+        epochs = trained[arm]["epochs"]
+        if len(epochs) > 1:                 # an epoch without the first one's compile (and warm-up) in it
+            row["later_epoch_seconds"] = (epochs[-1]["seconds"] - epochs[0]["seconds"]) / (len(epochs) - 1)
         rows[arm] = row
     return rows
+
+
+def plot(res: dict, path: Path) -> Path:
+    """Two panels: each arm's tau with its 95% interval, and each arm's tau minus the default's with the paired
+    95% interval (0 marked); the title names the device, date, samples and epochs."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    arms = res["arms"]
+    names = list(arms)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    tau = [arms[n]["tau"] for n in names]
+    err = [[t - arms[n]["tau_ci95"][0] for n, t in zip(names, tau)],
+           [arms[n]["tau_ci95"][1] - t for n, t in zip(names, tau)]]
+    left.errorbar(names, tau, yerr=err, fmt="o", capsize=4)
+    left.set_ylabel("acceptance length tau (replay, held-out)")
+    others = [n for n in names if "minus_default" in arms[n]]
+    diff = [arms[n]["minus_default"]["tau"] for n in others]
+    derr = [[d - arms[n]["minus_default"]["ci95_paired"][0] for n, d in zip(others, diff)],
+            [arms[n]["minus_default"]["ci95_paired"][1] - d for n, d in zip(others, diff)]]
+    right.errorbar(others, diff, yerr=derr, fmt="o", capsize=4, color="tab:red")
+    right.axhline(0.0, color="black", linewidth=0.8)
+    right.set_ylabel("tau minus the default draft's (paired 95% CI)")
+    fig.suptitle(f"draft capacity at equal data: {res['samples']} samples x {res['epochs']} epochs, "
+                 f"{res['device']}, {res['date']}", fontsize=10)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "e2e_gsm8k.json")
-    ap.add_argument("--out", type=Path, required=True, help="write the JSON result here")
+    ap.add_argument("--out", type=Path, default=None, help="write the JSON result here (needed unless --replot)")
+    ap.add_argument("--plot", type=Path, default=None, help="also draw the result here (PNG)")
+    ap.add_argument("--replot", type=Path, default=None, help="draw --plot from this result JSON; train nothing")
     ap.add_argument("--samples", type=int, default=1000, help="train samples of every arm (equal data)")
     ap.add_argument("--epochs", type=int, default=3, help="epochs of every arm")
     ap.add_argument("--arms", default=",".join(ARMS))
@@ -90,11 +128,20 @@ def main() -> None:
     ap.add_argument("--record-batch", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2, help="processes that replay the drafts")
     a = ap.parse_args()
+    if a.replot:
+        if not a.plot:
+            ap.error("--replot needs --plot")
+        print(plot(json.loads(a.replot.read_text()), a.plot))
+        return
+    if not a.out:
+        ap.error("--out is needed (unless --replot)")
     with contextlib.redirect_stdout(sys.stderr):                    # progress on stderr, the JSON alone on stdout
         res = study(a)
     text = json.dumps(res, indent=2)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(text)
+    if a.plot:
+        plot(res, a.plot)
     print(text)
 
 

@@ -242,3 +242,24 @@ def test_a_warm_start_from_a_one_layer_draft_into_two_layers_is_refused_naming_t
     init = tiny_draft(seed=1, num_hidden_layers=2)
     fresh, _ = warm_draft(init, tiny_draft(num_hidden_layers=2))
     assert torch.equal(fresh.layers["1"].mlp.up_proj.weight, init.layers["1"].mlp.up_proj.weight)
+
+
+def test_the_capacity_study_compares_every_arm_with_the_default_on_the_same_prompts_and_draws_it(tmp_path):
+    """capacity_domain_study.compare: the paired difference is the arms' tau difference (same prompts), the later
+    epochs' seconds leave the first epoch out; plot draws both panels from the result JSON (the --replot path)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from capacity_domain_study import compare, plot
+    per = {"default": [[10, 8], [12, 8]], "eagle3.1": [[12, 8], [14, 8]]}
+    measured = {a: {"tau": sum(t for t, _ in p) / sum(s for _, s in p), "tau_ci95": [1.0, 2.0], "per_prompt": p,
+                    "accept_per_position": [0.5]} for a, p in per.items()}
+    trained = {a: {"epochs": [{"seconds": 30.0}, {"seconds": 33.0}, {"seconds": 37.0 + i}], "epoch_tokens": 100,
+                   "settings": {"draft": {}}} for i, a in enumerate(per)}
+    rows = compare(measured, trained)
+    assert rows["eagle3.1"]["minus_default"]["tau"] == pytest.approx(26 / 16 - 22 / 16)
+    assert rows["eagle3.1"]["minus_default"]["extra_gpu_seconds"] == pytest.approx(1.0)
+    assert rows["default"]["later_epoch_seconds"] == pytest.approx(3.5)
+    res = {"arms": rows, "samples": 2, "epochs": 3, "device": "cpu", "date": "2026-12-06"}
+    png = plot(res, tmp_path / "capacity.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
