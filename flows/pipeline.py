@@ -7,6 +7,8 @@ prompts -> regenerate -> tokenize + loss masks -> aux hidden states -> vocab map
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 from pathlib import Path
 
 from prefect import flow
@@ -56,7 +58,17 @@ def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False, nigh
         return report_task(config)
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (make's, a scheduler's, `kill`) end this process by SystemExit(143) instead of Python's default
+    of dying on the spot. Prefect's flow engine turns the signal into a Crashed run, then restores the handler it
+    found and sends the signal again (prefect/utilities/engine/__init__.py, capture_sigterm): with the default
+    handler the process died there and the temporary Prefect server it had started was left running without a
+    parent, holding its port; with this one the exit runs Prefect's atexit hook, which stops that server."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def main() -> None:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description="Run the EAGLE-3 pipeline as a Prefect flow run.")
     p.add_argument("--preset", default="demo", help="demo | debug_tiny")
     p.add_argument("--run-dir", default=None, help="output directory (default: runs/<preset>)")

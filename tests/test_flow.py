@@ -1,8 +1,15 @@
 """The end-to-end Prefect flow on a handful of prompts under prefect_test_harness, with the real llama.cpp server;
 and bad input failing the flow run with a message that names the file or URL, nothing earlier lost."""
 import asyncio
+import contextlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from prefect.client.orchestration import get_client
@@ -12,6 +19,8 @@ from eagle3_core.contract.layout import STAGE_DIRS
 from eagle3_core.training.checkpoint import load_draft
 from prefect_api import flow_run_log
 from tasks.artifacts import run_key
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pipeline_runs_end_to_end(e2e_run):
@@ -164,3 +173,40 @@ def test_a_run_directory_copied_elsewhere_evaluates_its_own_draft(e2e_run, tmp_p
     finally:
         away.rename(cfg.run_dir)
     assert m["summary"]["preflight"] == "passed" and 1.0 <= m["summary"]["trained"]["tau"] <= 4
+
+
+@pytest.mark.slow
+def test_a_terminated_pipeline_leaves_no_temporary_prefect_server_running(tmp_path):
+    """`python -m flows.pipeline` (what `make demo` runs) stopped by SIGTERM mid-run: the run is Crashed and the
+    temporary Prefect server it started (a uvicorn child in its process group) is gone too, not left holding a port
+    (flows.pipeline.exit_on_sigterm)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {
+        "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300"}    # its own temporary server, not the harness
+    (tmp_path / "prefect").mkdir()
+    log = tmp_path / "log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.pipeline", "--preset", "debug_tiny", "--run-dir",
+                                 str(tmp_path / "run")], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while "Beginning subflow run" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(1)
+        assert "Beginning subflow run" in log.read_text(), log.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)            # anything left of its process group (the uvicorn server)?
+            except ProcessLookupError:
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"processes of the terminated run are still running: {log.read_text()[-2000:]}")
+        assert "Stopping temporary server" in log.read_text() and "Crashed" in log.read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
