@@ -228,9 +228,12 @@ def markdown(p: dict) -> str:
     for r in p["stages"]:
         rate = r["rate"] or {}
         val = f"{rate['value']:g} {rate['unit']}" if rate else "-"
-        lines.append(f"| {r['stage']} | {r['hours']:.2f} | {r['gpu_hours']:.1f} | {r['disk_bytes'] / 1e12:.2f} TB | "
+        hours, gpu_hours = (f"{r['hours']:.2f}", f"{r['gpu_hours']:.1f}") if rate else ("-", "-")   # not 0: unknown
+        lines.append(f"| {r['stage']} | {hours} | {gpu_hours} | {r['disk_bytes'] / 1e12:.2f} TB | "
                      f"{val} | {rate.get('status', '-')} | {rate.get('source', '-')} | {r['note']} |")
-    lines.append(f"| total | {p['total_hours']:.2f} | | {p['disk_bytes'] / 1e12:.2f} TB | | | | |")
+    unknown = [r["stage"] for r in p["stages"] if not r["rate"]]
+    total = f"total (without {', '.join(unknown)}: no rate)" if unknown else "total"
+    lines.append(f"| {total} | {p['total_hours']:.2f} | | {p['disk_bytes'] / 1e12:.2f} TB | | | | |")
     return "\n".join(lines) + "\n"
 
 
