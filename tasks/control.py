@@ -54,12 +54,12 @@ def first_attempt() -> bool:
 def check_task(config: PipelineConfig) -> str:
     """The config against the target's config (eagle3_core.check: config files only, no weights): fails in
     seconds, before any stage runs, with CheckError naming each problem's field, cause and fix (the run log's first
-    error; tasks/logs.py keeps a refusal's traceback out). When it passes, the log gets a few lines (check_summary)
-    and the facts read, ~100 lines, go to the artifact `check-<run>`."""
-    with run_log() as log:
+    error; tasks/logs.py keeps a refusal's traceback out). When it passes, the facts read, ~100 lines, go to the
+    artifact `check-<run>`, and it returns their summary line (check_summary), which plan_stages_task logs in the
+    run's first message."""
+    with run_log():
         facts = check_or_raise(config, log=lambda text: None, facts_on_refusal=False)
-        publish_check(config, facts, log)
-        return "passed"
+        return publish_check(config, facts)
 
 
 @task(name="forget", task_run_name="forget", cache_policy=NO_CACHE)
