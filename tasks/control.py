@@ -199,8 +199,10 @@ def run_shards(task_, cfg: PipelineConfig, stage: str, plan: dict, *args, parall
         n, N = progress.done, progress.total
         ran.extend([shard] if state.name != "Cached" else [])    # a cached shard is no rate: eta_text
         eta = eta_text(time.monotonic() - t0, len(ran), N - n)
-        log_in_parent_runs(logging.INFO, "%s: %s of %s shards done (shard %s: %s)%s", stage, n, N, shard,
-                           state.name, eta)               # in the pipeline run's log too
+        # in the pipeline run's log too, but a failed shard there only in the failure line below (its cause and fix,
+        # which should sit near the top of that page)
+        say = log_in_parent_runs if state.is_completed() else get_run_logger().log
+        say(logging.INFO, "%s: %s of %s shards done (shard %s: %s)%s", stage, n, N, shard, state.name, eta)
 
     states = []
     if parallel:
