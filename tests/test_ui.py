@@ -7,7 +7,10 @@ nightly run on the finished run keeps its num_train and its export and says so i
 run directory, on a machine loaded on purpose) leaves the first run's artifacts in place and its report carries
 the load flag; a failed run's log opens with the cause; the first screen of a nightly no-op shows its plan; a run
 whose llama-server is killed names the cause once, at the top; a run cancelled during generation ends Cancelled
-with its subflows and says so. Screenshots go to test-artifacts/ui/ (failure.png: the page when a check failed). Run with `make test-ui` (CI: .ci/run); needs the port (EAGLE3_UI_TEST_PORT) free."""
+with its subflows and says so. Screenshots go to test-artifacts/ui/ (failure.png: the page when a check failed). Run
+with `make test-ui` (CI: .ci/run); needs the port (EAGLE3_UI_TEST_PORT) free. The server logs every request it answers
+503 (SQLite write-lock contention) to its server.log; the test makes its writes through Prefect's client, which retries
+them (_client)."""
 import json
 import os
 import re
@@ -184,6 +187,7 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
             (report,) = _artifacts(report["key"])          # the night published this run's report again
 
             # a second run in another run directory: its artifacts sit beside the first run's
+            page.goto("about:blank")        # not a run page that polls and redraws its graph meanwhile, unwatched
             with _loaded_machine():                     # its speeds are measured on a busy machine: flagged
                 second = _run_deployment(served / "runs" / "second" / "debug_tiny", epochs=3)
             assert second["state"]["type"] == "COMPLETED", second["state"]
@@ -282,7 +286,8 @@ def _server_started(run_dir: Path, run: dict) -> int:
 
 def _killed_server_run(page, run_dir: Path) -> None:
     """A run whose llama-server is SIGKILLed as soon as it started: Failed with the cause as its state message, its
-    page names the cause once (the parent's log holds it once, with its fix; later lines refer to it)."""
+    page names the cause once, on its first screen (the parent's log holds it once, with its fix; later lines refer
+    to it)."""
     run = _run_deployment(run_dir, wait=False)
     os.kill(_server_started(run_dir, run), signal.SIGKILL)
     run = _wait_run(run)
