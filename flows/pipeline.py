@@ -39,11 +39,12 @@ def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False, nigh
             the new ones regenerated and extracted, a warm start from the current draft, promoted only if tau is
             not worse; off: one run of the config as it is."""
     s.label(config, "pipeline")
-    check_task(config)                # config + target config files only: fails in seconds
+    said = [check_task(config)]       # config + target config files only: fails in seconds
     with s.locked(config), s.pipeline_progress(config.run_dir, ALL_STAGES):    # this run's page: stage k of N
         if nightly:
-            config, night = plan_night_task(config)
-        plan_stages_task(config, refresh)                                 # the first screen: what will run
+            config, night, night_said = plan_night_task(config)
+            said += night_said
+        plan_stages_task(config, refresh, said)          # the log's first message: what will run, check, the night
         s.forget(config, refresh, *ALL_STAGES)
         s.prompts_flow(config)
         s.generation_flow(config)

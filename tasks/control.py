@@ -54,12 +54,12 @@ def first_attempt() -> bool:
 def check_task(config: PipelineConfig) -> str:
     """The config against the target's config (eagle3_core.check: config files only, no weights): fails in
     seconds, before any stage runs, with CheckError naming each problem's field, cause and fix (the run log's first
-    error; tasks/logs.py keeps a refusal's traceback out). When it passes, the log gets a few lines (check_summary)
-    and the facts read, ~100 lines, go to the artifact `check-<run>`."""
-    with run_log() as log:
+    error; tasks/logs.py keeps a refusal's traceback out). When it passes, the facts read, ~100 lines, go to the
+    artifact `check-<run>`, and it returns their summary line (check_summary), which plan_stages_task logs in the
+    run's first message."""
+    with run_log():
         facts = check_or_raise(config, log=lambda text: None, facts_on_refusal=False)
-        publish_check(config, facts, log)
-        return "passed"
+        return publish_check(config, facts)
 
 
 @task(name="forget", task_run_name="forget", cache_policy=NO_CACHE)
@@ -199,8 +199,10 @@ def run_shards(task_, cfg: PipelineConfig, stage: str, plan: dict, *args, parall
         n, N = progress.done, progress.total
         ran.extend([shard] if state.name != "Cached" else [])    # a cached shard is no rate: eta_text
         eta = eta_text(time.monotonic() - t0, len(ran), N - n)
-        log_in_parent_runs(logging.INFO, "%s: %s of %s shards done (shard %s: %s)%s", stage, n, N, shard,
-                           state.name, eta)               # in the pipeline run's log too
+        # in the pipeline run's log too, but a failed shard there only in the failure line below (its cause and fix,
+        # which should sit near the top of that page)
+        say = log_in_parent_runs if state.is_completed() else get_run_logger().log
+        say(logging.INFO, "%s: %s of %s shards done (shard %s: %s)%s", stage, n, N, shard, state.name, eta)
 
     states = []
     if parallel:

@@ -20,6 +20,9 @@ FORWARDED = ("transformers", "httpx")
 # Prefect's loggers that log a failure with its traceback: the task run that raised it, then every flow run above
 PREFECT_RUN_LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
 FORWARD_LEVEL = logging.WARNING
+# the planning tasks, whose own line says what they found: their 'Finished in state Completed()' says nothing more
+# and would push the run's plan (plan_stages_task's message) off the run log's first screen, so it is dropped
+QUIET_TASKS = frozenset({"check", "plan-night", "plan-stages", "plan-generation", "plan-features"})
 
 
 class _RunLogHandler(APILogHandler):
@@ -108,11 +111,15 @@ class TracebackOnce(logging.Filter):
     ones to the type with 'cause and fix above'; the traceback is logged once in all (never for a class that sets
     `traceback_helps = False`: a refusal naming a config field and its fix, check.CheckError, or a server that
     exited, launcher.ServerExited); a final-state line names the state alone. A plain record that quotes a
-    failure (run_shards' line in the runs above a stage) counts as that page's full message."""
+    failure (run_shards' line in the runs above a stage) counts as that page's full message. A QUIET_TASKS task's
+    'Finished in state Completed()' is dropped."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         run = str(getattr(record, "flow_run_id", None))
+        if getattr(record, "task_name", None) in QUIET_TASKS and record.getMessage() == "Finished in state " \
+                "Completed()":
+            return False
         if exc is None:
             if record.exc_info:              # exc_info=True outside an exception: Prefect's 'NoneType: None' line
                 record.exc_info = None

@@ -11,10 +11,12 @@ from tasks.logs import run_log
 
 
 @task(name="plan-night", task_run_name="plan-night", cache_policy=NO_CACHE)
-def plan_night_task(config: PipelineConfig) -> tuple[PipelineConfig, dict]:
-    """Tonight's config (every prompt of the sources, warm start from last night's draft) and the night's plan."""
-    with run_log() as log:
-        return nightly.plan_night(config, log=log.info)
+def plan_night_task(config: PipelineConfig) -> tuple[PipelineConfig, dict, list[str]]:
+    """Tonight's config (every prompt of the sources, warm start from last night's draft), the night's plan and
+    the lines saying it, which plan_stages_task logs with the run's plan (its first message)."""
+    said = []
+    with run_log():
+        return (*nightly.plan_night(config, log=said.append), said)
 
 
 @task(name="finish-night", task_run_name="finish-night", cache_policy=NO_CACHE)

@@ -69,20 +69,21 @@ def check_summary(facts: dict) -> str:
             f"features need {d.get('features_gb')} GB, {d.get('free_gb')} GB free at {d.get('where')}")
 
 
-def publish_check(config: PipelineConfig, facts: dict, log) -> None:
-    """Log check_summary and publish every fact as the markdown artifact `check-<run>` (the log keeps its first
-    screen for the plan of the run)."""
+def publish_check(config: PipelineConfig, facts: dict) -> str:
+    """Publish every fact as the markdown artifact `check-<run>`; returns check_summary's line naming it, which
+    plan_stages_task logs with the plan (the log keeps its first screen for what the run will do)."""
     key = run_key(config.run_dir, "check")
     create_markdown_artifact(f"# check of {config.run_dir}\n\n```\n{render(facts)}\n```\n", key=key,
                              description="every fact check read from the config and the target's config files")
-    log.info("%s; every fact in the artifact %s", check_summary(facts), key)
+    return f"{check_summary(facts)}; every fact in the artifact {key}"
 
 
 @task(name="plan-stages", task_run_name="plan-stages", cache_policy=NO_CACHE)
-def plan_stages_task(config: PipelineConfig, refresh: bool = False) -> dict:
-    """Log what this run will do, on its first screen: the stages done for these inputs (skipped) and those to run.
-    A stage after one that runs is listed to run: it is skipped only if its inputs come out the same. Returns
-    {'skip': [...], 'run': [...]}."""
+def plan_stages_task(config: PipelineConfig, refresh: bool = False, said: list[str] = ()) -> dict:
+    """Log what this run will do, as the run log's first message: the stages done for these inputs (skipped) and
+    those to run, then the lines `said` (check's summary, the night's plan) in the same message. A stage after one
+    that runs is listed to run: it is skipped only if its inputs come out the same. Returns {'skip': [...],
+    'run': [...]}."""
     skip, run = [], []
     for stage in STAGE_DIRS:
         try:
@@ -91,9 +92,8 @@ def plan_stages_task(config: PipelineConfig, refresh: bool = False) -> dict:
             done = False
         (skip if done else run).append(stage)
     if skip:
-        get_run_logger().info("plan: skip %s (done for these inputs); run %s", ", ".join(skip),
-                              ", ".join(run) or "nothing")
+        plan = f"plan: skip {', '.join(skip)} (done for these inputs); run {', '.join(run) or 'nothing'}"
     else:
-        get_run_logger().info("plan: run every stage (none done for these inputs): %s", ", ".join(run))
+        plan = "plan: run every stage (none done for these inputs)"        # one line: the graph names them
+    get_run_logger().info("%s", "\n".join([plan, *said]))
     return {"skip": skip, "run": run}
-

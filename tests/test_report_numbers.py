@@ -180,3 +180,26 @@ def test_checks_log_line_is_a_summary_and_its_facts_an_artifact(tmp_path):
     assert line.startswith("check: passed: target embedded (llama, 30 layers, hidden 576); aux layers [1, 14, 26]; "
                            "draft vocab 1024 of 49152; features need ")
     assert "\n" not in line and len(render(facts).splitlines()) > 50
+
+
+def test_the_run_logs_first_message_is_the_plan_with_checks_line_and_the_nights(tmp_path, monkeypatch):
+    """plan_stages_task logs one message: the plan first, then check's summary and the night's lines (one log
+    entry on the run page, above the stages' lines); a finished stage is listed skipped, later ones to run."""
+    from types import SimpleNamespace
+
+    import tasks.report
+    from eagle3_core.config import preset
+    from eagle3_core.contract.layout import STAGE_DIRS
+    from tasks.report import plan_stages_task
+    logged = []
+    monkeypatch.setattr(tasks.report, "get_run_logger",
+                        lambda: SimpleNamespace(info=lambda fmt, *args: logged.append(fmt % args)))
+    cfg = preset("debug_tiny", tmp_path / "run")
+    said = ["check: passed: target embedded", "night 0: 6 train prompts"]
+    assert plan_stages_task.fn(cfg, False, said) == {"skip": [], "run": list(STAGE_DIRS)}
+    assert logged == ["plan: run every stage (none done for these inputs)\ncheck: passed: target embedded\n"
+                      "night 0: 6 train prompts"]
+    monkeypatch.setattr(tasks.report, "stage_done", lambda config, stage: stage == "prompts")
+    assert plan_stages_task.fn(cfg, False, said[:1])["skip"] == ["prompts"]
+    assert logged[-1] == (f"plan: skip prompts (done for these inputs); run {', '.join(list(STAGE_DIRS)[1:])}\n"
+                          "check: passed: target embedded")

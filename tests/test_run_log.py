@@ -81,6 +81,21 @@ def test_a_failure_is_said_once_per_run_page_then_referred_to():
     assert f.filter(top) and top.getMessage().endswith("ServerExited (cause and fix above)")
 
 
+def test_a_planning_tasks_completed_line_is_dropped_and_a_stage_tasks_kept():
+    """The run log's first screen: check, plan-night and plan-stages say what they found in the run's plan
+    message; their 'Finished in state Completed()' lines are dropped, a stage task's and any failure are kept."""
+    f = TracebackOnce()
+
+    def final(task: str, state: str) -> logging.LogRecord:
+        record = _record("prefect.task_runs", "Finished in state %s", None, state)
+        record.task_name = task                     # Prefect's task run logger sets it
+        return record
+    assert [f.filter(final(t, "Completed()")) for t in ("check", "plan-night", "plan-stages", "plan-generation",
+                                                        "plan-features")] == [False] * 5
+    assert f.filter(final("train", "Completed()")) and f.filter(final("check", "Failed('check refused the run')"))
+    assert f.filter(_record("prefect.flow_runs", "Finished in state %s", None, "Completed()"))
+
+
 def test_a_failure_whose_traceback_helps_keeps_it_once_in_all():
     f = TracebackOnce()
     try:
