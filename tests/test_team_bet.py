@@ -1,0 +1,123 @@
+"""The team bet's study (studies/team_bet.py, team_bet_surface.py): the surface fit recovers known coefficients,
+points come in the order of their value, a committed point is not rerun, the warm arm's GPU-seconds include its
+quarter's, the budget stops cleanly, and plan's cost of 10x data is plan_run's arithmetic."""
+import json
+import math
+
+import pytest
+
+from eagle3_core.config import preset
+from eagle3_core.studies import team_bet as tb
+from eagle3_core.studies import team_bet_surface as ts
+
+TRUE = {"a": 0.4, "b": 0.35, "c": 0.9, "d": -0.12}
+
+
+def synthetic(noise: float = 0.0) -> list[dict]:
+    pts, k = [], 0
+    for n in (900, 1800, 3700, 7400):
+        for e in (4, 8, 16, 24):
+            k += 1
+            tau = ts.surface_tau(TRUE, n, e) + noise * math.sin(7.3 * k)      # deterministic "noise"
+            pts.append({"samples": n, "epochs": e, "tau": tau, "recipe": "plateau" if e == 16 else f"e{e}"})
+    return pts
+
+
+def test_surface_recovers_known_coefficients_and_predicts_tenfold():
+    fit = ts.fit_surface(synthetic())
+    for k, v in TRUE.items():
+        assert fit[k] == pytest.approx(v, abs=1e-9)
+    assert fit["r2"] == pytest.approx(1.0) and fit["rmse"] < 1e-9
+    noisy = ts.fit_surface(synthetic(noise=0.01))
+    assert all(abs(noisy[k] - v) < 0.08 for k, v in TRUE.items()) and 0.9 < noisy["r2"] < 1.0
+    t = ts.tenfold(fit, synthetic())
+    assert t["samples_10x"] == 74000 and t["epochs"] == 16        # the largest size's plateau point's epochs
+    assert t["gain"] == pytest.approx(TRUE["b"] + TRUE["d"] * math.log10(16))
+    assert t["slope_data_per_decade"] == pytest.approx(t["gain"])
+    with pytest.raises(ValueError, match="2 epoch counts"):
+        ts.fit_surface([{"samples": n, "epochs": 6, "tau": 2.0} for n in (100, 200, 400, 800)])
+
+
+def test_points_ordered_by_value_and_named():
+    pts = tb.study_points(7409, [0.125, 0.25, 0.5, 1.0], ["e6", "e24"], seeds=2)
+    names = [tb.point_name(p) for p in pts]
+    assert names[:4] == ["n7409-plateau-s0", "warm-n1852to7409-plateau-s0", "n7409-e6-s0", "n7409-e24-s0"]
+    assert names[4:7] == ["n3704-plateau-s0", "n3704-e6-s0", "n3704-e24-s0"]
+    assert names[-1] == "n7409-plateau-s1" and len(names) == len(set(names)) == 4 + 3 * 3 + 1
+    with pytest.raises(ValueError, match="'plateau'.*'eN'"):
+        tb.study_points(100, [0.5, 1.0], ["six"])
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    c = preset("demo", tmp_path / "run")
+    (c.run_dir / "prompts").mkdir(parents=True)
+    (c.run_dir / "prompts" / "manifest.json").write_text(json.dumps({"eval_ids": ["q1", "q2"],
+                                                                     "train_ids": ["t1"]}))
+    return c
+
+
+class FakeTrainer:
+    """Stands in for train_subset (a real training run is the GPU session's): 0.01 s per sample-epoch, recorded."""
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, cfg, n, recipe, seed, out, init_from, log):
+        self.calls.append((n, recipe, seed, init_from))
+        epochs = tb.recipe_epochs(recipe) or 10
+        return {"export": str(out / "export"), "seconds": 0.01 * n * epochs, "epochs": epochs, "best_epoch": epochs,
+                "stopping": None, "epoch_tokens": 100 * n}
+
+
+def measure(export):
+    return {"tau": 2.0 + 0.1 * ("warm" in export), "tau_ci95": [1.9, 2.2], "accept_per_position": [0.5],
+            "per_prompt": [(20 + 2 * ("warm" in export), 10), (30, 14)]}
+
+
+def test_committed_points_are_not_rerun_and_warm_seconds_include_the_quarter(cfg, tmp_path):
+    pts = tb.study_points(400, [0.5, 1.0], ["e4"], seeds=1)
+    results, trainer = tmp_path / "team_bet", FakeTrainer()
+    first = tb.run_points(cfg, pts, results, tmp_path / "work", measure, train_fn=trainer, log=lambda s: None)
+    assert first["left"] == [] and sorted(p.name for p in results.iterdir()) == sorted(
+        f"{tb.point_name(p)}.json" for p in pts)
+    warm = json.loads((results / "warm-n100to400-plateau-s0.json").read_text())
+    assert [ph["phase"] for ph in warm["phases"]] == ["quarter", "warm"]
+    assert warm["seconds"] == pytest.approx(0.01 * 100 * 10 + 0.01 * 400 * 10)    # quarter + its growth to all
+    assert (100, "plateau", 0, None) in trainer.calls
+    assert any(c[3] and c[3].endswith("quarter/export") for c in trainer.calls)   # warm start from the quarter
+    again = FakeTrainer()
+    second = tb.run_points(cfg, pts, results, tmp_path / "work", measure, train_fn=again, log=lambda s: None)
+    assert again.calls == [] and second["ran"] == [] and len(second["done"]) == len(pts)
+    cfg.eval.max_new_tokens += 1                                                  # other settings: measured again
+    third = tb.run_points(cfg, pts[:1], results, tmp_path / "work", measure, train_fn=again, log=lambda s: None)
+    assert third["ran"] == ["n400-plateau-s0"] and len(again.calls) == 1
+    rows = ts.warm_against_scratch(second["done"])
+    assert len(rows) == 1 and rows[0]["warm_minus_scratch"] == pytest.approx(0.1)
+    assert rows[0]["warm_seconds"] == pytest.approx(50.0) and rows[0]["scratch_seconds"] == pytest.approx(40.0)
+    # paired: resamples of the two prompts give warm - scratch 0.2 (prompt 1 twice), 2/24 or 0 (prompt 2 twice)
+    assert rows[0]["ci95_paired"] == pytest.approx([0.0, 0.2])
+
+
+def test_budget_runs_what_fits_then_stops_cleanly(cfg, tmp_path):
+    pts = tb.study_points(400, [0.5, 1.0], ["e4"], seeds=1)
+    trainer = FakeTrainer()
+    # the first point runs on the default estimate (1 s <= 5 s); the second's estimate from the first's rate
+    # (0.01 s per sample-epoch x 10 epochs x 500 samples = 50 s) does not fit in what is left of 5 s
+    res = tb.run_points(cfg, pts, tmp_path / "r", tmp_path / "w", measure, budget_s=5.0, default_s=1.0,
+                        train_fn=trainer, log=lambda s: None)
+    assert res["ran"] == ["n400-plateau-s0"] and res["left"] == [tb.point_name(p) for p in pts[1:]]
+    assert tb.estimate_seconds(pts[1], res["done"], 1.0) == pytest.approx(0.01 * 10 * 500)
+
+
+def test_tenfold_plan_is_plan_runs_arithmetic(cfg):
+    data = {"generation_tok_s": 3500.0, "output_tokens_per_sample": 190.0, "tokens_per_sample": 280.0,
+            "extraction_tok_s": 40000.0, "hidden_size": 576}
+    points = [{"phases": [{"epoch_tokens": 1000, "epochs": 10, "seconds": s}]} for s in (1.0, 2.0, 4.0)]
+    rates = ts.study_rates(data, points, "test")
+    assert rates["train_tok_s_per_gpu"]["value"] == pytest.approx(10000 / 2.0)      # the median
+    p = ts.tenfold_plan(cfg, rates, 74090, 16)
+    train = next(r for r in p["stages"] if r["stage"] == "train")
+    assert train["hours"] == pytest.approx(16 * 74090 * 280 / 5000 / 3600)
+    gen = next(r for r in p["stages"] if r["stage"] == "generation")
+    assert gen["hours"] == pytest.approx(74090 * 190 / 3500 / 3600)
+    assert p["total_hours"] >= train["hours"] + gen["hours"] and "74090" in p["markdown"]
