@@ -3,6 +3,7 @@ points come in the order of their value, a committed point is not rerun, the war
 quarter's, the budget stops cleanly, and plan's cost of 10x data is plan_run's arithmetic."""
 import json
 import math
+import time
 
 import pytest
 
@@ -58,14 +59,19 @@ def cfg(tmp_path):
 
 
 class FakeTrainer:
-    """Stands in for train_subset (a real training run is the GPU session's): 0.01 s per sample-epoch, recorded."""
+    """Stands in for train_subset (a real training run is the GPU session's): 0.01 s per sample-epoch on a
+    simulated clock that starts with the object; Unfinished when a phase would end after the deadline."""
     def __init__(self):
-        self.calls = []
+        self.calls, self.start, self.spent = [], time.monotonic(), 0.0
 
-    def __call__(self, cfg, n, recipe, seed, out, init_from, log):
+    def __call__(self, cfg, n, recipe, seed, out, init_from, log, deadline):
         self.calls.append((n, recipe, seed, init_from))
         epochs = tb.recipe_epochs(recipe) or 10
-        return {"export": str(out / "export"), "seconds": 0.01 * n * epochs, "epochs": epochs, "best_epoch": epochs,
+        cost = 0.01 * n * epochs
+        if deadline is not None and self.start + self.spent + cost > deadline:
+            raise tb.Unfinished(f"{out}: would pass the deadline")
+        self.spent += cost
+        return {"export": str(out / "export"), "seconds": cost, "epochs": epochs, "best_epoch": epochs,
                 "stopping": None, "epoch_tokens": 100 * n}
 
 
@@ -100,13 +106,18 @@ def test_committed_points_are_not_rerun_and_warm_seconds_include_the_quarter(cfg
 
 def test_budget_runs_what_fits_then_stops_cleanly(cfg, tmp_path):
     pts = tb.study_points(400, [0.5, 1.0], ["e4"], seeds=1)
-    trainer = FakeTrainer()
-    # the first point runs on the default estimate (1 s <= 5 s); the second's estimate from the first's rate
-    # (0.01 s per sample-epoch x 10 epochs x 500 samples = 50 s) does not fit in what is left of 5 s
-    res = tb.run_points(cfg, pts, tmp_path / "r", tmp_path / "w", measure, budget_s=5.0, default_s=1.0,
-                        train_fn=trainer, log=lambda s: None)
-    assert res["ran"] == ["n400-plateau-s0"] and res["left"] == [tb.point_name(p) for p in pts[1:]]
-    assert tb.estimate_seconds(pts[1], res["done"], 1.0) == pytest.approx(0.01 * 10 * 500)
+    names = [tb.point_name(p) for p in pts]
+    quiet = dict(train_fn=FakeTrainer(), log=lambda s: None)
+    # the first point runs on the default estimate (1 s); the warm arm's estimate from the first's rate (0.01 s per
+    # sample-epoch x 10 epochs x (100 + 400) samples = 50 s) does not fit in 45 s: it and all after it are left
+    res = tb.run_points(cfg, pts, tmp_path / "r", tmp_path / "w", measure, budget_s=45.0, default_s=1.0, **quiet)
+    assert res["ran"] == names[:1] and res["left"] == names[1:] and res["unfinished"] is None
+    assert tb.estimate_seconds(pts[1], res["done"], 1.0) == pytest.approx(50.0)
+    # partial: the warm arm starts anyway and stops at the deadline (its quarter's 10 s after the first's 40 s)
+    res = tb.run_points(cfg, pts, tmp_path / "r2", tmp_path / "w2", measure, budget_s=45.0, default_s=1.0,
+                        partial=True, **{**quiet, "train_fn": FakeTrainer()})
+    assert res["ran"] == names[:1] and res["unfinished"] == names[1] and res["left"] == names[1:]
+    assert not (tmp_path / "r2" / f"{names[1]}.json").exists()
 
 
 def test_tenfold_plan_is_plan_runs_arithmetic(cfg):
@@ -121,3 +132,17 @@ def test_tenfold_plan_is_plan_runs_arithmetic(cfg):
     gen = next(r for r in p["stages"] if r["stage"] == "generation")
     assert gen["hours"] == pytest.approx(74090 * 190 / 3500 / 3600)
     assert p["total_hours"] >= train["hours"] + gen["hours"] and "74090" in p["markdown"]
+
+
+def test_study_plan_counts_every_point_and_the_warm_arms_quarter(cfg):
+    rates = ts.study_rates({"generation_tok_s": 3500.0, "output_tokens_per_sample": 190.0, "tokens_per_sample": 280.0,
+                            "extraction_tok_s": 40000.0, "hidden_size": 576},
+                           [{"phases": [{"epoch_tokens": 1000, "epochs": 10, "seconds": 2.0}]}], "test")
+    pts = tb.study_points(400, [0.5, 1.0], ["e4"], seeds=1)
+    plan = ts.study_plan(cfg, rates, pts, 400)
+    rows = {r["name"]: r for r in plan["points"]}
+    assert rows["n400-e4-s0"]["hours"] == pytest.approx(4 * 400 * 280 / 5000 / 3600)
+    E = rows["n400-plateau-s0"]["epochs"]                 # plan's expected epochs for the rule at this size
+    assert rows["warm-n100to400-plateau-s0"]["hours"] > rows["n400-plateau-s0"]["hours"] == pytest.approx(
+        E * 400 * 280 / 5000 / 3600)
+    assert plan["total_hours"] == pytest.approx(plan["data_hours"] + sum(r["hours"] for r in plan["points"]))

@@ -83,12 +83,28 @@ def cached_point(results: Path, point: dict, settings: dict) -> dict | None:
     return None
 
 
+class Unfinished(Exception):
+    """A point's training reached the call's deadline; its checkpoints stay in its work folder and the next call
+    on the same machine resumes it (training.trainer resumes from the newest checkpoint)."""
+
+
+def _done(summary: dict, epochs: int | None, max_epochs: int) -> bool:
+    """Whether the run is over: its fixed epochs run, or the plateau rule has stopped it (or its ceiling)."""
+    ran = len(summary["history"])
+    if epochs is not None:
+        return ran >= epochs
+    stop = summary.get("stopping") or {}
+    return stop.get("stopped_at") is not None or ran >= max_epochs
+
+
 def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path, init_from: str | None = None,
-                 log=print) -> dict:
-    """Train a draft (draft.seed = seed, train.epochs by `recipe`, train.init_from) on the first n of the nested
-    subsets of cfg.run_dir's train split, into `out`, and export its best epoch. Returns {export (dir), seconds
-    (training wall time, the GPU synchronised: the GPU-seconds of one GPU), epochs (run), best_epoch, stopping,
-    epoch_tokens}. Raises ValueError when n exceeds the train samples."""
+                 log=print, deadline: float | None = None) -> dict:
+    """Train a draft (draft.seed and train.seed = seed, train.epochs by `recipe`, train.init_from) on the first n
+    of the nested subsets of cfg.run_dir's train split, into `out`, one epoch per trainer call, and export its
+    best epoch. GPU-seconds: the wall time of those calls (the GPU synchronised; one GPU), summed over resumed calls
+    in out/gpu_seconds.json. Returns {export (dir), seconds, epochs (run), best_epoch, stopping, epoch_tokens}.
+    Raises Unfinished when the next epoch (estimated by the last) would end after `deadline` (time.monotonic()),
+    ValueError when n exceeds the train samples."""
     from eagle3_core.pipeline.keys import target_config
     from eagle3_core.pipeline.train_stage import claim_training_dir, train_key, train_split
     from eagle3_core.studies.scaling_study import nested_subset
@@ -97,35 +113,50 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
     from eagle3_core.training.startup import fresh_draft
     from eagle3_core.training.trainer import train
     run = cfg.model_copy(deep=True)
-    run.draft.seed, run.train.epochs, run.train.init_from = seed, recipe_epochs(recipe), init_from
+    run.draft.seed, run.train.seed, run.train.epochs, run.train.init_from = seed, seed, recipe_epochs(recipe), init_from
     train_all, eval_s = train_split(run)
     if n > len(train_all):
         raise ValueError(f"point of {n} samples > {len(train_all)} train samples in {cfg.run_dir / 'features'}")
     subset = [train_all[i] for i in nested_subset(len(train_all), n, SUBSET_SEED)]
     draft, lm_head = fresh_draft(run, log=log)
-    claim_training_dir(out, f"{train_key(run)}-n{n}-s{seed}-{init_from}")
-    t0 = time.monotonic()
-    summary = train(draft, subset, eval_s, lm_head, run.train, out, log=log, tensorboard=False)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    seconds = time.monotonic() - t0
+    key = f"{train_key(run)}-n{n}-s{seed}-{init_from}"
+    claim_training_dir(out, key)
+    clock = out / "gpu_seconds.json"
+    seconds = json.loads(clock.read_text())["seconds"] if clock.exists() and \
+        json.loads(clock.read_text())["key"] == key else 0.0
+    last = 0.0
+    while True:
+        if deadline is not None and time.monotonic() + last > deadline:
+            raise Unfinished(f"{out}: {seconds:.0f} s trained; the next epoch would pass the deadline")
+        t0 = time.monotonic()
+        summary = train(draft, subset, eval_s, lm_head, run.train, out, log=log, tensorboard=False,
+                        stop_after_epochs=1)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        last = time.monotonic() - t0
+        seconds += last
+        clock.write_text(json.dumps({"key": key, "seconds": seconds}))
+        if _done(summary, run.train.epochs, run.train.max_epochs):
+            break
     export = export_draft(load_draft(out / "best"), out / "export", sglang_rule=sglang_rule(target_config(run)))
     return {"export": str(export), "seconds": seconds, "epochs": len(summary["history"]),
             "best_epoch": summary["best"]["epoch"], "stopping": summary.get("stopping"),
             "epoch_tokens": sum(len(s["input_ids"]) for s in subset)}
 
 
-def run_point(cfg: PipelineConfig, point: dict, work: Path, measure, train_fn=train_subset, log=print) -> dict:
+def run_point(cfg: PipelineConfig, point: dict, work: Path, measure, train_fn=train_subset, log=print,
+              deadline: float | None = None) -> dict:
     """Train one point under `work`/<name> (the warm arm: its quarter first, from scratch, then all of its samples
     from the quarter's draft) and measure its draft with `measure(export_dir) -> replay_measure's entry`. Returns
     the result {point, name, samples, epochs, seconds (GPU-seconds of all its training, the quarter's included),
-    phases, tau, tau_ci95, accept_per_position, per_prompt}."""
+    phases, tau, tau_ci95, accept_per_position, per_prompt}. Unfinished from train_fn passes through."""
     name, phases, init = point_name(point), [], None
     if point.get("warm_from"):
-        q = train_fn(cfg, point["warm_from"], point["recipe"], point["seed"], work / name / "quarter", None, log)
+        q = train_fn(cfg, point["warm_from"], point["recipe"], point["seed"], work / name / "quarter", None, log,
+                     deadline)
         phases.append({"phase": "quarter", "samples": point["warm_from"], **q})
         init = q["export"]
-    r = train_fn(cfg, point["samples"], point["recipe"], point["seed"], work / name / "all", init, log)
+    r = train_fn(cfg, point["samples"], point["recipe"], point["seed"], work / name / "all", init, log, deadline)
     phases.append({"phase": "warm" if init else "scratch", "samples": point["samples"], **r})
     m = measure(r["export"])
     log(f"team bet: {name}: tau {m['tau']:.3f} ({m['tau_ci95'][0]:.2f}-{m['tau_ci95'][1]:.2f}) after "
@@ -149,25 +180,36 @@ def estimate_seconds(point: dict, done: list[dict], default_s: float) -> float:
 
 
 def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Path, measure,
-               budget_s: float | None = None, default_s: float = 600.0, train_fn=train_subset, log=print) -> dict:
+               budget_s: float | None = None, default_s: float = 600.0, partial: bool = False,
+               train_fn=train_subset, log=print) -> dict:
     """Every point in order: one whose RESULTS/<name>.json holds the same settings is read back (not rerun); the
     others run while their estimate (estimate_seconds) fits in what is left of budget_s (None: no budget), each
-    result written as soon as it is in. Returns {done: [results], ran: [names], left: [names not run]}."""
+    result written as soon as it is in. With `partial` a point that does not fit is started anyway and stopped at
+    the budget's end (Unfinished), its checkpoints left in `work` for the next call on the same machine. Points
+    after the first not run are left, in order. Returns {done: [results], ran: [names], left: [names not run],
+    unfinished: name or None}."""
     results.mkdir(parents=True, exist_ok=True)
-    t0, done, ran, left = time.monotonic(), [], [], []
+    t0, done, ran, left, unfinished = time.monotonic(), [], [], [], None
+    deadline = None if budget_s is None else t0 + budget_s
     for p in points:
         settings = point_settings(cfg, p)
         if old := cached_point(results, p, settings):
             done.append(old)
             continue
-        est = estimate_seconds(p, done, default_s)
-        if left or (budget_s is not None and time.monotonic() - t0 + est > budget_s):
+        fits = budget_s is None or time.monotonic() - t0 + estimate_seconds(p, done, default_s) <= budget_s
+        if left or not (fits or partial):
             left.append(point_name(p))
             continue
-        res = {"settings": settings, **run_point(cfg, p, work, measure, train_fn, log)}
+        try:
+            res = {"settings": settings, **run_point(cfg, p, work, measure, train_fn, log, deadline)}
+        except Unfinished as e:
+            log(f"team bet: {point_name(p)} stopped at the budget's end ({e}); the next call resumes it")
+            unfinished = point_name(p)
+            left.append(unfinished)
+            continue
         (results / f"{res['name']}.json").write_text(json.dumps(res, indent=1) + "\n")
         done.append(res)
         ran.append(res["name"])
     if left:
         log(f"team bet: budget spent; {len(left)} point(s) left for the next call: {', '.join(left)}")
-    return {"done": done, "ran": ran, "left": left}
+    return {"done": done, "ran": ran, "left": left, "unfinished": unfinished}

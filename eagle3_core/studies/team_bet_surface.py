@@ -101,3 +101,27 @@ def warm_against_scratch(points: list[dict]) -> list[dict]:
                      "scratch_ci95": s["tau_ci95"], "scratch_seconds": s["seconds"], "warm_minus_scratch":
                      w["tau"] - s["tau"], "ci95_paired": paired_bootstrap_diff_ci(w["per_prompt"], s["per_prompt"])})
     return rows
+
+
+def study_plan(cfg: PipelineConfig, rates: dict, points: list[dict], n_train: int) -> dict:
+    """What the study costs on one GPU under `rates`, before it runs: plan.plan_run's data stages of cfg and, per
+    point, E x samples x tokens_per_sample / train_tok_s_per_gpu (E: its fixed epochs, or plan's expected epochs
+    for the plateau rule, stopping.planned_epochs; the warm arm's quarter counted too). Returns {data_hours,
+    points: [{name, epochs, hours}], train_hours, total_hours}."""
+    from eagle3_core.plan import plan_run
+    from eagle3_core.studies.team_bet import point_name, recipe_epochs
+    from eagle3_core.training.stopping import planned_epochs
+    p = plan_run(cfg, rates, 1)
+    data_h = sum(r["hours"] for r in p["stages"] if r["stage"] in ("generation", "features"))
+    T, rate = rates["tokens_per_sample"]["value"], rates["train_tok_s_per_gpu"]["value"]
+    rows = []
+    for pt in points:
+        hours = 0.0
+        for n in filter(None, (pt.get("warm_from"), pt["samples"])):
+            E = recipe_epochs(pt["recipe"]) or planned_epochs(cfg.train.model_copy(update={"epochs": None}),
+                                                               round(n * T))[0]
+            hours += E * n * T / rate / 3600
+        rows.append({"name": point_name(pt), "epochs": E, "hours": hours})
+    train_h = sum(r["hours"] for r in rows)
+    return {"data_hours": data_h, "points": rows, "train_hours": train_h, "total_hours": data_h + train_h,
+            "samples": n_train}
