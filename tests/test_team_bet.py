@@ -146,3 +146,37 @@ def test_study_plan_counts_every_point_and_the_warm_arms_quarter(cfg):
     assert rows["warm-n100to400-plateau-s0"]["hours"] > rows["n400-plateau-s0"]["hours"] == pytest.approx(
         E * 400 * 280 / 5000 / 3600)
     assert plan["total_hours"] == pytest.approx(plan["data_hours"] + sum(r["hours"] for r in plan["points"]))
+
+
+@pytest.mark.slow
+def test_points_train_and_replay_on_real_features(e2e_run, tmp_path):
+    """The real trainer and replay evaluator on debug_tiny's features: two sizes x two epoch counts and the warm
+    arm; results written per point, read back without training, the surface fitted from them."""
+    import shutil
+
+    from eagle3_core.studies import team_bet_run as tr
+    cfg0, _ = e2e_run
+    cfg = cfg0.model_copy(deep=True)
+    cfg.run_dir = tmp_path / "run"
+    for d in ("prompts", "generations", "tokenized", "features", "vocab"):
+        shutil.copytree(cfg0.run_dir / d, cfg.run_dir / d)
+    pts = [{"samples": 6, "recipe": "e2", "seed": 0}, {"samples": 6, "recipe": "e2", "seed": 0, "warm_from": 3},
+           {"samples": 6, "recipe": "e1", "seed": 0}, {"samples": 3, "recipe": "e2", "seed": 0},
+           {"samples": 3, "recipe": "e1", "seed": 0}]
+    lines = []
+    measure = tr.replay_measurer(cfg, "cpu", batch=2, log=lines.append)
+    res = tb.run_points(cfg, pts, tmp_path / "results", tmp_path / "work", measure, log=lines.append)
+    assert res["ran"] == [tb.point_name(p) for p in pts] and res["left"] == []
+    warm = next(p for p in res["done"] if p["point"].get("warm_from"))
+    assert [(ph["phase"], ph["samples"], ph["epochs"]) for ph in warm["phases"]] == [("quarter", 3, 2), ("warm", 6, 2)]
+    assert warm["seconds"] == pytest.approx(sum(ph["seconds"] for ph in warm["phases"]))
+    assert any("warm start from" in s and "quarter" in s for s in lines)
+    for p in res["done"]:
+        assert 1.0 <= p["tau"] <= 1 + cfg.eval.num_draft_steps and p["tau_ci95"][0] <= p["tau"] <= p["tau_ci95"][1]
+        assert len(p["per_prompt"]) == cfg.prompts.num_eval
+    again = tb.run_points(cfg, pts, tmp_path / "results", tmp_path / "work", measure,
+                          train_fn=lambda *a: pytest.fail("a committed point was trained again"), log=lines.append)
+    assert again["ran"] == [] and [p["tau"] for p in again["done"]] == [p["tau"] for p in res["done"]]
+    out = tr.answers(cfg, again["done"], None, "test")
+    assert out["surface"]["points"] == 4 and out["tenfold"]["samples_10x"] == 60
+    assert len(out["warm_against_scratch"]) == 1

@@ -17,8 +17,8 @@ cost of that 10x comes from plan.plan_run with the rates this study measured (te
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import math
 import time
 from pathlib import Path
 
@@ -65,14 +65,16 @@ def study_points(n_train: int, fractions: list[float], grid: list[str], seeds: i
 
 def point_settings(cfg: PipelineConfig, point: dict) -> dict:
     """What a point's result depends on: the point, the train recipe and draft (less init_from and seed, set by the
-    point), the eval settings, the target and the held-out and train prompt ids (the prompts stage's manifest)."""
+    point), the eval settings, the target, the held-out prompt ids and the sha256 of the train prompt ids (the prompts
+    stage's manifest)."""
     from eagle3_core.contract.layout import RunLayout
     prompts = json.loads((RunLayout(cfg.run_dir).prompts / "manifest.json").read_text())
     train = cfg.train.model_dump(mode="json", exclude={"init_from", "epochs", "device"})
     return {"point": point, "train": train, "draft": cfg.draft.model_dump(mode="json", exclude={"seed"}),
             "eval": cfg.eval.model_dump(mode="json"), "target": cfg.target.model_dump(mode="json"),
             "features": cfg.features.model_dump(mode="json", exclude={"device"}),
-            "eval_ids": prompts.get("eval_ids"), "train_ids": prompts.get("train_ids")}
+            "eval_ids": prompts.get("eval_ids"), "train_ids_sha256": hashlib.sha256(
+                json.dumps(prompts.get("train_ids")).encode()).hexdigest()}
 
 
 def cached_point(results: Path, point: dict, settings: dict) -> dict | None:
