@@ -90,7 +90,7 @@ def team_bet(cfg: PipelineConfig, a: argparse.Namespace) -> None:
 
     from eagle3_core.contract.layout import RunLayout
     from eagle3_core.features.reader import load_samples
-    from eagle3_core.plan import DEFAULT_RATES, load_rates
+    from eagle3_core.plan import DEFAULT_RATES, load_rates, markdown, plan_run
     from eagle3_core.studies import team_bet as tb
     from eagle3_core.studies import team_bet_run as tr
     from eagle3_core.studies import team_bet_surface as ts
@@ -102,7 +102,7 @@ def team_bet(cfg: PipelineConfig, a: argparse.Namespace) -> None:
     rates = (json.loads((res / "rates.json").read_text()) if (res / "rates.json").exists() else
              load_rates(DEFAULT_RATES, a.profile) if a.profile else None)
     if rates:
-        cost = ts.study_plan(cfg, rates, points, n_train)
+        cost = ts.study_plan(cfg, rates, points, n_train, plan_run)
         print(json.dumps({"plan": cost}, indent=1), flush=True)
     else:
         print("== no rates yet (no RESULTS/rates.json, no --profile): the cost is printed after the first point")
@@ -119,7 +119,7 @@ def team_bet(cfg: PipelineConfig, a: argparse.Namespace) -> None:
     if run["done"]:
         (res / "rates.json").write_text(json.dumps(ts.study_rates(data, run["done"], where), indent=1) + "\n")
     out = {"ran": run["ran"], "left": run["left"], "unfinished": run["unfinished"], "device": where,
-           **tr.answers(cfg, run["done"], data, where)}
+           **tr.answers(cfg, run["done"], data, where, plan_run, markdown)}
     (res / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
     if a.out:
         a.out.write_text(json.dumps(out, indent=1) + "\n")

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from eagle3_core.config import preset
+from eagle3_core.plan import markdown, plan_run
 from eagle3_core.studies import team_bet as tb
 from eagle3_core.studies import team_bet_surface as ts
 
@@ -126,12 +127,12 @@ def test_tenfold_plan_is_plan_runs_arithmetic(cfg):
     points = [{"phases": [{"epoch_tokens": 1000, "epochs": 10, "seconds": s}]} for s in (1.0, 2.0, 4.0)]
     rates = ts.study_rates(data, points, "test")
     assert rates["train_tok_s_per_gpu"]["value"] == pytest.approx(10000 / 2.0)      # the median
-    p = ts.tenfold_plan(cfg, rates, 74090, 16)
+    p = ts.tenfold_plan(cfg, rates, 74090, 16, plan_run)
     train = next(r for r in p["stages"] if r["stage"] == "train")
     assert train["hours"] == pytest.approx(16 * 74090 * 280 / 5000 / 3600)
     gen = next(r for r in p["stages"] if r["stage"] == "generation")
     assert gen["hours"] == pytest.approx(74090 * 190 / 3500 / 3600)
-    assert p["total_hours"] >= train["hours"] + gen["hours"] and "74090" in p["markdown"]
+    assert p["total_hours"] >= train["hours"] + gen["hours"] and "74090" in markdown(p["plan"])
 
 
 def test_study_plan_counts_every_point_and_the_warm_arms_quarter(cfg):
@@ -139,7 +140,7 @@ def test_study_plan_counts_every_point_and_the_warm_arms_quarter(cfg):
                             "extraction_tok_s": 40000.0, "hidden_size": 576},
                            [{"phases": [{"epoch_tokens": 1000, "epochs": 10, "seconds": 2.0}]}], "test")
     pts = tb.study_points(400, [0.5, 1.0], ["e4"], seeds=1)
-    plan = ts.study_plan(cfg, rates, pts, 400)
+    plan = ts.study_plan(cfg, rates, pts, 400, plan_run)
     rows = {r["name"]: r for r in plan["points"]}
     assert rows["n400-e4-s0"]["hours"] == pytest.approx(4 * 400 * 280 / 5000 / 3600)
     E = rows["n400-plateau-s0"]["epochs"]                 # plan's expected epochs for the rule at this size

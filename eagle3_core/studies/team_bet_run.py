@@ -100,9 +100,10 @@ def replay_measurer(cfg: PipelineConfig, device: str, batch: int, log=print):
     return measure
 
 
-def answers(cfg: PipelineConfig, done: list[dict], data: dict | None, where: str) -> dict:
-    """What the measured points say so far: the surface and its 10x prediction with plan's cost (when the points
-    identify it), warm start against scratch, and every point's tau with its interval."""
+def answers(cfg: PipelineConfig, done: list[dict], data: dict | None, where: str, plan_run=None, markdown=None) -> dict:
+    """What the measured points say so far: the surface and its 10x prediction with the cost of that 10x by
+    `plan_run` and `markdown` (plan's, passed in: studies sit below plan; None: no cost), warm start against
+    scratch, and every point's tau with its interval."""
     out = {"points": [{k: p[k] for k in ("name", "samples", "epochs", "seconds", "tau", "tau_ci95")}
                       for p in done], "warm_against_scratch": ts.warm_against_scratch(done)}
     pts = [{"samples": p["samples"], "epochs": p["epochs"], "tau": p["tau"], "recipe": p["point"]["recipe"]}
@@ -113,8 +114,8 @@ def answers(cfg: PipelineConfig, done: list[dict], data: dict | None, where: str
         out["surface"] = {"not_yet": str(e)}
         return out
     ten = out["tenfold"] = ts.tenfold(out["surface"], pts)
-    if data:
-        rates = ts.study_rates(data, done, where)
-        plan = ts.tenfold_plan(cfg, rates, ten["samples_10x"], ten["epochs"])
-        out["tenfold_plan"] = {k: plan[k] for k in ("total_hours", "gpu_hours", "markdown")}
+    if data and plan_run:
+        plan = ts.tenfold_plan(cfg, ts.study_rates(data, done, where), ten["samples_10x"], ten["epochs"], plan_run)
+        out["tenfold_plan"] = {"total_hours": plan["total_hours"], "gpu_hours": plan["gpu_hours"],
+                               "markdown": markdown(plan["plan"])}
     return out

@@ -56,16 +56,16 @@ def tenfold(fit: dict, points: list[dict]) -> dict:
             "slope_data_per_decade": fit["b"] + fit["d"] * math.log10(E), "extrapolated": True}
 
 
-def tenfold_plan(cfg: PipelineConfig, rates: dict, samples: int, epochs: int, gpus: int = 1) -> dict:
-    """plan.plan_run of cfg grown to `samples` training prompts with `epochs` fixed epochs under `rates` (e.g.
-    study_rates'), on `gpus` GPUs: {total_hours, gpu_hours, stages (plan_run's rows), markdown}."""
-    from eagle3_core.plan import markdown, plan_run
+def tenfold_plan(cfg: PipelineConfig, rates: dict, samples: int, epochs: int, plan_run, gpus: int = 1) -> dict:
+    """plan_run (plan.plan_run, passed in: studies sit below plan in the layer order) of cfg grown to `samples`
+    training prompts with `epochs` fixed epochs under `rates` (e.g. study_rates'), on `gpus` GPUs: {total_hours,
+    gpu_hours, stages (plan_run's rows), plan (plan_run's whole result, for plan.markdown)}."""
     grown = cfg.model_copy(update={
         "prompts": cfg.prompts.model_copy(update={"num_train": samples}),
         "train": cfg.train.model_copy(update={"epochs": epochs})})
     p = plan_run(grown, rates, gpus)
     return {"total_hours": p["total_hours"], "gpu_hours": sum(r["gpu_hours"] for r in p["stages"]),
-            "stages": p["stages"], "markdown": markdown(p)}
+            "stages": p["stages"], "plan": p}
 
 
 def study_rates(data: dict, points: list[dict], where: str) -> dict:
@@ -103,12 +103,12 @@ def warm_against_scratch(points: list[dict]) -> list[dict]:
     return rows
 
 
-def study_plan(cfg: PipelineConfig, rates: dict, points: list[dict], n_train: int) -> dict:
-    """What the study costs on one GPU under `rates`, before it runs: plan.plan_run's data stages of cfg and, per
+def study_plan(cfg: PipelineConfig, rates: dict, points: list[dict], n_train: int, plan_run) -> dict:
+    """What the study costs on one GPU under `rates`, before it runs: plan_run's (plan.plan_run, passed in as
+    tenfold_plan's) data stages of cfg and, per
     point, E x samples x tokens_per_sample / train_tok_s_per_gpu (E: its fixed epochs, or plan's expected epochs
     for the plateau rule, stopping.planned_epochs; the warm arm's quarter counted too). Returns {data_hours,
     points: [{name, epochs, hours}], train_hours, total_hours}."""
-    from eagle3_core.plan import plan_run
     from eagle3_core.studies.team_bet import point_name, recipe_epochs
     from eagle3_core.training.stopping import planned_epochs
     p = plan_run(cfg, rates, 1)
