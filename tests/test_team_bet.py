@@ -181,3 +181,36 @@ def test_points_train_and_replay_on_real_features(e2e_run, tmp_path):
     out = tr.answers(cfg, again["done"], None, "test")
     assert out["surface"]["points"] == 4 and out["tenfold"]["samples_10x"] == 60
     assert len(out["warm_against_scratch"]) == 1
+
+
+@pytest.mark.slow
+def test_team_bet_flow_restores_generations_and_reads_committed_points(e2e_run, tmp_path):
+    """The flow on debug_tiny's data: the committed generations are restored (the generation stage sends nothing),
+    a committed point is read back, and a budget too small for any other point leaves them all, in order."""
+    import shutil
+
+    from flows.scaling_study import team_bet_flow
+    cfg0, _ = e2e_run
+    cfg = cfg0.model_copy(deep=True)
+    cfg.run_dir = tmp_path / "run"
+    results = tmp_path / "results"
+    shutil.copytree(cfg0.run_dir / "prompts", cfg.run_dir / "prompts")
+    shutil.copytree(cfg0.run_dir / "generations", results / "generations")
+    (results / "generations" / "manifest.json").unlink(missing_ok=True)
+    from eagle3_core.features.reader import load_samples
+    n = len(load_samples(cfg0.run_dir / "features", verify=False))
+    pts = tb.study_points(n - int(n * cfg.train.eval_frac), [0.5, 1.0], ["e1"], seeds=1)
+    first = {"settings": tb.point_settings(cfg, pts[0]), "point": pts[0], "name": tb.point_name(pts[0]),
+             "samples": pts[0]["samples"], "epochs": 3, "seconds": 1.5, "phases": [], "tau": 1.8, "tau_ci95": [1.5, 2.1],
+             "accept_per_position": [0.5], "per_prompt": [(9, 5), (9, 5)]}
+    (results / f"{first['name']}.json").write_text(json.dumps(first))
+    out = team_bet_flow(cfg, str(results), fractions=[0.5, 1.0], grid=["e1"], seeds=1, budget_s=0.001)
+    gen = json.loads((cfg.run_dir / "generations" / "manifest.json").read_text())
+    assert gen["completion_tokens"] > 0
+    kept = sorted((results / "generations").glob("shard_*"))
+    assert kept and [p.name for p in kept] == sorted(p.name for p in (cfg.run_dir / "generations").glob("shard_*"))
+    for p in kept:                                    # restored, never rewritten: the stage sent nothing
+        assert (cfg.run_dir / "generations" / p.name).stat().st_mtime_ns == p.stat().st_mtime_ns
+    assert out["ran"] == [] and out["left"] == [tb.point_name(p) for p in pts[1:]]
+    assert [p["tau"] for p in out["points"]] == [1.8] and "not_yet" in out["surface"]
+    assert json.loads((results / "summary.json").read_text())["left"] == out["left"]

@@ -126,7 +126,7 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
     clock = out / "gpu_seconds.json"
     seconds = json.loads(clock.read_text())["seconds"] if clock.exists() and \
         json.loads(clock.read_text())["key"] == key else 0.0
-    last = 0.0
+    last, ran = 0.0, -1
     while True:
         if deadline is not None and time.monotonic() + last > deadline:
             raise Unfinished(f"{out}: {seconds:.0f} s trained; the next epoch would pass the deadline")
@@ -138,8 +138,9 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
         last = time.monotonic() - t0
         seconds += last
         clock.write_text(json.dumps({"key": key, "seconds": seconds}))
-        if _done(summary, run.train.epochs, run.train.max_epochs):
-            break
+        if _done(summary, run.train.epochs, run.train.max_epochs) or len(summary["history"]) == ran:
+            break                       # no epoch added: the trainer's fixed rule (too few held-out tokens) ended
+        ran = len(summary["history"])
     export = export_draft(load_draft(out / "best"), out / "export", sglang_rule=sglang_rule(target_config(run)))
     return {"export": str(export), "seconds": seconds, "epochs": len(summary["history"]),
             "best_epoch": summary["best"]["epoch"], "stopping": summary.get("stopping"),
@@ -170,8 +171,8 @@ def run_point(cfg: PipelineConfig, point: dict, work: Path, measure, train_fn=tr
 
 def estimate_seconds(point: dict, done: list[dict], default_s: float) -> float:
     """Seconds a point's training is expected to take: the done points' seconds per (sample x epoch) times its
-    samples x the epochs (its fixed epochs, else the most any done plateau point ran, else 24), doubled for nothing
-    but the warm arm's two phases; default_s when nothing is done."""
+    samples (plus the warm arm's quarter) x the epochs (its fixed epochs, else the most any done plateau point ran,
+    else 24); default_s when nothing is done."""
     rates = [ph["seconds"] / (ph["samples"] * ph["epochs"]) for d in done for ph in d["phases"] if ph["epochs"]]
     if not rates:
         return default_s
