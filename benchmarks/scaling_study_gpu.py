@@ -116,7 +116,7 @@ def team_bet(cfg: PipelineConfig, a: argparse.Namespace) -> None:
     left = None if a.budget_s is None else a.budget_s - (time.monotonic() - t0)
     run = tb.run_points(cfg, points, res, cfg.run_dir / "team_bet", measure, budget_s=left, partial=a.partial)
     where = f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, {a.config}"
-    if run["done"]:
+    if any(p["phases"] for p in run["done"]):
         (res / "rates.json").write_text(json.dumps(ts.study_rates(data, run["done"], where), indent=1) + "\n")
     out = {"ran": run["ran"], "left": run["left"], "unfinished": run["unfinished"], "device": where,
            **tr.answers(cfg, run["done"], data, where, plan_run, markdown)}

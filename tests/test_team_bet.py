@@ -121,6 +121,15 @@ def test_budget_runs_what_fits_then_stops_cleanly(cfg, tmp_path):
     assert not (tmp_path / "r2" / f"{names[1]}.json").exists()
 
 
+def test_trainer_calls_run_the_epochs_that_fit_before_the_deadline(tmp_path):
+    assert tb._epochs_that_fit(None, None, tmp_path, 0.0) is None                  # no deadline: one call, all
+    now = time.monotonic()
+    assert tb._epochs_that_fit(now + 100, None, tmp_path, 0.0) == 1                # the first call times an epoch
+    assert tb._epochs_that_fit(now + 100, 30.0, tmp_path, 0.0) == 3
+    with pytest.raises(tb.Unfinished, match="deadline"):
+        tb._epochs_that_fit(now + 100, 120.0, tmp_path, 50.0)
+
+
 def test_tenfold_plan_is_plan_runs_arithmetic(cfg):
     data = {"generation_tok_s": 3500.0, "output_tokens_per_sample": 190.0, "tokens_per_sample": 280.0,
             "extraction_tok_s": 40000.0, "hidden_size": 576}

@@ -99,14 +99,37 @@ def _done(summary: dict, epochs: int | None, max_epochs: int) -> bool:
     return stop.get("stopped_at") is not None or ran >= max_epochs
 
 
+def _epochs_that_fit(deadline: float | None, per_epoch: float | None, out: Path, seconds: float) -> int | None:
+    """Epochs the next trainer call may run: all (None) without a deadline; 1 before any epoch is timed; else as
+    many as the last call's seconds per epoch (compile included: an over-estimate) fit before the deadline. Raises
+    Unfinished when not one fits."""
+    if deadline is None:
+        return None
+    k = 1 if per_epoch is None else int((deadline - time.monotonic()) // per_epoch)
+    if k < 1 or time.monotonic() >= deadline:
+        raise Unfinished(f"{out}: {seconds:.0f} s trained; the next epoch would pass the deadline")
+    return k
+
+
+def _train_call(train, args: tuple, log, epochs: int | None) -> dict:
+    """One trainer call of at most `epochs` epochs (resuming from out's newest checkpoint); its summary with
+    call_seconds, the wall time with the GPU synchronised (each call resets dynamo and compiles: calls are few)."""
+    t0 = time.monotonic()
+    summary = train(*args, log=log, tensorboard=False, stop_after_epochs=epochs)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return {**summary, "call_seconds": time.monotonic() - t0}
+
+
 def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path, init_from: str | None = None,
                  log=print, deadline: float | None = None) -> dict:
     """Train a draft (draft.seed and train.seed = seed, train.epochs by `recipe`, train.init_from) on the first n
-    of the nested subsets of cfg.run_dir's train split, into `out`, one epoch per trainer call, and export its
-    best epoch. GPU-seconds: the wall time of those calls (the GPU synchronised; one GPU), summed over resumed calls
-    in out/gpu_seconds.json. Returns {export (dir), seconds, epochs (run), best_epoch, stopping, epoch_tokens}.
-    Raises Unfinished when the next epoch (estimated by the last) would end after `deadline` (time.monotonic()),
-    ValueError when n exceeds the train samples."""
+    of the nested subsets of cfg.run_dir's train split, into `out`, and export its best epoch. Without a deadline
+    one trainer call; with one, a first call of one epoch times it and later calls run what fits
+    (_epochs_that_fit). GPU-seconds: the wall time of those calls (the GPU synchronised; one GPU), summed over
+    resumed calls in out/gpu_seconds.json. Returns {export (dir), seconds, epochs (run), best_epoch, stopping,
+    epoch_tokens}. Raises Unfinished when not one more epoch fits before `deadline` (time.monotonic()), its
+    checkpoints kept for a later call; ValueError when n exceeds the train samples."""
     from eagle3_core.pipeline.keys import target_config
     from eagle3_core.pipeline.train_stage import claim_training_dir, train_key, train_split
     from eagle3_core.studies.scaling_study import nested_subset
@@ -126,21 +149,16 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
     clock = out / "gpu_seconds.json"
     seconds = json.loads(clock.read_text())["seconds"] if clock.exists() and \
         json.loads(clock.read_text())["key"] == key else 0.0
-    last, ran = 0.0, -1
+    per_epoch, ran = None, -1
     while True:
-        if deadline is not None and time.monotonic() + last > deadline:
-            raise Unfinished(f"{out}: {seconds:.0f} s trained; the next epoch would pass the deadline")
-        t0 = time.monotonic()
-        summary = train(draft, subset, eval_s, lm_head, run.train, out, log=log, tensorboard=False,
-                        stop_after_epochs=1)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        last = time.monotonic() - t0
-        seconds += last
+        summary = _train_call(train, (draft, subset, eval_s, lm_head, run.train, out), log,
+                              _epochs_that_fit(deadline, per_epoch, out, seconds))
+        seconds += summary["call_seconds"]
         clock.write_text(json.dumps({"key": key, "seconds": seconds}))
+        added = 1 if ran < 0 else len(summary["history"]) - ran     # a first call: one epoch (a deadline) or all
         if _done(summary, run.train.epochs, run.train.max_epochs) or len(summary["history"]) == ran:
             break                       # no epoch added: the trainer's fixed rule (too few held-out tokens) ended
-        ran = len(summary["history"])
+        ran, per_epoch = len(summary["history"]), summary["call_seconds"] / max(added, 1)
     export = export_draft(load_draft(out / "best"), out / "export", sglang_rule=sglang_rule(target_config(run)))
     return {"export": str(export), "seconds": seconds, "epochs": len(summary["history"]),
             "best_epoch": summary["best"]["epoch"], "stopping": summary.get("stopping"),

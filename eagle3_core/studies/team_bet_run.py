@@ -114,7 +114,7 @@ def answers(cfg: PipelineConfig, done: list[dict], data: dict | None, where: str
         out["surface"] = {"not_yet": str(e)}
         return out
     ten = out["tenfold"] = ts.tenfold(out["surface"], pts)
-    if data and plan_run:
+    if data and plan_run and any(p["phases"] for p in done):
         plan = ts.tenfold_plan(cfg, ts.study_rates(data, done, where), ten["samples_10x"], ten["epochs"], plan_run)
         out["tenfold_plan"] = {"total_hours": plan["total_hours"], "gpu_hours": plan["gpu_hours"],
                                "markdown": markdown(plan["plan"])}

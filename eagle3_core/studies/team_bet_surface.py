@@ -71,10 +71,13 @@ def tenfold_plan(cfg: PipelineConfig, rates: dict, samples: int, epochs: int, pl
 def study_rates(data: dict, points: list[dict], where: str) -> dict:
     """plan's rates measured by this study: `data` {generation_tok_s, output_tokens_per_sample, tokens_per_sample,
     extraction_tok_s, hidden_size} from its data stages, and train token passes/s as the median over the points'
-    phases of epoch_tokens x epochs / seconds. Each rate marked 'measured' with `where`."""
+    phases of epoch_tokens x epochs / seconds. Each rate marked 'measured' with `where`. Raises ValueError when no
+    point has a trained phase."""
     def r(v, unit):
         return {"value": v, "unit": unit, "status": "measured", "source": where}
     passes = sorted(ph["epoch_tokens"] * ph["epochs"] / ph["seconds"] for p in points for ph in p["phases"])
+    if not passes:
+        raise ValueError("no trained phase among the points yet: the training rate is not measured")
     return {"generation_tok_s_per_server": r(data["generation_tok_s"], "output tok/s"),
             "gpus_per_server": {"value": 1, "unit": "devices", "status": "given", "source": "one GPU"},
             "output_tokens_per_sample": r(data["output_tokens_per_sample"], "tokens"),
