@@ -8,6 +8,16 @@ cached by its manifest). Then every size of the study is its own process (scalin
 on the GPU, the offline evaluator on its own share of the CPU threads), so the sizes overlap; the side by side of a
 size (benchmarks/specforge_side_by_side.py) starts once that size is done. Last, the trend, table and plot
 (scaling_study.finish_study). Logs: RUN_DIR/scaling/logs/. Exits 1 naming the first job that failed.
+
+The team bet (epochs against data, warm start against scratch: studies/team_bet.py), resumable from a committed
+results folder, one call doing what fits in --budget-s:
+
+  python benchmarks/scaling_study_gpu.py --config configs/team_bet_gsm8k.json --team-bet benchmarks/data/team_bet \
+      --budget-s 540 [--grid e6,e12] [--seeds 2] [--partial] [--profile P] [--out summary.json]
+
+prints the study's cost by plan first (the rates this study measured in RESULTS/rates.json, else --profile of
+configs/rates.json; --plan-only stops there), then the data stages, the points not yet in RESULTS, and the answers
+so far (JSON on stdout and in --out).
 """
 from __future__ import annotations
 
@@ -17,6 +27,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -72,6 +84,48 @@ def run_jobs(cfg: PipelineConfig, config: Path, sizes: list[int], side_by_side: 
                     str(n), "--seed", str(seed), "--out", str(out)])
 
 
+def team_bet(cfg: PipelineConfig, a: argparse.Namespace) -> None:
+    """The --team-bet call (module docstring): cost, data stages, points within the budget, answers."""
+    import json
+
+    from eagle3_core.contract.layout import RunLayout
+    from eagle3_core.features.reader import load_samples
+    from eagle3_core.plan import DEFAULT_RATES, load_rates, markdown, plan_run
+    from eagle3_core.studies import team_bet as tb
+    from eagle3_core.studies import team_bet_run as tr
+    from eagle3_core.studies import team_bet_surface as ts
+    t0, res = time.monotonic(), a.team_bet
+    res.mkdir(parents=True, exist_ok=True)
+    fractions = [float(x) for x in a.fractions.split(",")]
+    n_train = cfg.prompts.num_train - int(cfg.prompts.num_train * cfg.train.eval_frac)   # before features exist
+    points = tb.study_points(n_train, fractions, [g for g in a.grid.split(",") if g], a.seeds)
+    rates = (json.loads((res / "rates.json").read_text()) if (res / "rates.json").exists() else
+             load_rates(DEFAULT_RATES, a.profile) if a.profile else None)
+    if rates:
+        cost = ts.study_plan(cfg, rates, points, n_train, plan_run)
+        print(json.dumps({"plan": cost}, indent=1), flush=True)
+    else:
+        print("== no rates yet (no RESULTS/rates.json, no --profile): the cost is printed after the first point")
+    if a.plan_only:
+        return
+    data = tr.data_stages(cfg, res)
+    measure = tr.replay_measurer(cfg, a.measure_device, a.record_batch)
+    n_all = len(load_samples(RunLayout(cfg.run_dir).features, verify=False))
+    n_now = n_all - int(n_all * cfg.train.eval_frac)                   # the train split's samples
+    points = tb.study_points(n_now, fractions, [g for g in a.grid.split(",") if g], a.seeds)
+    left = None if a.budget_s is None else a.budget_s - (time.monotonic() - t0)
+    run = tb.run_points(cfg, points, res, cfg.run_dir / "team_bet", measure, budget_s=left, partial=a.partial)
+    where = f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, {a.config}"
+    if any(p["phases"] for p in run["done"]):
+        (res / "rates.json").write_text(json.dumps(ts.study_rates(data, run["done"], where), indent=1) + "\n")
+    out = {"ran": run["ran"], "left": run["left"], "unfinished": run["unfinished"], "device": where,
+           **tr.answers(cfg, run["done"], data, where, plan_run, markdown)}
+    (res / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
+    if a.out:
+        a.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, type=Path, help="PipelineConfig JSON")
@@ -81,8 +135,23 @@ def main() -> None:
     ap.add_argument("--extrapolate-to", default="", help="sample counts to predict tau at")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--size", type=int, help=argparse.SUPPRESS)         # worker: one size of the study
+    ap.add_argument("--team-bet", type=Path, default=None, metavar="RESULTS",
+                    help="run the team bet's points, results per point in RESULTS (committed between calls)")
+    ap.add_argument("--grid", default="e6,e12", help="team bet: fixed-epoch recipes beside the plateau rule")
+    ap.add_argument("--seeds", type=int, default=2, help="team bet: draft seeds at the largest size")
+    ap.add_argument("--budget-s", type=float, default=None, help="team bet: start no point past this many seconds")
+    ap.add_argument("--partial", action="store_true",
+                    help="team bet: start a point that may not fit; stop it at the budget, resumable on this machine")
+    ap.add_argument("--profile", default=None, help="team bet: rates profile for the cost printed first")
+    ap.add_argument("--plan-only", action="store_true", help="team bet: print the cost and stop")
+    ap.add_argument("--measure-device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--record-batch", type=int, default=64, help="team bet: prompts per batched replay recording")
+    ap.add_argument("--out", type=Path, default=None, help="team bet: also write the answers JSON here")
     a = ap.parse_args()
     cfg = load_config(a.config)
+    if a.team_bet:
+        team_bet(cfg, a)
+        return
     if a.size is not None:
         study.train_and_measure(cfg, a.size, a.seed)
         return

@@ -13,7 +13,8 @@ from prefect import flow
 
 from eagle3_core.config import PipelineConfig, load_config, preset
 from flows import stage_flows as s
-from tasks.scaling_study import finish_task, size_task, sizes_task
+from tasks.scaling_study import (finish_task, size_task, sizes_task, team_bet_answers_task, team_bet_generations_task,
+                                 team_bet_points_task)
 
 DEFAULT_FRACTIONS = [0.125, 0.25, 0.5, 1.0]
 
@@ -33,6 +34,24 @@ def scaling_study_flow(config: PipelineConfig = s.DEMO, fractions: list[float] =
         states = [size_task(config, n, seed, return_state=True) for n in sizes_task(config, fractions)]
         sizes = [st.result() for st in states]                       # raises the first failed size
         return finish_task(config, sizes, extrapolate_to or [])
+
+
+@flow(name="team-bet")
+def team_bet_flow(config: PipelineConfig, results: str, fractions: list[float] = DEFAULT_FRACTIONS,  # noqa: B006
+                  grid: list[str] = ["e6", "e12"], seeds: int = 2, budget_s: float | None = None,  # noqa: B006
+                  partial: bool = False) -> dict:
+    """The team bet (eagle3_core/studies/team_bet.py): epochs against data and warm start against scratch, each
+    point's result in `results` (committed between runs: a point already there is not run again), the regenerated
+    answers restored from and kept in results/generations, the points within budget_s, then the answers."""
+    with s.locked(config):
+        s.prompts_flow(config)
+        team_bet_generations_task(config, results, "restore")
+        s.generation_flow(config)
+        team_bet_generations_task(config, results, "keep")
+        s.features_flow(config)
+        s.vocab_flow(config)
+        run = team_bet_points_task(config, fractions, grid, seeds, results, budget_s, partial)
+        return team_bet_answers_task(config, run, results)
 
 
 def main() -> None:

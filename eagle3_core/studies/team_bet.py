@@ -1,0 +1,236 @@
+"""The reference team's bet, measured: epochs against data, and warm start against scratch (extends scaling_study).
+
+A *point* is one training run: `samples` (the first n of scaling_study.nested_subset's permutation of the train
+split, subset seed 0, so sizes nest), a recipe ('plateau': train.epochs unset, the plateau rule of
+training.stopping; 'eN': N epochs, warmup + cosine), a draft seed, and for the warm-start arm `warm_from` (samples
+of a first run, scratch on that quarter, whose draft then starts training on all `samples`: train.init_from).
+Each point's exported draft is measured by the replay evaluator (evaluation.replay_eval) on the pinned held-out
+prompts: tau with its bootstrap 95% interval and the per-prompt counts for paired differences.
+
+Resumable: each point's result is RESULTS/<name>.json holding the settings it was made with; a point whose file
+holds the same settings is not run again, so separate GPU calls add points to a committed folder. `run_points`
+stops before a point its estimate says would not finish within the budget.
+
+The surface: tau = a + b*x + c*y + d*x*y with x = log10(training samples), y = log10(epochs run), least squares
+over every measured point (fit_surface); its prediction at 10x the largest size is an extrapolation, and plan's
+cost of that 10x comes from plan.plan_run with the rates this study measured (tenfold_plan).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from eagle3_core.config import PipelineConfig
+
+SUBSET_SEED = 0               # one permutation for every point: sizes nest, seeds vary the draft's init only
+
+
+def point_name(p: dict) -> str:
+    """'n7409-plateau-s0', 'n1852-e24-s1', 'warm-n1852to7409-plateau-s0' (file name of the point's results)."""
+    stem = f"n{p['samples']}-{p['recipe']}-s{p['seed']}"
+    return f"warm-n{p['warm_from']}to{stem[1:]}" if p.get("warm_from") else stem
+
+
+def recipe_epochs(recipe: str) -> int | None:
+    """None for 'plateau', N for 'eN'. Raises ValueError naming the recipe otherwise."""
+    if recipe == "plateau":
+        return None
+    if recipe.startswith("e") and recipe[1:].isdigit() and int(recipe[1:]) >= 1:
+        return int(recipe[1:])
+    raise ValueError(f"recipe {recipe!r}: use 'plateau' (the plateau rule) or 'eN' (N fixed epochs, e.g. 'e24')")
+
+
+def study_points(n_train: int, fractions: list[float], grid: list[str], seeds: int = 2) -> list[dict]:
+    """Every point of the study in the order of its value, so a budget-cut call keeps the decisive ones: the largest
+    size with the plateau rule; the warm-start arm (a quarter grown to all, plateau rule both times); the largest
+    size with each fixed recipe of `grid`; the smaller sizes, largest first, plateau then grid; the other seeds of
+    the largest size. Sizes: scaling_study.subset_sizes(n_train, fractions)."""
+    from eagle3_core.studies.scaling_study import subset_sizes
+    sizes = subset_sizes(n_train, fractions)
+    top, quarter = sizes[-1], max(1, round(n_train / 4))
+    pts = [{"samples": top, "recipe": "plateau", "seed": 0},
+           {"samples": top, "recipe": "plateau", "seed": 0, "warm_from": quarter}]
+    pts += [{"samples": top, "recipe": r, "seed": 0} for r in grid]
+    for n in reversed(sizes[:-1]):
+        pts += [{"samples": n, "recipe": r, "seed": 0} for r in ["plateau", *grid]]
+    pts += [{"samples": top, "recipe": "plateau", "seed": s} for s in range(1, seeds)]
+    for p in pts:
+        recipe_epochs(p["recipe"])
+    return pts
+
+
+def point_settings(cfg: PipelineConfig, point: dict) -> dict:
+    """What a point's result depends on: the point, the train recipe and draft (less init_from and seed, set by the
+    point), the eval settings, the target, the held-out prompt ids and the sha256 of the train prompt ids (the prompts
+    stage's manifest)."""
+    from eagle3_core.contract.layout import RunLayout
+    prompts = json.loads((RunLayout(cfg.run_dir).prompts / "manifest.json").read_text())
+    train = cfg.train.model_dump(mode="json", exclude={"init_from", "epochs", "device"})
+    return {"point": point, "train": train, "draft": cfg.draft.model_dump(mode="json", exclude={"seed"}),
+            "eval": cfg.eval.model_dump(mode="json"), "target": cfg.target.model_dump(mode="json"),
+            "features": cfg.features.model_dump(mode="json", exclude={"device"}),
+            "eval_ids": prompts.get("eval_ids"), "train_ids_sha256": hashlib.sha256(
+                json.dumps(prompts.get("train_ids")).encode()).hexdigest()}
+
+
+def cached_point(results: Path, point: dict, settings: dict) -> dict | None:
+    """RESULTS/<name>.json when it was written with these settings, else None."""
+    path = results / f"{point_name(point)}.json"
+    if path.exists() and (old := json.loads(path.read_text())).get("settings") == settings:
+        return old
+    return None
+
+
+class Unfinished(Exception):
+    """A point's training reached the call's deadline; its checkpoints stay in its work folder and the next call
+    on the same machine resumes it (training.trainer resumes from the newest checkpoint)."""
+
+
+def _done(summary: dict, epochs: int | None, max_epochs: int) -> bool:
+    """Whether the run is over: its fixed epochs run, or the plateau rule has stopped it (or its ceiling)."""
+    ran = len(summary["history"])
+    if epochs is not None:
+        return ran >= epochs
+    stop = summary.get("stopping") or {}
+    return stop.get("stopped_at") is not None or ran >= max_epochs
+
+
+def _epochs_that_fit(deadline: float | None, per_epoch: float | None, out: Path, seconds: float) -> int | None:
+    """Epochs the next trainer call may run: all (None) without a deadline; 1 before any epoch is timed; else as
+    many as the last call's seconds per epoch (compile included: an over-estimate) fit before the deadline. Raises
+    Unfinished when not one fits."""
+    if deadline is None:
+        return None
+    k = 1 if per_epoch is None else int((deadline - time.monotonic()) // per_epoch)
+    if k < 1 or time.monotonic() >= deadline:
+        raise Unfinished(f"{out}: {seconds:.0f} s trained; the next epoch would pass the deadline")
+    return k
+
+
+def _train_call(train, args: tuple, log, epochs: int | None) -> dict:
+    """One trainer call of at most `epochs` epochs (resuming from out's newest checkpoint); its summary with
+    call_seconds, the wall time with the GPU synchronised (each call resets dynamo and compiles: calls are few)."""
+    t0 = time.monotonic()
+    summary = train(*args, log=log, tensorboard=False, stop_after_epochs=epochs)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return {**summary, "call_seconds": time.monotonic() - t0}
+
+
+def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path, init_from: str | None = None,
+                 log=print, deadline: float | None = None) -> dict:
+    """Train a draft (draft.seed and train.seed = seed, train.epochs by `recipe`, train.init_from) on the first n
+    of the nested subsets of cfg.run_dir's train split, into `out`, and export its best epoch. Without a deadline
+    one trainer call; with one, a first call of one epoch times it and later calls run what fits
+    (_epochs_that_fit). GPU-seconds: the wall time of those calls (the GPU synchronised; one GPU), summed over
+    resumed calls in out/gpu_seconds.json. Returns {export (dir), seconds, epochs (run), best_epoch, stopping,
+    epoch_tokens}. Raises Unfinished when not one more epoch fits before `deadline` (time.monotonic()), its
+    checkpoints kept for a later call; ValueError when n exceeds the train samples."""
+    from eagle3_core.pipeline.keys import target_config
+    from eagle3_core.pipeline.train_stage import claim_training_dir, train_key, train_split
+    from eagle3_core.studies.scaling_study import nested_subset
+    from eagle3_core.target.family import sglang_rule
+    from eagle3_core.training.checkpoint import export_draft, load_draft
+    from eagle3_core.training.startup import fresh_draft
+    from eagle3_core.training.trainer import train
+    run = cfg.model_copy(deep=True)
+    run.draft.seed, run.train.seed, run.train.epochs, run.train.init_from = seed, seed, recipe_epochs(recipe), init_from
+    train_all, eval_s = train_split(run)
+    if n > len(train_all):
+        raise ValueError(f"point of {n} samples > {len(train_all)} train samples in {cfg.run_dir / 'features'}")
+    subset = [train_all[i] for i in nested_subset(len(train_all), n, SUBSET_SEED)]
+    draft, lm_head = fresh_draft(run, log=log)
+    key = f"{train_key(run)}-n{n}-s{seed}-{init_from}"
+    claim_training_dir(out, key)
+    clock = out / "gpu_seconds.json"
+    seconds = json.loads(clock.read_text())["seconds"] if clock.exists() and \
+        json.loads(clock.read_text())["key"] == key else 0.0
+    per_epoch, ran = None, -1
+    while True:
+        summary = _train_call(train, (draft, subset, eval_s, lm_head, run.train, out), log,
+                              _epochs_that_fit(deadline, per_epoch, out, seconds))
+        seconds += summary["call_seconds"]
+        clock.write_text(json.dumps({"key": key, "seconds": seconds}))
+        added = 1 if ran < 0 else len(summary["history"]) - ran     # a first call: one epoch (a deadline) or all
+        if _done(summary, run.train.epochs, run.train.max_epochs) or len(summary["history"]) == ran:
+            break                       # no epoch added: the trainer's fixed rule (too few held-out tokens) ended
+        ran, per_epoch = len(summary["history"]), summary["call_seconds"] / max(added, 1)
+    export = export_draft(load_draft(out / "best"), out / "export", sglang_rule=sglang_rule(target_config(run)))
+    return {"export": str(export), "seconds": seconds, "epochs": len(summary["history"]),
+            "best_epoch": summary["best"]["epoch"], "stopping": summary.get("stopping"),
+            "epoch_tokens": sum(len(s["input_ids"]) for s in subset)}
+
+
+def run_point(cfg: PipelineConfig, point: dict, work: Path, measure, train_fn=train_subset, log=print,
+              deadline: float | None = None) -> dict:
+    """Train one point under `work`/<name> (the warm arm: its quarter first, from scratch, then all of its samples
+    from the quarter's draft) and measure its draft with `measure(export_dir) -> replay_measure's entry`. Returns
+    the result {point, name, samples, epochs, seconds (GPU-seconds of all its training, the quarter's included),
+    phases, tau, tau_ci95, accept_per_position, per_prompt}. Unfinished from train_fn passes through."""
+    name, phases, init = point_name(point), [], None
+    if point.get("warm_from"):
+        q = train_fn(cfg, point["warm_from"], point["recipe"], point["seed"], work / name / "quarter", None, log,
+                     deadline)
+        phases.append({"phase": "quarter", "samples": point["warm_from"], **q})
+        init = q["export"]
+    r = train_fn(cfg, point["samples"], point["recipe"], point["seed"], work / name / "all", init, log, deadline)
+    phases.append({"phase": "warm" if init else "scratch", "samples": point["samples"], **r})
+    m = measure(r["export"])
+    log(f"team bet: {name}: tau {m['tau']:.3f} ({m['tau_ci95'][0]:.2f}-{m['tau_ci95'][1]:.2f}) after "
+        f"{r['epochs']} epochs, {sum(p['seconds'] for p in phases):.0f} GPU-s")
+    return {"point": point, "name": name, "samples": point["samples"], "epochs": r["epochs"],
+            "seconds": sum(p["seconds"] for p in phases), "phases": phases,
+            **{k: m[k] for k in ("tau", "tau_ci95", "accept_per_position", "per_prompt")}}
+
+
+def estimate_seconds(point: dict, done: list[dict], default_s: float) -> float:
+    """Seconds a point's training is expected to take: the done points' seconds per (sample x epoch) times its
+    samples (plus the warm arm's quarter) x the epochs (its fixed epochs, else the most any done plateau point ran,
+    else 24); default_s when nothing is done."""
+    rates = [ph["seconds"] / (ph["samples"] * ph["epochs"]) for d in done for ph in d["phases"] if ph["epochs"]]
+    if not rates:
+        return default_s
+    rate = max(rates)
+    E = recipe_epochs(point["recipe"]) or max((d["epochs"] for d in done if d["point"]["recipe"] == "plateau"),
+                                               default=24)
+    return rate * E * (point["samples"] + point.get("warm_from", 0))
+
+
+def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Path, measure,
+               budget_s: float | None = None, default_s: float = 600.0, partial: bool = False,
+               train_fn=train_subset, log=print) -> dict:
+    """Every point in order: one whose RESULTS/<name>.json holds the same settings is read back (not rerun); the
+    others run while their estimate (estimate_seconds) fits in what is left of budget_s (None: no budget), each
+    result written as soon as it is in. With `partial` a point that does not fit is started anyway and stopped at
+    the budget's end (Unfinished), its checkpoints left in `work` for the next call on the same machine. Points
+    after the first not run are left, in order. Returns {done: [results], ran: [names], left: [names not run],
+    unfinished: name or None}."""
+    results.mkdir(parents=True, exist_ok=True)
+    t0, done, ran, left, unfinished = time.monotonic(), [], [], [], None
+    deadline = None if budget_s is None else t0 + budget_s
+    for p in points:
+        settings = point_settings(cfg, p)
+        if old := cached_point(results, p, settings):
+            done.append(old)
+            continue
+        fits = budget_s is None or time.monotonic() - t0 + estimate_seconds(p, done, default_s) <= budget_s
+        if left or not (fits or partial):
+            left.append(point_name(p))
+            continue
+        try:
+            res = {"settings": settings, **run_point(cfg, p, work, measure, train_fn, log, deadline)}
+        except Unfinished as e:
+            log(f"team bet: {point_name(p)} stopped at the budget's end ({e}); the next call resumes it")
+            unfinished = point_name(p)
+            left.append(unfinished)
+            continue
+        (results / f"{res['name']}.json").write_text(json.dumps(res, indent=1) + "\n")
+        done.append(res)
+        ran.append(res["name"])
+    if left:
+        log(f"team bet: budget spent; {len(left)} point(s) left for the next call: {', '.join(left)}")
+    return {"done": done, "ran": ran, "left": left, "unfinished": unfinished}

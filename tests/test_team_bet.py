@@ -1,0 +1,225 @@
+"""The team bet's study (studies/team_bet.py, team_bet_surface.py): the surface fit recovers known coefficients,
+points come in the order of their value, a committed point is not rerun, the warm arm's GPU-seconds include its
+quarter's, the budget stops cleanly, and plan's cost of 10x data is plan_run's arithmetic."""
+import json
+import math
+import time
+
+import pytest
+
+from eagle3_core.config import preset
+from eagle3_core.plan import markdown, plan_run
+from eagle3_core.studies import team_bet as tb
+from eagle3_core.studies import team_bet_surface as ts
+
+TRUE = {"a": 0.4, "b": 0.35, "c": 0.9, "d": -0.12}
+
+
+def synthetic(noise: float = 0.0) -> list[dict]:
+    pts, k = [], 0
+    for n in (900, 1800, 3700, 7400):
+        for e in (4, 8, 16, 24):
+            k += 1
+            tau = ts.surface_tau(TRUE, n, e) + noise * math.sin(7.3 * k)      # deterministic "noise"
+            pts.append({"samples": n, "epochs": e, "tau": tau, "recipe": "plateau" if e == 16 else f"e{e}"})
+    return pts
+
+
+def test_surface_recovers_known_coefficients_and_predicts_tenfold():
+    fit = ts.fit_surface(synthetic())
+    for k, v in TRUE.items():
+        assert fit[k] == pytest.approx(v, abs=1e-9)
+    assert fit["r2"] == pytest.approx(1.0) and fit["rmse"] < 1e-9
+    noisy = ts.fit_surface(synthetic(noise=0.01))
+    assert all(abs(noisy[k] - v) < 0.08 for k, v in TRUE.items()) and 0.9 < noisy["r2"] < 1.0
+    t = ts.tenfold(fit, synthetic())
+    assert t["samples_10x"] == 74000 and t["epochs"] == 16        # the largest size's plateau point's epochs
+    assert t["gain"] == pytest.approx(TRUE["b"] + TRUE["d"] * math.log10(16))
+    assert t["slope_data_per_decade"] == pytest.approx(t["gain"])
+    with pytest.raises(ValueError, match="2 epoch counts"):
+        ts.fit_surface([{"samples": n, "epochs": 6, "tau": 2.0} for n in (100, 200, 400, 800)])
+
+
+def test_points_ordered_by_value_and_named():
+    pts = tb.study_points(7409, [0.125, 0.25, 0.5, 1.0], ["e6", "e24"], seeds=2)
+    names = [tb.point_name(p) for p in pts]
+    assert names[:4] == ["n7409-plateau-s0", "warm-n1852to7409-plateau-s0", "n7409-e6-s0", "n7409-e24-s0"]
+    assert names[4:7] == ["n3704-plateau-s0", "n3704-e6-s0", "n3704-e24-s0"]
+    assert names[-1] == "n7409-plateau-s1" and len(names) == len(set(names)) == 4 + 3 * 3 + 1
+    with pytest.raises(ValueError, match="'plateau'.*'eN'"):
+        tb.study_points(100, [0.5, 1.0], ["six"])
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    c = preset("demo", tmp_path / "run")
+    (c.run_dir / "prompts").mkdir(parents=True)
+    (c.run_dir / "prompts" / "manifest.json").write_text(json.dumps({"eval_ids": ["q1", "q2"],
+                                                                     "train_ids": ["t1"]}))
+    return c
+
+
+class FakeTrainer:
+    """Stands in for train_subset (a real training run is the GPU session's): 0.01 s per sample-epoch on a
+    simulated clock that starts with the object; Unfinished when a phase would end after the deadline."""
+    def __init__(self):
+        self.calls, self.start, self.spent = [], time.monotonic(), 0.0
+
+    def __call__(self, cfg, n, recipe, seed, out, init_from, log, deadline):
+        self.calls.append((n, recipe, seed, init_from))
+        epochs = tb.recipe_epochs(recipe) or 10
+        cost = 0.01 * n * epochs
+        if deadline is not None and self.start + self.spent + cost > deadline:
+            raise tb.Unfinished(f"{out}: would pass the deadline")
+        self.spent += cost
+        return {"export": str(out / "export"), "seconds": cost, "epochs": epochs, "best_epoch": epochs,
+                "stopping": None, "epoch_tokens": 100 * n}
+
+
+def measure(export):
+    return {"tau": 2.0 + 0.1 * ("warm" in export), "tau_ci95": [1.9, 2.2], "accept_per_position": [0.5],
+            "per_prompt": [(20 + 2 * ("warm" in export), 10), (30, 14)]}
+
+
+def test_committed_points_are_not_rerun_and_warm_seconds_include_the_quarter(cfg, tmp_path):
+    pts = tb.study_points(400, [0.5, 1.0], ["e4"], seeds=1)
+    results, trainer = tmp_path / "team_bet", FakeTrainer()
+    first = tb.run_points(cfg, pts, results, tmp_path / "work", measure, train_fn=trainer, log=lambda s: None)
+    assert first["left"] == [] and sorted(p.name for p in results.iterdir()) == sorted(
+        f"{tb.point_name(p)}.json" for p in pts)
+    warm = json.loads((results / "warm-n100to400-plateau-s0.json").read_text())
+    assert [ph["phase"] for ph in warm["phases"]] == ["quarter", "warm"]
+    assert warm["seconds"] == pytest.approx(0.01 * 100 * 10 + 0.01 * 400 * 10)    # quarter + its growth to all
+    assert (100, "plateau", 0, None) in trainer.calls
+    assert any(c[3] and c[3].endswith("quarter/export") for c in trainer.calls)   # warm start from the quarter
+    again = FakeTrainer()
+    second = tb.run_points(cfg, pts, results, tmp_path / "work", measure, train_fn=again, log=lambda s: None)
+    assert again.calls == [] and second["ran"] == [] and len(second["done"]) == len(pts)
+    cfg.eval.max_new_tokens += 1                                                  # other settings: measured again
+    third = tb.run_points(cfg, pts[:1], results, tmp_path / "work", measure, train_fn=again, log=lambda s: None)
+    assert third["ran"] == ["n400-plateau-s0"] and len(again.calls) == 1
+    rows = ts.warm_against_scratch(second["done"])
+    assert len(rows) == 1 and rows[0]["warm_minus_scratch"] == pytest.approx(0.1)
+    assert rows[0]["warm_seconds"] == pytest.approx(50.0) and rows[0]["scratch_seconds"] == pytest.approx(40.0)
+    # paired: resamples of the two prompts give warm - scratch 0.2 (prompt 1 twice), 2/24 or 0 (prompt 2 twice)
+    assert rows[0]["ci95_paired"] == pytest.approx([0.0, 0.2])
+
+
+def test_budget_runs_what_fits_then_stops_cleanly(cfg, tmp_path):
+    pts = tb.study_points(400, [0.5, 1.0], ["e4"], seeds=1)
+    names = [tb.point_name(p) for p in pts]
+    quiet = dict(train_fn=FakeTrainer(), log=lambda s: None)
+    # the first point runs on the default estimate (1 s); the warm arm's estimate from the first's rate (0.01 s per
+    # sample-epoch x 10 epochs x (100 + 400) samples = 50 s) does not fit in 45 s: it and all after it are left
+    res = tb.run_points(cfg, pts, tmp_path / "r", tmp_path / "w", measure, budget_s=45.0, default_s=1.0, **quiet)
+    assert res["ran"] == names[:1] and res["left"] == names[1:] and res["unfinished"] is None
+    assert tb.estimate_seconds(pts[1], res["done"], 1.0) == pytest.approx(50.0)
+    # partial: the warm arm starts anyway and stops at the deadline (its quarter's 10 s after the first's 40 s)
+    res = tb.run_points(cfg, pts, tmp_path / "r2", tmp_path / "w2", measure, budget_s=45.0, default_s=1.0,
+                        partial=True, **{**quiet, "train_fn": FakeTrainer()})
+    assert res["ran"] == names[:1] and res["unfinished"] == names[1] and res["left"] == names[1:]
+    assert not (tmp_path / "r2" / f"{names[1]}.json").exists()
+
+
+def test_trainer_calls_run_the_epochs_that_fit_before_the_deadline(tmp_path):
+    assert tb._epochs_that_fit(None, None, tmp_path, 0.0) is None                  # no deadline: one call, all
+    now = time.monotonic()
+    assert tb._epochs_that_fit(now + 100, None, tmp_path, 0.0) == 1                # the first call times an epoch
+    assert tb._epochs_that_fit(now + 100, 30.0, tmp_path, 0.0) == 3
+    with pytest.raises(tb.Unfinished, match="deadline"):
+        tb._epochs_that_fit(now + 100, 120.0, tmp_path, 50.0)
+
+
+def test_tenfold_plan_is_plan_runs_arithmetic(cfg):
+    data = {"generation_tok_s": 3500.0, "output_tokens_per_sample": 190.0, "tokens_per_sample": 280.0,
+            "extraction_tok_s": 40000.0, "hidden_size": 576}
+    points = [{"phases": [{"epoch_tokens": 1000, "epochs": 10, "seconds": s}]} for s in (1.0, 2.0, 4.0)]
+    rates = ts.study_rates(data, points, "test")
+    assert rates["train_tok_s_per_gpu"]["value"] == pytest.approx(10000 / 2.0)      # the median
+    p = ts.tenfold_plan(cfg, rates, 74090, 16, plan_run)
+    train = next(r for r in p["stages"] if r["stage"] == "train")
+    assert train["hours"] == pytest.approx(16 * 74090 * 280 / 5000 / 3600)
+    gen = next(r for r in p["stages"] if r["stage"] == "generation")
+    assert gen["hours"] == pytest.approx(74090 * 190 / 3500 / 3600)
+    assert p["total_hours"] >= train["hours"] + gen["hours"] and "74090" in markdown(p["plan"])
+
+
+def test_study_plan_counts_every_point_and_the_warm_arms_quarter(cfg):
+    rates = ts.study_rates({"generation_tok_s": 3500.0, "output_tokens_per_sample": 190.0, "tokens_per_sample": 280.0,
+                            "extraction_tok_s": 40000.0, "hidden_size": 576},
+                           [{"phases": [{"epoch_tokens": 1000, "epochs": 10, "seconds": 2.0}]}], "test")
+    pts = tb.study_points(400, [0.5, 1.0], ["e4"], seeds=1)
+    plan = ts.study_plan(cfg, rates, pts, 400, plan_run)
+    rows = {r["name"]: r for r in plan["points"]}
+    assert rows["n400-e4-s0"]["hours"] == pytest.approx(4 * 400 * 280 / 5000 / 3600)
+    E = rows["n400-plateau-s0"]["epochs"]                 # plan's expected epochs for the rule at this size
+    assert rows["warm-n100to400-plateau-s0"]["hours"] > rows["n400-plateau-s0"]["hours"] == pytest.approx(
+        E * 400 * 280 / 5000 / 3600)
+    assert plan["total_hours"] == pytest.approx(plan["data_hours"] + sum(r["hours"] for r in plan["points"]))
+
+
+@pytest.mark.slow
+def test_points_train_and_replay_on_real_features(e2e_run, tmp_path):
+    """The real trainer and replay evaluator on debug_tiny's features: two sizes x two epoch counts and the warm
+    arm; results written per point, read back without training, the surface fitted from them."""
+    import shutil
+
+    from eagle3_core.studies import team_bet_run as tr
+    cfg0, _ = e2e_run
+    cfg = cfg0.model_copy(deep=True)
+    cfg.run_dir = tmp_path / "run"
+    for d in ("prompts", "generations", "tokenized", "features", "vocab"):
+        shutil.copytree(cfg0.run_dir / d, cfg.run_dir / d)
+    pts = [{"samples": 6, "recipe": "e2", "seed": 0}, {"samples": 6, "recipe": "e2", "seed": 0, "warm_from": 3},
+           {"samples": 6, "recipe": "e1", "seed": 0}, {"samples": 3, "recipe": "e2", "seed": 0},
+           {"samples": 3, "recipe": "e1", "seed": 0}]
+    lines = []
+    measure = tr.replay_measurer(cfg, "cpu", batch=2, log=lines.append)
+    res = tb.run_points(cfg, pts, tmp_path / "results", tmp_path / "work", measure, log=lines.append)
+    assert res["ran"] == [tb.point_name(p) for p in pts] and res["left"] == []
+    warm = next(p for p in res["done"] if p["point"].get("warm_from"))
+    assert [(ph["phase"], ph["samples"], ph["epochs"]) for ph in warm["phases"]] == [("quarter", 3, 2), ("warm", 6, 2)]
+    assert warm["seconds"] == pytest.approx(sum(ph["seconds"] for ph in warm["phases"]))
+    assert any("warm start from" in s and "quarter" in s for s in lines)
+    for p in res["done"]:
+        assert 1.0 <= p["tau"] <= 1 + cfg.eval.num_draft_steps and p["tau_ci95"][0] <= p["tau"] <= p["tau_ci95"][1]
+        assert len(p["per_prompt"]) == cfg.prompts.num_eval
+    again = tb.run_points(cfg, pts, tmp_path / "results", tmp_path / "work", measure,
+                          train_fn=lambda *a: pytest.fail("a committed point was trained again"), log=lines.append)
+    assert again["ran"] == [] and [p["tau"] for p in again["done"]] == [p["tau"] for p in res["done"]]
+    out = tr.answers(cfg, again["done"], None, "test")
+    assert out["surface"]["points"] == 4 and out["tenfold"]["samples_10x"] == 60
+    assert len(out["warm_against_scratch"]) == 1
+
+
+@pytest.mark.slow
+def test_team_bet_flow_restores_generations_and_reads_committed_points(e2e_run, tmp_path):
+    """The flow on debug_tiny's data: the committed generations are restored (the generation stage sends nothing),
+    a committed point is read back, and a budget too small for any other point leaves them all, in order."""
+    import shutil
+
+    from flows.scaling_study import team_bet_flow
+    cfg0, _ = e2e_run
+    cfg = cfg0.model_copy(deep=True)
+    cfg.run_dir = tmp_path / "run"
+    results = tmp_path / "results"
+    shutil.copytree(cfg0.run_dir / "prompts", cfg.run_dir / "prompts")
+    shutil.copytree(cfg0.run_dir / "generations", results / "generations")
+    (results / "generations" / "manifest.json").unlink(missing_ok=True)
+    from eagle3_core.features.reader import load_samples
+    n = len(load_samples(cfg0.run_dir / "features", verify=False))
+    pts = tb.study_points(n - int(n * cfg.train.eval_frac), [0.5, 1.0], ["e1"], seeds=1)
+    first = {"settings": tb.point_settings(cfg, pts[0]), "point": pts[0], "name": tb.point_name(pts[0]),
+             "samples": pts[0]["samples"], "epochs": 3, "seconds": 1.5, "phases": [], "tau": 1.8, "tau_ci95": [1.5, 2.1],
+             "accept_per_position": [0.5], "per_prompt": [(9, 5), (9, 5)]}
+    (results / f"{first['name']}.json").write_text(json.dumps(first))
+    out = team_bet_flow(cfg, str(results), fractions=[0.5, 1.0], grid=["e1"], seeds=1, budget_s=0.001)
+    gen = json.loads((cfg.run_dir / "generations" / "manifest.json").read_text())
+    assert gen["completion_tokens"] > 0
+    kept = sorted((results / "generations").glob("shard_*"))
+    assert kept and [p.name for p in kept] == sorted(p.name for p in (cfg.run_dir / "generations").glob("shard_*"))
+    for p in kept:                                    # restored, never rewritten: the stage sent nothing
+        assert (cfg.run_dir / "generations" / p.name).stat().st_mtime_ns == p.stat().st_mtime_ns
+    assert out["ran"] == [] and out["left"] == [tb.point_name(p) for p in pts[1:]]
+    assert [p["tau"] for p in out["points"]] == [1.8] and "not_yet" in out["surface"]
+    assert json.loads((results / "summary.json").read_text())["left"] == out["left"]
