@@ -46,5 +46,5 @@ class StageInputs(CachePolicy):
 
 
 def stage_cache(stage: str) -> CachePolicy:
-    """The cache policy of a task of `stage` (a key of eagle3_core.pipeline.table.STAGE_DIRS)."""
+    """The cache policy of a task of `stage` (a name of eagle3_core.pipeline.table.STAGES)."""
     return TASK_SOURCE + StageInputs(stage=stage)

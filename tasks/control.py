@@ -18,19 +18,18 @@ from prefect.futures import as_completed
 
 from eagle3_core.check import check_or_raise
 from eagle3_core.config import PipelineConfig
-from eagle3_core.contract.layout import STAGE_DIRS
 from eagle3_core.contract.numbers import eta_text
 from eagle3_core.contract.run_lock import run_lock
 from eagle3_core.pipeline.features_stage import feature_status
 from eagle3_core.pipeline.generation_stage import generation_servers, generation_shards, generation_status
 from eagle3_core.pipeline.run import release
-from eagle3_core.pipeline.table import done, invalidate_stage
+from eagle3_core.pipeline.table import STAGES, done, invalidate_stage
 from eagle3_core.serving.launcher import running_server
 from tasks.artifacts import ShardProgress, shard_table
 from tasks.logs import failure_text, note_failure, run_log
 from tasks.report import publish_check
 
-ALL_STAGES = tuple(STAGE_DIRS)
+ALL_STAGES = tuple(STAGES)          # the stage table's, in order
 
 
 @contextmanager

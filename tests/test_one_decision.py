@@ -13,14 +13,17 @@ from eagle3_core.pipeline import prompts_stage, run, table
 
 @pytest.fixture
 def counted(monkeypatch):
-    """The prompts stage's key function, counting its calls (the table's row and the stage body's name)."""
+    """The prompts stage's key function, counting its calls (the row in the table and the one its module's body
+    reads, prompts_stage.ROW)."""
     calls = []
     original = prompts_stage.prompts_key
 
     def key(cfg, up=None):
         calls.append(cfg.run_dir)
         return original(cfg, up)
-    monkeypatch.setitem(table.STAGES, "prompts", dataclasses.replace(table.STAGES["prompts"], key=key))
+    row = dataclasses.replace(table.STAGES["prompts"], key=key)
+    monkeypatch.setitem(table.STAGES, "prompts", row)
+    monkeypatch.setattr(prompts_stage, "ROW", row)
     monkeypatch.setattr(prompts_stage, "prompts_key", key)
     return calls
 

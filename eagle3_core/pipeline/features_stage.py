@@ -23,6 +23,7 @@ from eagle3_core.features.store import bad_shards, write_record
 from eagle3_core.features.store_run import extract_here, launch
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
+from eagle3_core.pipeline.stage import Shards, Stage
 
 # the feature settings that change what the store holds
 FEATURE_RESULT_FIELDS = ("aux_layer_ids", "max_length", "shard_samples", "format")
@@ -48,7 +49,7 @@ def features_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     """Inputs key of the features stage: the tokenized data (`up`: {'tokenize': its key}; default: read from its
     manifest), the feature settings that change the stored result (FEATURE_RESULT_FIELDS), the target, and an
     import's files (import_key)."""
-    up = upstream_keys(cfg, "features") if up is None else up
+    up = upstream_keys(cfg, ROW) if up is None else up
     return stage_key(up["tokenize"], cfg.features.model_dump(mode="json", include=set(FEATURE_RESULT_FIELDS)),
                      target_key(cfg), *([import_key(cfg)] if cfg.features.import_from else []))
 
@@ -174,7 +175,7 @@ def run_features(cfg: PipelineConfig, log=print, workers: int | None = None, **r
     again alone. Raises TorchrunError if a rank fails (finished
     shards are kept: rerun to finish), ValueError for an unknown backend or a store mixing backends."""
     out, backend = RunLayout(cfg.run_dir).features, selected_backend(cfg)
-    d, skey = stage_run.decision(cfg, "features", features_key, intact=store_intact), store_key(cfg)
+    d, skey = stage_run.decision(cfg, ROW), store_key(cfg)
 
     def body() -> dict:
         refuse_mixed_store(cfg)                    # before any rank (or this process) loads the target
@@ -232,7 +233,7 @@ def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print)
     is on disk. Raises ValueError naming the shards that are missing, stale or corrupt (rerun them with
     run_features_shard)."""
     close_extractors()
-    d, skey, out = stage_run.decision(cfg, "features", features_key, intact=store_intact), store_key(cfg), \
+    d, skey, out = stage_run.decision(cfg, ROW), store_key(cfg), \
         RunLayout(cfg.run_dir).features
     key = d.key
 
@@ -258,3 +259,9 @@ def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print)
                 "tokens_per_s": sum(m["tokens"] for m in ran) / ran_s if ran and ran_s > 0 else None}
 
     return stage_run.run(d, body, write=write_record, log=log)
+
+
+ROW = Stage("features", features_key, run_features, upstream=("tokenize",), intact=store_intact,
+            shards=Shards(run_features_shard, finish_features, feature_status, "features-shard", "finish-features",
+                          tags=("gpu",), timeout_h=12),
+            summary=("samples", "tokens", "format", "bytes_per_token", "shards_extracted"), timeout_h=1)

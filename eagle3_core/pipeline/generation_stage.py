@@ -19,6 +19,7 @@ from eagle3_core.data.markers import stop_ids
 from eagle3_core.generation.answer_shard import holds_more_rows
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
+from eagle3_core.pipeline.stage import Shards, Stage
 
 
 def _sampling(cfg: PipelineConfig) -> dict:
@@ -36,7 +37,7 @@ def generation_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     (`up`: {'prompts': its key}; default: read from its manifest), the target, the server kind; not concurrency,
     retries or server addresses, so a rerun with other servers resumes). Shard records written before shards named
     their own rows carry it (accepted for the same prompts)."""
-    up = upstream_keys(cfg, "generation") if up is None else up
+    up = upstream_keys(cfg, ROW) if up is None else up
     return stage_key({**_sampling(cfg), "shard_size": cfg.generation.shard_size}, up["prompts"], target_key(cfg))
 
 
@@ -158,8 +159,7 @@ def generation_shard_needs_server(cfg: PipelineConfig, shard: int) -> bool:
 
 
 def _server_desc(cfg: PipelineConfig) -> str:
-    """What answered the prompts, for the manifest: none when every row is kept as it is (no request was sent,
-    whatever server.kind says: a Hugging Face target under the default kind 'llama.cpp' has no GGUF to name)."""
+    """What answered the prompts, for the manifest: none when every row is kept as it is, whatever server.kind says."""
     from eagle3_core.target.loading import gguf_path
     if all(m == "keep" for m in prompt_rows(cfg)[2]):
         return "none (every row kept as it is)"
@@ -209,8 +209,7 @@ def generation_shards(cfg: PipelineConfig, log=print) -> list[int]:
     finished shard's record at once. Shards on disk past the last one (left by a larger prompt set: a night with a
     lower prompts.num_train) are kept, never deleted, and used again when the set grows back; `log` says how many.
     Raises FileNotFoundError if the prompts stage has not run."""
-    n = len(generation_plan(cfg))
-    out = RunLayout(cfg.run_dir).generations
+    n, out = len(generation_plan(cfg)), RunLayout(cfg.run_dir).generations
     out.mkdir(parents=True, exist_ok=True)
     if past := sorted(k for f in out.glob("shard_*.parquet") if (k := int(f.stem.split("_")[1])) >= n):
         log(f"generation: this run has {n} shard(s); {len(past)} more on disk (shards {past[0]}..{past[-1]}, of a "
@@ -324,8 +323,7 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
             "server": _server_desc(cfg), "shards": [r["file"] for r in records],
             "seconds": seconds if seconds is not None else busy_seconds(records)}
 
-    d = stage_run.decision(cfg, "generation", generation_stage_key, intact=generation_intact)
-    return stage_run.run(d, body)
+    return stage_run.run(stage_run.decision(cfg, ROW), body)
 
 
 def generation_intact(cfg: PipelineConfig):
@@ -364,3 +362,9 @@ def run_generation(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
         with generation_servers(cfg) if status["needs_server"] else nullcontext([]) as urls:
             _regenerate(cfg, todo, urls, log, on_progress)
     return finish_generation(cfg, [], seconds=time.monotonic() - t0)
+
+
+ROW = Stage("generation", generation_stage_key, run_generation, upstream=("prompts",), intact=generation_intact,
+            summary=("samples", "completion_tokens", "server"), timeout_h=1, shards=Shards(
+                run_generation_shard, finish_generation, generation_status, "generation-shard", "finish-generation",
+                tags=("server",)))

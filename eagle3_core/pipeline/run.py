@@ -15,14 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_core.config import PipelineConfig
-from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest, write_manifest
 from eagle3_core.contract.run_stage import changed_outputs, record_outputs
 from eagle3_core.pipeline.keys import upstream_keys
-
-KeyFn = Callable[[PipelineConfig, dict], str]
-OlderFn = Callable[[PipelineConfig, dict], tuple[str, ...]]
-IntactFn = Callable[[PipelineConfig], Callable[[dict], list[str]] | None]
+from eagle3_core.pipeline.stage import Stage, row_of
 
 
 @dataclass(frozen=True)
@@ -36,6 +32,7 @@ class Decision:
     accepted: tuple[str, ...]
     manifest: dict | None
     changed: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
 
 
 # the task-run id of the running Prefect task (installed by the task layer, tasks/cache.py; eagle3_core never imports
@@ -47,67 +44,65 @@ _lock = threading.Lock()
 CALLS = {"decide": 0}                                   # done decisions made in this process (tests count them)
 
 
-def decide(cfg: PipelineConfig, stage: str, key: KeyFn, older: OlderFn | None = None,
-           intact: IntactFn | None = None) -> Decision:
-    """Stage `stage`'s done decision now: key(cfg, up) and older(cfg, up) with `up` the upstream keys read once from
-    their manifests (keys.upstream_keys), then the manifest in its directory if it holds one of them and its outputs
-    (its `files` record, and intact(cfg)(manifest) where given) are intact. Raises FileNotFoundError naming an
-    upstream stage that has not run."""
+def decide(cfg: PipelineConfig, stage: Stage | str) -> Decision:
+    """Stage `stage`'s done decision now (its row, or a registered stage's name: stage.row_of): row.key(cfg, up) and
+    row.older(cfg, up) with `up` the upstream keys read once from their manifests (keys.upstream_keys), then the
+    manifest in its directory if it holds one of them and its outputs (its `files` record, and
+    row.intact(cfg)(manifest) where given) are intact. Raises FileNotFoundError naming an upstream stage that has
+    not run."""
+    row = row_of(stage)
     with _lock:
         CALLS["decide"] += 1
-    up = upstream_keys(cfg, stage)
-    k = key(cfg, up)
-    accepted = (k, *(older(cfg, up) if older else ()))
-    out = RunLayout(cfg.run_dir).stage_dir(stage)
+    up = upstream_keys(cfg, row)
+    k = row.key(cfg, up)
+    accepted = (k, *row.older(cfg, up))
+    out = Path(cfg.run_dir) / row.directory
     manifest, changed = read_manifest(out / "manifest.json"), ()
     if manifest is not None and manifest.get("inputs_key") in accepted:
-        changed = tuple(changed_outputs(out, manifest, intact(cfg) if intact else None))
+        changed = tuple(changed_outputs(out, manifest, row.intact(cfg) if row.intact else None))
     done = manifest if manifest is not None and manifest.get("inputs_key") in accepted and not changed else None
-    return Decision(stage, out, k, accepted, done, changed)
+    return Decision(row.name, out, k, accepted, done, changed, row.outputs)
 
 
-def _slot(cfg: PipelineConfig, stage: str) -> tuple[str, str]:
-    return stage, str(Path(cfg.run_dir).resolve())
+def _slot(cfg: PipelineConfig, stage: Stage | str) -> tuple[str, str]:
+    return row_of(stage).name, str(Path(cfg.run_dir).resolve())
 
 
-def done(cfg: PipelineConfig, stage: str, key: KeyFn, older: OlderFn | None = None,
-         intact: IntactFn | None = None) -> dict | None:
+def done(cfg: PipelineConfig, stage: Stage | str) -> dict | None:
     """The flow's question before a task of `stage`: its done manifest, or None. The decision is kept for the task
     call that follows (its cache policy adopts it: `adopt`), so that the task decides nothing again."""
-    d = decide(cfg, stage, key, older, intact)
+    d = decide(cfg, stage)
     with _lock:
         _pending[_slot(cfg, stage)] = (cfg.model_dump_json(), d)
     return d.manifest
 
 
-def adopt(cfg: PipelineConfig, stage: str, scope: str, key: KeyFn, older: OlderFn | None = None,
-          intact: IntactFn | None = None) -> Decision:
+def adopt(cfg: PipelineConfig, stage: Stage | str, scope: str) -> Decision:
     """The cache policy's decision for task run `scope`: the flow's (`done`, for the same config), else one made
     now; kept for the stage body of that task run (`decision`)."""
     with _lock:
         cfg_json, d = _pending.pop(_slot(cfg, stage), (None, None))
     if d is None or cfg_json != cfg.model_dump_json():
-        d = decide(cfg, stage, key, older, intact)
+        d = decide(cfg, stage)
     with _lock:
         _adopted[_slot(cfg, stage)] = (scope, d)        # replaces one a cache hit left (its body never ran)
     return d
 
 
-def decision(cfg: PipelineConfig, stage: str, key: KeyFn, older: OlderFn | None = None,
-             intact: IntactFn | None = None) -> Decision:
+def decision(cfg: PipelineConfig, stage: Stage | str) -> Decision:
     """The stage body's decision: the one its task run's cache policy adopted, else one made now."""
     scope, slot = scope_id(), _slot(cfg, stage)
     with _lock:
         if scope is not None and _adopted.get(slot, (None,))[0] == scope:
             return _adopted.pop(slot)[1]
-    return decide(cfg, stage, key, older, intact)
+    return decide(cfg, stage)
 
 
-def run(d: Decision, body: Callable[[], dict], outputs: Sequence[str] = (),
+def run(d: Decision, body: Callable[[], dict], outputs: Sequence[str] | None = None,
         write: Callable[[Path, dict], dict] = write_manifest, log=None) -> dict:
     """The stage's manifest for decision `d`: the done manifest as it is (`body` not called), else `body()`'s dict
     plus inputs_key, seconds (the body's wall time unless it says its own) and the `files` record of `outputs`
-    (names relative to the stage directory), written atomically by `write` (manifest.write_manifest; the feature
+    (names relative to the stage directory; default: its row's, Stage.outputs), written atomically by `write` (manifest.write_manifest; the feature
     store passes store.write_record, its manifest's one writer). `log` names outputs found changed."""
     if d.manifest is not None:
         return d.manifest
@@ -115,12 +110,13 @@ def run(d: Decision, body: Callable[[], dict], outputs: Sequence[str] = (),
         log(f"{d.out.name}: {list(d.changed)} missing or changed since written; running the stage again")
     t0 = time.monotonic()
     manifest = body()
+    outputs = d.outputs if outputs is None else outputs
     files = {"files": record_outputs(d.out, outputs)} if outputs else {}
     return write(d.out / "manifest.json", {"seconds": time.monotonic() - t0, **manifest, "inputs_key": d.key,
                                            **files})
 
 
-def release(cfg: PipelineConfig, stage: str) -> None:
+def release(cfg: PipelineConfig, stage: Stage | str) -> None:
     """Drop the decision kept for a task of `stage` (after the task returned: one answered from Prefect's cache
     never ran its body, which would have taken it)."""
     with _lock:
@@ -128,10 +124,10 @@ def release(cfg: PipelineConfig, stage: str) -> None:
         _adopted.pop(_slot(cfg, stage), None)
 
 
-def invalidate(cfg: PipelineConfig, stage: str) -> None:
+def invalidate(cfg: PipelineConfig, stage: Stage | str) -> None:
     """Forget that stage `stage` is done under cfg.run_dir (its manifest and its shards' sidecars, and any decision
     kept for a task), so that its next run recomputes everything. Data files stay until they are overwritten."""
-    out = RunLayout(cfg.run_dir).stage_dir(stage)
+    out = Path(cfg.run_dir) / row_of(stage).directory
     for path in [out / "manifest.json", out / "head.json", *out.glob("shard_*.json")]:
         path.unlink(missing_ok=True)
     release(cfg, stage)

@@ -12,13 +12,14 @@ from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.rejects import finish_rejects
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
+from eagle3_core.pipeline.stage import Stage
 
 
 def tokenize_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     """Inputs key of the tokenize stage: the generations (`up`: {'generation': its key}; default: read from its
     manifest), the max length and overlong policy, the target (its chat template), and the history rule where it
     changed the samples (history_rule)."""
-    up = upstream_keys(cfg, "tokenize") if up is None else up
+    up = upstream_keys(cfg, ROW) if up is None else up
     return stage_key(up["generation"], cfg.features.max_length, cfg.prompts.overlong, target_key(cfg),
                      *history_rule(cfg))
 
@@ -113,5 +114,7 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
                              "ids)"),
             "token_sources": sources, "server_ids_check": check}
 
-    d = stage_run.decision(cfg, "tokenize", tokenize_key)
-    return stage_run.run(d, body, outputs=("train.parquet",), log=log)
+    return stage_run.run(stage_run.decision(cfg, ROW), body, log=log)
+
+
+ROW = Stage("tokenize", tokenize_key, run_tokenize, upstream=("generation",), outputs=("train.parquet",), timeout_h=12)
