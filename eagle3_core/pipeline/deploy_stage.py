@@ -212,7 +212,8 @@ def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
         log(f"deploy-sglang: tau {v['tau'] if v['tau'] is None else round(v['tau'], 2)}; {v['summary']}")
         for w in v["warnings"]:
             log(f"deploy-sglang: WARNING {w}")
-        return {"verdict": v, "prompts": len(prompts), "report": str(out / "sglang_bench.md")}
+        return {"verdict": v, "prompts": len(prompts),
+                "report": RunLayout(cfg.run_dir).relative(out / "sglang_bench.md")}     # relative to the run dir
 
     return stage_run.run(d, body, log=log)
 

@@ -217,7 +217,8 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
                            else None})
             out.mkdir(parents=True, exist_ok=True)
             (out / "report.json").write_text(json.dumps(report, indent=2))
-            return {"report": str(out / "report.json"), "summary": report, "sampling": report["sampling"],
+            return {"report": RunLayout(cfg.run_dir).relative(out / "report.json"),     # relative to the run dir
+                    "summary": report, "sampling": report["sampling"],
                     "serving": e.serving.model_dump(mode="json") if e.serving else None}
 
         cats = [category(r) for r in rows]

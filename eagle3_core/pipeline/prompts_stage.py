@@ -154,7 +154,7 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
                 "eval_set": eval_set_digest([digest[r["id"]] for r in evals]),
                 "sources": [s.model_dump(exclude_defaults=True) for s in specs],
                 "unpinned": [s.label for s in specs if s.hf and not s.revision and s.hf not in ("json", "parquet")],
-                "rejects": str(out / "rejects.jsonl"), "kept_routes": routes}
+                "rejects": run.relative(out / "rejects.jsonl"), "kept_routes": routes}
 
     return stage_run.run(stage_run.decision(cfg, ROW), body, log=log)
 

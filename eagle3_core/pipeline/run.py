@@ -102,8 +102,9 @@ def run(d: Decision, body: Callable[[], dict], outputs: Sequence[str] | None = N
         write: Callable[[Path, dict], dict] = write_manifest, log=None) -> dict:
     """The stage's manifest for decision `d`: the done manifest as it is (`body` not called), else `body()`'s dict
     plus inputs_key, seconds (the body's wall time unless it says its own) and the `files` record of `outputs`
-    (names relative to the stage directory; default: its row's, Stage.outputs), written atomically by `write` (manifest.write_manifest; the feature
-    store passes store.write_record, its manifest's one writer). `log` names outputs found changed."""
+    (names relative to the stage directory; default: its row's, Stage.outputs), written atomically by `write`
+    (manifest.write_manifest; the feature store passes store.write_record, its manifest's one writer). `log` names
+    outputs found changed."""
     if d.manifest is not None:
         return d.manifest
     if d.changed and log is not None:

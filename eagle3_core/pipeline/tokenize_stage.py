@@ -106,7 +106,7 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
             "rejected_causes": causes, "rows": sum(v["read"] for v in per.values()) - len(rejects),
             "kept_refused": {k: v["refused"] for k, v in per.items() if v.get("refused")},
             "marker_tokens": markers.texts,
-            "rejects": str(out / "rejects.jsonl"),
+            "rejects": run.relative(out / "rejects.jsonl"),
             "token_source": ("the server's own ids (prompt_ids + output_ids) for the regenerated turns of a "
                              "token-id API; the others re-tokenized with the target's chat template"
                              if any("server" in k for k in sources)
