@@ -150,18 +150,31 @@ def refuse_mixed_store(cfg: PipelineConfig) -> None:
         raise ValueError(problems[0][1])
 
 
+def feature_records(cfg: PipelineConfig, up: dict | None = None) -> dict:
+    """{shards, done, per_shard, records} of the features stage from one read of the tokenized rows and the store's
+    records (no target loaded), given the upstream keys `up` (default: read): shard ids, those complete on disk for
+    the current inputs, whether the backend runs one task per shard (features.backends: False, one torchrun for
+    all) and {complete shard: its store entry}."""
+    n, done = _finished_entries(cfg, (store_key(cfg), features_key(cfg, up)))
+    return {"shards": list(range(n)), "done": sorted(done), "per_shard": not selected_backend(cfg).torchrun,
+            "records": done}
+
+
 def feature_status(cfg: PipelineConfig) -> dict:
-    """{shards, done, per_shard} of the features stage from one read of the tokenized rows and the store's records
-    (no target loaded): shard ids, those complete on disk for the current inputs, and whether the backend runs one
-    task per shard (features.backends: False, one torchrun for all)."""
-    n, done = _finished_entries(cfg, (store_key(cfg), features_key(cfg)))
-    return {"shards": list(range(n)), "done": sorted(done), "per_shard": not selected_backend(cfg).torchrun}
+    """{shards, done, per_shard} of the features stage (feature_records without the records)."""
+    return {k: v for k, v in feature_records(cfg).items() if k != "records"}
+
+
+def feature_shard_entry(cfg: PipelineConfig, shard: int, up: dict | None = None) -> dict | None:
+    """Feature shard `shard`'s store entry if it is complete on disk for the current inputs (content key matches,
+    file intact: manifest.file_intact), given the upstream keys `up` (default: read); read without loading the
+    target."""
+    return _finished_entries(cfg, (store_key(cfg), features_key(cfg, up)), only=shard)[1].get(shard)
 
 
 def feature_shard_done(cfg: PipelineConfig, shard: int) -> bool:
-    """True if feature shard `shard` is complete on disk for the current inputs (content key matches, file intact:
-    manifest.file_intact), read without loading the target."""
-    return shard in _finished_entries(cfg, (store_key(cfg), features_key(cfg)), only=shard)[1]
+    """True if feature shard `shard` is complete on disk for the current inputs (feature_shard_entry)."""
+    return feature_shard_entry(cfg, shard) is not None
 
 
 def run_features(cfg: PipelineConfig, log=print, workers: int | None = None, **rdzv) -> dict:
@@ -211,13 +224,13 @@ def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
     if shard not in want:
         raise ValueError(f"feature shard {shard} is out of range: {cfg.run_dir}/tokenized has {len(want)} shards "
                          f"of {cfg.features.shard_samples} samples")
-    key, skey, t0 = features_key(cfg), store_key(cfg), time.monotonic()
-    rows = tokenized_rows(cfg)
-    entry = _finished_entries(cfg, (skey, key), rows, only=shard)[1].get(shard)
+    d, t0 = stage_run.decision(cfg, ROW, shard), time.monotonic()          # the shard task's one done decision
+    key, entry = d.key, d.record
     extracted = entry is None
     if extracted:
         refuse_mixed_store(cfg)                    # before the target loads
-        store = extract_here(cfg, skey, log, {shard}, rows)
+        rows = tokenized_rows(cfg)
+        store = extract_here(cfg, store_key(cfg), log, {shard}, rows)
         entry = next(e for e in store["shards"] if e["file"] == f"shard_{shard:05d}.safetensors")
         log(f"features: shard {shard}: {entry['samples']} samples, {entry['tokens']} tokens in "
             f"{time.monotonic() - t0:.1f} s")
@@ -262,6 +275,6 @@ def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print)
 
 
 ROW = Stage("features", features_key, run_features, upstream=("tokenize",), intact=store_intact,
-            shards=Shards(run_features_shard, finish_features, feature_status, "features-shard", "finish-features",
-                          tags=("gpu",), timeout_h=12),
+            shards=Shards(run_features_shard, finish_features, feature_records, feature_shard_entry, "features-shard",
+                          "finish-features", tags=("gpu",), timeout_h=12),
             summary=("samples", "tokens", "format", "bytes_per_token", "shards_extracted"), timeout_h=1)

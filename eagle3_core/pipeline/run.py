@@ -4,7 +4,9 @@ holds one of them with its outputs intact, or none (the stage runs).
 A task of the pipeline asks once (docs/architecture.md, "Data on disk is the source of truth"): the flow decides
 whether Prefect's cache may answer (`done`, before the task); the task's cache policy takes that decision for its
 key (`adopt`, inside the task run); the stage body takes it from the task run (`decision`) and runs only if it is not
-done (`run`). Called outside a task (a script, torchrun ranks, a test), `decision` decides on the spot.
+done (`run`). Called outside a task (a script, torchrun ranks, a test), `decision` decides on the spot. The shard
+tasks of a sharded stage the same way: the plan decides for every shard at once (`decide_shards`), each shard
+task's cache policy adopts its shard's decision and its body takes it (`adopt`, `decision` with the shard).
 """
 from __future__ import annotations
 
@@ -35,11 +37,21 @@ class Decision:
     outputs: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class ShardDecision:
+    """A shard task's done decision: `key` (its stage's inputs key, which the task's cache key names) and `record`
+    (the shard's record, or its store entry, when it is finished for the current inputs; None: the shard runs)."""
+    stage: str
+    shard: int
+    key: str
+    record: dict | None
+
+
 # the task-run id of the running Prefect task (installed by the task layer, tasks/cache.py; eagle3_core never imports
 # prefect): None outside a task
 scope_id: Callable[[], str | None] = lambda: None
-_pending: dict[tuple, tuple[str, Decision]] = {}       # (stage, run_dir) -> (config JSON, the flow's decision)
-_adopted: dict[tuple, tuple[str, Decision]] = {}       # (stage, run_dir) -> (task run, its decision): one each
+_pending: dict[tuple, tuple[str, Decision | ShardDecision]] = {}  # (stage, run_dir, shard) -> (config JSON, the flow's)
+_adopted: dict[tuple, tuple[str, Decision | ShardDecision]] = {}  # (stage, run_dir, shard) -> (task run, its decision)
 _lock = threading.Lock()
 CALLS = {"decide": 0}                                   # done decisions made in this process (tests count them)
 
@@ -64,8 +76,40 @@ def decide(cfg: PipelineConfig, stage: Stage | str) -> Decision:
     return Decision(row.name, out, k, accepted, done, changed, row.outputs)
 
 
-def _slot(cfg: PipelineConfig, stage: Stage | str) -> tuple[str, str]:
-    return row_of(stage).name, str(Path(cfg.run_dir).resolve())
+def decide_shard(cfg: PipelineConfig, stage: Stage | str, shard: int) -> ShardDecision:
+    """Shard `shard` of sharded stage `stage`'s done decision now: the stage's key from its upstream keys (read once)
+    and the shard's record if it is finished for them (Stage.shards.done)."""
+    row = row_of(stage)
+    with _lock:
+        CALLS["decide"] += 1
+    up = upstream_keys(cfg, row)
+    return ShardDecision(row.name, shard, row.key(cfg, up), row.shards.done(cfg, shard, up))
+
+
+def decide_shards(cfg: PipelineConfig, stage: Stage | str) -> dict:
+    """The plan of sharded stage `stage`, its done decision for every shard at once: the stage's key from its
+    upstream keys (read once), then Stage.shards.status(cfg, up) ({'shards', 'done', 'records': {shard: record},
+    ...}); each shard's decision is kept for its task (adopt, decision), unless the status says the stage runs no
+    task per shard ('per_shard' False). Returns the status without its records."""
+    row = row_of(stage)
+    with _lock:
+        CALLS["decide"] += 1
+    up = upstream_keys(cfg, row)
+    key, status = row.key(cfg, up), dict(row.shards.status(cfg, up))
+    records, cfg_json = status.pop("records"), cfg.model_dump_json()
+    if status.get("per_shard", True):
+        with _lock:
+            for k in status["shards"]:
+                _pending[_slot(cfg, row, k)] = (cfg_json, ShardDecision(row.name, k, key, records.get(k)))
+    return status
+
+
+def _slot(cfg: PipelineConfig, stage: Stage | str, shard: int | None = None) -> tuple:
+    return row_of(stage).name, str(Path(cfg.run_dir).resolve()), shard
+
+
+def _decide(cfg: PipelineConfig, stage: Stage | str, shard: int | None) -> Decision | ShardDecision:
+    return decide(cfg, stage) if shard is None else decide_shard(cfg, stage, shard)
 
 
 def done(cfg: PipelineConfig, stage: Stage | str) -> dict | None:
@@ -77,25 +121,27 @@ def done(cfg: PipelineConfig, stage: Stage | str) -> dict | None:
     return d.manifest
 
 
-def adopt(cfg: PipelineConfig, stage: Stage | str, scope: str) -> Decision:
-    """The cache policy's decision for task run `scope`: the flow's (`done`, for the same config), else one made
-    now; kept for the stage body of that task run (`decision`)."""
+def adopt(cfg: PipelineConfig, stage: Stage | str, scope: str, shard: int | None = None) -> Decision | ShardDecision:
+    """The cache policy's decision for task run `scope` (of shard `shard`, for a shard task): the flow's (`done`, or
+    the plan's: `decide_shards`, for the same config), else one made now; kept for the body of that task run
+    (`decision`)."""
     with _lock:
-        cfg_json, d = _pending.pop(_slot(cfg, stage), (None, None))
+        cfg_json, d = _pending.pop(_slot(cfg, stage, shard), (None, None))
     if d is None or cfg_json != cfg.model_dump_json():
-        d = decide(cfg, stage)
+        d = _decide(cfg, stage, shard)
     with _lock:
-        _adopted[_slot(cfg, stage)] = (scope, d)        # replaces one a cache hit left (its body never ran)
+        _adopted[_slot(cfg, stage, shard)] = (scope, d)        # replaces one a cache hit left (its body never ran)
     return d
 
 
-def decision(cfg: PipelineConfig, stage: Stage | str) -> Decision:
-    """The stage body's decision: the one its task run's cache policy adopted, else one made now."""
-    scope, slot = scope_id(), _slot(cfg, stage)
+def decision(cfg: PipelineConfig, stage: Stage | str, shard: int | None = None) -> Decision | ShardDecision:
+    """The body's decision (of shard `shard`, for a shard's body): the one its task run's cache policy adopted,
+    else one made now."""
+    scope, slot = scope_id(), _slot(cfg, stage, shard)
     with _lock:
         if scope is not None and _adopted.get(slot, (None,))[0] == scope:
             return _adopted.pop(slot)[1]
-    return decide(cfg, stage)
+    return _decide(cfg, stage, shard)
 
 
 def run(d: Decision, body: Callable[[], dict], outputs: Sequence[str] | None = None,
@@ -118,11 +164,13 @@ def run(d: Decision, body: Callable[[], dict], outputs: Sequence[str] | None = N
 
 
 def release(cfg: PipelineConfig, stage: Stage | str) -> None:
-    """Drop the decision kept for a task of `stage` (after the task returned: one answered from Prefect's cache
-    never ran its body, which would have taken it)."""
+    """Drop the decisions kept for the tasks of `stage`, its shards' too (after they returned: one answered from
+    Prefect's cache never ran its body, which would have taken it)."""
+    name, run_dir, _ = _slot(cfg, stage)
     with _lock:
-        _pending.pop(_slot(cfg, stage), None)
-        _adopted.pop(_slot(cfg, stage), None)
+        for kept in (_pending, _adopted):
+            for slot in [slot for slot in kept if slot[:2] == (name, run_dir)]:
+                del kept[slot]
 
 
 def invalidate(cfg: PipelineConfig, stage: Stage | str) -> None:

@@ -28,12 +28,15 @@ def no_older_keys(cfg: PipelineConfig, up: dict) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Shards:
     """The hooks of a stage run as one task per shard: `run(cfg, shard, log=..., ...)` one shard's record,
-    `finish(cfg, shard_manifests, ...)` the stage's manifest from them, `status(cfg)` {'shards': ids, 'done':
-    finished ids, ...} for planning; `task`/`finish_task` the Prefect task names, `tags`/`timeout_h` the shard
-    task's."""
+    `finish(cfg, shard_manifests, ...)` the stage's manifest from them; for the shards' done decisions
+    (pipeline.run.decide_shards, decide_shard), given `up` (the upstream keys, read once): `status(cfg, up)`
+    {'shards': ids, 'done': finished ids, 'records': {finished id: its record}, ...} for planning, `done(cfg,
+    shard, up)` one shard's record if it is finished, else None; `task`/`finish_task` the Prefect task names,
+    `tags`/`timeout_h` the shard task's."""
     run: Callable[..., dict]
     finish: Callable[..., dict]
-    status: Callable[[PipelineConfig], dict]
+    status: Callable[[PipelineConfig, dict], dict]
+    done: Callable[[PipelineConfig, int, dict], dict | None]
     task: str
     finish_task: str
     tags: tuple[str, ...] = ()

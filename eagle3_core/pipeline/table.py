@@ -44,9 +44,16 @@ def done(cfg: PipelineConfig, stage: str) -> dict | None:
     return stage_run.done(cfg, stage)
 
 
-def adopt(cfg: PipelineConfig, stage: str, scope: str) -> str:
-    """The inputs key the cache policy of task run `scope` hashes: the flow's decision taken over (run.adopt)."""
-    return stage_run.adopt(cfg, stage, scope).key
+def adopt(cfg: PipelineConfig, stage: str, scope: str, shard: int | None = None) -> str:
+    """The inputs key the cache policy of task run `scope` (of shard `shard`, for a shard task) hashes: the flow's
+    decision taken over (run.adopt)."""
+    return stage_run.adopt(cfg, stage, scope, shard).key
+
+
+def plan_shards(cfg: PipelineConfig, stage: str) -> dict:
+    """The plan of sharded stage `stage`: its done decision for every shard, kept for the shard tasks
+    (run.decide_shards); {'shards', 'done', ...} as its Stage.shards.status says."""
+    return stage_run.decide_shards(cfg, stage)
 
 
 def invalidate_stage(cfg: PipelineConfig, stage: str) -> None:
