@@ -9,7 +9,6 @@ on disk is the source of truth).
 """
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,18 +20,17 @@ from eagle3_core.config import PipelineConfig, preset
 from tasks import stage_tasks as t
 from tasks.artifacts import pipeline_progress, stage_started  # noqa: F401 (pipeline_progress: for flows.pipeline)
 from tasks.cancel import end_cancelled, say_cancelled  # noqa: F401 (say_cancelled: for flows.pipeline)
-from tasks.logs import done_before_this_run, readable
 from tasks.control import (  # noqa: F401 (locked, first_attempt: re-exported for callers of flows.stage_flows)
     first_attempt,
     forget,
     inference_servers,
     locked,
-    log_in_parent_runs,
     plan_features_task,
     plan_generation_task,
     run_shards,
     run_stage,
 )
+from tasks.summary import summarize, summary_line  # noqa: F401 (summary_line: for callers of flows.stage_flows)
 
 DEMO = preset("demo")
 
@@ -78,46 +76,6 @@ def label(config: PipelineConfig, stage: str) -> None:
     tags = sorted({*kept, f"run:{run_label(config)}", f"stage:{stage}"})
     with get_client(sync_client=True) as client:
         client.update_flow_run(ctx.flow_run.id, tags=tags)
-
-
-# what each stage's summary line names, from its manifest (scalars only; a key a manifest lacks is left out)
-SUMMARY_FIELDS = {
-    "prompts": ("train_ids", "eval_ids"), "generation": ("samples", "completion_tokens", "server"),
-    "features": ("samples", "tokens", "format", "bytes_per_token", "shards_extracted"),
-    "vocab": ("draft_vocab_size", "coverage"), "train": ("train_samples", "steps", "export_dir"),
-    "evaluate": (), "deploy-llama-cpp": ("tokens_per_s", "baseline_tokens_per_s", "speedup"),
-    "deploy-sglang": ("skipped",),
-}
-
-
-def summary_line(stage: str, manifest: dict, skipped: bool = False) -> str:
-    """One line saying what stage `stage` produced (its manifest's SUMMARY_FIELDS as a person reads them:
-    tasks.logs.readable; tau for evaluate) and how long it took (the manifest's seconds: 0 when every piece was
-    already done), or 'skipped (done before this run)' when `skipped`, without another run's time."""
-    parts = []
-    inner = manifest.get("summary") if isinstance(manifest.get("summary"), dict) else {}
-    for key in SUMMARY_FIELDS.get(stage, ()):
-        value = readable(key, manifest.get(key, inner.get(key)))   # deploy manifests keep theirs in 'summary'
-        if value is not None and not isinstance(value, dict):
-            parts.append(f"{key} {value}")
-    best = manifest.get("best")
-    if isinstance(best, dict) and "epoch" in best:
-        parts.append(f"best epoch {best['epoch']}" + (f" (tau_sim {best['tau_sim']:.3f})" if "tau_sim" in best else ""))
-    ev = inner
-    for name in ("trained", "trained_tree", "untrained"):
-        if isinstance(ev.get(name), dict) and "tau" in ev[name]:
-            parts.append(f"tau {name} {ev[name]['tau']:.3f}")
-    seconds = manifest.get("seconds")
-    took = f" in {seconds:.1f} s" if isinstance(seconds, (int, float)) else ""
-    head = f"{stage}: skipped (done before this run)" if skipped else f"{stage}: done{took}"
-    return head + (f" ({', '.join(parts)})" if parts else "")
-
-
-def summarize(stage: str, manifest: dict) -> dict:
-    """Log stage `stage`'s summary line in its flow run and every run above it (the pipeline run's log then holds
-    one line per stage); returns `manifest`."""
-    log_in_parent_runs(logging.INFO, "%s", summary_line(stage, manifest, done_before_this_run(stage)))
-    return manifest
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from prefect.context import TaskRunContext
 from prefect.utilities.hashing import hash_objects
 
 from eagle3_core.pipeline import run
-from eagle3_core.pipeline.table import adopt, inputs_key
+from eagle3_core.pipeline.table import adopt
 
 
 def _task_run_id() -> str | None:
@@ -31,20 +31,20 @@ run.scope_id = _task_run_id           # a stage body finds the decision its task
 @dataclass
 class StageInputs(CachePolicy):
     """Key: the stage's inputs key for the task's `config`, its run directory and its `shard` argument (if any).
-    Other arguments (a server URL, shard manifests) are left out: they follow from these. A stage-level task takes
-    the flow's done decision over (table.adopt: its key and whether it is done, kept for the task's body), so that
-    the task computes its key once and decides once."""
+    Other arguments (a server URL, shard manifests) are left out: they follow from these. A task takes the flow's
+    done decision over (table.adopt: its key and whether it is done, kept for the task's body; a shard task its
+    shard's, from the plan: run.decide_shards), so that the task computes its key once and decides once."""
 
     stage: str = ""
 
     def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any],
                     **kwargs: Any) -> str | None:
         cfg = inputs["config"]
-        if "shard" in inputs:
-            return hash_objects(self.stage, str(cfg.run_dir), inputs_key(cfg, self.stage), inputs["shard"])
-        return hash_objects(self.stage, str(cfg.run_dir), adopt(cfg, self.stage, str(task_ctx.task_run.id)), None)
+        shard = inputs.get("shard")
+        return hash_objects(self.stage, str(cfg.run_dir), adopt(cfg, self.stage, str(task_ctx.task_run.id), shard),
+                            shard)
 
 
 def stage_cache(stage: str) -> CachePolicy:
-    """The cache policy of a task of `stage` (a key of eagle3_core.pipeline.table.STAGE_DIRS)."""
+    """The cache policy of a task of `stage` (a name of eagle3_core.pipeline.table.STAGES)."""
     return TASK_SOURCE + StageInputs(stage=stage)

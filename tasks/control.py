@@ -18,19 +18,17 @@ from prefect.futures import as_completed
 
 from eagle3_core.check import check_or_raise
 from eagle3_core.config import PipelineConfig
-from eagle3_core.contract.layout import STAGE_DIRS
 from eagle3_core.contract.numbers import eta_text
 from eagle3_core.contract.run_lock import run_lock
-from eagle3_core.pipeline.features_stage import feature_status
-from eagle3_core.pipeline.generation_stage import generation_servers, generation_shards, generation_status
+from eagle3_core.pipeline.generation_stage import generation_servers, generation_shards
 from eagle3_core.pipeline.run import release
-from eagle3_core.pipeline.table import done, invalidate_stage
+from eagle3_core.pipeline.table import STAGES, done, invalidate_stage, plan_shards
 from eagle3_core.serving.launcher import running_server
 from tasks.artifacts import ShardProgress, shard_table
 from tasks.logs import failure_text, note_failure, run_log
 from tasks.report import publish_check
 
-ALL_STAGES = tuple(STAGE_DIRS)
+ALL_STAGES = tuple(STAGES)          # the stage table's, in order
 
 
 @contextmanager
@@ -93,7 +91,7 @@ def plan_generation_task(config: PipelineConfig) -> dict:
     """The generation stage's shards: {'shards': every id, 'done': finished ones (record and file intact for the
     current inputs), 'needs_server': whether any unfinished shard holds rows to regenerate}."""
     generation_shards(config, get_run_logger().info)     # keeps shards past the last one, saying so
-    status = generation_status(config)
+    status = plan_shards(config, "generation")           # every shard's done decision, kept for its task
     ids, done, needs = status["shards"], status["done"], status["needs_server"]
     get_run_logger().info("generation: %s shards, %s finished, %s to run; %s", len(ids), len(done),
                           len(ids) - len(done), "a server is needed" if needs else "no server needed")
@@ -105,7 +103,7 @@ def plan_features_task(config: PipelineConfig) -> dict:
     """The features stage's shards: {'shards': every id, 'done': those intact on disk for the current inputs (read
     without loading the target), 'per_shard': whether the backend runs one task per shard (else one torchrun task
     for all: features.backends)}."""
-    status = feature_status(config)
+    status = plan_shards(config, "features")             # every shard's done decision, kept for its task
     ids, done = status["shards"], status["done"]
     get_run_logger().info("features: %s shards, %s finished, %s to extract%s", len(ids), len(done),
                           len(ids) - len(done), "" if status["per_shard"] else " in one torchrun")
@@ -185,6 +183,16 @@ def log_in_parent_runs(level: int, msg: str, *args) -> None:
 
 def run_shards(task_, cfg: PipelineConfig, stage: str, plan: dict, *args, parallel: bool = False,
                in_flight: int = 2) -> list[dict]:
+    """Run one task per shard of `plan` (plan_*_task: its done decisions, which the shard tasks take over;
+    run_shard_tasks); the decisions left by shards Prefect's cache answered are dropped after (release)."""
+    try:
+        return run_shard_tasks(task_, cfg, stage, plan, *args, parallel=parallel, in_flight=in_flight)
+    finally:
+        release(cfg, stage)
+
+
+def run_shard_tasks(task_, cfg: PipelineConfig, stage: str, plan: dict, *args, parallel: bool = False,
+                    in_flight: int = 2) -> list[dict]:
     """Run one task per shard of `plan` (plan_*_task), let every shard finish, then fail if any failed (naming
     them). A shard not in plan['done'] ignores Prefect's cache. parallel=False runs them one after another in the
     flow's thread, where a task timeout can interrupt a hung shard; parallel=True submits them to the flow's task

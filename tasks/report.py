@@ -10,10 +10,9 @@ from prefect.context import FlowRunContext
 
 from eagle3_core.check import render
 from eagle3_core.config import PipelineConfig
-from eagle3_core.contract.layout import STAGE_DIRS
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.pipeline.table import stage_done
 from eagle3_core.pipeline import report
+from eagle3_core.pipeline.table import STAGES, stage_done
 from tasks.artifacts import publish_report, run_key
 from tasks.logs import run_log
 
@@ -85,7 +84,7 @@ def plan_stages_task(config: PipelineConfig, refresh: bool = False, said: list[s
     that runs is listed to run: it is skipped only if its inputs come out the same. Returns {'skip': [...],
     'run': [...]}."""
     skip, run = [], []
-    for stage in STAGE_DIRS:
+    for stage in STAGES:
         try:
             done = not refresh and not run and stage_done(config, stage)
         except (FileNotFoundError, KeyError, ValueError):        # an upstream stage not done: no key yet

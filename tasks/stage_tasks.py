@@ -1,5 +1,7 @@
 """Prefect tasks: each calls one eagle3_core stage (or shard) function with the run config and returns its small
-manifest (paths, counts, hashes); no tensors, models or clients pass through Prefect.
+manifest (paths, counts, hashes); no tensors, models or clients pass through Prefect. The tasks are built from the
+stage table's rows (eagle3_core.pipeline.table.STAGES: name, body, timeout, tags, progress hook, shard hooks):
+`body_task(row)` for a stage run whole, the shard and finish tasks of a sharded stage from its Shards.
 
 Every task: persisted JSON result (the manifest), a cache key from its inputs and source (tasks/cache.py), retries
 with exponential backoff and jitter for transient errors only (tasks/retry.py), a timeout, the run logger with
@@ -8,18 +10,15 @@ limit (deployments/limits.py) keeps it to one task per GPU.
 """
 from __future__ import annotations
 
+import inspect
+
 from prefect import task
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.pipeline import report
-from eagle3_core.pipeline.deploy_stage import run_deploy_llama_cpp, run_deploy_sglang
-from eagle3_core.pipeline.evaluate_stage import run_evaluate
-from eagle3_core.pipeline.features_stage import finish_features, run_features_shard
-from eagle3_core.pipeline.generation_stage import finish_generation, run_generation_shard
-from eagle3_core.pipeline.prompts_stage import run_prompts
-from eagle3_core.pipeline.tokenize_stage import run_tokenize
-from eagle3_core.pipeline.train_stage import run_train
-from eagle3_core.pipeline.vocab_stage import run_vocab
+from eagle3_core.pipeline.generation_stage import run_generation_shard
+from eagle3_core.pipeline.stage import Stage
+from eagle3_core.pipeline.table import STAGES
 from tasks.artifacts import RequestProgress, progress_callback
 from tasks.cache import stage_cache
 from tasks.logs import run_log
@@ -36,16 +35,72 @@ def stage_task(name: str, stage: str, timeout_h: float | None, tags: tuple[str, 
                 retry_condition_fn=retry_if_transient, **RETRY_OPTIONS)
 
 
-@stage_task("prompts", "prompts", 2)
-def prompts_task(config: PipelineConfig) -> dict:
-    """Load, dedupe and split prompts (eagle3_core.pipeline.prompts_stage.run_prompts)."""
-    with run_log() as log:
-        return run_prompts(config, log=log.info)
+def _named(fn, name: str, doc: str):
+    """`fn` named for the task `name` (its Prefect task key and the UI's description)."""
+    fn.__name__ = fn.__qualname__ = name.replace("-", "_") + "_task"
+    fn.__doc__ = doc
+    return fn
+
+
+def progress_hook(config: PipelineConfig, row: Stage) -> dict:
+    """The keyword argument of `row.body` that moves the progress artifact `<stage>-progress-<run>` (Stage.progress:
+    (keyword, unit)), a callback (done, total, detail='') naming the item being worked on; {} without one."""
+    if row.progress is None:
+        return {}
+    keyword, unit = row.progress
+    bar = progress_callback(config.run_dir, row.name, unit)
+    return {keyword: lambda done, total, detail="": bar(done, total, f" (now: {detail})" if detail else "")}
+
+
+def body_task(row: Stage, after=None):
+    """The task of a stage run whole: its row's body with the run log (and its progress hook), named, timed out
+    and tagged as the row says; after(manifest, log), where given, runs on the manifest before it is returned."""
+    def run_body(config: PipelineConfig) -> dict:
+        with run_log() as log:
+            manifest = row.body(config, log=log.info, **progress_hook(config, row))
+            if after is not None:
+                after(manifest, log)
+            return manifest
+    doc = f"The {row.name} stage ({row.body.__module__}.{row.body.__name__}): " + \
+        (row.body.__doc__ or "").strip().split("\n\n")[0]
+    return stage_task(row.name, row.name, row.timeout_h, row.tags)(_named(run_body, row.name, doc))
+
+
+def evaluate_warnings(manifest: dict, log) -> None:
+    """The warnings the evaluate stage's numbers support (report.warnings), at WARNING in the run log."""
+    for warning in report.warnings(manifest["summary"]):
+        log.warning("evaluate: %s", warning)
+
+
+prompts_task = body_task(STAGES["prompts"])
+tokenize_task = body_task(STAGES["tokenize"])
+vocab_task = body_task(STAGES["vocab"])
+train_task = body_task(STAGES["train"])           # a retried run resumes from the training state
+evaluate_task = body_task(STAGES["evaluate"], after=evaluate_warnings)
+deploy_llama_cpp_task = body_task(STAGES["deploy-llama-cpp"])
+deploy_sglang_task = body_task(STAGES["deploy-sglang"])     # {'skipped': reason} where SGLang cannot run here
+
+
+def shard_task(row: Stage):
+    """The @task options of `row`'s shard task (Stage.shards: name, timeout, tags; run name '<task>-<shard>')."""
+    s = row.shards
+    return stage_task(s.task, row.name, s.timeout_h, s.tags, s.task + "-{shard}")
+
+
+def finish_task(row: Stage):
+    """The task that writes a sharded stage's manifest from its shards' manifests (Stage.shards.finish)."""
+    def finish(config: PipelineConfig, shard_manifests: list[dict]) -> dict:
+        with run_log() as log:
+            takes_log = "log" in inspect.signature(row.shards.finish).parameters
+            return row.shards.finish(config, shard_manifests, **({"log": log.info} if takes_log else {}))
+    doc = f"Write the {row.name} stage's manifest from its shards' manifests ({row.shards.finish.__name__})."
+    return stage_task(row.shards.finish_task, row.name, row.timeout_h, row.tags)(
+        _named(finish, row.shards.finish_task, doc))
 
 
 # no task timeout: shards run in worker threads, where Prefect cannot interrupt them; every request is bounded by
 # generation.request_timeout_s and generation.max_retries instead
-@stage_task("generation-shard", "generation", None, ("server",), "generation-shard-{shard}")
+@shard_task(STAGES["generation"])
 def generation_shard_task(config: PipelineConfig, shard: int, urls: list[str] | None = None) -> dict:
     """Regenerate one shard of train prompts on the servers at `urls` (run_generation_shard); a progress artifact
     `generation-shard-<k>-progress-<run>` moves every generation.progress_interval_s."""
@@ -54,71 +109,14 @@ def generation_shard_task(config: PipelineConfig, shard: int, urls: list[str] | 
         return run_generation_shard(config, shard, log=log.info, urls=urls, on_progress=progress.update)
 
 
-@stage_task("finish-generation", "generation", 1)
-def finish_generation_task(config: PipelineConfig, shard_manifests: list[dict]) -> dict:
-    """Write the generation stage's manifest from its shards' manifests (finish_generation)."""
-    return finish_generation(config, shard_manifests)
+finish_generation_task = finish_task(STAGES["generation"])
 
 
-@stage_task("tokenize", "tokenize", 12)
-def tokenize_task(config: PipelineConfig) -> dict:
-    """Chat template + assistant-only loss masks (run_tokenize)."""
-    with run_log() as log:
-        return run_tokenize(config, log=log.info)
-
-
-@stage_task("features-shard", "features", 12, ("gpu",), "features-shard-{shard}")
+@shard_task(STAGES["features"])
 def features_shard_task(config: PipelineConfig, shard: int) -> dict:
     """The target's aux hidden states for one shard of samples (run_features_shard)."""
     with run_log() as log:
-        return run_features_shard(config, shard, log=log.info)
+        return STAGES["features"].shards.run(config, shard, log=log.info)
 
 
-@stage_task("finish-features", "features", 1)
-def finish_features_task(config: PipelineConfig, shard_manifests: list[dict]) -> dict:
-    """Write the features stage's manifest from its shards' entries (finish_features)."""
-    with run_log() as log:
-        return finish_features(config, shard_manifests, log=log.info)
-
-
-@stage_task("vocab", "vocab", 6)
-def vocab_task(config: PipelineConfig) -> dict:
-    """Draft vocab map d2t/t2d (run_vocab)."""
-    with run_log() as log:
-        return run_vocab(config, log=log.info)
-
-
-@stage_task("train", "train", 96, ("gpu",))
-def train_task(config: PipelineConfig) -> dict:
-    """Train the draft with TTT and export it (run_train); a retried run resumes from the training state. A
-    progress artifact `train-progress-<run>` moves each epoch."""
-    with run_log() as log:
-        return run_train(config, log=log.info, on_epoch=progress_callback(config.run_dir, "train", "epochs"))
-
-
-@stage_task("evaluate", "evaluate", 12, ("gpu",))
-def evaluate_task(config: PipelineConfig) -> dict:
-    """Offline tau of the trained and an untrained draft (run_evaluate); a progress artifact
-    `evaluate-progress-<run>` moves each decoded prompt; warnings the numbers support at WARNING."""
-    with run_log() as log:
-        bar = progress_callback(config.run_dir, "evaluate", "prompt decodes")
-        manifest = run_evaluate(config, log=log.info,
-                                       on_progress=lambda done, total, name: bar(done, total, f" (now: {name})"))
-        for warning in report.warnings(manifest["summary"]):
-            log.warning("evaluate: %s", warning)
-        return manifest
-
-
-@stage_task("deploy-llama-cpp", "deploy-llama-cpp", 12, ("server",))
-def deploy_llama_cpp_task(config: PipelineConfig) -> dict:
-    """Serve the draft on llama.cpp's EAGLE-3 server and benchmark it (run_deploy_llama_cpp)."""
-    with run_log() as log:
-        return run_deploy_llama_cpp(config, log=log.info)
-
-
-@stage_task("deploy-sglang", "deploy-sglang", 24, ("server",))
-def deploy_sglang_task(config: PipelineConfig) -> dict:
-    """Serve the draft on SGLang with EAGLE3 against the same server without it (run_deploy_sglang); returns
-    {'skipped': reason} where SGLang cannot run here."""
-    with run_log() as log:
-        return run_deploy_sglang(config, log=log.info)
+finish_features_task = finish_task(STAGES["features"])

@@ -71,6 +71,23 @@ def test_stored_paths_are_relative_to_the_run_directory_and_resolve_under_a_copy
     assert str(new.stored("/elsewhere/model")) == "/elsewhere/model"          # not a path of a run: as stored
 
 
+def test_the_prompts_rejects_path_is_stored_relative_and_read_under_a_copy(tmp_path, monkeypatch):
+    """The prompts stage's manifest names its rejects file relative to the run directory (as the train stage its
+    export, the evaluate stage its report): a run started from another working directory and copied elsewhere finds
+    it under the copy."""
+    monkeypatch.chdir(tmp_path)
+    cfg = preset("debug_tiny", "runs/demo")
+    cfg.prompts.sources = [str(SHARED_DATA / "gsm8k" / "train.jsonl")]
+    manifest = run_prompts(cfg, log=lambda *_: None)
+    assert manifest["rejects"] == "prompts/rejects.jsonl"
+    shutil.copytree(tmp_path / "runs" / "demo", tmp_path / "elsewhere" / "demo")
+    shutil.rmtree(tmp_path / "runs")
+    copy = RunLayout(tmp_path / "elsewhere" / "demo")
+    assert copy.stored(manifest["rejects"]) == copy.prompts / "rejects.jsonl"
+    assert copy.stored(manifest["rejects"]).exists()
+    assert copy.stored("runs/demo/prompts/rejects.jsonl") == copy.prompts / "rejects.jsonl"    # as stored before
+
+
 def _answered(cfg, shard: int, rows: tuple[int, int]) -> None:
     """A finished generation shard of rows [a, b) of the prompt file, as its record and file name them."""
     ids, digests, _ = prompt_rows(cfg)

@@ -3,7 +3,6 @@ replayed on recorded greedy output, takes the same verify steps and accepts the 
 speculate.speculative_generate running the target at every verify step: exactly for a draft that reads no features,
 within float rounding for the trained one."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -102,7 +101,8 @@ def test_the_evaluate_stage_by_replay_measures_the_tau_of_decoding(e2e_run, tmp_
                                         "server": cfg.server.model_copy(update={"kind": "transformers"})})
     lines = []
     out = run_evaluate(replay_cfg, log=lines.append)
-    report = json.loads(Path(out["report"]).read_text())
+    assert out["report"] == "eval/report.json"                  # relative to the run directory
+    report = json.loads(RunLayout(run_dir).stored(out["report"]).read_text())
     assert report["evaluator"] == "replay" and decoded["evaluator"] == "decode"
     assert report["eval_ids"] == decoded["eval_ids"]
     tr, dec = report["trained"], decoded["trained"]

@@ -278,7 +278,6 @@ def test_the_evaluate_stage_measures_tau_at_the_evaluation_temperature(e2e_run, 
     mismatch (serving at 1.0)."""
     import json
     import shutil
-    from pathlib import Path
 
     from eagle3_core.contract.layout import RunLayout
     from eagle3_core.pipeline.evaluate_stage import run_evaluate
@@ -291,7 +290,8 @@ def test_the_evaluate_stage_measures_tau_at_the_evaluation_temperature(e2e_run, 
                                       "serving": SamplingConfig(temperature=1.0, top_p=0.95)})
     lines = []
     out = run_evaluate(cfg.model_copy(update={"run_dir": run_dir, "eval": hot}), log=lines.append)
-    report = json.loads(Path(out["report"]).read_text())
+    assert out["report"] == "eval/report.json"                  # relative to the run directory
+    report = json.loads(RunLayout(run_dir).stored(out["report"]).read_text())
     n = len(report["eval_ids"])
     assert report["evaluator"] == "replay_sampled" and report["recording"]["seeds"] == [5, 6]
     assert report["sampling"]["temperature"] == 0.7 and report["consistency"] is None

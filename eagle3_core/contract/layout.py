@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# each stage's directory under the run directory (the stage table, eagle3_core.pipeline.table, has a row per stage)
+# each built-in stage's directory under the run directory, which the layers below the pipeline read through
+# RunLayout; a stage's row (eagle3_core.pipeline.stage.Stage) takes its directory from here, and a stage added later
+# names its own, which registering its row adds here (stage.register)
 STAGE_DIRS = {"prompts": "prompts", "generation": "generations", "tokenize": "tokenized", "features": "features",
               "vocab": "vocab", "train": "draft", "evaluate": "eval", "deploy-llama-cpp": "deploy_llama_cpp",
               "deploy-sglang": "deploy_sglang"}

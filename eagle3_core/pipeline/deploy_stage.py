@@ -12,13 +12,14 @@ from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.chat import prompt_ids
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, upstream_keys, upstream_manifest
+from eagle3_core.pipeline.stage import Stage
 
 
 def deploy_llama_cpp_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     """Inputs key of the llama.cpp deployment stage: the trained draft and the held-out prompts (`up`: {'train',
     'prompts': their keys}; default: read from their manifests), and the draft steps and tokens per prompt it
     measures with (the server's address and the other eval settings do not change what it measures)."""
-    up = upstream_keys(cfg, "deploy-llama-cpp") if up is None else up
+    up = upstream_keys(cfg, LLAMA_CPP_ROW) if up is None else up
     e = cfg.eval                        # the sampling settings count only where not greedy alone (keys before them)
     settings = e.measured_samplings
     sampled = ({} if [s.greedy for s in settings] == [True] else
@@ -32,7 +33,7 @@ def deploy_llama_cpp_older_keys(cfg: PipelineConfig, up: dict | None = None) -> 
     server.host; none where it measures at a sampled setting: older runs measured greedily only)."""
     if [s.greedy for s in cfg.eval.measured_samplings] != [True]:
         return ()
-    up = upstream_keys(cfg, "deploy-llama-cpp") if up is None else up
+    up = upstream_keys(cfg, LLAMA_CPP_ROW) if up is None else up
     return (stage_key(up["train"], fields_v4(cfg.eval, EVAL_FIELDS_V4), cfg.server.host, up["prompts"]),)
 
 
@@ -87,8 +88,7 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
                 f"({b['speedup']:.2f}x); lossless {b['lossless']}")
         return {"summary": summary}
 
-    d = stage_run.decision(cfg, "deploy-llama-cpp", deploy_llama_cpp_key, deploy_llama_cpp_older_keys)
-    return stage_run.run(d, body, outputs=("draft.gguf",), log=log)
+    return stage_run.run(stage_run.decision(cfg, LLAMA_CPP_ROW), body, log=log)
 
 
 def _llama_cpp_rows(url: str, rows: list[dict], n_new: int, s, n_seeds: int, log, label: str,
@@ -122,7 +122,7 @@ def deploy_sglang_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     its manifest), the target, the draft steps it serves with (deploy_sglang.num_steps, else eval.num_draft_steps)
     and the stage's own settings but the server start timeout; eval.sampling where it samples (greedy: the key
     before it existed)."""
-    up = upstream_keys(cfg, "deploy-sglang") if up is None else up
+    up = upstream_keys(cfg, SGLANG_ROW) if up is None else up
     d, s = cfg.deploy_sglang, cfg.eval.sampling
     return stage_key(up["train"], cfg.target, d.num_steps or cfg.eval.num_draft_steps,
                      d.model_dump(mode="json", exclude={"startup_timeout_s", "num_steps"}),
@@ -134,7 +134,7 @@ def deploy_sglang_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tup
     every deploy_sglang setting; none at a sampled eval.sampling)."""
     if not cfg.eval.sampling.greedy:
         return ()
-    up = upstream_keys(cfg, "deploy-sglang") if up is None else up
+    up = upstream_keys(cfg, SGLANG_ROW) if up is None else up
     return (stage_key(up["train"], cfg.target, cfg.eval.num_draft_steps,
                       fields_v4(cfg.deploy_sglang, DEPLOY_SGLANG_FIELDS_V4)),)
 
@@ -178,13 +178,13 @@ def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
     {'skipped': reason}."""
     from eagle3_core.target.loading import gguf_path
     out = RunLayout(cfg.run_dir).deploy_sglang
-    d = stage_run.decision(cfg, "deploy-sglang", deploy_sglang_key, deploy_sglang_older_keys)
+    d = stage_run.decision(cfg, SGLANG_ROW)
     if d.manifest is not None:
         return d.manifest
     if (why := deploy_sglang_skip(cfg)) is not None:
         log(f"deploy-sglang: skipped: {why}")
         if cfg.deploy_sglang.enabled == "off" or gguf_path(cfg.target) is not None:   # the config decides: done
-            return stage_run.run(d, lambda: {"skipped": why, "seconds": 0.0})
+            return stage_run.run(d, lambda: {"skipped": why, "seconds": 0.0}, outputs=())
         return {"skipped": why}                                   # this machine decides: a GPU host will run it
 
     def body() -> dict:
@@ -212,6 +212,15 @@ def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
         log(f"deploy-sglang: tau {v['tau'] if v['tau'] is None else round(v['tau'], 2)}; {v['summary']}")
         for w in v["warnings"]:
             log(f"deploy-sglang: WARNING {w}")
-        return {"verdict": v, "prompts": len(prompts), "report": str(out / "sglang_bench.md")}
+        return {"verdict": v, "prompts": len(prompts),
+                "report": RunLayout(cfg.run_dir).relative(out / "sglang_bench.md")}     # relative to the run dir
 
-    return stage_run.run(d, body, outputs=("sglang_bench.md",), log=log)
+    return stage_run.run(d, body, log=log)
+
+
+LLAMA_CPP_ROW = Stage("deploy-llama-cpp", deploy_llama_cpp_key, run_deploy_llama_cpp, upstream=("train", "prompts"),
+                      older=deploy_llama_cpp_older_keys, outputs=("draft.gguf",),
+                      summary=("tokens_per_s", "baseline_tokens_per_s", "speedup"), timeout_h=12, tags=("server",))
+SGLANG_ROW = Stage("deploy-sglang", deploy_sglang_key, run_deploy_sglang, upstream=("train",),
+                   older=deploy_sglang_older_keys, outputs=("sglang_bench.md",), summary=("skipped",), timeout_h=24,
+                   tags=("server",), in_report=False)

@@ -14,6 +14,7 @@ from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.chat import prompt_ids
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_config, target_key, upstream_keys, upstream_manifest
+from eagle3_core.pipeline.stage import Stage
 from eagle3_core.training.checkpoint import load_draft
 from eagle3_core.training.startup import fresh_draft
 
@@ -22,7 +23,7 @@ def evaluate_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     """Inputs key of the evaluate stage: the trained draft and the held-out prompts (`up`: {'train', 'prompts':
     their keys}; default: read from their manifests) and the eval settings (every one changes the report), the
     evaluator as it resolves ('auto': replay for a sharded features backend, else decode)."""
-    up = upstream_keys(cfg, "evaluate") if up is None else up
+    up = upstream_keys(cfg, ROW) if up is None else up
     e = cfg.eval
     # the sampling settings count only when sampled (greedy ignores top_p, top_k and seeds: a greedy run's key is
     # the key it had before they existed); the declared serving settings where measured (eval.measured_samplings)
@@ -40,7 +41,7 @@ def evaluate_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[st
     none for sampled settings: older runs all measured greedily)."""
     if not cfg.eval.sampling.greedy or len(cfg.eval.measured_samplings) > 1:
         return ()
-    up = upstream_keys(cfg, "evaluate") if up is None else up
+    up = upstream_keys(cfg, ROW) if up is None else up
     return (stage_key(up["train"], fields_v4(cfg.eval, EVAL_FIELDS_V4), up["prompts"]),)
 
 
@@ -216,7 +217,8 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
                            else None})
             out.mkdir(parents=True, exist_ok=True)
             (out / "report.json").write_text(json.dumps(report, indent=2))
-            return {"report": str(out / "report.json"), "summary": report, "sampling": report["sampling"],
+            return {"report": RunLayout(cfg.run_dir).relative(out / "report.json"),     # relative to the run dir
+                    "summary": report, "sampling": report["sampling"],
                     "serving": e.serving.model_dump(mode="json") if e.serving else None}
 
         cats = [category(r) for r in rows]
@@ -262,7 +264,8 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
             + f"{report['consistency']['steps_compared']} steps")
         return result
 
-    d = stage_run.decision(cfg, "evaluate", evaluate_key, evaluate_older_keys)
-    return stage_run.run(d, body, outputs=("report.json",), log=log)
+    return stage_run.run(stage_run.decision(cfg, ROW), body, log=log)
 
 
+ROW = Stage("evaluate", evaluate_key, run_evaluate, upstream=("train", "prompts"), older=evaluate_older_keys,
+            outputs=("report.json",), timeout_h=12, tags=("gpu",), progress=("on_progress", "prompt decodes"))

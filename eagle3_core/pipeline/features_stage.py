@@ -23,6 +23,7 @@ from eagle3_core.features.store import bad_shards, write_record
 from eagle3_core.features.store_run import extract_here, launch
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
+from eagle3_core.pipeline.stage import Shards, Stage
 
 # the feature settings that change what the store holds
 FEATURE_RESULT_FIELDS = ("aux_layer_ids", "max_length", "shard_samples", "format")
@@ -48,7 +49,7 @@ def features_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     """Inputs key of the features stage: the tokenized data (`up`: {'tokenize': its key}; default: read from its
     manifest), the feature settings that change the stored result (FEATURE_RESULT_FIELDS), the target, and an
     import's files (import_key)."""
-    up = upstream_keys(cfg, "features") if up is None else up
+    up = upstream_keys(cfg, ROW) if up is None else up
     return stage_key(up["tokenize"], cfg.features.model_dump(mode="json", include=set(FEATURE_RESULT_FIELDS)),
                      target_key(cfg), *([import_key(cfg)] if cfg.features.import_from else []))
 
@@ -149,18 +150,31 @@ def refuse_mixed_store(cfg: PipelineConfig) -> None:
         raise ValueError(problems[0][1])
 
 
+def feature_records(cfg: PipelineConfig, up: dict | None = None) -> dict:
+    """{shards, done, per_shard, records} of the features stage from one read of the tokenized rows and the store's
+    records (no target loaded), given the upstream keys `up` (default: read): shard ids, those complete on disk for
+    the current inputs, whether the backend runs one task per shard (features.backends: False, one torchrun for
+    all) and {complete shard: its store entry}."""
+    n, done = _finished_entries(cfg, (store_key(cfg), features_key(cfg, up)))
+    return {"shards": list(range(n)), "done": sorted(done), "per_shard": not selected_backend(cfg).torchrun,
+            "records": done}
+
+
 def feature_status(cfg: PipelineConfig) -> dict:
-    """{shards, done, per_shard} of the features stage from one read of the tokenized rows and the store's records
-    (no target loaded): shard ids, those complete on disk for the current inputs, and whether the backend runs one
-    task per shard (features.backends: False, one torchrun for all)."""
-    n, done = _finished_entries(cfg, (store_key(cfg), features_key(cfg)))
-    return {"shards": list(range(n)), "done": sorted(done), "per_shard": not selected_backend(cfg).torchrun}
+    """{shards, done, per_shard} of the features stage (feature_records without the records)."""
+    return {k: v for k, v in feature_records(cfg).items() if k != "records"}
+
+
+def feature_shard_entry(cfg: PipelineConfig, shard: int, up: dict | None = None) -> dict | None:
+    """Feature shard `shard`'s store entry if it is complete on disk for the current inputs (content key matches,
+    file intact: manifest.file_intact), given the upstream keys `up` (default: read); read without loading the
+    target."""
+    return _finished_entries(cfg, (store_key(cfg), features_key(cfg, up)), only=shard)[1].get(shard)
 
 
 def feature_shard_done(cfg: PipelineConfig, shard: int) -> bool:
-    """True if feature shard `shard` is complete on disk for the current inputs (content key matches, file intact:
-    manifest.file_intact), read without loading the target."""
-    return shard in _finished_entries(cfg, (store_key(cfg), features_key(cfg)), only=shard)[1]
+    """True if feature shard `shard` is complete on disk for the current inputs (feature_shard_entry)."""
+    return feature_shard_entry(cfg, shard) is not None
 
 
 def run_features(cfg: PipelineConfig, log=print, workers: int | None = None, **rdzv) -> dict:
@@ -174,7 +188,7 @@ def run_features(cfg: PipelineConfig, log=print, workers: int | None = None, **r
     again alone. Raises TorchrunError if a rank fails (finished
     shards are kept: rerun to finish), ValueError for an unknown backend or a store mixing backends."""
     out, backend = RunLayout(cfg.run_dir).features, selected_backend(cfg)
-    d, skey = stage_run.decision(cfg, "features", features_key, intact=store_intact), store_key(cfg)
+    d, skey = stage_run.decision(cfg, ROW), store_key(cfg)
 
     def body() -> dict:
         refuse_mixed_store(cfg)                    # before any rank (or this process) loads the target
@@ -210,13 +224,13 @@ def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
     if shard not in want:
         raise ValueError(f"feature shard {shard} is out of range: {cfg.run_dir}/tokenized has {len(want)} shards "
                          f"of {cfg.features.shard_samples} samples")
-    key, skey, t0 = features_key(cfg), store_key(cfg), time.monotonic()
-    rows = tokenized_rows(cfg)
-    entry = _finished_entries(cfg, (skey, key), rows, only=shard)[1].get(shard)
+    d, t0 = stage_run.decision(cfg, ROW, shard), time.monotonic()          # the shard task's one done decision
+    key, entry = d.key, d.record
     extracted = entry is None
     if extracted:
         refuse_mixed_store(cfg)                    # before the target loads
-        store = extract_here(cfg, skey, log, {shard}, rows)
+        rows = tokenized_rows(cfg)
+        store = extract_here(cfg, store_key(cfg), log, {shard}, rows)
         entry = next(e for e in store["shards"] if e["file"] == f"shard_{shard:05d}.safetensors")
         log(f"features: shard {shard}: {entry['samples']} samples, {entry['tokens']} tokens in "
             f"{time.monotonic() - t0:.1f} s")
@@ -232,7 +246,7 @@ def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print)
     is on disk. Raises ValueError naming the shards that are missing, stale or corrupt (rerun them with
     run_features_shard)."""
     close_extractors()
-    d, skey, out = stage_run.decision(cfg, "features", features_key, intact=store_intact), store_key(cfg), \
+    d, skey, out = stage_run.decision(cfg, ROW), store_key(cfg), \
         RunLayout(cfg.run_dir).features
     key = d.key
 
@@ -258,3 +272,9 @@ def finish_features(cfg: PipelineConfig, shard_manifests: list[dict], log=print)
                 "tokens_per_s": sum(m["tokens"] for m in ran) / ran_s if ran and ran_s > 0 else None}
 
     return stage_run.run(d, body, write=write_record, log=log)
+
+
+ROW = Stage("features", features_key, run_features, upstream=("tokenize",), intact=store_intact,
+            shards=Shards(run_features_shard, finish_features, feature_records, feature_shard_entry, "features-shard",
+                          "finish-features", tags=("gpu",), timeout_h=12),
+            summary=("samples", "tokens", "format", "bytes_per_token", "shards_extracted"), timeout_h=1)

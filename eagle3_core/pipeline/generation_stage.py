@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from functools import lru_cache
 from pathlib import Path
 
@@ -17,8 +17,10 @@ from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import busy_seconds, write_manifest
 from eagle3_core.data.markers import stop_ids
 from eagle3_core.generation.answer_shard import holds_more_rows
+from eagle3_core.generation.servers import generation_servers
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
+from eagle3_core.pipeline.stage import Shards, Stage
 
 
 def _sampling(cfg: PipelineConfig) -> dict:
@@ -36,7 +38,7 @@ def generation_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     (`up`: {'prompts': its key}; default: read from its manifest), the target, the server kind; not concurrency,
     retries or server addresses, so a rerun with other servers resumes). Shard records written before shards named
     their own rows carry it (accepted for the same prompts)."""
-    up = upstream_keys(cfg, "generation") if up is None else up
+    up = upstream_keys(cfg, ROW) if up is None else up
     return stage_key({**_sampling(cfg), "shard_size": cfg.generation.shard_size}, up["prompts"], target_key(cfg))
 
 
@@ -113,15 +115,21 @@ def _record_ok(out: Path, k: int, plan: list[tuple[int, int, str]], key: str, le
     return finished_record(out, k, key, plan[k][2]) or finished_record(out, k, legacy)
 
 
-def generation_status(cfg: PipelineConfig) -> dict:
-    """{shards, done, needs_server} of the generation stage from one read of the prompt file and the records:
-    shard ids, the finished ones, and whether an unfinished one holds a row to send (not every row 'keep')."""
+def generation_records(cfg: PipelineConfig, up: dict | None = None) -> dict:
+    """{shards, done, needs_server, records} of the generation stage from one read of the prompt file and the
+    records, given the upstream keys `up` (default: read): shard ids, the finished ones, whether an unfinished one
+    holds a row to send (not every row 'keep') and {finished shard: its record}."""
     plan, out = generation_plan(cfg), RunLayout(cfg.run_dir).generations
-    key, legacy = generation_shard_key(cfg), generation_key(cfg)
-    done = [k for k in range(len(plan)) if _record_ok(out, k, plan, key, legacy)]
+    key, legacy = generation_shard_key(cfg), generation_key(cfg, up)
+    records = {k: rec for k in range(len(plan)) if (rec := _record_ok(out, k, plan, key, legacy))}
     modes = prompt_rows(cfg)[2]
-    needs = any(m != "keep" for k, (a, b, _) in enumerate(plan) if k not in done for m in modes[a:b])
-    return {"shards": list(range(len(plan))), "done": done, "needs_server": needs}
+    needs = any(m != "keep" for k, (a, b, _) in enumerate(plan) if k not in records for m in modes[a:b])
+    return {"shards": list(range(len(plan))), "done": sorted(records), "needs_server": needs, "records": records}
+
+
+def generation_status(cfg: PipelineConfig) -> dict:
+    """{shards, done, needs_server} of the generation stage (generation_records without the records)."""
+    return {k: v for k, v in generation_records(cfg).items() if k != "records"}
 
 
 def _gate_limits(g) -> dict:
@@ -141,14 +149,14 @@ def generation_stage_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     return stage_key(generation_key(cfg, up), _gate_limits(cfg.generation))
 
 
-def generation_shard_done(cfg: PipelineConfig, shard: int) -> dict | None:
+def generation_shard_done(cfg: PipelineConfig, shard: int, up: dict | None = None) -> dict | None:
     """Shard `shard`'s record if it is finished for the current inputs (record and file agree, no failed prompt,
-    written for the shard's rows)."""
+    written for the shard's rows), given the upstream keys `up` (default: read)."""
     plan = generation_plan(cfg)
     if not 0 <= shard < len(plan):
         return None
     return _record_ok(RunLayout(cfg.run_dir).generations, shard, plan, generation_shard_key(cfg),
-                      generation_key(cfg))
+                      generation_key(cfg, up))
 
 
 def generation_shard_needs_server(cfg: PipelineConfig, shard: int) -> bool:
@@ -172,45 +180,12 @@ def _server_desc(cfg: PipelineConfig) -> str:
     return ", ".join(cfg.server.base_urls())
 
 
-@contextmanager
-def generation_servers(cfg: PipelineConfig):
-    """Base URLs to generate with. Kinds 'llama.cpp' and 'sglang' start the server here, on `server.host` (default
-    127.0.0.1), logging to generations/server.attempt-N.log (one log per start, earlier attempts kept), watched
-    while the block runs (a server that exits fails the stage at once: launcher.exit_error), and stop it when the
-    block ends, on failure, Ctrl-C, SIGTERM (a cancelled flow run) and, through PDEATHSIG, when this process is
-    killed. Kind 'external' yields `server.url` / `server.urls`; kind 'transformers' yields no URL (the stage
-    generates in process). Raises ValueError for a config that cannot work, ServerError if a server does not
-    start."""
-    from eagle3_core.serving.launcher import llama_server, next_attempt_log, sglang_server
-    from eagle3_core.target.loading import gguf_path
-    s, log_path = cfg.server, next_attempt_log(RunLayout(cfg.run_dir).generations, "server")
-    if s.kind == "llama.cpp":
-        gguf = gguf_path(cfg.target)
-        if gguf is None:
-            raise ValueError("server.kind 'llama.cpp' needs a GGUF target; use server.kind 'sglang' (or 'external' "
-                             "with server.url) for a Hugging Face target")
-        with llama_server(gguf, log_path, s.host, s.port, s.parallel, s.ctx_per_slot, s.startup_timeout_s,
-                          s.extra_args) as url:
-            yield [url]
-    elif s.kind == "sglang":
-        with sglang_server(cfg.target.model, log_path, s.host, s.port, cfg.target.revision,
-                           cfg.target.trust_remote_code, s.startup_timeout_s, s.extra_args, cfg.sglang_python) as url:
-            yield [url]
-    elif s.kind == "transformers":
-        yield []
-    else:
-        if not s.base_urls():
-            raise ValueError("server.kind 'external' needs server.url or server.urls (e.g. http://127.0.0.1:30000)")
-        yield s.base_urls()
-
-
 def generation_shards(cfg: PipelineConfig, log=print) -> list[int]:
     """Indices of this run's generation shards (generation_plan), finished or not: `run_generation_shard` returns a
     finished shard's record at once. Shards on disk past the last one (left by a larger prompt set: a night with a
     lower prompts.num_train) are kept, never deleted, and used again when the set grows back; `log` says how many.
     Raises FileNotFoundError if the prompts stage has not run."""
-    n = len(generation_plan(cfg))
-    out = RunLayout(cfg.run_dir).generations
+    n, out = len(generation_plan(cfg)), RunLayout(cfg.run_dir).generations
     out.mkdir(parents=True, exist_ok=True)
     if past := sorted(k for f in out.glob("shard_*.parquet") if (k := int(f.stem.split("_")[1])) >= n):
         log(f"generation: this run has {n} shard(s); {len(past)} more on disk (shards {past[0]}..{past[-1]}, of a "
@@ -264,7 +239,7 @@ def run_generation_shard(cfg: PipelineConfig, shard: int, log=print, urls: list[
     n = len(generation_plan(cfg))
     if not 0 <= shard < n:
         raise ValueError(f"generation shard {shard} out of range: this run has shards 0..{n - 1}")
-    if (rec := generation_shard_done(cfg, shard)):
+    if (rec := stage_run.decision(cfg, ROW, shard).record):          # the shard task's one done decision
         log(f"generation: shard {shard} already finished ({rec['answered']} answers)")
         return rec
     if urls is None and not generation_shard_needs_server(cfg, shard):
@@ -324,8 +299,7 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
             "server": _server_desc(cfg), "shards": [r["file"] for r in records],
             "seconds": seconds if seconds is not None else busy_seconds(records)}
 
-    d = stage_run.decision(cfg, "generation", generation_stage_key, intact=generation_intact)
-    return stage_run.run(d, body)
+    return stage_run.run(stage_run.decision(cfg, ROW), body)
 
 
 def generation_intact(cfg: PipelineConfig):
@@ -364,3 +338,9 @@ def run_generation(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
         with generation_servers(cfg) if status["needs_server"] else nullcontext([]) as urls:
             _regenerate(cfg, todo, urls, log, on_progress)
     return finish_generation(cfg, [], seconds=time.monotonic() - t0)
+
+
+ROW = Stage("generation", generation_stage_key, run_generation, upstream=("prompts",), intact=generation_intact,
+            summary=("samples", "completion_tokens", "server"), timeout_h=1, shards=Shards(
+                run_generation_shard, finish_generation, generation_records, generation_shard_done, "generation-shard",
+                "finish-generation", tags=("server",)))

@@ -6,21 +6,34 @@ key function takes `up`, {upstream stage: its manifest's inputs_key} (upstream_k
 by stage name), so that a key is a pure function of the config and those keys (tests/test_keys.py)."""
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from functools import lru_cache
 from pathlib import Path
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest, sha256_file, sha256_json
+from eagle3_core.pipeline.stage import STAGES, Stage, row_of
 
 CODE_VERSION = "4"  # bump when a stage's output format or semantics change
 
-# the stages whose outputs each stage reads, and whose inputs keys its own key names (the stage table,
-# pipeline.table.STAGES, reads its `upstream` from here)
-UPSTREAM: dict[str, tuple[str, ...]] = {
-    "prompts": (), "generation": ("prompts",), "tokenize": ("generation",), "features": ("tokenize",),
-    "vocab": ("tokenize",), "train": ("features", "vocab"), "evaluate": ("train", "prompts"),
-    "deploy-llama-cpp": ("train", "prompts"), "deploy-sglang": ("train",)}
+
+
+class Upstream(Mapping):
+    """{stage: the stages whose outputs it reads and whose inputs keys its own key names}, read from the stage
+    table's rows (Stage.upstream; the rows registered: pipeline.table registers the built-in stages)."""
+
+    def __getitem__(self, stage: str) -> tuple[str, ...]:
+        return row_of(stage).upstream
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(STAGES)
+
+    def __len__(self) -> int:
+        return len(STAGES)
+
+
+UPSTREAM = Upstream()
 
 
 def stage_key(*parts) -> str:
@@ -38,10 +51,11 @@ def upstream_manifest(run_dir: Path, stage: str) -> dict:
     return manifest
 
 
-def upstream_keys(cfg: PipelineConfig, stage: str) -> dict[str, str]:
-    """{upstream stage: the inputs_key its manifest holds} for each stage UPSTREAM[stage] names: the `up` of
-    `stage`'s key function. Raises FileNotFoundError naming an upstream stage that has not run."""
-    return {u: upstream_manifest(cfg.run_dir, u)["inputs_key"] for u in UPSTREAM[stage]}
+def upstream_keys(cfg: PipelineConfig, stage: Stage | str) -> dict[str, str]:
+    """{upstream stage: the inputs_key its manifest holds} for each upstream stage of `stage` (its row, or a
+    registered stage's name; Stage.upstream): the `up` of its key function. Raises FileNotFoundError naming an
+    upstream stage that has not run."""
+    return {u: upstream_manifest(cfg.run_dir, u)["inputs_key"] for u in row_of(stage).upstream}
 
 
 def target_key(cfg: PipelineConfig) -> dict:

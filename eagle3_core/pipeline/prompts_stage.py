@@ -10,6 +10,7 @@ from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.held_out import digests_from_files, eval_set_digest
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_key
+from eagle3_core.pipeline.stage import Stage
 
 
 # the prompt settings that change the rows or the stage's verdict (max_reject_frac); overlong, the tokenize stage's,
@@ -153,13 +154,16 @@ def run_prompts(cfg: PipelineConfig, log=print) -> dict:
                 "eval_set": eval_set_digest([digest[r["id"]] for r in evals]),
                 "sources": [s.model_dump(exclude_defaults=True) for s in specs],
                 "unpinned": [s.label for s in specs if s.hf and not s.revision and s.hf not in ("json", "parquet")],
-                "rejects": str(out / "rejects.jsonl"), "kept_routes": routes}
+                "rejects": run.relative(out / "rejects.jsonl"), "kept_routes": routes}
 
-    d = stage_run.decision(cfg, "prompts", prompts_key, prompts_older_keys, prompts_intact)
-    return stage_run.run(d, body, outputs=("train.parquet", "eval.parquet"), log=log)
+    return stage_run.run(stage_run.decision(cfg, ROW), body, log=log)
 
 
 def prompts_intact(cfg: PipelineConfig):
     """The prompts stage's check beyond its files (stage_run.decide): kept sources routed as they still are
     (routes_stale)."""
     return lambda manifest: routes_stale(cfg, manifest)
+
+
+ROW = Stage("prompts", prompts_key, run_prompts, older=prompts_older_keys, intact=prompts_intact,
+            outputs=("train.parquet", "eval.parquet"), summary=("train_ids", "eval_ids"), timeout_h=2)

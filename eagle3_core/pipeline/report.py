@@ -4,13 +4,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3_core.contract.layout import STAGE_DIRS, RunLayout
+from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.numbers import human_bytes
 from eagle3_core.evaluation.sampling_compare import compare_sampling, tau_by_temperature_markdown
 from eagle3_core.pipeline import report_numbers as nums
-
-# directories of the stages a finished run has (deploy-sglang is optional: it runs on GPU hosts only)
-STAGES = [d for name, d in STAGE_DIRS.items() if name != "deploy-sglang"]
+from eagle3_core.pipeline.table import STAGES
 
 
 def collect(run_dir: Path, init_from: str | None = None, since: float | None = None,
@@ -20,11 +18,12 @@ def collect(run_dir: Path, init_from: str | None = None, since: float | None = N
     the stage times); earlier: the previous report.json of this run directory (its quiet speeds, for the load
     flag: report_numbers.speed_checks). Raises FileNotFoundError naming a missing manifest."""
     m = {}
-    for s in STAGES:
-        path = Path(run_dir) / s / "manifest.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{path} missing: the run did not finish stage {s}")
-        m[s] = json.loads(path.read_text())
+    for row in STAGES.values():         # by directory: those a finished run has (Stage.in_report), the others if run
+        path = Path(run_dir) / row.directory / "manifest.json"
+        if not path.exists() and row.in_report:
+            raise FileNotFoundError(f"{path} missing: the run did not finish stage {row.name}")
+        if path.exists():
+            m[row.directory] = json.loads(path.read_text())
     ev = m["eval"]["summary"]
     r = {
         "run_dir": str(run_dir), "train_prompts": len(m["prompts"]["train_ids"]),

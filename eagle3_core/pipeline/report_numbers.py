@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3_core.contract.layout import STAGE_DIRS
 from eagle3_core.contract.numbers import percent
 from eagle3_core.evaluation.speedup import load_flag
+from eagle3_core.pipeline.table import STAGES
 
 # below this many held-out prompts a 95% interval of tau is too wide for a gap to mean a misconfiguration
 MIN_PROMPTS_FOR_WARNINGS = 8
@@ -86,16 +86,16 @@ def too_few_prompts(ev: dict) -> int | None:
 
 
 def stage_times(run_dir: Path, manifests: dict[str, dict], since: float | None) -> dict[str, float | str]:
-    """{stage name (the stage table's): seconds to 0.1, or 'skipped' for a stage whose manifest was written before
-    `since` (Unix seconds: the current flow run's start; None: every stage counts as run)}. manifests: by stage
-    directory."""
+    """{stage name (the stage table's, in its order): seconds to 0.1, or 'skipped' for a stage whose manifest was
+    written before `since` (Unix seconds: the current flow run's start; None: every stage counts as run)}.
+    manifests: by stage directory (Stage.directory)."""
     out = {}
-    for name, d in STAGE_DIRS.items():
-        if d not in manifests:
+    for name, row in STAGES.items():
+        if row.directory not in manifests:
             continue
-        path = Path(run_dir) / d / "manifest.json"
+        path = Path(run_dir) / row.directory / "manifest.json"
         skipped = since is not None and path.exists() and path.stat().st_mtime < since
-        out[name] = "skipped" if skipped else round(manifests[d]["seconds"], 1)
+        out[name] = "skipped" if skipped else round(manifests[row.directory]["seconds"], 1)
     return out
 
 

@@ -12,13 +12,14 @@ from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.rejects import finish_rejects
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
+from eagle3_core.pipeline.stage import Stage
 
 
 def tokenize_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     """Inputs key of the tokenize stage: the generations (`up`: {'generation': its key}; default: read from its
     manifest), the max length and overlong policy, the target (its chat template), and the history rule where it
     changed the samples (history_rule)."""
-    up = upstream_keys(cfg, "tokenize") if up is None else up
+    up = upstream_keys(cfg, ROW) if up is None else up
     return stage_key(up["generation"], cfg.features.max_length, cfg.prompts.overlong, target_key(cfg),
                      *history_rule(cfg))
 
@@ -105,7 +106,7 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
             "rejected_causes": causes, "rows": sum(v["read"] for v in per.values()) - len(rejects),
             "kept_refused": {k: v["refused"] for k, v in per.items() if v.get("refused")},
             "marker_tokens": markers.texts,
-            "rejects": str(out / "rejects.jsonl"),
+            "rejects": run.relative(out / "rejects.jsonl"),
             "token_source": ("the server's own ids (prompt_ids + output_ids) for the regenerated turns of a "
                              "token-id API; the others re-tokenized with the target's chat template"
                              if any("server" in k for k in sources)
@@ -113,5 +114,7 @@ def run_tokenize(cfg: PipelineConfig, log=print) -> dict:
                              "ids)"),
             "token_sources": sources, "server_ids_check": check}
 
-    d = stage_run.decision(cfg, "tokenize", tokenize_key)
-    return stage_run.run(d, body, outputs=("train.parquet",), log=log)
+    return stage_run.run(stage_run.decision(cfg, ROW), body, log=log)
+
+
+ROW = Stage("tokenize", tokenize_key, run_tokenize, upstream=("generation",), outputs=("train.parquet",), timeout_h=12)

@@ -10,6 +10,7 @@ from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest, write_manifest
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import init_key, stage_key, target_config, upstream_keys
+from eagle3_core.pipeline.stage import Stage
 from eagle3_core.target.family import sglang_rule
 from eagle3_core.training.checkpoint import EXPORT_DTYPE, clear_training_state, export_draft, load_draft
 from eagle3_core.training.startup import draft_shape, fresh_draft  # noqa: F401 (draft_shape: for callers)
@@ -88,7 +89,7 @@ def train_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     """Inputs key of the training stage: the features and vocab keys (`up`: {'features', 'vocab': their keys};
     default: read from their manifests), the train recipe (train_recipe_fields; any number of GPUs, any host), the
     draft settings, and the warm-start draft's weights (train.init_from)."""
-    up = upstream_keys(cfg, "train") if up is None else up
+    up = upstream_keys(cfg, ROW) if up is None else up
     return _key(cfg, up, train_recipe_fields(cfg))
 
 
@@ -104,7 +105,7 @@ def train_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, 
     only (compat.train_fields_v4: every train field hashed)."""
     if cfg.train.loss != "kl":                                          # older runs all trained with 'kl'
         return ()
-    up = upstream_keys(cfg, "train") if up is None else up
+    up = upstream_keys(cfg, ROW) if up is None else up
     resolved = [_key(cfg, up, resolved_train_fields(cfg, b)) for b in ("packed", "padded")
                 if cfg.train.batching == "auto"]
     return (*resolved, _key(cfg, up, train_fields_v4(cfg.train)))
@@ -121,7 +122,7 @@ def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
     from eagle3_core.training.trainer import train
     dp = DataParallel.from_process_group()
     out = RunLayout(cfg.run_dir).draft
-    d = stage_run.decision(cfg, "train", train_key, train_older_keys)
+    d = stage_run.decision(cfg, ROW)
     key, older = d.key, d.accepted[1:]
 
     def body() -> dict:
@@ -143,10 +144,15 @@ def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
                 "stopping": summary["stopping"],
                 "train_samples": len(train_s), "eval_samples": len(eval_s), "world_size": dp.world}
 
-    manifest = stage_run.run(d, body, outputs=EXPORT_FILES, log=log,
+    manifest = stage_run.run(d, body, log=log,
                              write=write_manifest if dp.is_main else (lambda path, m: m))
     dp.barrier()                                   # the manifest exists when any rank returns
     return manifest if dp.is_main else read_manifest(out / "manifest.json")
 
 
 EXPORT_FILES = ("export/model.safetensors", "export/config.json")     # the train stage's outputs later stages read
+
+
+ROW = Stage("train", train_key, run_train, upstream=("features", "vocab"), older=train_older_keys,
+            outputs=EXPORT_FILES, summary=("train_samples", "steps", "export_dir"), timeout_h=96, tags=("gpu",),
+            progress=("on_epoch", "epochs"))

@@ -9,6 +9,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import init_key, stage_key, target_config, upstream_keys, upstream_manifest
+from eagle3_core.pipeline.stage import Stage
 
 
 def kept_init_vocab(cfg: PipelineConfig) -> bool:
@@ -22,7 +23,7 @@ def vocab_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     the map are not in it: end of turn, think and tool-call markers are among the most frequent supervised tokens of
     any run that has them, so a finished map keeps its key; the manifest names any marker a map lacks,
     `markers_missing`.)"""
-    up = upstream_keys(cfg, "vocab") if up is None else up
+    up = upstream_keys(cfg, ROW) if up is None else up
     return stage_key(up["tokenize"], cfg.draft.draft_vocab_size, *([init_key(cfg)] if kept_init_vocab(cfg) else []))
 
 
@@ -67,5 +68,8 @@ def run_vocab(cfg: PipelineConfig, log=print) -> dict:
                 "coverage_per_source": per_source, "always_in_vocab": markers, "markers_missing": missing,
                 "from": str(init_dir(cfg.train.init_from)) if kept_init_vocab(cfg) else "counts"}
 
-    d = stage_run.decision(cfg, "vocab", vocab_key)
-    return stage_run.run(d, body, outputs=("vocab_map.safetensors",), log=log)
+    return stage_run.run(stage_run.decision(cfg, ROW), body, log=log)
+
+
+ROW = Stage("vocab", vocab_key, run_vocab, upstream=("tokenize",), outputs=("vocab_map.safetensors",),
+            summary=("draft_vocab_size", "coverage"), timeout_h=6)
