@@ -23,6 +23,10 @@ from sglang_stand_in import SGLangTokenStandIn
 FIX = Path(__file__).parent / "fixtures"
 LAYERS = 8
 MAX_POSITIONS = 1024
+SCRIPT = 24                   # scripted answers whose commonest bigrams the target follows
+# the published checkpoint's class name, which SGLang serves (sglang 0.5.14 srt/configs/model_config.py matches it
+# in `architectures`; srt/models/kimi_k25.py); transformers saves its own Kimi_K25ForConditionalGeneration
+PUBLISHED_ARCHITECTURE = "KimiK25ForConditionalGeneration"
 EMBED, HEAD = "language_model.model.embed_tokens.weight", "language_model.lm_head.weight"   # published key names
 
 
@@ -32,25 +36,57 @@ def tokenizer():
     return tok
 
 
-def build_target(out: Path, embed_std: float = 16.0) -> Path:
+def successors(tok, texts: list[str]) -> dict[int, int]:
+    """{token id: the token that most often follows it} over `texts` tokenized alone (ties: the lower id), the end
+    tokens never a successor (so a greedy chain runs to max_new_tokens), and the generation prompt's last token
+    `<think>` followed by an answer's first."""
+    from collections import Counter
+    stops = {tok.convert_tokens_to_ids(t) for t in ("[EOS]", "<|im_end|>")}
+    think = tok.convert_tokens_to_ids("<think>")
+    pairs: dict[int, Counter] = {}
+    for text in texts:
+        ids = [think] + tok(text, add_special_tokens=False)["input_ids"]
+        for a, b in zip(ids, ids[1:]):
+            if b not in stops:
+                pairs.setdefault(a, Counter())[b] += 1
+    return {a: min(c, key=lambda b: (-c[b], b)) for a, c in pairs.items()}
+
+
+def build_target(out: Path, embed_std: float = 16.0, share: float = 0.98) -> Path:
     """The tiny INT4 Kimi-K2.5 target with its tokenizer at `out`; returns `out`.
 
-    Its embedding is drawn at std 16 (|e| ~ 128, against layer outputs of a few units: every layer reads its input
-    through an RMS norm, so the residual stream stays near the current token's embedding) and its lm_head is a copy
-    of the embedding, so the target's next token is mostly its current one: a function of its features that a draft
-    learns from a few hundred trained positions, which the learning check (trained replay tau above untrained)
-    needs. Every layer still computes (MLA, routed INT4 experts): the features differ layer by layer."""
+    Its next token after x is s(x): the token that most often follows x in the stand-in's scripted answers
+    (`successors` of `answers(SCRIPT)`), x itself for a token the script never continues. Built so: lm_head row y
+    is 16 c_y, c [V, H] standard normal, and the embedding of x is 16 (0.98 c_{s(x)} + 0.2 r_x), r standard
+    normal (|e| ~ 128, against layer outputs of a few units: every layer reads its input through an RMS norm, so
+    the final state stays near the current token's embedding, whose largest product with a row is s(x)'s). So, as
+    a real target's, its teacher agrees with the scripted data the draft trains on wherever the script's bigram
+    is the commonest, its features carry its prediction, and its greedy answers are chains of the script's
+    commonest bigrams, tokens the draft trained on: what the learning check (trained replay tau above untrained)
+    needs (measured: its greedy answers run 'Thinking about request 1 word 1 word ...'). (A lm_head row summing the
+    embeddings of every token with that successor drowns in their noise at hidden size 64; a copying target, the
+    lm_head the embedding, answers `<think>` repeated, a transition the scripted data holds once a sample, and its
+    teacher never agrees with that data.) Every layer still computes (MLA, routed INT4 experts): the features
+    differ layer by layer. config.json names the published class (PUBLISHED_ARCHITECTURE)."""
     tok = tokenizer()
     eos, im_end = tok.convert_tokens_to_ids("[EOS]"), tok.convert_tokens_to_ids("<|im_end|>")
     build_int4("kimi_k25", out, layers=LAYERS, vocab_size=len(tok), max_position_embeddings=MAX_POSITIONS,
                eos_token_id=eos, bos_token_id=None)
     state = load_file(out / "model.safetensors")
+    V, H = state[EMBED].shape
     g = torch.Generator().manual_seed(1)
-    emb = (torch.randn(state[EMBED].shape, generator=g) * embed_std).to(torch.bfloat16)
-    state[EMBED], state[HEAD] = emb, emb.clone()
+    c, r = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)
+    s = torch.arange(V)
+    succ = successors(tok, answers(SCRIPT))
+    s[list(succ)] = torch.tensor(list(succ.values()))
+    state[EMBED] = (embed_std * (share * c[s] + (1 - share ** 2) ** 0.5 * r)).to(torch.bfloat16)
+    state[HEAD] = (embed_std * c).to(torch.bfloat16)
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     tok.save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, im_end]}))
+    config = json.loads((out / "config.json").read_text())
+    config["architectures"] = [PUBLISHED_ARCHITECTURE]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 

@@ -2,6 +2,11 @@
 read as shipped, with only the declared sizes and locations of tests/rehearsal_configs.py overridden, through the
 stages they name. This module: `check` and `plan` of the three configs (the team's config refused by check and
 planned to the team's own figures)."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from conftest import ROOT
@@ -58,7 +63,7 @@ def test_check_passes_the_two_run_configs_on_one_node_and_refuses_the_teams_nami
     assert facts["token_budget"]["room_for_the_prompt"] == 0
 
 
-def test_plan_reproduces_the_teams_figures_from_their_rates_and_their_mean_sample_length(capsys):
+def test_plan_reproduces_the_teams_figures_from_their_rates_and_their_mean_sample_length():
     """The team's config with its own rates (profile reference_kimi_k25) on one node of 8 GPUs:
     - generation 94,248 regenerated samples (99,000 less the 4,752 kept Kimi trajectories) x 2,000 tokens at
       2,300 tok/s = 22.8 h (the team: 200M tokens, ~24 h);
@@ -91,7 +96,42 @@ def test_plan_reproduces_the_teams_figures_from_their_rates_and_their_mean_sampl
     for stage in ("generation", "features"):
         assert _stage(q, stage)["hours"] == _stage(p, stage)["hours"]
     assert _stage(q, "train")["hours"] == pytest.approx(_stage(p, "train")["hours"] * 1604 / 2000)
-    plan_main([str(config_path("kimi_k25_team_10k_to_100k")), "--profile", "reference_kimi_k25", "--gpus", "8"])
+
+
+def _plan_cli(*args: str) -> str:
+    """What `python -m eagle3_core.plan` (README's command line) prints, run as a user runs it."""
+    done = subprocess.run([sys.executable, "-m", "eagle3_core.plan", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def _with_format(out: str, fmt: str) -> str:
+    """The plan table `out` prints for features.format `fmt` (the config's own format first, then the others)."""
+    head = f"features {fmt}: "
+    start = out.index(head)
+    return out[start:out.index("| total |", start)]
+
+
+def test_plan_on_the_command_line_prints_the_teams_hours_and_their_9_1_tb_at_their_mean_length(tmp_path, capsys):
+    """The team's config planned by plan's command line (one node of 8 GPUs, the team's profile, 11 TB free):
+    22.77 h of generation, 18.58 h of extraction, 11.36 TB of bf16 features at their 2,000 tokens a sample (which
+    do not fit 11 TB); and, run as a user runs it (`python -m eagle3_core.plan`), with the profile's
+    tokens_per_sample at 1,604, the mean length their ~92 MB a sample implies (the reconciliation above), 9.11 TB:
+    the team's 9.1 TB, the hours of generation and extraction unchanged."""
+    team = str(config_path("kimi_k25_team_10k_to_100k"))
+    args = [team, "--profile", "reference_kimi_k25", "--gpus", "8", "--disk", "11TB"]
+    assert plan_main(args) == 0
     out = capsys.readouterr().out
     assert "99000 samples (94248 regenerated), 2000 tokens and 2000 answer tokens per sample" in out
     assert "| generation | 22.77 |" in out and "| features | 18.58 |" in out
+    assert "| features | 18.58 | 148.6 | 11.36 TB |" in _with_format(out, "bf16")
+    assert "| bf16 | 11.36 TB | no |" in out
+    rates = json.loads(RATES.read_text())
+    rates["profiles"]["reference_kimi_k25"]["rates"]["tokens_per_sample"]["value"] = 1604
+    (tmp_path / "rates.json").write_text(json.dumps(rates))
+    at_mean = _plan_cli(*args, "--rates", str(tmp_path / "rates.json"))
+    assert "99000 samples (94248 regenerated), 1604 tokens and 2000 answer tokens per sample" in at_mean
+    bf16 = _with_format(at_mean, "bf16")
+    assert "| features | 18.58 | 148.6 | 9.11 TB |" in bf16 and "| generation | 22.77 |" in bf16
+    assert "| bf16 | 9.11 TB | yes |" in at_mean

@@ -22,12 +22,26 @@ class ModelRunnerOutput:
 
 def _model_class(architecture: str):
     from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+    from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
     from sglang.srt.models.llama import LlamaForCausalLM
     classes = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
-               "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM, "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
+               "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM, "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+               "KimiK25ForConditionalGeneration": KimiK25ForConditionalGeneration}
     if architecture not in classes:
         raise ValueError(f"the SGLang stand-in runs {sorted(classes)}, not {architecture}")
     return classes[architecture]
+
+
+def _checkpoint_names(weights):
+    """transformers' names of a vision-language wrapper's text weights (`model.language_model.X`, `lm_head.weight`)
+    as its checkpoint names them (`language_model.model.X`, `language_model.lm_head.weight`), what upstream's
+    load_weights reads; its vision weights as they are."""
+    for name, w in weights:
+        if name.startswith("model.language_model."):
+            name = "language_model.model." + name[len("model.language_model."):]
+        elif name == "lm_head.weight":
+            name = "language_model.lm_head.weight"
+        yield name, w
 
 
 class ModelRunner:
@@ -51,12 +65,15 @@ class ModelRunner:
     def load_model(self):
         # upstream reads the safetensors through its own loader; the stand-in has transformers read them (and fuse
         # per-expert weights into its MoE layout) and hands the tensors to the model's load_weights as upstream does
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
         hf = self.model_config.hf_config
         dtype = hf.dtype if self.server_args.dtype == "auto" else getattr(torch, self.server_args.dtype)
         self.model = _model_class(hf.architectures[0])(hf).to(dtype)
-        loaded = AutoModelForCausalLM.from_pretrained(self.model_config.model_path, dtype=dtype)
-        self.model.load_weights(loaded.state_dict().items())
+        wrapped = getattr(hf, "text_config", None) is not None           # a vision-language wrapper (Kimi-K2.5)
+        auto = AutoModelForImageTextToText if wrapped else AutoModelForCausalLM
+        loaded = auto.from_pretrained(self.model_config.model_path, dtype=dtype)
+        self.model.load_weights(_checkpoint_names(loaded.state_dict().items()) if wrapped
+                                else loaded.state_dict().items())
         self.model.to(self.device).eval()
 
     def alloc_memory_pool(self, memory_pool_config=None):
