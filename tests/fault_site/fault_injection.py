@@ -55,6 +55,21 @@ def install() -> None:
             return _fn(cfg, shard, *args, **kwargs)
 
         setattr(module, name, failing)
+        _patch_row(module, stage, fn, failing)
+
+
+def _patch_row(module, stage: str, fn, failing) -> None:
+    """The stage's row (`module.ROW`, eagle3_core.pipeline.stage) holds the shard function it was built with, and
+    the shard task calls it there: give the row the wrapper too (in the table as well, if it is filled already)."""
+    from dataclasses import replace
+
+    from eagle3_core.pipeline import stage as stage_table
+    row = getattr(module, "ROW", None)
+    if row is None or row.shards is None or row.shards.run is not fn:
+        return
+    module.ROW = replace(row, shards=replace(row.shards, run=failing))
+    if stage in stage_table.STAGES:
+        stage_table.register(module.ROW)
 
 
 def pythonpath_with_injector() -> str:
