@@ -257,11 +257,25 @@ class _loaded_machine:
 
 
 def _log_lines(run_ids: list[str], like: str | None = None) -> list[dict]:
-    """Log entries (REST API), oldest first, of the flow runs `run_ids` and their task runs, containing `like`."""
-    flt = {"logs": {"flow_run_id": {"any_": run_ids}}}
-    r = httpx.post(f"{UI}/api/logs/filter", json={**flt, "sort": "TIMESTAMP_ASC", "limit": 200}, timeout=30)
-    r.raise_for_status()
-    return [e for e in r.json() if like is None or like in e["message"]]
+    """Log entries (REST API), oldest first, of the flow runs `run_ids` and their task runs, containing `like`: every
+    page of them (the API answers at most 200 a call; a run's log passes that, and a cancel's line comes last)."""
+    flt, entries = {"logs": {"flow_run_id": {"any_": run_ids}}}, []
+    while True:
+        r = httpx.post(f"{UI}/api/logs/filter", json={**flt, "sort": "TIMESTAMP_ASC", "limit": 200,
+                                                      "offset": len(entries)}, timeout=30)
+        r.raise_for_status()
+        entries += r.json()
+        if len(r.json()) < 200:
+            return [e for e in entries if like is None or like in e["message"]]
+
+
+def _wait_log_line(run_id: str, like: str, timeout_s: float = 30) -> list[dict]:
+    """`_log_lines` of one run once `like` is there: a flow process sends its log in batches every few seconds
+    (Prefect's APILogWorker), so a line logged in a hook as the run ends reaches the API after its state."""
+    deadline = time.monotonic() + timeout_s
+    while not (said := _log_lines([run_id], like=like)) and time.monotonic() < deadline:
+        time.sleep(1)
+    return said
 
 
 def _subflows(parent: str) -> list[dict]:
@@ -293,7 +307,7 @@ def _killed_server_run(page, run_dir: Path) -> None:
     run = _wait_run(run)
     assert run["state"]["type"] == "FAILED", run["state"]
     assert "killed by signal 9" in run["state"]["message"]                      # Prefect's state message: the text
-    said = _log_lines([run["id"]], like="killed by signal 9")
+    said = _wait_log_line(run["id"], "killed by signal 9")
     assert len(said) == 1 and "Fix the cause" in said[0]["message"], said
     page.goto(f"{UI}/runs/flow-run/{run['id']}", wait_until="networkidle")
     cause = page.get_by_text(re.compile("killed by signal 9")).first
@@ -323,7 +337,7 @@ def _cancelled_generation(page, run_dir: Path) -> None:
     ended = {s["name"]: s["state"]["type"] for s in subs}
     assert ended.get("debug_tiny-generation") == "CANCELLED", ended
     assert all(v in ("COMPLETED", "CANCELLED") for v in ended.values()), ended
-    assert _log_lines([run["id"]], like="cancelled: "), "the cancelled run's log does not say so"
+    assert _wait_log_line(run["id"], "cancelled: "), "the cancelled run's log does not say so"
     page.goto(f"{UI}/runs/flow-run/{run['id']}", wait_until="networkidle")
     page.get_by_text("cancelled: ").first.wait_for()
     page.screenshot(path=SHOTS / "8-cancelled-run.png", full_page=True)
