@@ -11,7 +11,7 @@ context, a target too large for a stage that loads it whole in this process (fea
 features backend and size whose bytes per GPU (target/memory.py: the checkpoint's bytes as stored, its
 quantization_config read, and transformers' own plans on a meta-device model) do not fit one GPU, or that split
 attention heads or routed experts unevenly, expert parallelism on a target without experts, a server kind that
-cannot serve the target (serving.launcher.server_problems), a train.init_from that is missing or does not fit
+cannot serve the target (generation.servers.server_problems), a train.init_from that is missing or does not fit
 (training.warm_start.init_from_check), less free disk on run_dir's file system than the features stage writes
 (disk_check; in check_or_raise and the CLI), a token budget prompt-mode rows cannot fit (generation.max_new_tokens
 against features.max_length, the regenerating server's context against both: data.budget.budget_problems),
@@ -117,7 +117,7 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     (init_from_check). Facts are JSON-able; problems are (field, message) pairs, empty when the run fits."""
     from eagle3_core.evaluation.preflight import check_draft
     from eagle3_core.pipeline.features_stage import mixed_backend_problems
-    from eagle3_core.serving.launcher import server_problems
+    from eagle3_core.generation.servers import server_problems
     from eagle3_core.target.loading import load_target_config
     from eagle3_core.target.memory import backend_facts, gpu_memory
     tcfg = target_config if target_config is not None else load_target_config(cfg.target)

@@ -16,7 +16,6 @@ from prefect import task
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.pipeline import report
-from eagle3_core.pipeline.generation_stage import run_generation_shard
 from eagle3_core.pipeline.stage import Stage
 from eagle3_core.pipeline.table import STAGES
 from tasks.artifacts import RequestProgress, progress_callback
@@ -102,11 +101,11 @@ def finish_task(row: Stage):
 # generation.request_timeout_s and generation.max_retries instead
 @shard_task(STAGES["generation"])
 def generation_shard_task(config: PipelineConfig, shard: int, urls: list[str] | None = None) -> dict:
-    """Regenerate one shard of train prompts on the servers at `urls` (run_generation_shard); a progress artifact
-    `generation-shard-<k>-progress-<run>` moves every generation.progress_interval_s."""
+    """Regenerate one shard of train prompts on the servers at `urls` (the generation row's Shards.run); a progress
+    artifact `generation-shard-<k>-progress-<run>` moves every generation.progress_interval_s."""
     with run_log() as log:
         progress = RequestProgress(config.run_dir, f"generation-shard-{shard}")
-        return run_generation_shard(config, shard, log=log.info, urls=urls, on_progress=progress.update)
+        return STAGES["generation"].shards.run(config, shard, log=log.info, urls=urls, on_progress=progress.update)
 
 
 finish_generation_task = finish_task(STAGES["generation"])

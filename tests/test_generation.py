@@ -2,6 +2,7 @@
 GSM8K prompts: the token-id path, faults (server SIGKILLed and restarted, a fault-injecting proxy, the client
 SIGKILLed and rerun), the shard contract and the quality gate. Answers are 8 tokens long to keep this fast."""
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from eagle3_core.generation.quality import QualityGateError, is_degenerate
 from eagle3_core.generation.turns import split_final_answer
 from eagle3_core.pipeline.generation_stage import (
     finish_generation,
+    generation_plan,
     generation_shard_done,
     generation_shards,
     run_generation,
@@ -218,7 +220,7 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
     import psutil
     from prefect import flow
 
-    import tasks.stage_tasks
+    from eagle3_core.pipeline.table import STAGES
     from eagle3_core.serving import launcher
     from eagle3_core.serving.launcher import ServerExited
     from flows.stage_flows import generation_flow
@@ -229,13 +231,15 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
                               probe_interval_s=0.5)
     assert cfg.server.down_timeout_s == 1800.0
     out = cfg.run_dir / "generations"
-    gate, real = threading.Event(), tasks.stage_tasks.run_generation_shard
+    gate, row = threading.Event(), STAGES["generation"]
+    real = row.shards.run
 
     def gated(config, shard, *args, **kwargs):
         if shard != 0:
             assert gate.wait(600), "the gate never opened"
         return real(config, shard, *args, **kwargs)
-    monkeypatch.setattr(tasks.stage_tasks, "run_generation_shard", gated)
+    monkeypatch.setitem(STAGES, "generation", dataclasses.replace(row, shards=dataclasses.replace(row.shards,
+                                                                                                  run=gated)))
 
     @flow(name="generation-parent")
     def parent() -> dict:
@@ -258,7 +262,7 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
     finally:
         gate.set()
         worker.join(600)
-    monkeypatch.setattr(tasks.stage_tasks, "run_generation_shard", real)
+    monkeypatch.setitem(STAGES, "generation", row)
     failed_after = time.monotonic() - killed_at
     state = result["state"]
     assert state.is_failed() and failed_after < 120, (state, failed_after)
@@ -530,3 +534,75 @@ def test_vllm_completions_request_and_response_fields():
     old = {**answer, "choices": [{**answer["choices"][0], "token_ids": None}]}
     with pytest.raises(RequestRejected, match=r"h:8000/v1/completions.*'vllm' API"):
         parse_response("vllm", old, "http://h:8000")
+
+
+def test_a_lower_num_train_inside_the_first_shard_sends_nothing_and_loses_no_answer(server, tmp_path):
+    """10 GSM8K prompts answered in shards of 4 (4 + 4 + 2) by llama-server. A night asking for 3 ends inside
+    shard 0: it is rewritten for its first 3 rows from its own answers (no request sent) and a copy of it kept in
+    generations/held/, saying so; asking for 10 again plans shards (0, 3), (3, 7), (7, 10) and answers all of them
+    from the shards' and the held files (no request sent), each prompt's answer the one generated first."""
+    from recording_proxy import RecordingProxy
+    with RecordingProxy(server) as proxy:
+        cfg = make_run(tmp_path / "run", 10, [proxy.url])
+        for k in generation_shards(cfg, log=lambda *_: None):
+            run_generation_shard(cfg, k, log=lambda *_: None, urls=[proxy.url])
+        first = {r["id"]: r["response"] for r in all_rows(cfg)}
+        sent = len(proxy.posts)
+        assert len(first) == 10 and sent >= 10
+        cfg.prompts.num_train, lines = 3, []
+        run_prompts(cfg, log=lambda *_: None)
+        assert generation_shards(cfg, log=lines.append) == [0]
+        assert any("ends inside shard 0" in line and "generations/held/" in line for line in lines), lines
+        run_generation_shard(cfg, 0, log=lambda *_: None, urls=[proxy.url])
+        out = cfg.run_dir / "generations"
+        assert pq.read_table(out / "shard_00000.parquet")["id"].to_pylist() == train_ids(cfg)
+        (held,) = (out / "held").glob("*.parquet")
+        assert pq.read_table(held)["id"].to_pylist() == list(first)[:4]
+        cfg.prompts.num_train = 10
+        run_prompts(cfg, log=lambda *_: None)
+        assert [p[:2] for p in generation_plan(cfg)] == [(0, 3), (3, 7), (7, 10)]
+        for k in generation_shards(cfg, log=lambda *_: None):
+            assert run_generation_shard(cfg, k, log=lambda *_: None, urls=[proxy.url])["complete"]
+        assert len(proxy.posts) == sent                                      # nothing sent again
+    rows = assert_each_prompt_answered_once(cfg)
+    assert {r["id"]: r["response"] for r in rows} == first
+
+
+def test_a_server_whose_port_another_process_took_starts_on_another_port(tmp_path, monkeypatch):
+    """free_port hands out a port that another process binds before llama-server does (two runs starting servers
+    at once): llama-server fails to bind and exits while the other process answers /health. The launcher sees
+    that the listener is not in the server's process group and starts it again on another port; a port the user
+    gave is refused with PortTaken naming the log instead."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from eagle3_core.serving import launcher
+    from eagle3_core.serving.launcher import PortTaken, llama_server
+
+    class Healthy(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args):
+            pass
+
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    taken = other.server_address[1]
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    ports, real = [], launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda host="127.0.0.1": ports.append(
+        taken if not ports else real(host)) or ports[-1])
+    try:
+        with llama_server(embedded_gguf_path(), tmp_path / "a.log", parallel=1, ctx_per_slot=256,
+                          extra_args=["-t", "1"]) as url:
+            assert ports[0] == taken and url == f"http://127.0.0.1:{ports[1]}" and len(ports) == 2
+            assert httpx.get(f"{url}/props", timeout=10).status_code == 200         # llama-server itself
+        with pytest.raises(PortTaken, match=rf"127\.0\.0\.1:{taken}: another process listens on the port, not the "
+                                            rf"server started for it"):
+            with llama_server(embedded_gguf_path(), tmp_path / "b.log", port=taken, parallel=1, ctx_per_slot=256,
+                              extra_args=["-t", "1"]):
+                pass
+    finally:
+        other.shutdown()
+        other.server_close()

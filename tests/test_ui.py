@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # not Prefect's default 4200: the UI must find its API through PREFECT_UI_API_URL, which the Makefile sets from it
 PORT = int(os.environ.get("EAGLE3_UI_TEST_PORT", "4217"))
 UI = f"http://127.0.0.1:{PORT}"
+FAILED_REQUESTS: list[str] = []       # the browser's requests answered 400 or more (the UI says 'Something went wrong')
 SHOTS = Path(os.environ.get("EAGLE3_TEST_ARTIFACTS", ROOT / "test-artifacts")) / "ui"
 CHROMIUM = os.environ.get("EAGLE3_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 # the whole debug_tiny pipeline runs behind the UI: ~4 min on an idle 2-core machine, far longer on a busy one
@@ -105,6 +106,8 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.set_default_timeout(60_000)
+        page.on("response", lambda r: r.status >= 400 and FAILED_REQUESTS.append(f"{r.status} {r.request.method} "
+                                                                                  f"{r.url}"))
         try:
             page.goto(f"{UI}/deployments", wait_until="networkidle")
             page.get_by_role("link", name="debug-tiny").first.click()         # eagle3-pipeline/debug-tiny
@@ -120,7 +123,7 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
             page.get_by_role("button", name="Submit").click()
             # the run the form created, found by its name through the API: the deployment page's list of runs
             # refreshes on a timer, which on a loaded machine missed a 60 s wait (CI, 2026-12-04)
-            run_url = f"{UI}/runs/flow-run/{_flow_run_id(run_name)}"
+            run_url = f"{UI}/runs/flow-run/{_flow_run_id(run_name, served / 'server.log')}"
             page.goto(run_url, wait_until="networkidle")
             state = page.locator(".state-badge").first
             deadline, last_reload, eval_progress = time.monotonic() + RUN_TIMEOUT_S, time.monotonic(), None
@@ -230,8 +233,9 @@ def _artifacts(key_part: str) -> list[dict]:
     return r.json()
 
 
-def _flow_run_id(name: str, timeout_s: float = 120) -> str:
-    """The id of the flow run named `name` (Prefect's REST API), waited for until the server has it."""
+def _flow_run_id(name: str, server_log: Path, timeout_s: float = 120) -> str:
+    """The id of the flow run named `name` (Prefect's REST API), waited for until the server has it; else an
+    AssertionError with the server log's errors (the UI shows only 'Something went wrong' when its request fails)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         r = httpx.post(f"{UI}/api/flow_runs/filter", json={"flow_runs": {"name": {"any_": [name]}}}, timeout=30)
@@ -239,7 +243,11 @@ def _flow_run_id(name: str, timeout_s: float = 120) -> str:
         if r.json():
             return r.json()[0]["id"]
         time.sleep(1)
-    raise AssertionError(f"no flow run named {name!r} {timeout_s} s after the form was submitted")
+    errors = [line for line in server_log.read_text().splitlines() if re.search(r"error|exception| [45]\d\d ", line,
+                                                                                  re.I)]
+    raise AssertionError(f"no flow run named {name!r} {timeout_s} s after the form was submitted; the browser's "
+                         f"failed requests: {FAILED_REQUESTS[-10:]}; server log {server_log}, its error lines: "
+                         f"{errors[-30:]}")
 
 
 class _loaded_machine:

@@ -72,21 +72,54 @@ def holds_more_rows(out: Path, k: int, ids: list[str], keys: tuple[str, ...]) ->
     return set(ids) <= set(pq.read_table(path, columns=["id"])["id"].to_pylist())
 
 
+def held_files(out: Path, key: str) -> list[Path]:
+    """The held answer files of the generation stage at `out` written for inputs `key` (AnswerShardWriter)."""
+    return [f for f in sorted((out / "held").glob("*.parquet")) if _file_key(f) == key]
+
+
+def hold_other_rows(path: Path, key: str, rows: dict[str, tuple[int, str]]) -> Path | None:
+    """Copy shard file `path` to `held/` (named by its content's digest) if it was written for inputs `key` and
+    holds answers to rows other than `rows` (id -> (index, prompt digest)): rewriting it for `rows` would drop
+    them. Returns the copy (None: nothing to hold)."""
+    if not path.exists() or _file_key(path) != key or "prompt_sha256" not in pq.read_schema(path).names:
+        return None
+    t = pq.read_table(path, columns=["id", "prompt_sha256"])
+    if all(i in rows and rows[i][1] == d for i, d in zip(t["id"].to_pylist(), t["prompt_sha256"].to_pylist())):
+        return None
+    copy = path.parent / "held" / f"{path.stem}.{sha256_file(path)[:16]}.parquet"
+    if not copy.exists():
+        copy.parent.mkdir(exist_ok=True)
+        shutil.copyfile(path, copy.with_suffix(".tmp"))
+        copy.with_suffix(".tmp").replace(copy)
+    return copy
+
+
+def release_held(out: Path, key: str, answered: set[str]) -> None:
+    """Delete the held answer files whose every row is among `answered` (a finished shard's ids): their answers
+    live in that shard now."""
+    for f in held_files(out, key):
+        if set(pq.read_table(f, columns=["id"])["id"].to_pylist()) <= answered:
+            f.unlink()
+
+
 class AnswerShardWriter:
     """Answers of one shard: buffered, flushed to part files, merged into the shard file by `finalize`."""
 
     def __init__(self, out: Path, k: int, key: str, schema: pa.Schema, rows: dict[str, tuple[int, str]],
                  gen: GenerationConfig, rows_sha256: str | None = None):
         """rows: the shard's prompt rows, id -> (row index in the prompt file, prompts.prompt_digest): answers in
-        the shard's files for other rows, or for an id whose prompt changed, are never counted or kept.
+        the shard's files for other rows, or for an id whose prompt changed, are never counted or kept in it; a
+        shard file for the same inputs holding answers to other rows (a lower prompts.num_train ending inside it)
+        is copied to `held/` first, and every shard reads the held answers to its rows (nothing paid for is lost).
         rows_sha256: the rows' digest, written into the record (shard_plan.rows_digest)."""
         self.out, self.k, self.key, self.schema, self.gen = out, k, key, schema, gen
         self.rows, self.prompts, self.rows_sha256 = rows, len(rows), rows_sha256
         self.path, self.record_path = out / shard_name(k), out / f"shard_{k:05d}.json"
         self.partial = out / "partial" / f"shard_{k:05d}"
         self.partial.mkdir(parents=True, exist_ok=True)
+        self.held_copy = hold_other_rows(self.path, key, rows)
         self.done_ids: set[str] = set()
-        for f in self._files():
+        for f in self._files() + held_files(out, key):
             if _file_key(f) != key or "prompt_sha256" not in pq.read_schema(f).names:
                 f.unlink()                                # written for other inputs: never mixed in
             else:
@@ -106,6 +139,10 @@ class AnswerShardWriter:
 
     def _files(self) -> list[Path]:
         return ([self.path] if self.path.exists() else []) + sorted(self.partial.glob("part_*.parquet"))
+
+    def _answer_files(self) -> list[Path]:
+        """The files `finalize` merges: the shard's own, then the held answers (only those to its rows count)."""
+        return self._files() + held_files(self.out, self.key)
 
     def add(self, row: dict) -> None:
         if not self.buffer:
@@ -134,7 +171,7 @@ class AnswerShardWriter:
         """Merge the shard file and parts (deduplicated by id, prompt order) into the shard file, write the record,
         delete the parts. Returns the record (small, JSON-able)."""
         self.flush()
-        files = self._files()
+        files = self._answer_files()
         changed = any(f != self.path for f in files) or not self.path.exists() or \
             pq.read_table(self.path, columns=["id"])["id"].to_pylist() != sorted(self.done_ids,
                                                                                  key=lambda i: self.rows[i][0])
@@ -171,5 +208,6 @@ class AnswerShardWriter:
             f"shard {self.k}: {record['answered']} answered + {record['failed']} failed != {self.prompts} prompts")
         write_manifest(self.record_path, record)
         shutil.rmtree(self.partial, ignore_errors=True)
+        release_held(self.out, self.key, set(table["id"].to_pylist()))
         self.finalized = True
         return record

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from eagle3_core.config import PipelineConfig
+from eagle3_core.config import EMBEDDED, PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 
 
@@ -38,3 +38,26 @@ def generation_servers(cfg: PipelineConfig):
         if not s.base_urls():
             raise ValueError("server.kind 'external' needs server.url or server.urls (e.g. http://127.0.0.1:30000)")
         yield s.base_urls()
+
+
+def server_problems(cfg: PipelineConfig) -> list[tuple[str, str]]:
+    """The generation server against the target, where the prompts need one (rows in mode 'keep' send no
+    request): server.kind 'llama.cpp' (the default) serves GGUF targets only, 'sglang'
+    Hugging Face checkpoints; 'external' needs server.url or server.urls."""
+    mix = cfg.prompts.mix
+    if mix is not None and all(src.mode == "keep" for src in mix.sources):
+        return []
+    s, gguf = cfg.server, cfg.target.model == EMBEDDED or cfg.target.gguf_file is not None
+    if s.kind == "llama.cpp" and not gguf:
+        return [("server.kind", f"'llama.cpp' (the default) serves a GGUF target, and target.model "
+                 f"{cfg.target.model!r} is a Hugging Face checkpoint: set server.kind to 'sglang' (the stage starts "
+                 f"SGLang on it), 'transformers' (the target in this process; small targets) or 'external' with "
+                 f"server.url (a server you run)")]
+    if s.kind == "sglang" and gguf:
+        return [("server.kind", f"'sglang' starts SGLang on a Hugging Face checkpoint, and the target is a GGUF "
+                 f"file ({cfg.target.model}{'/' + cfg.target.gguf_file if cfg.target.gguf_file else ''}): set "
+                 f"server.kind to 'llama.cpp'")]
+    if s.kind == "external" and not s.base_urls():
+        return [("server.url", "server.kind 'external' needs server.url or server.urls (the base URL of a running "
+                 "server, e.g. http://127.0.0.1:30000)")]
+    return []

@@ -185,11 +185,17 @@ def generation_shards(cfg: PipelineConfig, log=print) -> list[int]:
     finished shard's record at once. Shards on disk past the last one (left by a larger prompt set: a night with a
     lower prompts.num_train) are kept, never deleted, and used again when the set grows back; `log` says how many.
     Raises FileNotFoundError if the prompts stage has not run."""
-    n, out = len(generation_plan(cfg)), RunLayout(cfg.run_dir).generations
+    plan, out = generation_plan(cfg), RunLayout(cfg.run_dir).generations
+    n = len(plan)
     out.mkdir(parents=True, exist_ok=True)
     if past := sorted(k for f in out.glob("shard_*.parquet") if (k := int(f.stem.split("_")[1])) >= n):
         log(f"generation: this run has {n} shard(s); {len(past)} more on disk (shards {past[0]}..{past[-1]}, of a "
             f"larger prompt set) kept unused, not deleted: they count again when prompts.num_train grows back")
+    ids, keys = prompt_rows(cfg)[0], (generation_shard_key(cfg), generation_key(cfg))
+    if n == 1 and holds_more_rows(out, 0, ids[plan[0][0]:plan[0][1]], keys):
+        log(f"generation: prompts.num_train ends inside shard 0, which holds more answers: it is rewritten for its "
+            f"first {plan[0][1]} rows from its own answers (none sent again) and a copy of it kept in "
+            f"generations/held/, whose answers count again when prompts.num_train grows back")
     return list(range(n))
 
 

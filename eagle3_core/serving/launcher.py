@@ -16,10 +16,12 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
+
+from eagle3_core.serving.port_owner import held_by_group
 
 LLAMA_CPP_VERSION = "0.3.36"
 LLAMA_CPP_BUILD = f"llama.cpp-{LLAMA_CPP_VERSION}-noamx"   # the cache folder scripts/build_llama_server.sh writes
@@ -32,6 +34,11 @@ class ServerError(RuntimeError):
 class ServerStopped(ServerError):
     """The server was stopped on purpose by this process (its stage ended, failed or was cancelled) while a request
     still wanted it: the request gives up at once instead of retrying against a server that will not return."""
+
+
+class PortTaken(ServerError):
+    """The port given to a server started here is held by another process (its health answer is not the server's):
+    raised by wait_healthy; llama_server and sglang_server start again on another port when they chose it."""
 
 
 class ServerExited(ServerError):
@@ -105,17 +112,24 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, log_path: Path | None = None) -> None:
-    """Poll `url`/health until it answers 200. Raises ServerError if the process exits or the time runs out."""
-    deadline = time.monotonic() + timeout_s
+    """Poll `url`/health until it answers 200 from `proc`'s process group (port_owner.held_by_group: not another
+    process that took the port). Raises PortTaken if another process listens on the port, ServerExited if the
+    process exits, ServerError if the time runs out."""
+    deadline, port = time.monotonic() + timeout_s, httpx.URL(url).port
     while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
+        exited = proc is not None and proc.poll() is not None
+        try:
+            healthy = not exited and httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        if (healthy or exited) and proc is not None and held_by_group(port, proc.pid) is False:
+            raise PortTaken(f"{url}: another process listens on the port, not the server started for it (pid "
+                            f"{proc.pid}); its log {log_path}, last lines:\n{log_tail(log_path)}")
+        if exited:
             raise ServerExited(f"server for {url} {describe_exit(proc.returncode)} while starting; log {log_path}, "
                                f"last lines:\n{log_tail(log_path)}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if healthy:
+            return
         time.sleep(0.25)
     raise ServerError(f"server at {url} not healthy after {timeout_s:.0f} s (log: {log_path}); raise "
                       f"server.startup_timeout_s or check the log")
@@ -290,9 +304,24 @@ def llama_server(model: Path, log_path: Path, host: str = "127.0.0.1", port: int
                  ctx_per_slot: int = 2048, startup_timeout_s: float = 120.0, extra_args: list[str] | None = None):
     """Run llama.cpp's llama-server on `model` (GGUF) for the duration of the block; yields its base URL.
     Raises ServerError naming the binary/URL on failure."""
-    port = port or free_port(host)
-    argv = llama_server_argv(model, host, port, parallel, ctx_per_slot, extra_args)
-    with launch(argv, f"http://{host}:{port}", log_path, startup_timeout_s) as url:
+    with _launch_on_a_port(lambda p: llama_server_argv(model, host, p, parallel, ctx_per_slot, extra_args), host,
+                           port, log_path, startup_timeout_s) as url:
+        yield url
+
+
+@contextmanager
+def _launch_on_a_port(argv_for, host: str, port: int, log_path: Path, startup_timeout_s: float, tries: int = 3):
+    """`launch(argv_for(port), ...)` on `port`, or, when `port` is 0, on a free port, chosen again (up to `tries`
+    times) when another process took it before the server bound it (PortTaken); yields the URL."""
+    with ExitStack() as stack:
+        for attempt in range(1 if port else tries):
+            p = port or free_port(host)
+            try:
+                url = stack.enter_context(launch(argv_for(p), f"http://{host}:{p}", log_path, startup_timeout_s))
+                break
+            except PortTaken:
+                if port or attempt == tries - 1:
+                    raise
         yield url
 
 
@@ -319,31 +348,6 @@ def sglang_server(model: str, log_path: Path, host: str = "127.0.0.1", port: int
     else this one); yields its base URL. SGLang's /health answers 503 until the model is loaded. Its scheduler and
     detokenizer processes die with it (SGLang sets their PDEATHSIG) and share its process group. Raises
     ServerError naming the URL and log on failure."""
-    port = port or free_port(host)
-    argv = sglang_server_argv(model, host, port, revision, trust_remote_code, extra_args, python)
-    with launch(argv, f"http://{host}:{port}", log_path, startup_timeout_s) as url:
+    with _launch_on_a_port(lambda p: sglang_server_argv(model, host, p, revision, trust_remote_code, extra_args,
+                                                         python), host, port, log_path, startup_timeout_s) as url:
         yield url
-
-
-def server_problems(cfg) -> list[tuple[str, str]]:
-    """The generation server against the target, where the prompts need one (rows in mode 'keep' send no
-    request; cfg: a PipelineConfig): server.kind 'llama.cpp' (the default) serves GGUF targets only, 'sglang'
-    Hugging Face checkpoints; 'external' needs server.url or server.urls."""
-    from eagle3_core.config import EMBEDDED
-    mix = cfg.prompts.mix
-    if mix is not None and all(src.mode == "keep" for src in mix.sources):
-        return []
-    s, gguf = cfg.server, cfg.target.model == EMBEDDED or cfg.target.gguf_file is not None
-    if s.kind == "llama.cpp" and not gguf:
-        return [("server.kind", f"'llama.cpp' (the default) serves a GGUF target, and target.model "
-                 f"{cfg.target.model!r} is a Hugging Face checkpoint: set server.kind to 'sglang' (the stage starts "
-                 f"SGLang on it), 'transformers' (the target in this process; small targets) or 'external' with "
-                 f"server.url (a server you run)")]
-    if s.kind == "sglang" and gguf:
-        return [("server.kind", f"'sglang' starts SGLang on a Hugging Face checkpoint, and the target is a GGUF "
-                 f"file ({cfg.target.model}{'/' + cfg.target.gguf_file if cfg.target.gguf_file else ''}): set "
-                 f"server.kind to 'llama.cpp'")]
-    if s.kind == "external" and not s.base_urls():
-        return [("server.url", "server.kind 'external' needs server.url or server.urls (the base URL of a running "
-                 "server, e.g. http://127.0.0.1:30000)")]
-    return []
