@@ -59,7 +59,7 @@ demo: setup
 	PREFECT_HOME=$(DEMO_PREFECT_HOME) $(PY) -m flows.pipeline --preset demo --run-dir runs/demo
 
 test: setup
-	$(PY) -m pytest -q -m "not ui" --durations=25 tests
+	$(PY) -m pytest -q -m "not ui" -rs --durations=25 tests
 
 # the inner loop: everything but the tests marked slow (servers, end-to-end runs) or ui
 test-fast: setup

@@ -106,7 +106,7 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
               memory: tuple[int, str] | None = None, gpus=DETECT, disk=None, chat_template=DETECT,
               sglang_env=DETECT) -> tuple[dict, list[tuple[str, str]]]:
     """(facts, problems) of a run. target_config: the target's transformers config (default: read with
-    target.load_target_config, no weights); memory: (bytes, description) for the in-process fit check (default:
+    target.loading.load_target_config, no weights); memory: (bytes, description) for the in-process fit check (default:
     machine_memory_bytes()); gpus: (count, bytes per GPU) for the features backend's per-GPU check
     (target.memory.backend_facts; default: this host's, None: no GPU); disk: None (not checked), DETECT (run_dir's
     file system) or (free bytes, description) for disk_check; chat_template: the target's chat template (text)

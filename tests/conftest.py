@@ -133,6 +133,25 @@ def pytest_runtest_makereport(item, call):
                            f"take (conftest.FAST_TEST_S, scaled by load): mark it @pytest.mark.slow or make it quicker")
 
 
+# the reference case's rehearsal (issue budget: 8 min on the CI machine's 2 cores): its tests' time, fixtures included
+# (a session fixture's build counts where it is first used), said just above pytest's last line
+REHEARSAL = "tests/test_reference_rehearsal"
+_rehearsal_s: list[float] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.nodeid.startswith(REHEARSAL):
+        _rehearsal_s.append(report.duration)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _rehearsal_s:
+        terminalreporter.write_line(f"reference rehearsal ({REHEARSAL}*.py): {sum(_rehearsal_s):.0f} s of setup, "
+                                    f"call and teardown on {os.cpu_count()} cores, load average "
+                                    f"{os.getloadavg()[0]:.1f} (budget: 480 s on 2 quiet cores)")
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Backstop, also after Ctrl-C: a server or worker a test started and did not stop (a bug in that test) is
     stopped here and named, so that no llama-server or torchrun outlives pytest. Session fixtures (the Prefect

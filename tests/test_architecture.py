@@ -239,3 +239,78 @@ def test_no_file_cites_what_a_clone_lacks():
              and not name.endswith((".png", ".gguf", ".safetensors", ".parquet"))
              for word in lacking if word in (ROOT / name).read_text(errors="ignore")]
     assert not found, found
+
+
+# dotted names in prose that are not ours: attributes of a transformers config object, a pattern of field names
+NOT_OURS = {"config.text_config": "transformers' PretrainedConfig attribute",
+            "config.to_dict": "transformers' PretrainedConfig method",
+            "generation.max_": "the pattern generation.max_*_frac in docs/guide.md"}
+DOTTED = re.compile(r"(?<![\w/.-])((?:[a-z_][a-z0-9_]*\.)+[A-Za-z_]\w*)")
+
+
+def _module_names() -> dict[str, set[str]]:
+    """{dotted module name under eagle3_core (without the prefix): its top-level names, class members as
+    'Class.member'}."""
+    out = {}
+    for path in _py_files("eagle3_core"):
+        parts = path.relative_to(ROOT / "eagle3_core").with_suffix("").parts
+        names = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+                names |= {f"{node.name}.{m.name}" for m in getattr(node, "body", [])
+                          if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                names |= {f"{node.name}.{m.target.id}" for m in getattr(node, "body", [])
+                          if isinstance(m, ast.AnnAssign) and isinstance(m.target, ast.Name)}
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                names |= {t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                          if isinstance(t, ast.Name)}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        out[".".join(p for p in parts if p != "__init__")] = names
+    return out
+
+
+def _config_field(ref: str) -> bool:
+    """Whether `ref` is a field path of PipelineConfig (generation.api, features.backend, ...)."""
+    import typing
+
+    from eagle3_core.config import PipelineConfig
+    model = PipelineConfig
+    for i, part in enumerate(ref.split(".")):
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return i > 0 and hasattr(model, part)                    # a property or method of a config section
+        model = next((a for a in (field.annotation, *typing.get_args(field.annotation))
+                      if hasattr(a, "model_fields")), None)
+        if model is None:
+            return i == len(ref.split(".")) - 1
+    return True
+
+
+def _resolves(ref: str, modules: dict[str, set[str]]) -> bool:
+    """Whether `ref` (eagle3_core.x.y.f, x.y.f or a suffix y.f of a module path, then names in it) names a module
+    of the package or a name in one, or a config field."""
+    parts = ref.removeprefix("eagle3_core.").split(".")
+    for i in range(len(parts), 0, -1):
+        head, rest = ".".join(parts[:i]), parts[i:]
+        for mod in (m for m in modules if m == head or m.endswith("." + head)):
+            if not rest or ".".join(rest[:2]) in modules[mod] or rest[0] in modules[mod]:
+                return True
+    return _config_field(ref)
+
+
+def test_every_dotted_name_in_docstrings_and_docs_exists():
+    """A docstring or a docs page naming a module, function or config field by a dotted name names one that
+    exists (a move leaves no dangling reference); names outside the package are listed in NOT_OURS."""
+    modules = _module_names()
+    firsts = {m.split(".")[0] for m in modules} | {"eagle3_core"}
+    texts = [(str(p.relative_to(ROOT)), ast.get_docstring(n, clean=False) or "") for p in _py_files("eagle3_core")
+             for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    texts += [(str(p.relative_to(ROOT)), p.read_text()) for p in sorted((ROOT / "docs").rglob("*.md"))]
+    missing = sorted({(where, ref) for where, text in texts for ref in DOTTED.findall(text)
+                      if ref.split(".")[0] in firsts and ref not in NOT_OURS
+                      and not re.search(r"\.(py|json|jsonl|md|safetensors|parquet|gguf|txt|png|toml)$", ref)
+                      and not _resolves(ref, modules)})
+    assert not missing, f"dotted names that name nothing (fix them to the module that holds it now): {missing}"

@@ -1,7 +1,7 @@
 """Token budgets, measured in the prompts stage before any request is sent.
 
 A train row's length is counted in tokens of the target's chat template, rendered as the generation stage will send
-it (the row's tools, `generation.chat_template_kwargs`, the generation prompt; `data.prompt_ids`). A prompt row is
+it (the row's tools, `generation.chat_template_kwargs`, the generation prompt; `data.chat.prompt_ids`). A prompt row is
 over the budget when prompt tokens + generation.max_new_tokens > features.max_length (the longest answer would not
 fit in a training sample); a row kept as it is (mode 'keep') when its whole conversation is longer than
 max_length. In turn-by-turn mode the data's earlier answers stand in for the target's, which may be longer: the

@@ -49,7 +49,7 @@ def convert_draft(draft_dir: Path, target_dir: Path, out_file: Path,
                   llama_cpp_layer_ids: list[int] | None = None) -> Path:
     """Convert an SGLang-format EAGLE-3 draft directory to a llama.cpp GGUF draft.
 
-    target_dir: the target's HF directory (config.json + tokenizer), e.g. `target.local_model_dir(...)`.
+    target_dir: the target's HF directory (config.json + tokenizer), e.g. `target.loading.local_model_dir(...)`.
     llama_cpp_layer_ids: None (the right thing) writes our aux ids (layer outputs) + 1, which llama.cpp reads as
     layer inputs (GGUF `eagle3.target_layers`); anything else is written as given, for convention experiments.
     Raises ServerError with the converter's output tail if it fails, or naming the capacity option llama.cpp does

@@ -1,5 +1,5 @@
 """PNG plots for the report (matplotlib, Agg backend: no display needed). Each function writes one file and
-returns its path. Inputs are the JSON structures of evaluate.measure and serving.sglang_bench.verdict."""
+returns its path. Inputs are the JSON structures of evaluate.measure and evaluation.sglang_bench.verdict."""
 from __future__ import annotations
 
 from pathlib import Path

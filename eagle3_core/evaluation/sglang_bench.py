@@ -8,7 +8,7 @@ a fixed `max_new_tokens`:
 `spec_verify_ct` is what SGLang's tokenizer manager reports per finished request when speculation ran
 (sglang 0.5.14 `srt/managers/tokenizer_manager.py::_calculate_spec_decoding_metrics`; its own `spec_accept_length`
 is the same ratio per request). /generate applies no chat template: prompts are sent as token ids rendered with the
-target's template (`data.prompt_ids`).
+target's template (`data.chat.prompt_ids`).
 A tau below 1.2 is reported as a probable misconfiguration (the reference case: `--speculative-algorithm EAGLE`
 instead of `EAGLE3` gave tau ~1.0 with no error), with the checks to make.
 """

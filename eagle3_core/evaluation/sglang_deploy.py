@@ -109,7 +109,8 @@ def run_benchmark(target: str, spec: SpecArgs, prompts: list[dict], levels: list
     checked against what was asked for); None starts that server here (`server_command` + `server_args`, both
     with the same --max-running-requests and --cuda-graph-max-bs), logged to out/<name>.log and stopped after.
     transport: an httpx transport for the running servers (tests answer through SGLang stand-ins with it).
-    sampling: a config.SamplingConfig every request samples at (sglang_bench.generate_body; None: greedy).
+    sampling: a config.sampling_config.SamplingConfig every request samples at (sglang_bench.generate_body; None:
+    greedy).
     Raises ServerError naming the server, ValueError for an EAGLE (not EAGLE3) spec or a missing draft."""
     from eagle3_core.serving.launcher import free_port, launch
     urls = urls or {}

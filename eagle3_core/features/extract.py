@@ -110,8 +110,9 @@ class HFExtractor:
 
     def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(input embedding [V, H_t], lm_head [V, H_t]) weights, detached, on the model's device, model dtype.
-        Whole even for a tensor-parallel target: a sharded weight (a DTensor, target.load_target with tp_size > 1)
-        is gathered with `full_tensor()`, a collective, so every rank must call this in the same order."""
+        Whole even for a tensor-parallel target: a sharded weight (a DTensor, target.loading.load_target with
+        tp_size > 1) is gathered with `full_tensor()`, a collective, so every rank must call this in the same
+        order."""
         def whole(w):
             w = w.detach()
             return w.full_tensor() if isinstance(w, DTensor) else w

@@ -4,7 +4,7 @@ eagle3_core.features.extract_workers --config run.json` (several hosts: the same
 (pipeline.features_stage.run_features with `workers`) and returns the features manifest.
 
 Legend: W workers (global ranks), S samples per shard.
-The shard plan is the one of features.extract_features (shard i = rows [i*S, (i+1)*S), the same content key), and
+The shard plan is the one of features.store.extract_features (shard i = rows [i*S, (i+1)*S), the same content key), and
 worker r owns shards r, r+W, r+2W, ... Inside a shard the batches are the same (batches_by_tokens over that
 shard's rows), so a store written by W workers has the same shard files, byte for byte on CPU, as one written
 by one process (tests/test_distributed_extract.py). Each worker writes its finished shards into its own part
@@ -99,7 +99,7 @@ def extract_owned(extractor, rows: list[dict], out_dir: Path, shard_samples: int
 
 def merge_parts(out_dir: Path, world: int) -> dict:
     """manifest.json (and head.json: store.write_record, the store's one writer) from the part manifests of ranks
-    0..world-1 (the layout of features.extract_features' manifest, with 'workers' and per-worker throughput
+    0..world-1 (the layout of features.store.extract_features' manifest, with 'workers' and per-worker throughput
     added); parts of ranks >= world (an earlier run on more workers) are deleted afterwards. Raises ValueError if
     parts disagree on the store's header or shards are missing (rerun the stage: it extracts only those)."""
     paths = [out_dir / PARTS / f"rank_{r:05d}.json" for r in range(world)]

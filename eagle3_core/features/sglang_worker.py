@@ -1,6 +1,6 @@
 """The `sglang` features backend's `load` (its row in features.backends): this torchrun rank's share of the
 target in SGLang's own ModelRunner, as an Extractor. The ranks are features.tp_extract's (one torchrun of
-features.tp_size ranks: rank 0 leads and writes the store through features.extract_features, the others follow
+features.tp_size ranks: rank 0 leads and writes the store through features.store.extract_features, the others follow
 its broadcasts), run by the python of the SGLang environment (the config's sglang_python;
 features.store_run.foreign_python puts this project first on its PYTHONPATH).
 

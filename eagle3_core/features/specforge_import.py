@@ -13,7 +13,7 @@ as SpecForge's `scripts/prepare_hidden_states.py` writes them (sgl-project/SpecF
 Every file is checked before anything is written: the fields and their shapes, the hidden size and aux width
 against the target, and its input_ids and loss_mask against our tokenization of the same conversation (the
 tokenize stage's sample with the same tokens). A file that fails is named with the field and what to do; nothing
-is written then. The shards are written by features.extract_features, so an imported store is the same kind of
+is written then. The shards are written by features.store.extract_features, so an imported store is the same kind of
 store as an extracted one (manifest, content keys, resumable per shard, `verify`).
 """
 from __future__ import annotations

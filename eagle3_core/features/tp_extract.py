@@ -12,7 +12,7 @@ sharded layers need each rank on the same batch. The residual stream is replicat
 every rank ends up holding the same aux [B, T, 3H_t] and final [B, T, H_t].
 
 Rank roles: shards are written once, by rank 0 (the leader), through the one-process code path itself: rank 0
-runs features.extract_features with a `Leader` extractor whose every forward first tells the other ranks
+runs features.store.extract_features with a `Leader` extractor whose every forward first tells the other ranks
 (followers) which sequences to run (a broadcast of the token ids), so the store's plan, content keys, checksums,
 resume, manifest and head.json are those of the `hf` backend, written by the store's one writer
 (store.write_record). A killed rank ends the run (torchrun stops the others); the shard writer's
@@ -99,7 +99,7 @@ def init_group() -> None:
 
 def run_worker(cfg: PipelineConfig, store_key: str | None = None, log=print) -> dict | None:
     """One rank of a torchrun backend's extraction (an initialised process group of features.tp_size ranks):
-    load the target's share (the backend's `load`), then lead (rank 0: features.extract_features, the store
+    load the target's share (the backend's `load`), then lead (rank 0: features.store.extract_features, the store
     written here, with `store_key` in its manifest and head.json) or follow. Returns the store manifest on rank 0,
     None elsewhere. Raises ValueError if the world size is not features.tp_size or the backend is not a torchrun
     one."""

@@ -1,7 +1,7 @@
 """Regeneration: answer prompt rows with the target on inference servers, into resumable Parquet shards.
 
 Shard k holds the prompts at rows [start_k, stop_k) of the prompt file: gen.shard_size rows each, except that a
-shard finished for exactly its rows keeps them when the prompt file grows (pipeline.generation.generation_plan,
+shard finished for exactly its rows keeps them when the prompt file grows (pipeline.generation_stage.generation_plan,
 shard_plan). In the output folder:
   shard_{k:05d}.parquet   the answered rows of shard k in prompt order (written atomically, once the shard is done)
   shard_{k:05d}.json      its record: inputs key (sampling, target), digest of its rows (ids and prompt digests),
@@ -131,14 +131,14 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int] | dict[int
     """Answer every prompt of `shards` on the servers `urls` with `gen.concurrency` requests in flight; returns
     the shards' records, in order.
 
-    shards: shard k -> its rows [start, stop) of the prompt file (pipeline.generation.generation_plan), or a list
+    shards: shard k -> its rows [start, stop) of the prompt file (pipeline.generation_stage.generation_plan), or a list
     of shard indices of gen.shard_size rows each. rows_sha256: shard k -> the digest of its rows, kept in its record.
 
     engine: an in-process generator instead of servers (`serving.hf_generate.BatchedGenerator`, server.kind
     'transformers'): prompts go to it as token ids (the tokenizer is then needed), `urls` is ignored.
 
     tokenizer: the target's (HF) tokenizer, needed for the token-id APIs ('sglang', 'llama.cpp'): prompts are
-    rendered with its chat template (`data.prompt_ids`). on_progress(snapshot: dict) is called every
+    rendered with its chat template (`data.chat.prompt_ids`). on_progress(snapshot: dict) is called every
     `gen.progress_interval_s` and at the end (e.g. to update a Prefect progress artifact), beside a log line.
     A prompt whose request exhausts its retries or is rejected (4xx) is recorded as failed with the reason.
     Raises ServerError when no server answers for `server.down_timeout_s`, launcher.ServerExited within a second

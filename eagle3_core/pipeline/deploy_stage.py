@@ -172,10 +172,9 @@ def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
     """Phase 6 on SGLang (deploy_sglang/): pre-flight of the exported draft against the target, then the same
     Spec-Bench and HumanEval prompts (deploy_sglang_prompts) through /generate on the baseline and the EAGLE3
     server at each concurrency: output tok/s, tau = sum(completion_tokens) / sum(spec_verify_ct), speed-up and
-    break-even tau per level (serving.sglang_deploy.run_benchmark). Skipped (no manifest, so a later run on a GPU host does the work) where
-    deploy_sglang_skip says why: a skip the config decides (GGUF target, 'off') writes a manifest saying so; one
-    this machine decides (no SGLang) writes none, so that a later run on a GPU host does the work, and returns
-    {'skipped': reason}."""
+    break-even tau per level (evaluation.sglang_deploy.run_benchmark). Skipped where deploy_sglang_skip says why:
+    a skip the config decides (GGUF target, 'off') writes a manifest saying so; one this machine decides (no
+    SGLang) writes none, so that a later run on a GPU host does the work, and returns {'skipped': reason}."""
     from eagle3_core.target.loading import gguf_path
     out = RunLayout(cfg.run_dir).deploy_sglang
     d = stage_run.decision(cfg, SGLANG_ROW)

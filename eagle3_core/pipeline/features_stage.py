@@ -77,7 +77,7 @@ def tokenized_rows(cfg: PipelineConfig) -> list[dict]:
 
 def feature_shards(cfg: PipelineConfig) -> list[int]:
     """Shard ids of the features stage: shard i holds the tokenized samples of shard_plan.plan_ranges (the plan of
-    features.extract_features: features.shard_samples each, a finished earlier shard keeping its own)."""
+    features.store.extract_features: features.shard_samples each, a finished earlier shard keeping its own)."""
     from eagle3_core.contract.shard_plan import plan_ranges
     upstream_manifest(cfg.run_dir, "tokenize")
     store = read_manifest(RunLayout(cfg.run_dir).manifest("features")) or {}
@@ -210,7 +210,7 @@ def run_features(cfg: PipelineConfig, log=print, workers: int | None = None, **r
 
 def run_features_shard(cfg: PipelineConfig, shard: int, log=print) -> dict:
     """Aux hidden states of one shard of tokenized samples (features/shard_{shard:05d}.safetensors, listed in
-    features/manifest.json with its sha256, content key and backend) via features.extract_features(only_shards=
+    features/manifest.json with its sha256, content key and backend) via features.store.extract_features(only_shards=
     {shard}), for a per-shard backend. Idempotent: a shard complete for the same inputs and samples is not
     recomputed, and the target is loaded (once per process: open_extractor) only when one is not. Shards must run
     one after another (each rewrites the store manifest). Returns the shard's manifest entry {shard, file, sha256,

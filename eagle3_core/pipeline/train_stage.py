@@ -18,7 +18,7 @@ from eagle3_core.training.startup import draft_shape, fresh_draft  # noqa: F401 
 
 def train_split(cfg: PipelineConfig, dp=None) -> tuple[list, list]:
     """(train, held-out) samples of cfg.run_dir/features: the first int(n * train.eval_frac) are held out. Every
-    shard is checked against its record first (features.bad_shards: size and mtime, sha256 where they differ), 1/W
+    shard is checked against its record first (features.store.bad_shards: size and mtime, sha256 where they differ), 1/W
     of them on each rank of `dp` (a DataParallel; default one process).
     Raises ValueError on every rank, naming the bad shards this rank found, if any rank found one."""
     from eagle3_core.distributed.data_parallel import DataParallel

@@ -63,7 +63,7 @@ def request_body(api: str, messages: list[dict] | None, prompt_ids: list[int] | 
 
     tools (OpenAI tool schemas) and template_kwargs (chat-template arguments, e.g. {'enable_thinking': False})
     go into an 'openai' body as `tools` / `chat_template_kwargs` (SGLang, vLLM and llama-server with --jinja read
-    both); the token-id APIs get a prompt already rendered with them (`data.prompt_ids`). top_p < 1 is sent to
+    both); the token-id APIs get a prompt already rendered with them (`data.chat.prompt_ids`). top_p < 1 is sent to
     every API (1.0 is each server's default, left out), top_k > 0 too; seed (sampled requests only) as `seed` to
     the OpenAI API, llama-server's /completion and vLLM, not to SGLang's /generate (no seed field checked there)."""
     greedy = temperature == 0.0

@@ -3,10 +3,10 @@ rope (the draft geometry each family gets is eagle3_core.training.draft_geometry
 
 Legend: L target decoder layers, H_t target hidden, V target vocab, N draft vocab, hd head dim.
 
-Every stage reads the target's config through `target.load_target_config` (trust_remote_code and revision passed)
-and then `text_config` here: a vision-language wrapper such as transformers' `Kimi_K25Config` keeps its DeepSeek-V3
-text model under `text_config`, and every number the draft needs (L, H_t, V, heads, rope, context) is the text
-model's. Families:
+Every stage reads the target's config through `target.loading.load_target_config` (trust_remote_code and revision
+passed) and then `text_config` here: a vision-language wrapper such as transformers' `Kimi_K25Config` keeps its
+DeepSeek-V3 text model under `text_config`, and every number the draft needs (L, H_t, V, heads, rope, context) is
+the text model's. Families:
 - 'llama': Llama, Qwen2/3, Qwen3-MoE, GPT-OSS, ... (grouped-query attention with a head_dim the draft can copy):
   the draft copies the target's attention geometry, MLP width, rope and context, as before.
 - 'mla': DeepSeek-V2/V3, Kimi-K2/K2.5 (multi-head latent attention). An MLA head has no single Llama head size:

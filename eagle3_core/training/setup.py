@@ -58,7 +58,7 @@ def resolved_batching(cfg: TrainConfig) -> str:
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
     """cfg.device as a torch.device: 'auto' is CUDA when available, else CPU; 'cuda' is the current CUDA device
-    (under torchrun cuda:LOCAL_RANK, set by distributed.train_ddp.init_distributed), so that one config, and one
+    (under torchrun cuda:LOCAL_RANK, set by pipeline.train_ddp.init_distributed), so that one config, and one
     train stage key, serves every rank."""
     name = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
