@@ -31,11 +31,11 @@ after at most gate_after + concurrency requests.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -43,18 +43,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3_core.config import GenerationConfig, ServerConfig
+from eagle3_core.data.markers import target_markers
+from eagle3_core.data.prompt_set import prompt_digest
+from eagle3_core.generation.answer_row import Regeneration, answer_row
 from eagle3_core.generation.answer_shard import KEY_META, AnswerShardWriter
 from eagle3_core.generation.progress import Progress
 from eagle3_core.generation.quality import EarlyGate, gate_limits
-from eagle3_core.generation.turns import later_user_turns, parsed_answer, regenerate_row, split_final_answer
-from eagle3_core.serving.client import (
-    TOKEN_ID_APIS,
-    RequestRejected,
-    RetryableError,
-    request_body,
-    request_with_retries,
-)
-from eagle3_core.serving.launcher import ServerError
+from eagle3_core.serving.client import TOKEN_ID_APIS
 from eagle3_core.serving.pool import ServerPool
 
 # columns the regeneration adds to each prompt row (`messages` becomes what was sent, as JSON text)
@@ -86,7 +81,6 @@ def output_schema(prompts_path: Path, key: str) -> pa.Schema:
 def prompt_digests(prompts_path: Path) -> tuple[list[str], list[str], list[str]]:
     """(ids, prompts.prompt_digest of each row, modes) of a prompt file, in row order: digests from its
     `prompt_sha256` column, computed from messages, tools and mode for files written before it existed."""
-    from eagle3_core.data.prompt_set import prompt_digest
     cols = set(pq.read_schema(prompts_path).names)
     if "prompt_sha256" in cols:                          # written by the prompts stage since shards name rows
         t = pq.read_table(prompts_path, columns=["id", "prompt_sha256", "mode"])
@@ -125,6 +119,123 @@ def iter_prompt_rows(path: Path, start: int, stop: int, batch_rows: int = 256) -
             index += 1
 
 
+@dataclass(frozen=True)
+class _ShardFeed:
+    """The shards of one regenerate call as rows are queued and answered: ranges (shard k -> rows [start, stop)),
+    rows_of (shard_rows), shard_at (row index -> shard), writers of the open shards, records of the finished ones;
+    queue: (writer, row index, row) items, then one None per worker."""
+    run: Regeneration
+    out: Path
+    key: str
+    schema: pa.Schema
+    ranges: dict[int, tuple[int, int]]
+    rows_of: dict[int, dict[str, tuple[int, str]]]
+    shard_at: dict[int, int]
+    rows_sha256: dict[int, str]
+    queue: asyncio.Queue
+    writers: dict[int, AnswerShardWriter] = field(default_factory=dict)
+    records: dict[int, dict] = field(default_factory=dict)
+
+
+def _resolve_api(gen: GenerationConfig, server: ServerConfig, engine, tokenizer):
+    """(gen with its api resolved ('auto' -> the server kind's), token_ids, markers: the target's marker tokens
+    by which a token-id API's answers are read, else None). Raises ValueError when token ids need a tokenizer."""
+    gen = gen.model_copy(update={"api": gen.api_for(server.kind)})
+    token_ids = gen.api in TOKEN_ID_APIS or engine is not None
+    if token_ids and tokenizer is None:
+        raise ValueError(f"generation.api {gen.api!r} / an in-process engine takes token ids: pass the target's "
+                         "tokenizer")
+    return gen, token_ids, target_markers(tokenizer) if gen.api in TOKEN_ID_APIS else None
+
+
+def _maybe_finalize(feed: _ShardFeed, w: AnswerShardWriter) -> None:
+    if w.input_done and w.pending == 0 and not w.finalized:
+        feed.records[w.k] = w.finalize()
+        del feed.writers[w.k]
+
+
+def _close_input(feed: _ShardFeed, w: AnswerShardWriter | None) -> None:
+    if w is not None:
+        w.input_done = True
+        _maybe_finalize(feed, w)
+
+
+async def _produce(feed: _ShardFeed) -> None:
+    """Queue the not yet answered rows of every shard in row order, opening each shard's writer (resumed from its
+    files) at its first row, then one None per worker."""
+    current = None
+    for index, row in iter_prompt_rows(feed.run.prompts_path, min(a for a, _ in feed.ranges.values()),
+                                       max(b for _, b in feed.ranges.values())):
+        k = feed.shard_at.get(index)
+        if k is None:
+            continue
+        row.setdefault("prompt_sha256", feed.rows_of[k][row["id"]][1])
+        if current is None or current.k != k:
+            _close_input(feed, current)
+            current = feed.writers[k] = AnswerShardWriter(feed.out, k, feed.key, feed.schema, feed.rows_of[k],
+                                                          feed.run.gen, feed.rows_sha256.get(k))
+            feed.run.progress.resumed += current.resumed
+        if row["id"] in current.done_ids:
+            continue
+        current.pending += 1
+        await feed.queue.put((current, index, row))
+    _close_input(feed, current)
+    for _ in range(feed.run.gen.concurrency):
+        await feed.queue.put(None)
+
+
+async def _work(feed: _ShardFeed, client: httpx.AsyncClient, pool: ServerPool | None) -> None:
+    while (item := await feed.queue.get()) is not None:
+        w, index, row = item
+        await answer_row(feed.run, w, index, row, client, pool)
+        w.pending -= 1
+        _maybe_finalize(feed, w)
+
+
+def _report(feed: _ShardFeed, pool: ServerPool | None, log, on_progress) -> None:
+    snap = feed.run.progress.snapshot(pool)
+    log(Progress.line(snap))
+    if on_progress is not None:
+        on_progress(snap)
+
+
+async def _tick(feed: _ShardFeed, pool: ServerPool | None, log, on_progress) -> None:
+    """Runs until cancelled: flushes answers waiting longer than flush_s, reports progress; raises
+    launcher.ServerExited as soon as the server the stage started has exited (the pool's watch)."""
+    gen = feed.run.gen
+    last = time.monotonic()
+    while True:
+        await asyncio.sleep(min(0.2, gen.progress_interval_s))
+        if pool is not None:
+            pool.check_exited()
+        for w in list(feed.writers.values()):
+            w.flush(older_than_s=gen.flush_s)
+        if time.monotonic() - last >= gen.progress_interval_s:
+            last = time.monotonic()
+            _report(feed, pool, log, on_progress)
+
+
+async def _answer_all(feed: _ShardFeed, client: httpx.AsyncClient, pool: ServerPool | None, log, on_progress):
+    """Run the producer, gen.concurrency workers and the ticker until every row has an outcome; on any error the
+    others are cancelled and the answers so far flushed before it propagates."""
+    tasks = [asyncio.create_task(_produce(feed))]
+    tasks += [asyncio.create_task(_work(feed, client, pool)) for _ in range(feed.run.gen.concurrency)]
+    ticker = asyncio.create_task(_tick(feed, pool, log, on_progress))
+    all_work = asyncio.gather(*tasks)
+    try:
+        await asyncio.wait([all_work, ticker], return_when=asyncio.FIRST_COMPLETED)
+        if ticker.done():                     # it only ends by raising (e.g. in on_progress)
+            ticker.result()
+        await all_work
+    finally:
+        for t in [*tasks, ticker, all_work]:
+            t.cancel()
+        await asyncio.gather(*tasks, ticker, all_work, return_exceptions=True)
+        for w in feed.writers.values():                    # stopped early: keep what was answered
+            w.flush()
+        feed.run.tokenize_thread.shutdown(wait=False, cancel_futures=True)
+
+
 async def regenerate(prompts_path: Path, out: Path, shards: list[int] | dict[int, tuple[int, int]], key: str,
                      gen: GenerationConfig, server: ServerConfig, urls: list[str], tokenizer=None, log=print,
                      on_progress=None, engine=None, rows_sha256: dict[int, str] | None = None) -> list[dict]:
@@ -144,19 +255,10 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int] | dict[int
     Raises ServerError when no server answers for `server.down_timeout_s`, launcher.ServerExited within a second
     when a server this process started exits (answers so far are flushed first, in both cases).
     """
-    from eagle3_core.data.chat import prompt_ids
     if not shards:
         return []
-    gen = gen.model_copy(update={"api": gen.api_for(server.kind)})               # 'auto' resolved
-    token_ids = gen.api in TOKEN_ID_APIS or engine is not None
-    if token_ids and tokenizer is None:
-        raise ValueError(f"generation.api {gen.api!r} / an in-process engine takes token ids: pass the target's "
-                         "tokenizer")
-    if gen.api in TOKEN_ID_APIS:                       # answers are read by the target's own marker tokens
-        from eagle3_core.data.markers import target_markers
-        markers = target_markers(tokenizer)
-    n_rows = pq.ParquetFile(prompts_path).metadata.num_rows
-    size = gen.shard_size
+    gen, token_ids, markers = _resolve_api(gen, server, engine, tokenizer)
+    n_rows, size = pq.ParquetFile(prompts_path).metadata.num_rows, gen.shard_size
     ranges = dict(sorted((shards if isinstance(shards, dict) else
                           {k: (k * size, min((k + 1) * size, n_rows)) for k in shards}).items()))
     rows_of = shard_rows(prompts_path, ranges)
@@ -164,185 +266,20 @@ async def regenerate(prompts_path: Path, out: Path, shards: list[int] | dict[int
     schema = output_schema(prompts_path, key)
     progress = Progress(sum(b - a for a, b in ranges.values()))
     queue: asyncio.Queue = asyncio.Queue(maxsize=2 * gen.concurrency)
-    writers: dict[int, AnswerShardWriter] = {}
-    records: dict[int, dict] = {}
-
-    def maybe_finalize(w: AnswerShardWriter) -> None:
-        if w.input_done and w.pending == 0 and not w.finalized:
-            records[w.k] = w.finalize()
-            del writers[w.k]
-
-    async def produce() -> None:
-        current = None
-        for index, row in iter_prompt_rows(prompts_path, min(a for a, _ in ranges.values()),
-                                           max(b for _, b in ranges.values())):
-            k = shard_at.get(index)
-            if k is None:
-                continue
-            row.setdefault("prompt_sha256", rows_of[k][row["id"]][1])
-            if current is None or current.k != k:
-                if current is not None:
-                    current.input_done = True
-                    maybe_finalize(current)
-                current = writers[k] = AnswerShardWriter(out, k, key, schema, rows_of[k], gen,
-                                                   (rows_sha256 or {}).get(k))
-                progress.resumed += current.resumed
-            if row["id"] in current.done_ids:
-                continue
-            current.pending += 1
-            await queue.put((current, index, row))
-        if current is not None:
-            current.input_done = True
-            maybe_finalize(current)
-        for _ in range(gen.concurrency):
-            await queue.put(None)
-
-    async def answer(w: AnswerShardWriter, index: int, row: dict, client: httpx.AsyncClient, pool: ServerPool) -> None:
-        t0 = time.monotonic()
-        where = f"{prompts_path} row {index} (id {row['id']})"
-        tools = json.loads(row["tools"]) if row.get("tools") else None
-        kwargs = gen.chat_template_kwargs or None
-        try:
-            messages = row["messages"] if isinstance(row["messages"], list) else json.loads(row["messages"])
-            sent, kept = split_final_answer(messages, row.get("mode"), where)
-            ids = []
-            if token_ids:                               # one thread: HF tokenizers are not safe to share
-                ids = await asyncio.get_running_loop().run_in_executor(tokenize_thread, prompt_ids, tokenizer, sent,
-                                                                       tools, kwargs)
-        except ValueError as e:                        # bad row (also data.MaskError): recorded, never retried
-            w.fail(row["id"], f"bad prompt row: {e}")
-            progress.failed += 1
-            return
-        base = {**row, "messages": json.dumps(sent), "index": index, "prompt_ids": ids}
-        if kept is not None:
-            # the whole conversation as it is (earlier turns, final turn with its tool calls): every turn is trained
-            w.add({**base, "messages": json.dumps(messages), "response": kept.get("content") or "",
-                   "finish_reason": "kept", "attempts": 0,
-                   "reasoning": kept.get("reasoning_content") or kept.get("reasoning") or "", "api": "kept"})
-            progress.answered += 1
-            return
-        last_ids = {"ids": ids}
-
-        def on_retry(error: RetryableError) -> None:
-            w.retry(error)
-            progress.retries += 1
-
-        async def ask(msgs: list[dict]) -> tuple[dict, str, int]:
-            """One request for the conversation `msgs`; the answer goes through the early gate."""
-            gate.check()
-            turn_ids = ids
-            if token_ids and msgs is not sent:          # a later turn: its own prompt, with the target's answers
-                turn_ids = await asyncio.get_running_loop().run_in_executor(tokenize_thread, prompt_ids, tokenizer,
-                                                                            msgs, tools, kwargs)
-            last_ids["ids"] = turn_ids
-            if engine is not None:
-                data, url, attempts = await engine.complete(turn_ids), engine.name, 1
-            else:
-                if pool is None:
-                    raise ServerError(f"{where} needs an answer but no server URL was given")
-                body = request_body(gen.api, msgs, turn_ids, gen.max_new_tokens, gen.temperature, top_p=gen.top_p,
-                                    tools=tools, template_kwargs=kwargs, top_k=gen.top_k, seed=gen.seed)
-                data, url, attempts = await request_with_retries(pool, client, gen.api, body, gen.max_retries,
-                                                                 gen.retry_backoff_s, on_retry)
-                data.pop("logprobs", None)
-                if gen.api in TOKEN_ID_APIS:
-                    if bad := [t for t in data["output_ids"] if not 0 <= t < len(tokenizer)]:
-                        raise RequestRejected(f"{where}: {url} returned token ids outside the target's vocabulary "
-                                              f"({len(tokenizer)} tokens), e.g. {bad[:5]}: the server serves another "
-                                              f"model than target.model; point server.url at a server of the target")
-                    data.update(await asyncio.get_running_loop().run_in_executor(
-                        tokenize_thread, parsed_answer, tokenizer, markers, turn_ids, data["output_ids"]))
-            data["prompt_ids"] = turn_ids
-            if gen.turns == "all":                     # each turn is an answer (final mode: once it is stored)
-                gate.add(_gate_row(row["id"], data))
-            return data, url, attempts
-
-        try:
-            if gen.turns == "all":
-                data = await regenerate_row(sent, gen.max_turns, ask,
-                                            json.loads(row.get("meta") or "{}").get("kept") == "regenerate",
-                                            later=later_user_turns(row))
-                data["messages"] = json.dumps(data["messages"])
-                url, attempts = data.pop("server"), data.pop("attempts")
-            else:
-                data, url, attempts = await ask(sent)
-        except RequestRejected as e:
-            w.fail(row["id"], str(e))
-            gate.fail(row["id"], str(e))
-            progress.failed += 1
-            return
-        except RetryableError as e:
-            w.fail(row["id"], f"gave up after {gen.max_retries + 1} attempts: {e.reason}")
-            gate.fail(row["id"], e.reason)
-            progress.failed += 1
-            return
-        w.add({**base, **data, "prompt_ids": last_ids["ids"], "server": url,
-               "api": engine.name if engine is not None else gen.api, "attempts": attempts,
-               "latency_s": time.monotonic() - t0})
-        progress.answered += 1
-        progress.tokens += data["completion_tokens"]
-        if gen.turns != "all":
-            gate.add(_gate_row(row["id"], data))
-
-    async def work(client: httpx.AsyncClient, pool: ServerPool) -> None:
-        while (item := await queue.get()) is not None:
-            w, index, row = item
-            await answer(w, index, row, client, pool)
-            w.pending -= 1
-            maybe_finalize(w)
-
-    def report(pool: ServerPool) -> None:
-        snap = progress.snapshot(pool)
-        log(Progress.line(snap))
-        if on_progress is not None:
-            on_progress(snap)
-
-    async def tick(pool: ServerPool) -> None:
-        """Runs until cancelled: flushes answers waiting longer than flush_s, reports progress; raises
-        launcher.ServerExited as soon as the server the stage started has exited (the pool's watch)."""
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(min(0.2, gen.progress_interval_s))
-            if pool is not None:
-                pool.check_exited()
-            for w in list(writers.values()):
-                w.flush(older_than_s=gen.flush_s)
-            if time.monotonic() - last >= gen.progress_interval_s:
-                last = time.monotonic()
-                report(pool)
-
     out.mkdir(parents=True, exist_ok=True)
     timeout = httpx.Timeout(gen.request_timeout_s, connect=min(10.0, gen.request_timeout_s))
     limits = httpx.Limits(max_connections=gen.concurrency, max_keepalive_connections=gen.concurrency)
-    tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-    gate = EarlyGate(gen.gate_after, gate_limits(gen), str(out))
+    run = Regeneration(prompts_path, gen, token_ids, tokenizer, markers, engine,
+                       ThreadPoolExecutor(1, thread_name_prefix="tokenize"),
+                       EarlyGate(gen.gate_after, gate_limits(gen), str(out)), progress)
+    feed = _ShardFeed(run, out, key, schema, ranges, rows_of, shard_at, rows_sha256 or {}, queue)
     # no URLs: every row of these shards is kept as it is (the caller checked), no server is needed
     pools = ServerPool(urls, server.probe_interval_s, server.down_timeout_s) if urls else nullcontext(None)
     async with pools as pool, \
             httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        tasks = [asyncio.create_task(produce())]
-        tasks += [asyncio.create_task(work(client, pool)) for _ in range(gen.concurrency)]
-        ticker = asyncio.create_task(tick(pool))
-        all_work = asyncio.gather(*tasks)
-        try:
-            await asyncio.wait([all_work, ticker], return_when=asyncio.FIRST_COMPLETED)
-            if ticker.done():                     # it only ends by raising (e.g. in on_progress)
-                ticker.result()
-            await all_work
-        finally:
-            for t in [*tasks, ticker, all_work]:
-                t.cancel()
-            await asyncio.gather(*tasks, ticker, all_work, return_exceptions=True)
-            for w in writers.values():                    # stopped early: keep what was answered
-                w.flush()
-            tokenize_thread.shutdown(wait=False, cancel_futures=True)
-        assert not writers, f"shards {sorted(writers)} were not finalized"
-        report(pool)
+        await _answer_all(feed, client, pool, log, on_progress)
+        assert not feed.writers, f"shards {sorted(feed.writers)} were not finalized"
+        _report(feed, pool, log, on_progress)
     if (out / "partial").exists() and not any((out / "partial").iterdir()):
         (out / "partial").rmdir()
-    return [records[k] for k in sorted(records)]
-
-
-def _gate_row(row_id: str, data: dict) -> dict:
-    return {"id": row_id, "response": data["response"], "reasoning": data["reasoning"],
-            "finish_reason": data["finish_reason"]}
+    return [feed.records[k] for k in sorted(feed.records)]
