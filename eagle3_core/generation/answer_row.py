@@ -138,7 +138,7 @@ async def _ask_turns(run: Regeneration, req: _RowRequest, w: AnswerShardWriter):
 
 async def _split_and_tokenize(run: Regeneration, w: AnswerShardWriter, row: dict, where: str, tools, kwargs):
     """(messages, sent, kept, ids) of a row (turns.split_final_answer); None once a bad row (ValueError, also
-    data.MaskError) was recorded as failed: never retried."""
+    data.chat.MaskError) was recorded as failed: never retried."""
     try:
         messages = row["messages"] if isinstance(row["messages"], list) else json.loads(row["messages"])
         sent, kept = split_final_answer(messages, row.get("mode"), where)
