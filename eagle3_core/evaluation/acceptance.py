@@ -77,6 +77,65 @@ def _tau_summary(runs: list[dict]) -> dict:
             "prompts": len(runs)}
 
 
+@dataclass
+class _PromptCounter:
+    """Counts decoded prompts for on_prompt(done, total, name)."""
+    total: int
+    on_prompt: object = None
+    done: int = 0
+
+    def tick(self, result: dict, name: str) -> dict:
+        self.done += 1
+        if self.on_prompt is not None:
+            self.on_prompt(self.done, self.total, name)
+        return result
+
+
+def _baseline_summary(base: list[dict]) -> dict:
+    b_tok, b_sec = sum(len(r["tokens"]) for r in base), sum(r["seconds"] for r in base)
+    return {"tokens": b_tok, "seconds": b_sec, "tokens_per_s": b_tok / b_sec, "prompts": len(base),
+            "target_forward_calls": sum(r["forward_calls"] for r in base),
+            "decode_s": sum(r["decode_s"] for r in base),
+            "decode_steps": sum(r["decode_steps"] for r in base)}
+
+
+def _accept_per_position(outs: list[dict], num_steps: int) -> list[float]:
+    """P(draft token at depth i + 1 accepted | depths 1..i accepted), i < num_steps (0.0 where none reached i)."""
+    accepted = [a for r in outs for a in r["accepted"]]
+    per_pos = []
+    for i in range(num_steps):
+        reached = sum(1 for a in accepted if a >= i)
+        per_pos.append(sum(1 for a in accepted if a >= i + 1) / reached if reached else 0.0)
+    return per_pos
+
+
+def _run_summary(run: SpecRun, outs: list[dict], idx: list[int], base: list[dict], categories: list[str],
+                 tie_gap: float) -> dict:
+    """One run's entry of measure's report (without speedup_model) from its outputs `outs` on the prompts `idx`
+    and the baseline's outputs `base` on every prompt. Raises AssertionError if the counted target forward calls
+    differ from prefills + verify steps."""
+    steps = sum(r["verify_steps"] for r in outs)
+    calls = sum(r["forward_calls"] for r in outs)
+    assert calls == len(idx) + steps, f"{calls} target forwards != {len(idx)} prefills + {steps} verifies"
+    verdicts = [compare_outputs(r["tokens"], base[i]["tokens"], base[i]["gaps"], tie_gap) for r, i in zip(outs, idx)]
+    by_cat: dict[str, list] = {}
+    for r, i in zip(outs, idx):
+        by_cat.setdefault(categories[i], []).append(r)
+    tok, secs = sum(len(r["tokens"]) for r in outs), sum(r["seconds"] for r in outs)
+    base_tps = sum(len(base[i]["tokens"]) for i in idx) / sum(base[i]["seconds"] for i in idx)
+    return {
+        "params": run.params(), **_tau_summary(outs),
+        "per_category": {c: _tau_summary(rs) for c, rs in sorted(by_cat.items())},
+        "accept_per_position": _accept_per_position(outs, run.num_steps),
+        "tokens_from_verify": sum(r["tokens_from_verify"] for r in outs),
+        "per_prompt": [[r["tokens_from_verify"], r["verify_steps"]] for r in outs],
+        "verify_steps": steps, "target_forward_calls": calls, "tokens": tok, "seconds": secs,
+        "tokens_per_s": tok / secs, "baseline_tokens_per_s": base_tps, "speedup": (tok / secs) / base_tps,
+        "lossless": {v: verdicts.count(v) for v in ("equal", "near_tie", "mismatch")},
+        "timing": {k: sum(r["timing"][k] for r in outs) for k in outs[0]["timing"]} if outs else {},
+    }
+
+
 def measure(target: TargetRunner, runs: dict[str, SpecRun], prompts: list[list[int]], categories: list[str],
             max_new: int, eos_ids: set[int], tie_gap: float, on_prompt=None) -> dict:
     """Measure target-only greedy decoding on every prompt, then each run on its prompts.
@@ -95,50 +154,15 @@ def measure(target: TargetRunner, runs: dict[str, SpecRun], prompts: list[list[i
     Raises AssertionError if the counted target forward calls differ from prefills + verify steps.
     """
     assert len(categories) == len(prompts), f"{len(categories)} categories for {len(prompts)} prompts"
-    total = len(prompts) + sum(len(r.prompt_idx) if r.prompt_idx is not None else len(prompts) for r in runs.values())
-    done = 0
-
-    def tick(result: dict, name: str) -> dict:
-        nonlocal done
-        done += 1
-        if on_prompt is not None:
-            on_prompt(done, total, name)
-        return result
-
-    base = [tick(greedy_generate(target, p, max_new, eos_ids), "baseline") for p in prompts]
-    b_tok, b_sec = sum(len(r["tokens"]) for r in base), sum(r["seconds"] for r in base)
-    report = {"baseline": {"tokens": b_tok, "seconds": b_sec, "tokens_per_s": b_tok / b_sec, "prompts": len(base),
-                           "target_forward_calls": sum(r["forward_calls"] for r in base),
-                           "decode_s": sum(r["decode_s"] for r in base),
-                           "decode_steps": sum(r["decode_steps"] for r in base)}}
+    counter = _PromptCounter(len(prompts) + sum(len(r.prompt_idx) if r.prompt_idx is not None else len(prompts)
+                                                for r in runs.values()), on_prompt)
+    base = [counter.tick(greedy_generate(target, p, max_new, eos_ids), "baseline") for p in prompts]
+    report = {"baseline": _baseline_summary(base)}
     for name, run in runs.items():
         idx = run.prompt_idx if run.prompt_idx is not None else list(range(len(prompts)))
-        outs = [tick(speculative_generate(target, run.draft, prompts[i], max_new, eos_ids, run.num_steps, run.topk,
-                                          run.num_draft_tokens), name) for i in idx]
-        steps = sum(r["verify_steps"] for r in outs)
-        calls = sum(r["forward_calls"] for r in outs)
-        assert calls == len(idx) + steps, f"{calls} target forwards != {len(idx)} prefills + {steps} verifies"
-        accepted = [a for r in outs for a in r["accepted"]]
-        per_pos = []
-        for i in range(run.num_steps):
-            reached = sum(1 for a in accepted if a >= i)
-            per_pos.append(sum(1 for a in accepted if a >= i + 1) / reached if reached else 0.0)
-        verdicts = [compare_outputs(r["tokens"], base[i]["tokens"], base[i]["gaps"], tie_gap) for r, i in zip(outs, idx)]
-        by_cat: dict[str, list] = {}
-        for r, i in zip(outs, idx):
-            by_cat.setdefault(categories[i], []).append(r)
-        tok, secs = sum(len(r["tokens"]) for r in outs), sum(r["seconds"] for r in outs)
-        base_tps = sum(len(base[i]["tokens"]) for i in idx) / sum(base[i]["seconds"] for i in idx)
-        report[name] = {
-            "params": run.params(), **_tau_summary(outs),
-            "per_category": {c: _tau_summary(rs) for c, rs in sorted(by_cat.items())},
-            "accept_per_position": per_pos, "tokens_from_verify": sum(r["tokens_from_verify"] for r in outs),
-            "per_prompt": [[r["tokens_from_verify"], r["verify_steps"]] for r in outs],
-            "verify_steps": steps, "target_forward_calls": calls, "tokens": tok, "seconds": secs,
-            "tokens_per_s": tok / secs, "baseline_tokens_per_s": base_tps, "speedup": (tok / secs) / base_tps,
-            "lossless": {v: verdicts.count(v) for v in ("equal", "near_tie", "mismatch")},
-            "timing": {k: sum(r["timing"][k] for r in outs) for k in outs[0]["timing"]} if outs else {},
-        }
+        outs = [counter.tick(speculative_generate(target, run.draft, prompts[i], max_new, eos_ids, run.num_steps,
+                                                  run.topk, run.num_draft_tokens), name) for i in idx]
+        report[name] = _run_summary(run, outs, idx, base, categories, tie_gap)
         if outs:
             report[name]["speedup_model"] = model_from_measurement(report[name], report["baseline"])
     return report
