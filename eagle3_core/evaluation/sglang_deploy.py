@@ -14,9 +14,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
+import subprocess
 from pathlib import Path
 
+from transformers import AutoConfig, AutoTokenizer
+
+from eagle3_core.data.chat import prompt_ids
+from eagle3_core.data.prompt_set import load_source
+from eagle3_core.data.template_kwargs import check_tokenizer_kwargs
+from eagle3_core.evaluation.plots import plot_tok_s_vs_concurrency
+from eagle3_core.evaluation.preflight import preflight
 from eagle3_core.evaluation.sglang_bench import (
     SpecArgs,
     benchmark_server,
@@ -26,6 +35,7 @@ from eagle3_core.evaluation.sglang_bench import (
     target_server_args,
     verdict,
 )
+from eagle3_core.serving.launcher import free_port, launch
 
 _ROOT = Path(__file__).resolve().parents[2]
 # Spec-Bench prompts shipped with the repository (tests/data/README.md: source and licence)
@@ -35,7 +45,6 @@ DEFAULT_SPEC_BENCH = _ROOT / "tests" / "data" / "spec_bench" / "question.jsonl"
 def benchmark_prompts(spec_bench: Path | None, human_eval: bool, per_category: int | None) -> list[dict]:
     """Rows {id, category, messages}: Spec-Bench first turns and HumanEval prompts, at most `per_category` each
     (in file order). Raises FileNotFoundError naming a missing Spec-Bench file."""
-    from eagle3_core.data.prompt_set import load_source
     rows = []
     if spec_bench is not None:
         if not Path(spec_bench).exists():
@@ -85,10 +94,8 @@ def markdown(result: dict) -> str:
 def sglang_installed(python: str | None = None) -> bool:
     """True if `sglang` can be imported here, or by the interpreter `python` (the run's sglang_python: asked by
     running it, nothing imported): its launch_server is what the stage starts."""
-    import importlib.util
     if python is None:
         return importlib.util.find_spec("sglang") is not None
-    import subprocess
     try:
         probe = "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)"
         return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
@@ -112,7 +119,6 @@ def run_benchmark(target: str, spec: SpecArgs, prompts: list[dict], levels: list
     sampling: a config.sampling_config.SamplingConfig every request samples at (sglang_bench.generate_body; None:
     greedy).
     Raises ServerError naming the server, ValueError for an EAGLE (not EAGLE3) spec or a missing draft."""
-    from eagle3_core.serving.launcher import free_port, launch
     urls = urls or {}
     out.mkdir(parents=True, exist_ok=True)
     results, warnings = {}, []
@@ -139,12 +145,11 @@ def run_benchmark(target: str, spec: SpecArgs, prompts: list[dict], levels: list
               "prompts": len(prompts), **results, "verdict": v}
     (out / "sglang_bench.json").write_text(json.dumps(result, indent=2))
     (out / "sglang_bench.md").write_text(markdown(result))
-    from eagle3_core.evaluation.plots import plot_tok_s_vs_concurrency
     plot_tok_s_vs_concurrency(v["per_level"], out / "tok_s_vs_concurrency.png")
     return result
 
 
-def main(argv: list[str] | None = None) -> dict | None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Benchmark an EAGLE-3 draft on SGLang against the same server without it.")
     p.add_argument("--target", required=True, help="target model path or hub name (as for sglang --model-path)")
     p.add_argument("--draft", required=True, help="exported draft directory (SGLang format)")
@@ -172,36 +177,45 @@ def main(argv: list[str] | None = None) -> dict | None:
                         "generation.chat_template_kwargs (e.g. '{\"thinking\": true}'); checked against the template")
     p.add_argument("--tiny", action="store_true", help="1 prompt per category, 32 new tokens, concurrency 1,2")
     p.add_argument("--dry-run", action="store_true", help="print the server commands and first request only")
-    a = p.parse_args(argv)
-    if a.tiny:
-        a.per_category, a.max_new_tokens, a.concurrency = 1, 32, "1,2"
-    levels = [int(c) for c in a.concurrency.split(",")]
-    spec = SpecArgs(a.draft, a.steps, a.topk, a.draft_tokens)
-    from transformers import AutoConfig, AutoTokenizer
+    return p
 
-    from eagle3_core.data.chat import prompt_ids
-    from eagle3_core.data.template_kwargs import check_tokenizer_kwargs
-    from eagle3_core.evaluation.preflight import preflight
-    from eagle3_core.serving.launcher import free_port
+
+def _tokenized_prompts(a: argparse.Namespace) -> list[dict]:
+    """The benchmark prompts ({id, category, messages, input_ids}) rendered with the target's chat template, after
+    the draft passed pre-flight against the target's config (preflight.preflight raises naming what differs)."""
     preflight(Path(a.draft), AutoConfig.from_pretrained(a.target, trust_remote_code=a.trust_remote_code,
                                                         revision=a.revision))
     tok = AutoTokenizer.from_pretrained(a.target, trust_remote_code=a.trust_remote_code, revision=a.revision)
     kwargs = json.loads(a.chat_template_kwargs) or None
     check_tokenizer_kwargs(tok, kwargs, "--chat-template-kwargs")
     rows = benchmark_prompts(None if a.no_spec_bench else Path(a.spec_bench), not a.no_human_eval, a.per_category)
-    prompts = [{**r, "input_ids": prompt_ids(tok, r["messages"], None, kwargs)} for r in rows]
+    return [{**r, "input_ids": prompt_ids(tok, r["messages"], None, kwargs)} for r in rows]
+
+
+def _print_dry_run(a: argparse.Namespace, spec: SpecArgs, prompts: list[dict], port: int, extra: list[str]) -> None:
+    """--dry-run: the two server commands and the first request, nothing started."""
+    cmds = {"baseline": server_command(a.target, a.host, port, a.max_running_requests, a.cuda_graph_max_bs,
+                                       extra_args=extra),
+            "eagle3": server_command(a.target, a.host, port, a.max_running_requests, a.cuda_graph_max_bs, spec,
+                                     extra)}
+    for name, cmd in cmds.items():
+        print(f"{name}: {' '.join(cmd)}")
+    print(f"{len(prompts)} prompts; first request: POST http://{a.host}:{port}/generate "
+          f"{json.dumps(generate_body(prompts[0]['input_ids'], a.max_new_tokens))[:300]}")
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    """The command line (module docstring); returns the benchmark's result, None for --dry-run."""
+    a = _parser().parse_args(argv)
+    if a.tiny:
+        a.per_category, a.max_new_tokens, a.concurrency = 1, 32, "1,2"
+    levels = [int(c) for c in a.concurrency.split(",")]
+    spec = SpecArgs(a.draft, a.steps, a.topk, a.draft_tokens)
+    prompts = _tokenized_prompts(a)
     port = a.port or free_port(a.host)
-    url = f"http://{a.host}:{port}"
     extra = target_server_args(a.tp_size, a.ep_size, a.trust_remote_code, a.revision)
     if a.dry_run:
-        cmds = {"baseline": server_command(a.target, a.host, port, a.max_running_requests, a.cuda_graph_max_bs,
-                                           extra_args=extra),
-                "eagle3": server_command(a.target, a.host, port, a.max_running_requests, a.cuda_graph_max_bs, spec,
-                                         extra)}
-        for name, cmd in cmds.items():
-            print(f"{name}: {' '.join(cmd)}")
-        print(f"{len(prompts)} prompts; first request: POST {url}/generate "
-              f"{json.dumps(generate_body(prompts[0]['input_ids'], a.max_new_tokens))[:300]}")
+        _print_dry_run(a, spec, prompts, port, extra)
         return None
     result = run_benchmark(a.target, spec, prompts, levels, Path(a.out), a.max_new_tokens, a.max_running_requests,
                            a.cuda_graph_max_bs, extra, host=a.host, port=port, startup_timeout_s=a.startup_timeout)
