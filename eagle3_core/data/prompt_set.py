@@ -136,28 +136,26 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None, earlier: 
 
     earlier: the prompts manifest of an earlier run of the same sources and seed ({train_ids, eval_ids,
     eval_digests, train_digests}), or None. Its rows are found again by content (held_out.reconcile: an id whose
-    content changed is not the same prompt) and stay in front; its held-out set stays held out while num_eval is
-    the same and every row of it is still there; otherwise the held-out set is re-chosen, keeping what is left of
-    it and adding rows it never trained on, and stats['eval_chosen'] says so. A prompt the earlier run trained on
-    is never held out. Its train rows come first in the train file, in their order (growing a run: only the new
-    rows are regenerated and extracted). cfg.eval_ids, when set, is the held-out set whatever `earlier` says.
+    content changed is not the same prompt) and stay in front: its train rows first in the train file, in their
+    order (a grown run regenerates and extracts only the new rows). Its held-out set stays held out while num_eval
+    is the same and every row of it is still there; otherwise it is re-chosen, keeping what is left of it and
+    adding rows it never trained on, and stats['eval_chosen'] says so. A prompt the earlier run trained on is never
+    held out. cfg.eval_ids, when set, is the held-out set whatever `earlier` says.
 
-    budget: the token budget of a train row (data.budget.RowBudget: row -> the row as kept, or None), or None. Each
+    budget: a train row's token budget (data.budget.RowBudget: row -> the row as kept, or None), or None. Each
     source's train rows are then the first rows of its stable order (after its held-out front) that the budget
     keeps: a row left out is replaced by the next spare one, so the train set keeps its size while the source has
-    rows that fit, a larger sample stays a superset of a smaller one and the held-out rows stay out. Every train
-    row returned has been through `budget`; stats['train_short'] counts the rows no spare row could replace.
+    rows that fit, a larger sample stays a superset of a smaller one and the held-out rows stay out. Every train row
+    returned went through `budget`; stats['train_short'] counts the rows no spare row could replace.
 
-    probe: row -> None | (cause, reason), the check of a kept source's first row before any generation (route_kept:
-    a mode 'keep' source with kept 'auto' is trained as kept or re-routed to regeneration, stats['per_source'][
-    source]['kept_route'] says which and why), or None (rows as the sources give them).
+    probe: row -> None | (cause, reason), the check of a mode 'keep' source with kept 'auto' (route_kept: trained
+    as kept or re-routed to regeneration, stats['per_source'][source]['kept_route'] says which and why), or None.
 
-    Writes every reject to `rejects_path` (JSONL: source, row, reason); if the stage fails, to
-    `failed_rejects_path(rejects_path)` instead, so that a finished run's rejects stay as they are. Raises
-    RejectError naming the worst source if one rejects more than `cfg.max_reject_frac` of its rows, and
-    ValueError if a source has fewer rows left than it must give, if an id of cfg.eval_ids is not among the
-    usable rows, not chosen (its source's count too small) or was trained on by the earlier run, or if fewer
-    than num_eval chosen rows were never trained on.
+    Writes the rejects to `rejects_path` (JSONL: source, row, reason), to `failed_rejects_path(rejects_path)` if
+    the stage fails (a finished run's rejects stay). Raises RejectError naming the worst source if one rejects
+    more than cfg.max_reject_frac of its rows, and ValueError if a source has fewer rows left than it must give,
+    if an id of cfg.eval_ids is not among the usable rows, not chosen (its source's count too small) or was trained
+    on by the earlier run, or if fewer than num_eval chosen rows were never trained on.
     """
     specs, total = source_specs(cfg), cfg.num_train + cfg.num_eval
     if cfg.mix is not None:
@@ -179,20 +177,26 @@ def build_prompts(cfg: PromptConfig, rejects_path: Path | None = None, earlier: 
     if budget is not None:                  # rows held out by an earlier run but not now are measured here
         train_rows = [k for r in train_rows if (k := budget(r)) is not None]
     eval_rows = [{**r, "messages": to_prompt(r["messages"]), "mode": "prompt"} for r in held]
+    return train_rows, eval_rows, _prompt_stats(cfg, avail, per, rejects, found, held, train_rows, eval_rows, how)
+
+
+def _prompt_stats(cfg: PromptConfig, avail: dict, per: dict, rejects: list, found: Reconciled, held: list[dict],
+                  train_rows: list[dict], eval_rows: list[dict], how: str) -> dict:
+    """build_prompts' stats: counts overall and per source (`per` gets each source's 'eval' and 'train' counts, in
+    place), how the held-out set was chosen, what the earlier run's rows became, and each returned row's
+    held_out.content_digest as its source holds it (before a budget trims it)."""
     source_rows = {r["id"]: r for group in avail.values() for r in group}
     kept = set(found.train_ids)
     for name, rows in (("eval", eval_rows), ("train", train_rows)):
         for r in rows:
             per[r["source"]][name] = per[r["source"]].get(name, 0) + 1
-    stats = {"mix": cfg.mix.name if cfg.mix else "sources", "unique": sum(len(v) for v in avail.values()),
-             "duplicates_dropped": sum(s["duplicates"] for s in per.values()), "rejected": len(rejects),
-             "train": len(train_rows), "eval": len(eval_rows), "per_source": per, "eval_chosen": how,
-             "train_short": cfg.num_train - len(train_rows),
-             "train_from_earlier": sum(r["id"] in kept for r in train_rows),
-             "eval_lost": [{"id": i, "why": why} for i, why in found.lost], "ids_taken_back": found.renamed,
-             # what each returned row asks as its source holds it (before a budget trims it): held_out's digest
-             "content_digests": {r["id"]: content_digest(source_rows[r["id"]]["messages"]) for r in train_rows + held}}
-    return train_rows, eval_rows, stats
+    return {"mix": cfg.mix.name if cfg.mix else "sources", "unique": sum(len(v) for v in avail.values()),
+            "duplicates_dropped": sum(s["duplicates"] for s in per.values()), "rejected": len(rejects),
+            "train": len(train_rows), "eval": len(eval_rows), "per_source": per, "eval_chosen": how,
+            "train_short": cfg.num_train - len(train_rows),
+            "train_from_earlier": sum(r["id"] in kept for r in train_rows),
+            "eval_lost": [{"id": i, "why": why} for i, why in found.lost], "ids_taken_back": found.renamed,
+            "content_digests": {r["id"]: content_digest(source_rows[r["id"]]["messages"]) for r in train_rows + held}}
 
 
 def _order(rows: list[dict], seed: int, group: str, first: list[str]) -> list[dict]:

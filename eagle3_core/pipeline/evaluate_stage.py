@@ -4,17 +4,35 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.config.eval_config import SHARDED_BACKENDS, resolved_evaluator
 from eagle3_core.contract.compat import EVAL_FIELDS_V4, fields_v4
 from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.manifest import read_manifest, sha256_json, write_manifest
 from eagle3_core.contract.numbers import eta_text, machine_load
 from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.chat import prompt_ids
+from eagle3_core.data.markers import stop_ids
+from eagle3_core.evaluation.acceptance import SpecRun, measure, tau_consistency
+from eagle3_core.evaluation.preflight import preflight
+from eagle3_core.evaluation.replay_eval import replay_measure
+from eagle3_core.evaluation.replay_record import breakdown, greedy_outputs, marker_ids
+from eagle3_core.evaluation.replay_sampled import record_sampled, replay_measure_sampled
+from eagle3_core.evaluation.speculate import TargetRunner
+from eagle3_core.features.backends import close_extractors, selected_backend
+from eagle3_core.features.reader import load_samples
+from eagle3_core.features.store import bad_shards, write_record
+from eagle3_core.features.store_run import extract_here, launch
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_config, target_key, upstream_keys, upstream_manifest
 from eagle3_core.pipeline.stage import Stage
+from eagle3_core.target.loading import generation_eos_ids, load_target, load_tokenizer
 from eagle3_core.training.checkpoint import load_draft
 from eagle3_core.training.startup import fresh_draft
 
@@ -65,8 +83,6 @@ def _replay(cfg: PipelineConfig, tok, prompts, cats, drafts: dict, eos: set[int]
     features backend (replay_recordings), each draft replayed against them, tau overall and by category, context
     length and segment (replay_record.breakdown). Returns the report's runs {name: replay_measure + breakdown,
     per_category, lossless} and {evaluator, recording}."""
-    from eagle3_core.evaluation.replay_eval import replay_measure
-    from eagle3_core.evaluation.replay_record import breakdown, greedy_outputs, marker_ids
     outputs = greedy_outputs(cfg, prompts, eos, log)
     recs = replay_recordings(cfg, prompts, outputs, log)
     markers = marker_ids(tok)
@@ -89,11 +105,10 @@ def _replay(cfg: PipelineConfig, tok, prompts, cats, drafts: dict, eos: set[int]
 
 def _sampled(cfg: PipelineConfig, target, prompts, drafts: dict, eos: set[int], log, s=None) -> dict:
     """Sampling settings `s` (default eval.sampling) at temperature > 0: one trajectory per held-out prompt and seed
-    (s.seed .. + eval.sampled_seeds - 1) sampled by the target in this process (`target`: a speculate.TargetRunner), each draft
-    replayed against them under both accept rules (replay_sampled). Returns the report's runs {name: the
-    'sampled' rule's replay_measure_sampled + rules {rule: tau, tau_ci95, per_prompt}, params, lossless} and
+    (s.seed .. + eval.sampled_seeds - 1) sampled by the target in this process (`target`: a
+    speculate.TargetRunner), each draft replayed against them under both accept rules (replay_sampled). Returns the
+    report's runs {name: the 'sampled' rule's replay_measure_sampled + rules {rule: tau, tau_ci95, per_prompt}, params, lossless} and
     {evaluator 'replay_sampled', recording}."""
-    from eagle3_core.evaluation.replay_sampled import record_sampled, replay_measure_sampled
     e = cfg.eval
     s = e.sampling if s is None else s
     seeds = list(range(s.seed, s.seed + e.sampled_seeds))
@@ -122,14 +137,6 @@ def replay_recordings(cfg, prompts: list[list[int]], outputs: list[list[int]], l
     extracted by the run's features backend (features.store_run, as the features stage extracts) into a store of
     the evaluate stage's own, eval/replay/ (its tokenized/train.parquet holds the sequences: what torchrun ranks
     read); a rerun with the same sequences, settings and target reads that store again, extracting nothing."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from eagle3_core.contract.manifest import read_manifest, sha256_json, write_manifest
-    from eagle3_core.features.backends import close_extractors, selected_backend
-    from eagle3_core.features.reader import load_samples
-    from eagle3_core.features.store import bad_shards, write_record
-    from eagle3_core.features.store_run import extract_here, launch
     sub = cfg.model_copy(update={"run_dir": RunLayout(cfg.run_dir).eval / "replay",
                                  "features": cfg.features.model_copy(update={"import_from": None})})
     layout = RunLayout(sub.run_dir)
@@ -162,109 +169,147 @@ def run_evaluate(cfg: PipelineConfig, log=print, on_progress=None) -> dict:
     """Pre-flight check of the exported draft against the target, then offline tau on the held-out prompts: the
     trained draft as a chain and as an SGLang-style tree, an untrained draft as a chain; simulated vs measured tau
     (eval/report.json). Logs 'n of N' decoded prompts with an ETA after each; on_progress(done, total, run name)
-    too. Raises PreflightError listing every mismatch between the draft and the target."""
-    from eagle3_core.evaluation.acceptance import SpecRun, measure, tau_consistency
-    from eagle3_core.evaluation.preflight import preflight
-    from eagle3_core.evaluation.speculate import TargetRunner
-    from eagle3_core.data.markers import stop_ids
-    from eagle3_core.target.loading import generation_eos_ids, load_target, load_tokenizer
-    out = RunLayout(cfg.run_dir).eval
+    too. Raises PreflightError listing every mismatch between the draft and the target, ValueError for sampled
+    settings with a sharded features backend."""
     up = upstream_manifest(cfg.run_dir, "train")
+    return stage_run.run(stage_run.decision(cfg, ROW), lambda: _evaluate(cfg, up, log, on_progress), log=log)
 
-    def body() -> dict:
-        if not cfg.eval.sampling.greedy and cfg.features.backend in SHARDED_BACKENDS:
-            raise ValueError(f"eval.sampling.temperature {cfg.eval.sampling.temperature} with features.backend "
-                             f"{cfg.features.backend!r}: the sampled replay reads the target's probabilities of its "
-                             f"own samples, which needs the target in one process (features.backend 'hf'); set "
-                             f"eval.sampling.temperature 0 for this run")
-        preflight(RunLayout(cfg.run_dir).stored(up["export_dir"]), target_config(cfg))
-        tok = load_tokenizer(cfg.target)
-        rows = prompts_mod.read_rows(RunLayout(cfg.run_dir).prompts_eval)
-        prompts = held_out_prompt_ids(cfg, tok, rows)
-        trained = load_draft(RunLayout(cfg.run_dir).stored(up["export_dir"]))
-        untrained, _ = fresh_draft(cfg)
-        ids = trained.shape.aux_layer_ids
-        eos = set(stop_ids(tok, generation_eos_ids(cfg.target)))        # every id the target stops on
-        e, S = cfg.eval, cfg.eval.num_draft_steps
 
-        def subset(n: int | None) -> list[int] | None:                     # the first n held-out prompts
-            return None if n is None else list(range(min(n, len(prompts))))
+@dataclass(frozen=True)
+class _Held:
+    """What the evaluate stage's measurements share: the train manifest `up`, the target's tokenizer, the held-out
+    rows, their prompt ids (held_out_prompt_ids) and categories, the trained and untrained drafts, the ids the
+    target stops on, and the target in this process (`runners`: loaded once, by target_runner)."""
+    cfg: PipelineConfig
+    up: dict
+    tok: object
+    rows: list
+    prompts: list
+    cats: list
+    trained: object
+    untrained: object
+    eos: set
+    log: Callable
+    runners: list = field(default_factory=list)
 
-        runners: list = []
+    def subset(self, n: int | None) -> list[int] | None:
+        """The first n held-out prompts (None: all)."""
+        return None if n is None else list(range(min(n, len(self.prompts))))
 
-        def target_runner():
-            """The target in this process (a speculate.TargetRunner over the draft's aux ids), loaded once per
-            stage however many measurements read it."""
-            if not runners:
-                runners.append(TargetRunner(load_target(cfg.target), ids))
-            return runners[0]
+    def drafts(self) -> dict:
+        """{name: (draft, prompt indices)}: the trained draft on every prompt, the untrained on
+        eval.untrained_prompts."""
+        return {"trained": (self.trained, None),
+                "untrained": (self.untrained, self.subset(self.cfg.eval.untrained_prompts))}
 
-        def write_report(report: dict) -> dict:
-            """`report` (either evaluator's) completed with what both record, the trained draft's sampled replay at
-            the declared serving settings where they differ (`at_serving`), written to eval/report.json; the
-            stage's result."""
-            if len(e.measured_samplings) > 1:
-                s2 = e.measured_samplings[1]
-                report["at_serving"] = {"sampling": s2.model_dump(mode="json"), **_sampled(
-                    cfg, target_runner(), prompts, {"trained": (trained, None)}, eos, log, s2)}
-            report.update({"eval_ids": [r["id"] for r in rows], "num_draft_steps": S,
-                           "max_new_tokens": e.max_new_tokens, "aux_layer_ids": ids, "preflight": "passed",
-                           "machine_load": machine_load(),            # the report flags speeds of a busy machine
-                           "sampling": {**e.sampling.model_dump(mode="json"), "greedy": e.sampling.greedy,
-                                        "chat_template_kwargs": cfg.generation.chat_template_kwargs},
-                           # the TTT simulation is greedy: no comparison with a sampled tau
-                           "consistency": tau_consistency(report["trained"]["tau"], up, S) if e.sampling.greedy
-                           else None})
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "report.json").write_text(json.dumps(report, indent=2))
-            return {"report": RunLayout(cfg.run_dir).relative(out / "report.json"),     # relative to the run dir
-                    "summary": report, "sampling": report["sampling"],
-                    "serving": e.serving.model_dump(mode="json") if e.serving else None}
+    def target_runner(self) -> TargetRunner:
+        """The target in this process (a speculate.TargetRunner over the draft's aux ids), loaded once per stage
+        however many measurements read it."""
+        if not self.runners:
+            self.runners.append(TargetRunner(load_target(self.cfg.target), self.trained.shape.aux_layer_ids))
+        return self.runners[0]
 
-        cats = [category(r) for r in rows]
-        if not e.sampling.greedy:
-            report = _sampled(cfg, target_runner(), prompts,
-                              {"trained": (trained, None), "untrained": (untrained, subset(e.untrained_prompts))},
-                              eos, log)
-            result = write_report(report)
-            log("eval (sampled replay at temperature " + f"{e.sampling.temperature:g}): " + "; ".join(
-                f"{name} tau " + ", ".join(f"{r['tau']:.2f} ({rule})" for rule, r in report[name]["rules"].items())
-                for name in ("trained", "untrained")))
-            return result
-        if resolved_evaluator(e.evaluator, cfg.features.backend) == "replay":
-            report = _replay(cfg, tok, prompts, cats, {"trained": (trained, None),
-                                                      "untrained": (untrained, subset(e.untrained_prompts))},
-                             eos, log)
-            result = write_report(report)
-            log(f"eval (replay): tau trained {report['trained']['tau']:.2f} (chain), untrained "
-                f"{report['untrained']['tau']:.2f}; by segment " + ", ".join(
-                    f"{k} {v['tau']:.2f}" for k, v in report["trained"]["breakdown"]["segment"].items()))
-            return result
-        runs = {"trained": SpecRun(trained, S)}
-        if e.tree_topk > 1:
-            runs["trained_tree"] = SpecRun(trained, S, e.tree_topk, e.tree_num_draft_tokens, subset(e.tree_prompts))
-        runs["untrained"] = SpecRun(untrained, S, prompt_idx=subset(e.untrained_prompts))
-        t_measure = time.monotonic()
 
-        def progress(done: int, total: int, name: str) -> None:
-            log(f"evaluate: {done} of {total} prompt decodes ({name})"
-                + eta_text(time.monotonic() - t_measure, done, total - done))
-            if on_progress is not None:
-                on_progress(done, total, name)
+def _evaluate(cfg: PipelineConfig, up: dict, log, on_progress) -> dict:
+    """The evaluate stage's body (run_evaluate): the check of sampled settings, the pre-flight, then the evaluator
+    the settings choose (sampled replay, replay, or decode)."""
+    if not cfg.eval.sampling.greedy and cfg.features.backend in SHARDED_BACKENDS:
+        raise ValueError(f"eval.sampling.temperature {cfg.eval.sampling.temperature} with features.backend "
+                         f"{cfg.features.backend!r}: the sampled replay reads the target's probabilities of its "
+                         f"own samples, which needs the target in one process (features.backend 'hf'); set "
+                         f"eval.sampling.temperature 0 for this run")
+    export_dir = RunLayout(cfg.run_dir).stored(up["export_dir"])
+    preflight(export_dir, target_config(cfg))
+    tok = load_tokenizer(cfg.target)
+    rows = prompts_mod.read_rows(RunLayout(cfg.run_dir).prompts_eval)
+    prompts = held_out_prompt_ids(cfg, tok, rows)
+    trained = load_draft(export_dir)
+    untrained, _ = fresh_draft(cfg)
+    eos = set(stop_ids(tok, generation_eos_ids(cfg.target)))        # every id the target stops on
+    held = _Held(cfg, up, tok, rows, prompts, [category(r) for r in rows], trained, untrained, eos, log)
+    if not cfg.eval.sampling.greedy:
+        return _evaluate_sampled(held)
+    if resolved_evaluator(cfg.eval.evaluator, cfg.features.backend) == "replay":
+        return _evaluate_replay(held)
+    return _evaluate_decode(held, on_progress)
 
-        report = measure(target_runner(), runs, prompts, cats, e.max_new_tokens, eos, e.tie_gap,
-                         on_prompt=progress)
-        report["evaluator"] = "decode"
-        result = write_report(report)
-        tree = report.get("trained_tree")
-        log(f"eval: tau trained {report['trained']['tau']:.2f} (chain)"
-            + (f", {tree['tau']:.2f} (tree k={e.tree_topk}, T={e.tree_num_draft_tokens})" if tree else "")
-            + f", untrained {report['untrained']['tau']:.2f}; lossless {report['trained']['lossless']}; simulated "
-            + f"tau {report['consistency']['tau_sim_at_steps']:.2f} over "
-            + f"{report['consistency']['steps_compared']} steps")
-        return result
 
-    return stage_run.run(stage_run.decision(cfg, ROW), body, log=log)
+def _evaluate_sampled(held: _Held) -> dict:
+    """eval.sampling at temperature > 0: both drafts replayed against the target's samples (_sampled), logged."""
+    e = held.cfg.eval
+    report = _sampled(held.cfg, held.target_runner(), held.prompts, held.drafts(), held.eos, held.log)
+    result = _write_report(held, report)
+    held.log("eval (sampled replay at temperature " + f"{e.sampling.temperature:g}): " + "; ".join(
+        f"{name} tau " + ", ".join(f"{r['tau']:.2f} ({rule})" for rule, r in report[name]["rules"].items())
+        for name in ("trained", "untrained")))
+    return result
+
+
+def _evaluate_replay(held: _Held) -> dict:
+    """eval.evaluator 'replay' (greedy): both drafts replayed against the serving engine's outputs (_replay),
+    logged with tau by segment."""
+    report = _replay(held.cfg, held.tok, held.prompts, held.cats, held.drafts(), held.eos, held.log)
+    result = _write_report(held, report)
+    held.log(f"eval (replay): tau trained {report['trained']['tau']:.2f} (chain), untrained "
+             f"{report['untrained']['tau']:.2f}; by segment " + ", ".join(
+                 f"{k} {v['tau']:.2f}" for k, v in report["trained"]["breakdown"]["segment"].items()))
+    return result
+
+
+def _evaluate_decode(held: _Held, on_progress) -> dict:
+    """eval.evaluator 'decode' (greedy): the trained draft as a chain and as a tree (eval.tree_topk > 1), the
+    untrained as a chain, decoded with the target in this process (acceptance.measure); 'n of N' logged with an
+    ETA after each prompt."""
+    e, S, log = held.cfg.eval, held.cfg.eval.num_draft_steps, held.log
+    runs = {"trained": SpecRun(held.trained, S)}
+    if e.tree_topk > 1:
+        runs["trained_tree"] = SpecRun(held.trained, S, e.tree_topk, e.tree_num_draft_tokens,
+                                       held.subset(e.tree_prompts))
+    runs["untrained"] = SpecRun(held.untrained, S, prompt_idx=held.subset(e.untrained_prompts))
+    t_measure = time.monotonic()
+
+    def progress(done: int, total: int, name: str) -> None:
+        log(f"evaluate: {done} of {total} prompt decodes ({name})"
+            + eta_text(time.monotonic() - t_measure, done, total - done))
+        if on_progress is not None:
+            on_progress(done, total, name)
+
+    report = measure(held.target_runner(), runs, held.prompts, held.cats, e.max_new_tokens, held.eos, e.tie_gap,
+                     on_prompt=progress)
+    report["evaluator"] = "decode"
+    result = _write_report(held, report)
+    tree = report.get("trained_tree")
+    log(f"eval: tau trained {report['trained']['tau']:.2f} (chain)"
+        + (f", {tree['tau']:.2f} (tree k={e.tree_topk}, T={e.tree_num_draft_tokens})" if tree else "")
+        + f", untrained {report['untrained']['tau']:.2f}; lossless {report['trained']['lossless']}; simulated "
+        + f"tau {report['consistency']['tau_sim_at_steps']:.2f} over "
+        + f"{report['consistency']['steps_compared']} steps")
+    return result
+
+
+def _write_report(held: _Held, report: dict) -> dict:
+    """`report` (either evaluator's) completed with what both record, the trained draft's sampled replay at the
+    declared serving settings where they differ (`at_serving`), written to eval/report.json; the stage's result."""
+    cfg, e, S = held.cfg, held.cfg.eval, held.cfg.eval.num_draft_steps
+    out = RunLayout(cfg.run_dir).eval
+    if len(e.measured_samplings) > 1:
+        s2 = e.measured_samplings[1]
+        report["at_serving"] = {"sampling": s2.model_dump(mode="json"), **_sampled(
+            cfg, held.target_runner(), held.prompts, {"trained": (held.trained, None)}, held.eos, held.log, s2)}
+    report.update({"eval_ids": [r["id"] for r in held.rows], "num_draft_steps": S,
+                   "max_new_tokens": e.max_new_tokens, "aux_layer_ids": held.trained.shape.aux_layer_ids,
+                   "preflight": "passed",
+                   "machine_load": machine_load(),            # the report flags speeds of a busy machine
+                   "sampling": {**e.sampling.model_dump(mode="json"), "greedy": e.sampling.greedy,
+                                "chat_template_kwargs": cfg.generation.chat_template_kwargs},
+                   # the TTT simulation is greedy: no comparison with a sampled tau
+                   "consistency": tau_consistency(report["trained"]["tau"], held.up, S) if e.sampling.greedy
+                   else None})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    return {"report": RunLayout(cfg.run_dir).relative(out / "report.json"),     # relative to the run dir
+            "summary": report, "sampling": report["sampling"],
+            "serving": e.serving.model_dump(mode="json") if e.serving else None}
 
 
 ROW = Stage("evaluate", evaluate_key, run_evaluate, upstream=("train", "prompts"), older=evaluate_older_keys,
