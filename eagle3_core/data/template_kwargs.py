@@ -20,8 +20,13 @@ from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+
+from jinja2 import meta, nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # what the renderer passes itself (transformers chat_template_utils.render_jinja_template; SGLang and vLLM the same)
 RENDERER_SET = ("messages", "tools", "documents", "add_generation_prompt")
@@ -40,30 +45,34 @@ class TemplateKwargsError(ValueError):
         self.kind = kind
 
 
+class GenerationTag(Extension):
+    """`{% generation %} ... {% endgeneration %}` (transformers' assistant-mask marker) parsed as its body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
 def _environment():
-    from jinja2 import nodes
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationTag(Extension):
-        """`{% generation %} ... {% endgeneration %}` (transformers' assistant-mask marker) parsed as its body."""
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.Scope(body, lineno=lineno)
-
     return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                          extensions=[loopcontrols, GenerationTag])
 
 
 def _alias_source(node) -> str | None:
     """The variable an assigned expression is (`x`, or `x | default(...)`), or None."""
-    from jinja2 import nodes
     while isinstance(node, nodes.Filter) and node.name in ("default", "d"):
         node = node.node
     return node.name if isinstance(node, nodes.Name) else None
+
+
+@dataclass(frozen=True)
+class _Reads:
+    """What a walk of a template's AST found: uses {variable: uses so far} and aliases {assigned variable: the
+    variables it is set from}."""
+    uses: dict[str, set[str]] = field(default_factory=dict)
+    aliases: dict[str, set[str]] = field(default_factory=dict)
 
 
 @lru_cache(maxsize=16)
@@ -71,70 +80,84 @@ def template_variables(template: str) -> dict[str, frozenset[str]]:
     """{variable: uses} for every variable `template` reads without defining it (jinja2.meta), uses a subset of
     {'strict', 'truth', 'value', 'defined'} (module docstring). Raises jinja2.TemplateSyntaxError for a template
     that does not parse."""
-    from jinja2 import meta, nodes
-    env = _environment()
-    ast = env.parse(template)
+    ast = _environment().parse(template)
     free = meta.find_undeclared_variables(ast)
-    uses: dict[str, set[str]] = {}
-    aliases: dict[str, set[str]] = {}
+    reads = _Reads()
+    _visit(ast, "value", reads)
+    _pass_alias_uses(reads)
+    return {name: frozenset(reads.uses.get(name, set())) for name in sorted(free)}
 
-    def visit(node, ctx: str) -> None:
-        if isinstance(node, nodes.Name):
-            if node.ctx == "load":
-                uses.setdefault(node.name, set()).add(ctx)
+
+def _visit(node, ctx: str, reads: _Reads) -> None:
+    """Record in `reads` how `node` and its children use each variable; ctx: the use of `node` itself."""
+    if isinstance(node, nodes.Name):
+        if node.ctx == "load":
+            reads.uses.setdefault(node.name, set()).add(ctx)
+        return
+    if isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name):
+        if (src := _alias_source(node.node)) is not None:
+            reads.aliases.setdefault(node.target.name, set()).add(src)
+            reads.uses.setdefault(src, set())
             return
-        if isinstance(node, nodes.Assign) and isinstance(node.target, nodes.Name):
-            if (src := _alias_source(node.node)) is not None:
-                aliases.setdefault(node.target.name, set()).add(src)
-                uses.setdefault(src, set())
-                return
-        if isinstance(node, (nodes.If, nodes.CondExpr)):
-            visit(node.test, "truth")
-            rest = [n for f in node.fields if f != "test" for n in _children(getattr(node, f))]
-            for child in rest:
-                visit(child, ctx if isinstance(node, nodes.CondExpr) else "value")
-            return
-        if isinstance(node, nodes.Not):
-            visit(node.node, "truth")
-            return
-        if isinstance(node, (nodes.And, nodes.Or)):
-            for child in (node.left, node.right):
-                visit(child, ctx if ctx in ("truth", "strict") else "value")
-            return
-        if isinstance(node, nodes.Test):
-            inner = "strict" if node.name in _STRICT_TESTS else "defined" if node.name in _NEUTRAL_TESTS else "value"
-            visit(node.node, inner)
-            for child in [*node.args, *node.kwargs]:
-                visit(child, "value")
-            return
-        if isinstance(node, nodes.Compare):
-            operands = [node.expr, *(op.expr for op in node.ops)]
-            boolean = any(isinstance(o, nodes.Const) and isinstance(o.value, bool) for o in operands)
-            for child in operands:
-                visit(child, "strict" if boolean else "value")
-            return
-        if isinstance(node, nodes.Filter) and node.name in ("default", "d") and node.node is not None:
-            visit(node.node, ctx)
-            for child in [*node.args, *node.kwargs]:
-                visit(child, "value")
-            return
+    if not _visit_condition(node, ctx, reads) and not _visit_test(node, ctx, reads):
         for child in node.iter_child_nodes():
-            visit(child, "value")
+            _visit(child, "value", reads)
 
-    visit(ast, "value")
+
+def _visit_condition(node, ctx: str, reads: _Reads) -> bool:
+    """_visit of an `if`, a ternary, `not`, `and`/`or`: their operands used as conditions. False for another
+    node."""
+    if isinstance(node, (nodes.If, nodes.CondExpr)):
+        _visit(node.test, "truth", reads)
+        rest = [n for f in node.fields if f != "test" for n in _children(getattr(node, f))]
+        for child in rest:
+            _visit(child, ctx if isinstance(node, nodes.CondExpr) else "value", reads)
+        return True
+    if isinstance(node, nodes.Not):
+        _visit(node.node, "truth", reads)
+        return True
+    if isinstance(node, (nodes.And, nodes.Or)):
+        for child in (node.left, node.right):
+            _visit(child, ctx if ctx in ("truth", "strict") else "value", reads)
+        return True
+    return False
+
+
+def _visit_test(node, ctx: str, reads: _Reads) -> bool:
+    """_visit of a test (`is false`, `is defined`), a comparison or a `default` filter. False for another node."""
+    if isinstance(node, nodes.Test):
+        inner = "strict" if node.name in _STRICT_TESTS else "defined" if node.name in _NEUTRAL_TESTS else "value"
+        _visit(node.node, inner, reads)
+        for child in [*node.args, *node.kwargs]:
+            _visit(child, "value", reads)
+        return True
+    if isinstance(node, nodes.Compare):
+        operands = [node.expr, *(op.expr for op in node.ops)]
+        boolean = any(isinstance(o, nodes.Const) and isinstance(o.value, bool) for o in operands)
+        for child in operands:
+            _visit(child, "strict" if boolean else "value", reads)
+        return True
+    if isinstance(node, nodes.Filter) and node.name in ("default", "d") and node.node is not None:
+        _visit(node.node, ctx, reads)
+        for child in [*node.args, *node.kwargs]:
+            _visit(child, "value", reads)
+        return True
+    return False
+
+
+def _pass_alias_uses(reads: _Reads) -> None:
+    """Let the uses of each alias flow back to what it was set from, until nothing changes."""
     changed = True
-    while changed:                                      # uses flow from an alias back to what it was set from
+    while changed:
         changed = False
-        for target, sources in aliases.items():
+        for target, sources in reads.aliases.items():
             for src in sources:
-                if not uses.get(target, set()) <= uses.setdefault(src, set()):
-                    uses[src] |= uses[target]
+                if not reads.uses.get(target, set()) <= reads.uses.setdefault(src, set()):
+                    reads.uses[src] |= reads.uses[target]
                     changed = True
-    return {name: frozenset(uses.get(name, set())) for name in sorted(free)}
 
 
 def _children(value) -> list:
-    from jinja2 import nodes
     if isinstance(value, nodes.Node):
         return [value]
     if isinstance(value, list):

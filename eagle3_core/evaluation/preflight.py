@@ -21,8 +21,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 
+from eagle3_core.data.vocab_map import check_vocab_map
 from eagle3_core.target.family import (
     NESTED_KEY,
     RULE_FILES,
@@ -55,9 +57,6 @@ def _d2t_problem(d2t, t2d, N: int, V: int | None) -> str | None:
     With t2d, d2t must name exactly t2d's target ids in ascending order (vocab_map.check_vocab_map): a d2t of
     zeros (N < V), of arange (absolute ids read as offsets) or of absolute target ids all contradict it; an
     all-zero d2t is the identity and legal when N == V."""
-    import torch
-
-    from eagle3_core.data.vocab_map import check_vocab_map
     target_ids = torch.arange(N) + d2t
     if V is not None:
         out = ((target_ids < 0) | (target_ids >= V)).nonzero().flatten().tolist()
@@ -122,77 +121,94 @@ def check_draft(draft_dir: Path, target_config) -> list[tuple[str, str]]:
     target_config: the target's transformers config (or a dict with hidden_size, num_hidden_layers, vocab_size,
     max_position_embeddings). Returns [(field, message)]; empty when the draft fits. Never raises on a bad draft.
     """
-    draft_dir = Path(draft_dir)
+    draft, unreadable = _read_draft(Path(draft_dir))
+    if draft is None:
+        return unreadable
+    cfg, shapes, d2t, t2d = draft
+    H_t, L = _target_value(target_config, "hidden_size"), _target_value(target_config, "num_hidden_layers")
+    V, ctx = _target_value(target_config, "vocab_size"), _target_value(target_config, "max_position_embeddings")
+    problems = _architecture_problems(cfg, shapes, H_t)
+    problems += aux_id_problems(cfg, target_config, L)
+    problems += _vocab_problems(cfg, shapes, d2t, t2d, V)
+    draft_ctx = cfg.get("max_position_embeddings")
+    if ctx is not None and (draft_ctx is None or draft_ctx < ctx):
+        problems.append(("max_position_embeddings", f"is {draft_ctx}, smaller than the target's {ctx}: SGLang "
+                         f"refuses to start; set it to the target's context length in config.json"))
+    return problems
+
+
+def _read_draft(draft_dir: Path) -> tuple[tuple | None, list[tuple[str, str]]]:
+    """((config.json as a dict, {weight name: shape}, d2t or None, t2d or None), []) of a draft directory, or
+    (None, [the problem]) where config.json or model.safetensors is missing or config.json is not JSON."""
     cfg_file, weights = draft_dir / "config.json", draft_dir / "model.safetensors"
     if not cfg_file.exists():
-        return [("config.json", f"{cfg_file} not found; give the directory written by the export (draft/export)")]
+        return None, [("config.json", f"{cfg_file} not found; give the directory written by the export "
+                                      f"(draft/export)")]
     try:
         cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
-        return [("config.json", f"{cfg_file} is not valid JSON ({e}); re-export the draft")]
+        return None, [("config.json", f"{cfg_file} is not valid JSON ({e}); re-export the draft")]
     if not weights.exists():
-        return [("model.safetensors", f"{weights} not found; re-export the draft")]
+        return None, [("model.safetensors", f"{weights} not found; re-export the draft")]
     with safe_open(str(weights), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
         d2t = f.get_tensor("d2t") if "d2t" in shapes else None
         t2d = f.get_tensor("t2d") if "t2d" in shapes else None
+    return (cfg, shapes, d2t, t2d), []
 
-    problems: list[tuple[str, str]] = []
 
-    def add(field: str, message: str) -> None:
-        problems.append((field, message))
-    H_t, L = _target_value(target_config, "hidden_size"), _target_value(target_config, "num_hidden_layers")
-    V, ctx = _target_value(target_config, "vocab_size"), _target_value(target_config, "max_position_embeddings")
-
+def _architecture_problems(cfg: dict, shapes: dict, H_t: int | None) -> list[tuple[str, str]]:
+    """The draft's architecture (EAGLE-3, one decoder layer), its target hidden size against the target's H_t,
+    and fc.weight's shape [H, 3*H_t]."""
+    problems = []
     arch = cfg.get("architectures")
     if arch == [EAGLE2_ARCHITECTURE] or "fc.weight" not in shapes:
-        add("architectures", f"this is an EAGLE(-2) draft (architectures {arch}, "
+        problems.append(("architectures", f"this is an EAGLE(-2) draft (architectures {arch}, "
                          f"{'no' if 'fc.weight' not in shapes else 'an'} fc layer), not EAGLE-3: an EAGLE-3 draft has "
                          f"architectures [{ARCHITECTURE!r}] and fc.weight [H, 3*H_t]; export with this project or "
-                         f"serve an EAGLE-2 draft with --speculative-algorithm EAGLE")
+                         f"serve an EAGLE-2 draft with --speculative-algorithm EAGLE"))
     elif arch != [ARCHITECTURE]:
-        add("architectures", f"architectures is {arch}, expected [{ARCHITECTURE!r}] (SGLang picks the "
-                         f"draft model class by this name)")
+        problems.append(("architectures", f"architectures is {arch}, expected [{ARCHITECTURE!r}] (SGLang picks the "
+                         f"draft model class by this name)"))
     if cfg.get("num_hidden_layers", 1) != 1:
-        add("num_hidden_layers", f"is {cfg.get('num_hidden_layers')}; SGLang's "
-                         f"LlamaForCausalLMEagle3 runs exactly one decoder layer")
-
+        problems.append(("num_hidden_layers", f"is {cfg.get('num_hidden_layers')}; SGLang's "
+                         f"LlamaForCausalLMEagle3 runs exactly one decoder layer"))
     H = cfg.get("hidden_size")
     draft_H_t = cfg.get("target_hidden_size", H)
     if draft_H_t != H_t:
-        add("hidden_size", f"the draft expects target hidden size {draft_H_t} (target_hidden_size / "
+        problems.append(("hidden_size", f"the draft expects target hidden size {draft_H_t} (target_hidden_size / "
                          f"hidden_size in config.json) but the target's hidden_size is {H_t}: this draft was trained "
-                         f"for another target")
+                         f"for another target"))
     elif "fc.weight" in shapes and shapes["fc.weight"] != (H, 3 * H_t):
-        add("fc.weight", f"shape {shapes['fc.weight']}, expected [{H}, {3 * H_t}] (= [H, 3*H_t]); "
-                         f"re-export the draft")
+        problems.append(("fc.weight", f"shape {shapes['fc.weight']}, expected [{H}, {3 * H_t}] (= [H, 3*H_t]); "
+                         f"re-export the draft"))
+    return problems
 
-    problems += aux_id_problems(cfg, target_config, L)
 
+def _vocab_problems(cfg: dict, shapes: dict, d2t, t2d, V: int | None) -> list[tuple[str, str]]:
+    """The draft's vocab_size against the target's V, lm_head's rows against draft_vocab_size N, and its d2t
+    (int64 [N] offsets) and t2d (bool [vocab_size]) as model.safetensors holds them (_d2t_problem)."""
+    problems = []
     if cfg.get("vocab_size") != V:
-        add("vocab_size", f"is {cfg.get('vocab_size')}, the target's vocab is {V}: the draft maps its "
-                         f"tokens into another vocabulary (wrong tokenizer or target)")
+        problems.append(("vocab_size", f"is {cfg.get('vocab_size')}, the target's vocab is {V}: the draft maps its "
+                         f"tokens into another vocabulary (wrong tokenizer or target)"))
     N = cfg.get("draft_vocab_size", cfg.get("vocab_size"))
     if "lm_head.weight" in shapes and shapes["lm_head.weight"][0] != N:
-        add("lm_head.weight", f"has {shapes['lm_head.weight'][0]} rows but draft_vocab_size is {N}")
+        problems.append(("lm_head.weight", f"has {shapes['lm_head.weight'][0]} rows but draft_vocab_size is {N}"))
     if d2t is None:
-        add("d2t", "missing from model.safetensors: without it SGLang reads draft ids as target ids "
-                         "and accepts almost nothing; export the draft with its vocab map (d2t)")
+        problems.append(("d2t", "missing from model.safetensors: without it SGLang reads draft ids as target ids "
+                         "and accepts almost nothing; export the draft with its vocab map (d2t)"))
     elif tuple(d2t.shape) != (N,) or d2t.is_floating_point():
-        add("d2t", f"has shape {tuple(d2t.shape)} and dtype {d2t.dtype}, expected int64 [{N}] "
-                         f"(draft_vocab_size offsets)")
+        problems.append(("d2t", f"has shape {tuple(d2t.shape)} and dtype {d2t.dtype}, expected int64 [{N}] "
+                         f"(draft_vocab_size offsets)"))
     else:
         V_d = cfg.get("vocab_size")                       # a V mismatch with the target is reported above
         t2d_ok = t2d is not None and str(t2d.dtype) == "torch.bool" and tuple(t2d.shape) == (V_d,)
         if t2d is not None and not t2d_ok:
-            add("t2d", f"has shape {tuple(t2d.shape)} and dtype {t2d.dtype}, expected bool [{V_d}] (vocab_size)")
+            problems.append(("t2d", f"has shape {tuple(t2d.shape)} and dtype {t2d.dtype}, expected bool [{V_d}] "
+                             f"(vocab_size)"))
         if (msg := _d2t_problem(d2t, t2d if t2d_ok else None, N, V)):
-            add("d2t", msg)
-
-    draft_ctx = cfg.get("max_position_embeddings")
-    if ctx is not None and (draft_ctx is None or draft_ctx < ctx):
-        add("max_position_embeddings", f"is {draft_ctx}, smaller than the target's {ctx}: SGLang "
-                         f"refuses to start; set it to the target's context length in config.json")
+            problems.append(("d2t", msg))
     return problems
 
 

@@ -1,13 +1,20 @@
 """The run report: Markdown and JSON from the stage manifests (what `make demo` prints and publishes)."""
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import re
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.contract.numbers import human_bytes
 from eagle3_core.evaluation.sampling_compare import compare_sampling, tau_by_temperature_markdown
+from eagle3_core.features.on_policy import on_policy_by_source, sources_of
 from eagle3_core.pipeline import report_numbers as nums
+from eagle3_core.pipeline import report_sections as sections
+from eagle3_core.pipeline.nightly import nights_markdown
 from eagle3_core.pipeline.table import STAGES
 
 
@@ -50,9 +57,6 @@ def data_by_source(run_dir: Path, coverage: dict) -> dict[str, dict]:
     are the target's argmax, from the feature store: features.on_policy; None for an online store) and the draft
     vocab's coverage of its supervised tokens (the vocab manifest's `coverage_per_source`; None for a run before
     it)."""
-    import pyarrow.parquet as pq
-
-    from eagle3_core.features.on_policy import on_policy_by_source, sources_of
     layout = RunLayout(run_dir)
     cols = [c for c in ("id", "source", "loss_mask") if c in pq.read_schema(layout.tokenized_train).names]
     rows = pq.read_table(layout.tokenized_train, columns=cols).to_pylist()
@@ -73,7 +77,6 @@ def _on_policy_once(run_dir: Path, compute) -> dict:
     """compute() (the on-policy fraction per source, which opens every feature shard) once per feature store: kept
     in run_dir/report_on_policy.json under the sha256 of features/manifest.json (rewritten whenever a shard is), so
     a report of a no-op rerun opens no shard."""
-    import hashlib
     stamp = hashlib.sha256(RunLayout(run_dir).manifest("features").read_bytes()).hexdigest()
     memo = run_dir / "report_on_policy.json"
     if memo.exists() and (kept := json.loads(memo.read_text())).get("features_manifest_sha256") == stamp:
@@ -95,16 +98,10 @@ def _runs(ev: dict) -> dict[str, dict]:
     return {k: ev[k] for k in RUN_NAMES if k in ev}
 
 
-def _shape(d: dict) -> str:
-    p = d.get("params") or {}
-    if p.get("topk", 1) > 1:
-        return f"tree k={p['topk']}, T={p['num_draft_tokens']}"
-    return f"chain S={p.get('num_steps', '?')}"
-
-
 def write_plots(r: dict, run_dir: Path) -> dict[str, str]:
     """PNG plots of a collected run under run_dir/plots; returns {name: path relative to run_dir}."""
-    from eagle3_core.evaluation.plots import plot_acceptance_per_position, plot_tau, plot_tok_s, run_label
+    from eagle3_core.evaluation.plots import (  # matplotlib, loaded only when plots are drawn
+        plot_acceptance_per_position, plot_tau, plot_tok_s, run_label)
     ev, out = r["eval"], Path(run_dir) / "plots"
     runs = _runs(ev)
     tau_sim = (ev.get("consistency") or {}).get("tau_sim_at_steps")
@@ -124,9 +121,6 @@ def write_plots(r: dict, run_dir: Path) -> dict[str, str]:
 def embed_images(md: str, run_dir: Path) -> str:
     """`md` with each image that names a PNG file under run_dir (`![tau](plots/tau.png)`) embedded as a base64 data
     URI, for viewers that cannot read the run directory (a Prefect artifact). Other images stay as they are."""
-    import base64
-    import re
-
     def embed(m: re.Match) -> str:
         path = Path(run_dir) / m.group(2)
         if m.group(2).startswith(("data:", "http:", "https:")) or not path.is_file():
@@ -172,181 +166,30 @@ def warnings(ev: dict, llama_cpp: dict | None = None) -> list[str]:
 
 def plots_markdown_inline(plots: dict[str, str], run_dir: Path) -> str:
     """The plots as Markdown images with base64 data URIs (a Prefect artifact cannot refer to local files)."""
-    import base64
     return "\n\n".join(f"![{name}](data:image/png;base64,"
                        f"{base64.b64encode((Path(run_dir) / rel).read_bytes()).decode()})"
                        for name, rel in plots.items()) + "\n"
 
 
-def _sampled_table(ev: dict, runs: dict[str, dict]) -> list[str]:
-    """The acceptance table of a sampled replay (evaluate_stage._sampled): tau under each engine's accept rule."""
-    rec, sp = ev.get("recording") or {}, ev.get("sampling") or {}
-    lines = [f"Evaluator: sampled replay (temperature {sp.get('temperature', 0):g}, top_p {sp.get('top_p', 1):g}, "
-             f"top_k {sp.get('top_k', 0) or 'off'}; one trajectory of the target per held-out prompt and seed: "
-             f"{rec.get('prompts', '?')} prompts x seeds {rec.get('seeds', '?')}; intervals over prompts and seeds; "
-             f"lossless by construction, no tok/s: nothing decoded here). Sampled-draft engines accept a drafted "
-             f"token with min(1, p/q); greedy-draft engines (llama.cpp) accept the draft's argmax when the target "
-             f"samples it.", "",
-             "| draft | drafting | prompts | tau, sampled draft | 95% CI | tau, greedy draft | 95% CI |",
-             "|---|---|---|---|---|---|---|"]
-    for name, d in runs.items():
-        a, b = d["rules"]["sampled"], d["rules"]["greedy_draft"]
-        lines.append(f"| {name} | {_shape(d)} | {d.get('prompts', '')} | {a['tau']:.2f} | "
-                     f"{a['tau_ci95'][0]:.2f}-{a['tau_ci95'][1]:.2f} | {b['tau']:.2f} | "
-                     f"{b['tau_ci95'][0]:.2f}-{b['tau_ci95'][1]:.2f} |")
-    return lines + [""]
-
-
-def _replay_table(ev: dict, runs: dict[str, dict]) -> list[str]:
-    """The acceptance table of a replay evaluation, and tau per context length and segment of the trained draft."""
-    if ev.get("evaluator") == "replay_sampled":
-        return _sampled_table(ev, runs)
-    rec = ev.get("recording") or {}
-    lines = [f"Evaluator: replay (the target's greedy outputs on {rec.get('prompts', '?')} held-out prompts from "
-             f"server {rec.get('server', '?')!r}, aux states from features backend "
-             f"{rec.get('features_backend', '?')!r}; lossless by construction, no tok/s: nothing decoded here).", "",
-             "| draft | drafting | prompts | tau | 95% CI | tokens | verify steps |", "|---|---|---|---|---|---|---|"]
-    for name, d in runs.items():
-        lines.append(f"| {name} | {_shape(d)} | {d.get('prompts', '')} | {d['tau']:.2f} | "
-                     f"{d['tau_ci95'][0]:.2f}-{d['tau_ci95'][1]:.2f} | {d['tokens_from_verify']} | "
-                     f"{d['verify_steps']} |")
-    for kind, title in (("length", "context length at the verify step (tokens)"),
-                        ("segment", "segment of the verify step's root token")):
-        rows = (ev["trained"].get("breakdown") or {}).get(kind) or {}
-        lines += ["", f"tau of the trained draft by {title} (95% CI):", "", "| | tau | 95% CI | verify steps |",
-                  "|---|---|---|---|"]
-        lines += [f"| {k} | {v['tau']:.2f} | {v['tau_ci95'][0]:.2f}-{v['tau_ci95'][1]:.2f} | {v['verify_steps']} |"
-                  for k, v in rows.items()]
-    return lines + [""]
-
-
-def _at(ev: dict) -> str:
-    """How the evaluation sampled: 'greedy' or 'temperature 0.7' (eval manifests before eval.sampling: greedy)."""
-    t = (ev.get("sampling") or {}).get("temperature", 0.0)
-    return "greedy" if t == 0 else f"temperature {t:g}"
-
-
 def markdown(r: dict) -> str:
+    """The run report in Markdown from report.collect's numbers (plots: write_plots' paths under "plots"), one
+    section after another (report_sections)."""
     ev = r["eval"]
-    base = ev.get("baseline")
     before = nums.before_training_label(r)
-    tr = ev["trained"]
     runs = {(before if k == "untrained" else k): d for k, d in _runs(ev).items()}
     flags = (r.get("speed") or {}).get("flags") or {}
-    lines = [
-        "# EAGLE-3 draft report", "",
-        f"- run: `{r['run_dir']}`; draft (SGLang format): `{r['draft_dir']}`",
-        (f"- data: {r['train_prompts']} train prompts ({r['samples']} samples, {r['tokens']} tokens, "
-        f"{r['loss_tokens']} supervised), {r['eval_prompts']} held-out prompts; regenerated by {r['server']}"),
-        nums.headline(r),
-        (f"- aux layers {r['aux_layer_ids']}; features {human_bytes(r['feature_bytes_per_token'])} per token; "
-        f"draft vocab {r['draft_vocab_size']} (covers {r['vocab_coverage']:.1%} of supervised tokens)"),
-        (f"- best epoch {r['best_epoch']['epoch']} (simulated tau {r['best_epoch']['tau_sim']:.2f}); pre-flight "
-        f"check of the draft against the target: {ev.get('preflight', 'not run')}"),
-        *nums.by_source_markdown(r.get("by_source") or {}), "",
-        (f"## Acceptance length (offline, {_at(ev)}, {ev['num_draft_steps']} draft steps per verify step, "
-        f"{ev['max_new_tokens']} new tokens per prompt)"), "",
-        ("| draft | drafting | prompts | tau | 95% CI | tokens | verify steps | tok/s | target-only tok/s (same "
-        "prompts) | speed-up | lossless (equal/near-tie/mismatch) |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    if base is None:                                                   # eval.evaluator 'replay'
-        lines = lines[:-2] + _replay_table(ev, runs)
-    for name, d in runs.items() if base is not None else ():
-        ll = d["lossless"]
-        lines.append(f"| {name} | {_shape(d)} | {d.get('prompts', '')} | {d['tau']:.2f} | "
-                     f"{d['tau_ci95'][0]:.2f}-{d['tau_ci95'][1]:.2f} | {d['tokens_from_verify']} | "
-                     f"{d['verify_steps']} | {d['tokens_per_s']:.1f} | "
-                     f"{d.get('baseline_tokens_per_s', base['tokens_per_s']):.1f} | {d['speedup']:.2f}x"
-                     f"{' (loaded)' if 'offline' in flags else ''} | "
-                     f"{ll['equal']}/{ll['near_tie']}/{ll['mismatch']} |")
-    if base is not None:
-        lines += [(f"| none (target only) | | {base.get('prompts', '')} | 1.00 | | {base['tokens']} | "
-                  f"{base['target_forward_calls']} | {base['tokens_per_s']:.1f} | | 1.00x | |"), ""]
-    if "offline" in flags:
-        lines += [f"**Loaded machine**: {flags['offline']}: these tok/s and speed-ups are not the draft's; measure "
-                  "again on a quiet machine (refresh the evaluate stage).", ""]
-    for name, d in runs.items():
-        lines.append(f"Acceptance per draft position ({name}, {_shape(d)}): "
-                     + ", ".join(f"{i + 1}: {a:.2f}" for i, a in enumerate(d["accept_per_position"])))
-    cats = sorted({c for d in runs.values() for c in d.get("per_category", {})})
-    if cats:
-        lines += ["", "tau per prompt category (95% CI):", "", "| category | " + " | ".join(runs) + " |",
-                  "|---|" + "---|" * len(runs)]
-        for c in cats:
-            cells = []
-            for d in runs.values():
-                pc = d.get("per_category", {}).get(c)
-                cells.append(f"{pc['tau']:.2f} ({pc['tau_ci95'][0]:.2f}-{pc['tau_ci95'][1]:.2f}, "
-                             f"{pc['prompts']} prompts)" if pc else "")
-            lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    warned = warnings(ev, r.get("llama_cpp"))
-    cons = ev.get("consistency")
-    if cons:
-        lo, hi = tr["tau_ci95"]
-        lines += ["", (f"Simulated vs measured: measured tau {cons['tau_measured']:.2f} (95% interval {lo:.2f}-"
-                       f"{hi:.2f}) vs simulated {cons['tau_sim_at_steps']:.2f} over {cons['steps_compared']} draft "
-                       f"steps ({cons['relative_gap']:+.0%}, simulated on "
-                       f"{'held-out' if cons['metrics_from'] == 'eval' else 'training'} samples).")]
-    models = {n: d["speedup_model"] for n, d in runs.items() if d.get("speedup_model")}
-    if models:
-        lines += ["", "## Speed-up model (eagle3_core/evaluation/speedup.py, step times measured here, one stream)", "",
-                  ("| draft | target step (ms) | draft per cycle (ms) | verify (ms) | other (ms) | tau | tau expected "
-                   "from acceptance | break-even tau | predicted tok/s | measured tok/s | predicted speed-up | "
-                   "measured speed-up |"), "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for name, m in models.items():
-            lines.append(f"| {name} | {1e3 * m['t_target_s']:.1f} | {1e3 * m['t_draft_s']:.1f} | "
-                         f"{1e3 * m['t_verify_s']:.1f} | {1e3 * m['t_other_s']:.1f} | {m['tau']:.2f} | "
-                         f"{m['tau_expected']:.2f} | {m['break_even_tau']:.2f} | {m['spec_tokens_per_s']:.1f} | "
-                         f"{m['measured_tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['measured_speedup']:.2f}x |")
-        lines += ["", "Predicted tok/s = tau / (draft + verify + other per cycle); break-even tau = that cycle time "
-                  "/ target step time. On a GPU server the verify forward of a batch costs more than a decode step, "
-                  "so measure the break-even at the concurrency you serve."]
+    lines = sections.summary_lines(r) + sections.acceptance_lines(ev, runs, flags)
+    lines += sections.category_lines(runs) + sections.consistency_lines(ev) + sections.speedup_model_lines(runs)
     for name, rel in (r.get("plots") or {}).items():
         lines += ["", f"![{name}]({rel})"]
-    lc = r.get("llama_cpp")
-    if lc:
-        ll = lc["lossless"]
-        lines += ["", (f"## Deployed on llama.cpp (`--spec-type draft-eagle3`, {lc['num_draft_steps']} draft tokens, "
-                  f"greedy, one stream, same held-out prompts)"), "",
-                  "| | tau | 95% CI | tokens | tok/s | vs baseline | lossless (equal/near-tie/mismatch) |",
-                  "|---|---|---|---|---|---|---|",
-                  (f"| EAGLE-3 draft | {lc['tau']:.2f} | {lc['tau_ci95'][0]:.2f}-{lc['tau_ci95'][1]:.2f} | "
-                  f"{lc['tokens']} | {lc['tokens_per_s']:.1f} | {lc['speedup']:.2f}x | "
-                  f"{ll['equal']}/{ll['near_tie']}/{ll['mismatch']} |"),
-                  f"| no draft | 1.00 | | | {lc['baseline_tokens_per_s']:.1f} | 1.00x | |", "",
-                  *([f"**Loaded machine**: {flags['llama_cpp']}: this speed-up is not the engine's.", ""]
-                    if "llama_cpp" in flags else []),
-                  (f"llama.cpp tau / offline tau = {lc['tau'] / tr['tau']:.3f}; draft acceptance rate "
-                  f"{lc['acceptance_rate']:.2f} ({lc['draft_n_accepted']} of {lc['draft_n']} drafted).")]
-        lines += [f"\n**Warning**: {w}." for w in lc.get("warnings", [])]
-    sg = r.get("sglang")
-    if sg:
-        lines += ["", "## Deployed on SGLang (`--speculative-algorithm EAGLE3`)", "", sg["summary"], "",
-                  "| concurrency | baseline tok/s | EAGLE3 tok/s | speed-up | tau | break-even tau |",
-                  "|---|---|---|---|---|---|"]
-        for p in sg["per_level"]:
-            tau = "-" if p["tau"] is None else f"{p['tau']:.2f}"
-            even = "-" if p.get("break_even_tau") is None else f"{p['break_even_tau']:.2f}"
-            lines.append(f"| {p['concurrency']} | {p['baseline_tok_s']:.1f} | {p['eagle3_tok_s']:.1f} | "
-                         f"{p['speedup']:.2f}x | {tau} | {even} |")
-        lines += [f"\n**Warning**: {w}" for w in sg["warnings"]]
-    if warned:
-        lines += [""] + [f"**Warning**: {w}." for w in warned]
-    elif (n := nums.too_few_prompts(ev)):
-        lines += ["", f"No warnings: {n} held-out prompts are too few for the checks of tau (at least "
-                  f"{nums.MIN_PROMPTS_FOR_WARNINGS})."]
-    lines += tau_by_temperature_markdown(ev, lc)
+    lines += sections.llama_cpp_lines(r.get("llama_cpp"), ev["trained"], flags)
+    lines += sections.sglang_lines(r.get("sglang"))
+    lines += sections.warning_lines(ev, warnings(ev, r.get("llama_cpp")))
+    lines += tau_by_temperature_markdown(ev, r.get("llama_cpp"))
     if r.get("sampling"):
         lines += sampling_markdown(r["sampling"])
-    from eagle3_core.pipeline.nightly import nights_markdown
     lines += nights_markdown(Path(r["run_dir"]))
-    secs = r["stage_seconds"]
-    total = sum(v for v in secs.values() if not isinstance(v, str))
-    lines += ["", "## Wall time per stage (s; skipped: done before this run)", "",
-              "| " + " | ".join(secs) + " | total |", "|" + "---|" * (len(secs) + 1),
-              "| " + " | ".join(str(v) for v in secs.values()) + f" | {total:.1f} |"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + sections.stage_time_lines(r["stage_seconds"])) + "\n"
 
 
 def sampling_markdown(sp: dict) -> list[str]:

@@ -23,7 +23,9 @@ import re
 
 import torch
 
+from eagle3_core.target.family import text_config
 from eagle3_core.target.int4_experts import GROUP
+from eagle3_core.target.loading import auto_model_class, distributed_config
 
 # styles that split a parameter over the ranks (transformers/distributed/tensor_parallel.py and expert_parallel.py
 # register them); any other style keeps the parameter whole: counting it whole can only over-estimate
@@ -40,7 +42,6 @@ _META: dict[tuple[str, bool], torch.nn.Module] = {}          # the last few meta
 def meta_model(tcfg, trust_remote_code: bool = False) -> torch.nn.Module:
     """The target's model class built from its config on the meta device (shapes only, no memory; ~5 s for
     Kimi-K2.5 on 2 cores, so the last 4 are kept, keyed by the config's JSON). Treat it as read-only."""
-    from eagle3_core.target.loading import auto_model_class
     key = (tcfg.to_json_string(use_diff=False), trust_remote_code)
     if key not in _META:
         with torch.device("meta"):
@@ -59,7 +60,6 @@ def param_bytes_per_rank(model: torch.nn.Module, tp_size: int, expert_parallel: 
     params = dict(model.named_parameters())
     if tp_size == 1:
         return BYTES_PER_PARAM * sum(p.numel() for p in params.values())
-    from eagle3_core.target.loading import distributed_config
     tp_plan, ep_plan, _ = model._resolve_parallel_plans(distributed_config(tp_size, tp_size if expert_parallel else 1))
     total = 0
     for name, p in params.items():
@@ -278,7 +278,6 @@ def backend_facts(cfg, tcfg, gpus: tuple[int, int] | None) -> tuple[dict, list[t
     the smallest backend and size that fit one GPU (`needs`). Problems, each naming the field to change: the
     chosen backend and size do not fit (with the backend that would), heads or experts not divisible by the size,
     'ep_int4' on a checkpoint without quantized experts."""
-    from eagle3_core.target.family import text_config
     f, t = cfg.features, text_config(tcfg)
     model = meta_model(tcfg, cfg.target.trust_remote_code)
     q = quantization(tcfg)
@@ -313,14 +312,7 @@ def backend_facts(cfg, tcfg, gpus: tuple[int, int] | None) -> tuple[dict, list[t
         problems += [("features.tp_size", m + ": the tensor-parallel plan splits whole heads")
                      for m in head_divisibility(t, f.tp_size)]
     if f.backend == "ep_int4":
-        if not stored["experts_quantized"]:
-            problems.append(("features.backend", "'ep_int4' keeps routed experts as the checkpoint stores them, "
-                             "but this checkpoint's experts are not quantized (no quantization_config targets "
-                             "them): use 'hf_tp' (or 'hf' where the target fits one GPU)"))
-        elif _uneven(t, f.tp_size):
-            problems.append(("features.tp_size", f"{f.tp_size} must divide the {_experts(t)} routed experts "
-                             f"(each rank holds whole experts)"))
-        problems += ep_int4_scheme_problems(model, q)
+        problems += _ep_int4_problems(f, t, model, q, stored)
     if budget is not None and chosen is not None and chosen > budget and f.backend != "hf":
         problems.append(("features.backend" if int4 and f.backend == "hf_tp" else "features.tp_size",
                          f"{chosen / 1e9:.1f} GB of weights per GPU with backend {f.backend!r} at tp_size "
@@ -329,6 +321,20 @@ def backend_facts(cfg, tcfg, gpus: tuple[int, int] | None) -> tuple[dict, list[t
     if gpus and f.tp_size > gpus[0]:
         facts["hosts"] = f"tp_size {f.tp_size} > {gpus[0]} GPUs here: torchrun over several hosts (nnodes)"
     return facts, problems
+
+
+def _ep_int4_problems(f, t, model: torch.nn.Module, q: dict | None, stored: dict) -> list[tuple[str, str]]:
+    """(field, message) for backend 'ep_int4' on this checkpoint: experts not quantized, tp_size not dividing the
+    routed experts, a quantization scheme it cannot keep (ep_int4_scheme_problems)."""
+    problems = []
+    if not stored["experts_quantized"]:
+        problems.append(("features.backend", "'ep_int4' keeps routed experts as the checkpoint stores them, "
+                         "but this checkpoint's experts are not quantized (no quantization_config targets "
+                         "them): use 'hf_tp' (or 'hf' where the target fits one GPU)"))
+    elif _uneven(t, f.tp_size):
+        problems.append(("features.tp_size", f"{f.tp_size} must divide the {_experts(t)} routed experts "
+                         f"(each rank holds whole experts)"))
+    return problems + ep_int4_scheme_problems(model, q)
 
 
 def _uneven(t, w: int) -> bool:
