@@ -296,17 +296,19 @@ def test_a_non_finite_loss_in_a_later_micro_batch_is_named_and_the_weights_stay(
 
 
 def test_the_training_loop_reads_the_device_once_per_optimizer_step(tmp_path, monkeypatch):
-    """trainer.train's own code turns tensors into host values (a device synchronisation on a GPU) once per
-    optimizer step, however many micro-batches it accumulates: the G token counts it reads are host tensors of the
-    batch feed, and the rest (gradient norm, mean loss, each micro-batch's finiteness) is one read."""
+    """trainer.train's own code (training.trainer and its step, training.optimizer_step) turns tensors into host
+    values (a device synchronisation on a GPU) once per optimizer step, however many micro-batches it accumulates:
+    the G token counts it reads are host tensors of the batch feed, and the rest (gradient norm, mean loss, each
+    micro-batch's finiteness) is one read."""
     import sys as _sys
+    from eagle3_core.training import optimizer_step as step_mod
     from eagle3_core.training import trainer as trainer_mod
-    reads = []
+    reads, loop_files = [], {trainer_mod.__file__, step_mod.__file__}
     for name in ("__bool__", "__int__", "__float__", "item", "tolist"):
         original = getattr(torch.Tensor, name)
 
         def counted(self, *args, _original=original, _name=name, **kwargs):
-            if _sys._getframe(1).f_code.co_filename == trainer_mod.__file__:
+            if _sys._getframe(1).f_code.co_filename in loop_files:
                 reads.append(_name)
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, counted)

@@ -17,6 +17,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -220,23 +221,57 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
               "hidden_size": extractor.hidden_size, "target": target, "target_id": target_id,
               "samples": len(rows), "store_key": store_key}
     plan = shard_plan(rows, shard_samples, ids, store_format, target_id, previous.get("shards", []))
+    selected = _selected_shards(plan, only_shards, len(rows), shard_samples)
+    done = _kept_entries(out_dir, plan, previous, selected, ids, store_format, target_id, log)
+    todo = [(f, part, key) for f, part, key in plan if f in selected and f not in done]
+    if todo:
+        refuse_mixed_backends(list(done.values()), previous, backend, mix_backends, out_dir)
+    _remove_stale_files(out_dir, done, selected, only_shards)
+    t0 = time.monotonic()
+    record = _StoreRecord(out_dir / "manifest.json", header, len(plan), done)
+    if not todo:
+        log(f"features: all {len(selected)} shards asked for in {out_dir} are complete; nothing to extract")
+    by_file = {file: key for file, _, key in todo}
+    extracted_tokens = write_shards(
+        extractor, [(out_dir / f, part) for f, part, _ in todo], store_format, batch_tokens, writer_threads,
+        lambda path, sha, nbytes, part: record.add(shard_entry(path, sha, nbytes, part, by_file[path.name], backend)))
+    seconds = time.monotonic() - t0
+    manifest = record.publish({"shards_extracted": len(todo), "seconds": seconds,
+                               "tokens_per_s": extracted_tokens / seconds if todo else None})
+    if only_shards is None and not manifest["complete"]:
+        raise RuntimeError(f"features: {out_dir} is missing shards after extraction; rerun to finish it")
+    return manifest
+
+
+def _selected_shards(plan: list[tuple[str, list[dict], str]], only_shards: set[int] | None, n_rows: int,
+                     shard_samples: int) -> set[str]:
+    """File names of the plan's shards this call extracts (all, or the indices `only_shards`); ValueError for an
+    index out of range."""
     if only_shards is not None and (outside := sorted(set(only_shards) - set(range(len(plan))))):
-        raise ValueError(f"features: shard indices {outside} are out of range: {len(rows)} rows make {len(plan)} "
+        raise ValueError(f"features: shard indices {outside} are out of range: {n_rows} rows make {len(plan)} "
                          f"shards of {shard_samples} samples")
-    selected = {plan[i][0] for i in (range(len(plan)) if only_shards is None else only_shards)}
+    return {plan[i][0] for i in (range(len(plan)) if only_shards is None else only_shards)}
+
+
+def _kept_entries(out_dir: Path, plan: list[tuple[str, list[dict], str]], previous: dict, selected: set[str],
+                  aux_layer_ids: list[int], store_format: str, target_id: str, log) -> dict:
+    """{file: entry} of the earlier manifest's shards that hold their planned content (entry_holds), each with
+    its backend; the selected ones only if intact (bad_shards; the others are logged and extracted again), the
+    others unverified: their own extraction (or a full run) checks them."""
     prev = {s["file"]: {**s, "backend": shard_backend(s, previous)} for s in previous.get("shards", [])}
     candidates = [prev[f] for f, part, key in plan
-                  if f in prev and entry_holds(out_dir, prev[f], part, ids, store_format, target_id, key)]
-    # shards outside only_shards keep their entries unverified: their own extraction (or a full run) checks them
+                  if f in prev and entry_holds(out_dir, prev[f], part, aux_layer_ids, store_format, target_id, key)]
     bad = set(bad_shards(out_dir, [e for e in candidates if e["file"] in selected]))
     done = {e["file"]: e for e in candidates if e["file"] not in bad}
     if bad:
         log(f"features: {len(bad)} shard(s) failed their checksum or are missing, extracting again: {sorted(bad)}")
-    todo = [(f, part, key) for f, part, key in plan if f in selected and f not in done]
-    if todo:
-        refuse_mixed_backends(list(done.values()), previous, backend, mix_backends, out_dir)
+    return done
 
-    def ours(name: str) -> bool:                  # a file this call may replace: a selected shard or a leftover tmp
+
+def _remove_stale_files(out_dir: Path, done: dict, selected: set[str], only_shards: set[int] | None) -> None:
+    """Delete the shard files and leftover `.shard_*.tmp*` files this call may replace (a selected shard's, or any
+    tmp file on a full run) that are not kept in `done`."""
+    def ours(name: str) -> bool:
         if name.startswith("."):
             return only_shards is None or name[1:].split(".tmp")[0] in selected
         return name in selected
@@ -245,33 +280,29 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
         if stale.name not in done and ours(stale.name):
             stale.unlink(missing_ok=True)
 
-    lock, t0 = threading.Lock(), time.monotonic()
 
-    def publish(extra: dict | None = None) -> dict:
-        shards = sorted(done.values(), key=lambda e: e["file"])
+@dataclass(frozen=True)
+class _StoreRecord:
+    """The store's manifest.json (`path`) while shards are extracted: `header` plus the finished shards `done`
+    ({file: entry}) out of `n_shards` planned, rewritten by write_record after every shard (add runs on the
+    writer threads, hence the lock)."""
+    path: Path
+    header: dict
+    n_shards: int
+    done: dict
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def publish(self, extra: dict | None = None) -> dict:
+        shards = sorted(self.done.values(), key=lambda e: e["file"])
         n_tok, n_bytes = sum(s["tokens"] for s in shards), sum(s["bytes"] for s in shards)
-        return write_record(out_dir / "manifest.json", {
-            **header, "shards": shards, "complete": len(shards) == len(plan), "tokens": n_tok, "bytes": n_bytes,
-            "bytes_per_token": n_bytes / max(n_tok, 1), **(extra or {})})
+        return write_record(self.path, {
+            **self.header, "shards": shards, "complete": len(shards) == self.n_shards, "tokens": n_tok,
+            "bytes": n_bytes, "bytes_per_token": n_bytes / max(n_tok, 1), **(extra or {})})
 
-    if not todo:
-        log(f"features: all {len(selected)} shards asked for in {out_dir} are complete; nothing to extract")
-    by_file = {file: key for file, _, key in todo}
-
-    def record(path: Path, sha: str, nbytes: int, part: list[dict]) -> None:
-        entry = shard_entry(path, sha, nbytes, part, by_file[path.name], backend)
-        with lock:
-            done[path.name] = entry
-            publish()
-
-    extracted_tokens = write_shards(extractor, [(out_dir / f, part) for f, part, _ in todo], store_format,
-                                    batch_tokens, writer_threads, record)
-    seconds = time.monotonic() - t0
-    manifest = publish({"shards_extracted": len(todo), "seconds": seconds,
-                        "tokens_per_s": extracted_tokens / seconds if todo else None})
-    if only_shards is None and not manifest["complete"]:
-        raise RuntimeError(f"features: {out_dir} is missing shards after extraction; rerun to finish it")
-    return manifest
+    def add(self, entry: dict) -> None:
+        with self.lock:
+            self.done[entry["file"]] = entry
+            self.publish()
 
 
 # ---- reading: one interface for every format ---------------------------------------------------------------

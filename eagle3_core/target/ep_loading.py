@@ -29,6 +29,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from eagle3_core.config import TargetConfig
@@ -121,15 +122,38 @@ def load_int4_target(cfg: TargetConfig, device: str | torch.device = "cpu", rank
 
     Raises ValueError naming config.json's quantization_config field for experts of another scheme than the one
     packing it implements (target.memory.ep_int4_scheme_problems), the checkpoint file and key for routed experts
-    that are not pack-quantized INT4
-    (bf16 `.weight` experts: use backend 'hf_tp'), a weight_shape that is not the config's, and for weights the
-    checkpoint lacks; ValueError for sizes that do not split over `world`."""
-    from safetensors import safe_open
+    that are not pack-quantized INT4 (bf16 `.weight` experts: use backend 'hf_tp'), a weight_shape that is not the
+    config's, and for weights the checkpoint lacks; ValueError for sizes that do not split over `world`."""
     if dtype is None:
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     if group is None and world > 1:
         group = torch.distributed.group.WORLD
     path = Path(local_model_dir(cfg))
+    model = _meta_model(cfg, path, dtype)
+    t = text_config(model.config)
+    slices, experts = _shard(model, rank, world, group, shard_attention)
+    dec = decoder(model)
+    model.to_empty(device=device)
+    # the rotary embedding's inv_freq is a non-persistent buffer computed at init: built again here, not loaded
+    dec.rotary_emb = type(dec.rotary_emb)(config=t).to(device)
+    targets = _checkpoint_targets(model, dec)
+    wanted_experts = {(i, e, m, s) for i, ex in experts.items()
+                      for e in range(ex.first, ex.first + ex.num_local)
+                      for m in ("gate_proj", "up_proj", "down_proj")
+                      for s in ("weight_packed", "weight_scale")}
+    loaded = _read_checkpoint(path, targets, slices, experts, t, rank)
+    missing = sorted(set(targets) - loaded) + sorted(f"layers.{i}.mlp.experts.{e}.{m}.{s}"
+                                                     for i, e, m, s in wanted_experts - loaded)
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks {len(missing)} weights this rank needs, e.g. {missing[:5]}")
+    model.eval().requires_grad_(False)
+    return model
+
+
+def _meta_model(cfg: TargetConfig, path: Path, dtype: torch.dtype):
+    """The transformers model of `cfg` on the meta device, its quantization_config dropped (the experts are this
+    module's, not compressed-tensors modules); ValueError naming path/config.json if the experts' scheme is not the
+    one Int4Experts implements (checked before any weight is read)."""
     tcfg = load_target_config(cfg)
     q = quantization(tcfg)
     for c in {id(tcfg): tcfg, id(text_config(tcfg)): text_config(tcfg)}.values():
@@ -140,12 +164,13 @@ def load_int4_target(cfg: TargetConfig, device: str | torch.device = "cpu", rank
                                                                trust_remote_code=cfg.trust_remote_code)
     if (problems := ep_int4_scheme_problems(model, q)):               # before any weight is read
         raise ValueError(f"{path / 'config.json'}: {problems[0][1]}")
-    t = text_config(model.config)
-    slices, experts = _shard(model, rank, world, group, shard_attention)
-    dec = decoder(model)
-    model.to_empty(device=device)
-    # the rotary embedding's inv_freq is a non-persistent buffer computed at init: built again here, not loaded
-    dec.rotary_emb = type(dec.rotary_emb)(config=t).to(device)
+    return model
+
+
+def _checkpoint_targets(model, dec) -> dict:
+    """{checkpoint name relative to the decoder (`layers.3.self_attn.o_proj.weight`, `lm_head.weight`): parameter
+    or buffer to fill} of everything but the routed experts (RowParallel's `.linear.` dropped from the name; the
+    rotary buffers, built at init, left out)."""
     targets = {n: p for n, p in [*dec.named_parameters(), *dec.named_buffers()] if ".mlp.experts." not in n}
     lm = model.get_output_embeddings()
     if lm is not None and lm.weight is not dec.embed_tokens.weight:
@@ -153,10 +178,14 @@ def load_int4_target(cfg: TargetConfig, device: str | torch.device = "cpu", rank
     targets = {re.sub(r"\.(o_proj|down_proj)\.linear\.", r".\1.", n): p for n, p in targets.items()}
     targets.pop("rotary_emb.inv_freq", None)
     targets.pop("rotary_emb.original_inv_freq", None)
-    loaded, wanted_experts = set(), {(i, e, m, s) for i, ex in experts.items()
-                                     for e in range(ex.first, ex.first + ex.num_local)
-                                     for m in ("gate_proj", "up_proj", "down_proj")
-                                     for s in ("weight_packed", "weight_scale")}
+    return targets
+
+
+def _read_checkpoint(path: Path, targets: dict, slices: dict, experts: dict, t, rank: int) -> set:
+    """Copy this rank's part of every text-model tensor of the checkpoint at `path` into `targets` (sliced by
+    `slices`) and `experts` ({layer: Int4Experts}); skips other towers and multi-token-prediction layers. Returns the
+    names and (layer, expert, matrix, tensor) tuples loaded."""
+    loaded = set()
     with torch.no_grad():
         for file in _checkpoint_files(path):
             with safe_open(file, framework="pt") as f:
@@ -174,12 +203,7 @@ def load_int4_target(cfg: TargetConfig, device: str | torch.device = "cpu", rank
                         continue
                     _copy(targets[name], f, key, slices.get(name), rank)
                     loaded.add(name)
-    missing = sorted(set(targets) - loaded) + sorted(f"layers.{i}.mlp.experts.{e}.{m}.{s}"
-                                                     for i, e, m, s in wanted_experts - loaded)
-    if missing:
-        raise ValueError(f"{path}: the checkpoint lacks {len(missing)} weights this rank needs, e.g. {missing[:5]}")
-    model.eval().requires_grad_(False)
-    return model
+    return loaded
 
 
 def _copy(param: torch.Tensor, f, key: str, spec, rank: int) -> None:

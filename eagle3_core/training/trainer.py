@@ -1,15 +1,15 @@
 """The one draft training loop, for one process or W data-parallel ranks (torchrun): AdamW, warmup + cosine, grad
 clipping, gradient accumulation, bf16 autocast on GPU (fp32 on CPU), token-budget batches, eval on the held-out
 split each epoch, best export by simulated tau, TensorBoard scalars, and atomic checkpoints every
-`checkpoint_every` optimizer steps that resume mid-epoch to the same bits. Read `train` top to bottom; the
-data-parallel parts (rank slicing, zero-weight pads, no_sync, all-reduces, rank-0 writes) sit behind
+`checkpoint_every` optimizer steps that resume mid-epoch to the same bits. Read `train` top to bottom (one
+optimizer step: training.optimizer_step; the epoch end: _end_epoch); the data-parallel parts (rank slicing, zero-weight pads, no_sync, all-reduces, rank-0 writes) sit behind
 distributed.data_parallel.DataParallel, the identity on one process.
 
 Legend: W ranks, G = cfg.grad_accum micro-batches per rank per optimizer step, K TTT steps, V target vocab,
 N draft vocab, H_t target hidden size.
 
 Recipe defaults follow SpecForge / EAGLE (SpecForge `scripts/train_eagle3.py`, EAGLE `train/main.py`): AdamW betas (0.9, 0.95), grad clip 0.5.
-Resumable state (checkpoint.save_training_state, the keys written in `train` and read in restore_training_state):
+Resumable state (checkpoint.save_training_state, the keys written in `_checkpoint` and read in restore_training_state):
 weights, optimizer, scheduler, epoch, position in the epoch's batch order (the order is a pure function of (seed,
 epoch, sample lengths)), optimizer steps, metric sums and tokens of the epoch so far (all ranks), best score,
 history and RNG states (rank 0's), and the resume key (checkpoint.resume_key: resolved batching, batch tokens,
@@ -22,6 +22,7 @@ import inspect
 import json
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,16 +30,7 @@ from torch import nn
 
 from eagle3_core.config import TrainConfig
 from eagle3_core.distributed.data_parallel import DataParallel
-from eagle3_core.training.batch_feed import (
-    batch_items,
-    device_feed,
-    epoch_batches,
-    item_ids,
-    nonfinite_loss_advice,
-    make_batch,
-    packed,
-    to_device,
-)
+from eagle3_core.training.batch_feed import batch_items, device_feed, epoch_batches, make_batch, packed, to_device
 from eagle3_core.contract.compat import checkpoint_fingerprint_v4
 from eagle3_core.contract.numbers import checkpoint_place, eta_text
 from eagle3_core.training.checkpoint import (
@@ -51,15 +43,11 @@ from eagle3_core.training.checkpoint import (
     set_rng_states,
 )
 from eagle3_core.training.draft_model import Eagle3Draft
+from eagle3_core.training.optimizer_step import TrainRun, autocast, optimizer_step
 from eagle3_core.training.packing import compiled, compiled_training, packed_ttt_loss
 from eagle3_core.training.setup import lr_lambda, prepare_training, resolve_device
 from eagle3_core.training.stopping import MIN_EVAL_TOKENS, PlateauRule, eval_tokens
 from eagle3_core.training.ttt import POSITION_LOSSES, summarize, ttt_loss
-
-
-def _autocast(device: torch.device):
-    """bf16 autocast on GPU; plain fp32 on CPU (bf16 matmuls there are slow and only add rounding)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 class TTTLoss(nn.Module):
@@ -99,7 +87,7 @@ def _evaluate(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tensor,
     total, loss_of = None, TTTLoss(draft, head_draft, cfg)
     for host in device_feed(lambda item: make_batch(samples, item, cfg, pack),
                             dp.shard(batch_items(samples, cfg, pack, cfg.seed)), device):
-        with _autocast(device):
+        with autocast(device):
             _, stats = loss_of(to_device(host, device))
         stats["loss"] = stats["loss"] * stats["n"]          # weight batch means by their counts
         total = stats if total is None else {k: total[k] + stats[k] for k in stats}
@@ -154,34 +142,80 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
           stop_after_steps: int | None = None, on_step=None, tensorboard: bool = True, on_epoch=None) -> dict:
     """Train `draft` in place on cfg.device; resume from the newest checkpoint in out_dir/checkpoints.
 
-    One process, or every rank of an initialised torch.distributed process group (torchrun; cfg.device 'auto' or 'cuda'
-    is then this rank's cuda:LOCAL_RANK, see resolve_device). W ranks with grad_accum G take the optimizer steps of one
-    process with grad_accum W*G (distributed/data_parallel.py says why) and write checkpoints with the same keys and
-    resume key, so a run resumes on another world size with the same global batch. Every rank passes the same
-    samples (read lazily: a rank touches only its micro-batches) and the same seeded draft; rank 0 alone logs and
-    writes files.
+    One process, or every rank of an initialised torch.distributed process group (torchrun; cfg.device 'auto' or
+    'cuda' is then this rank's cuda:LOCAL_RANK, see resolve_device). W ranks with grad_accum G take the optimizer
+    steps of one process with grad_accum W*G (distributed/data_parallel.py says why) and write checkpoints with the
+    same keys and resume key, so a run resumes on another world size with the same global batch. Every rank passes
+    the same samples (read lazily: a rank touches only its micro-batches) and the same seeded draft; rank 0 alone
+    logs and writes files.
 
     target_lm_head [V, H_t] fp32. Writes out_dir/last (and out_dir/best, chosen by eval tau_sim, or train tau_sim
     without eval samples) as SGLang draft directories at each epoch end, resumable checkpoints every
     cfg.checkpoint_every optimizer steps and at each epoch end (the newest cfg.keep_checkpoints kept), and
     TensorBoard scalars under out_dir/tensorboard unless `tensorboard` is False (hosts without the package).
     Raises FloatingPointError on every rank, naming epoch, step and batch, on a non-finite loss (any rank) or
-    gradient norm, before that step changes the weights or anything is saved; ValueError naming the field if the
-    checkpoint was written for other batches (checkpoint.check_resume: resolved batching, batch tokens, W*G, seed,
-    window context, samples). `stop_after_epochs` / `stop_after_steps` end this call after
-    that many epochs / optimizer steps (time-boxed runs, resume tests); calling again resumes. `on_step(step, loss)`
+    gradient norm, before that step changes the weights or anything is saved (optimizer_step); ValueError naming
+    the field if the checkpoint was written for other batches (checkpoint.check_resume: resolved batching, batch
+    tokens, W*G, seed, window context, samples). `stop_after_epochs` / `stop_after_steps` end this call after that
+    many epochs / optimizer steps (time-boxed runs, resume tests); calling again resumes. `on_step(step, loss)`
     runs on every rank after each optimizer step (loss: the step's mean micro-batch loss over all ranks);
     `on_epoch(epochs_done, epochs)` on rank 0 after each epoch, its out_dir/last written (progress bars, snapshots).
     Batches: packed rows (cfg.batching; 'auto' on CUDA) or padded ones (epoch_batches); where kernels are compiled,
     the run is inside packing.compiled_training (packed: dynamo fails rather than run flex attention unfused).
-    Epochs count from 1 wherever a user reads them (log lines, errors, history, best); a checkpoint keeps the 0-based
-    index of the epoch it continues. Returns {'best', 'history', 'steps', 'step_losses' (each optimizer step of this call, as for on_step), 'tokens'
-    (real tokens trained on by this rank in this call), 'best_dir', 'last_dir'}.
+    Epochs count from 1 wherever a user reads them (log lines, errors, history, best); a checkpoint keeps the
+    0-based index of the epoch it continues. Returns {'best', 'history', 'steps', 'step_losses' (each optimizer step
+    of this call, as for on_step), 'tokens' (real tokens trained on by this rank in this call), 'best_dir',
+    'last_dir', 'stopping' (the plateau rule's summary, or None)}.
     """
+    run, prog, epoch0, batch0 = _start(draft, train_samples, target_lm_head, cfg, Path(out_dir), log, tensorboard)
+    t0, group_size = time.monotonic(), cfg.grad_accum * run.dp.world      # batches per step, over all ranks
+    end_epoch = run.epochs if stop_after_epochs is None else min(run.epochs, epoch0 + stop_after_epochs)
+    for epoch in range(epoch0, end_epoch):
+        if run.rule is not None and run.rule.stop(epoch):               # resumed after the rule's last epoch
+            break
+        epoch_t0 = time.monotonic()
+        draft.train()
+        batches = epoch_batches(train_samples, cfg, epoch, run.pack)
+        plan = [(g0, run.dp.micro_batches(batches[g0:g0 + group_size], cfg.grad_accum))   # one optimizer step each
+                for g0 in range(batch0 if epoch == epoch0 else 0, len(batches), group_size)]
+        feed = device_feed(lambda item: make_batch(train_samples, item, cfg, run.pack),   # CUDA: made ahead
+                           [ids or batches[g0] for g0, micro in plan for ids in micro], run.device)
+        for g0, micro in plan:
+            mean, gnorm, prog.sums, tokens = optimizer_step(run, feed, micro, prog.sums, epoch, prog.step, g0,
+                                                            len(batches[g0:g0 + group_size]))
+            _record_step(run, prog, mean, gnorm, tokens, on_step)
+            if prog.step % cfg.checkpoint_every == 0 and g0 + group_size < len(batches):
+                _checkpoint(run, prog, epoch, g0 + group_size)
+            if stop_after_steps is not None and prog.steps_this_call >= stop_after_steps:
+                return _finish(run, prog)
+        if _end_epoch(run, prog, epoch, epoch0, epoch_t0, t0, eval_samples, on_epoch):
+            break
+    return _finish(run, prog)
+
+
+@dataclass
+class _Progress:
+    """What a train() call changes as it goes: optimizer steps done, this epoch's metric sums (per-step tensors,
+    loss weighted by counts; None before its first batch) and tokens, best {'tau_sim', 'epoch'}, history (one dict
+    per epoch), this call's step losses, tokens of this rank and steps."""
+    step: int
+    sums: dict | None
+    n_tokens: int
+    best: dict
+    history: list
+    step_losses: list = field(default_factory=list)
+    my_tokens: int = 0
+    steps_this_call: int = 0
+
+
+def _start(draft: Eagle3Draft, train_samples: list[dict], target_lm_head: torch.Tensor, cfg: TrainConfig,
+           out_dir: Path, log, tensorboard: bool) -> tuple[TrainRun, _Progress, int, int]:
+    """The optimizer, schedule, resume key and plateau rule of a train() call, its progress restored from the
+    newest checkpoint (or a fresh start), the DDP wrap and TensorBoard writer. Returns (run, progress, epoch,
+    batch) to continue from."""
     dp = DataParallel.from_process_group()
     say = log if dp.is_main else (lambda s: None)
-    ranks = f" on {dp.world} ranks" if dp.world > 1 else ""
-    out_dir, device = Path(out_dir), resolve_device(cfg)
+    device = resolve_device(cfg)
     head_draft, opt = prepare_training(draft, target_lm_head, cfg, device)
     pack = packed(cfg, device)
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -196,8 +230,25 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
                                               else (lambda s: lr_lambda(s, total_steps, warmup)))
     resume = resume_key(train_samples, "packed" if pack else "padded", cfg.batch_tokens, group_size, cfg.seed,
                         cfg.context_tokens() if pack else None)
+    resumed, prog, epoch0, batch0 = _resume(draft, train_samples, cfg, out_dir, opt, sched, rule, resume, dp, say,
+                                            device)
+    model = dp.wrap(TTTLoss(draft, head_draft, cfg), device)      # DDP broadcasts rank 0's weights here
+    tb = None
+    if dp.is_main and tensorboard:
+        from torch.utils.tensorboard import SummaryWriter  # optional heavy dependency (tensorboard)
+        tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=prog.step if resumed else None)
+    return (TrainRun(draft, head_draft, model, params, opt, sched, cfg, dp, device, pack, train_samples, out_dir,
+                     rule, resume, tb, say, epochs), prog, epoch0, batch0)
 
-    # --- resume: the newest complete checkpoint (written for the same batches), or a fresh start
+
+def _resume(draft: Eagle3Draft, train_samples: list[dict], cfg: TrainConfig, out_dir: Path, opt, sched,
+            rule: PlateauRule | None, resume: dict, dp: DataParallel, say, device: torch.device) -> tuple:
+    """The newest complete checkpoint under out_dir written for the same batches (check_resume: ValueError naming
+    the field otherwise) loaded into draft, optimizer, scheduler, rule and RNGs, or a fresh start. Returns
+    (resumed, progress, epoch, batch); on ranks > 0 the progress holds no epoch sums or tokens (rank 0 carries the
+    restored ones, which are of all ranks)."""
+    ranks = f" on {dp.world} ranks" if dp.world > 1 else ""
+    group_size, pack = cfg.grad_accum * dp.world, packed(cfg, device)
     state, path = load_latest_training_state(out_dir, say)
     if state is not None:
         check_resume(state, resume, path, lambda: checkpoint_fingerprint_v4(train_samples, cfg, group_size, pack))
@@ -210,151 +261,91 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
         best, history = {"tau_sim": -1.0, "epoch": -1}, []
     if not dp.is_main:             # restored epoch sums and tokens are of all ranks: rank 0 alone carries them on
         sums, n_tokens = None, 0
-    model = dp.wrap(TTTLoss(draft, head_draft, cfg), device)      # DDP broadcasts rank 0's weights here
+    return state is not None, _Progress(step, sums, n_tokens, best, history), epoch0, batch0
 
-    def checkpoint(epoch: int, batch: int) -> None:
-        """Everything needed to continue at batch `batch` of epoch `epoch` with the same bits. Every rank joins
-        (sums and tokens are added over ranks); rank 0 writes. Rank 0 runs the first micro-batch of every step,
-        so its `sums` is None exactly at an epoch boundary."""
-        all_sums, tokens = dp.sum_stats(sums, cfg.ttt_length), dp.sum_int(n_tokens)
+
+def _record_step(run: TrainRun, prog: _Progress, mean: float, gnorm: float, tokens: int, on_step) -> None:
+    """Record one optimizer step: its loss, tokens, TensorBoard scalars (loss, grad norm, lr), then on_step."""
+    prog.n_tokens, prog.my_tokens = prog.n_tokens + tokens, prog.my_tokens + tokens
+    prog.step_losses.append(mean)
+    if run.tb:
+        run.tb.add_scalar("train/loss", prog.step_losses[-1], prog.step)
+        run.tb.add_scalar("train/grad_norm", gnorm, prog.step)
+        run.tb.add_scalar("train/lr", run.sched.get_last_lr()[0], prog.step)
+    prog.step += 1
+    prog.steps_this_call += 1
+    if on_step is not None:
+        on_step(prog.step, prog.step_losses[-1])
+
+
+def _checkpoint(run: TrainRun, prog: _Progress, epoch: int, batch: int) -> None:
+    """Everything needed to continue at batch `batch` of epoch `epoch` with the same bits. Every rank joins (sums
+    and tokens are added over ranks); rank 0 writes. Rank 0 runs the first micro-batch of every step, so its
+    `sums` is None exactly at an epoch boundary."""
+    dp, sums = run.dp, prog.sums
+    all_sums, tokens = dp.sum_stats(sums, run.cfg.ttt_length), dp.sum_int(prog.n_tokens)
+    if dp.is_main:
+        save_training_state(run.out_dir, {
+            "model": run.draft.state_dict(), "optimizer": run.opt.state_dict(), "scheduler": run.sched.state_dict(),
+            "epoch": epoch, "batch": batch, "step": prog.step, "resume": run.resume, "tokens": tokens,
+            "sums": {k: v.cpu() for k, v in all_sums.items()} if sums is not None else {},
+            "best": prog.best, "history": json.dumps(prog.history), "rng": rng_states(),
+            "stopping": run.rule.state_dict() if run.rule else {}}, prog.step, run.cfg.keep_checkpoints)
+    run.say(f"train: checkpoint step {prog.step} ({checkpoint_place(epoch, batch)})")
+
+
+def _end_epoch(run: TrainRun, prog: _Progress, epoch: int, epoch0: int, epoch_t0: float, t0: float,
+               eval_samples: list[dict], on_epoch) -> bool:
+    """Epoch end: metrics over all ranks, eval, history, the plateau rule's update, export of out_dir/last (and
+    best), a checkpoint at the start of the next epoch. Returns True where the plateau rule stops the run."""
+    dp, rule, say, epochs = run.dp, run.rule, run.say, run.epochs
+    epoch_sums = {k: v.cpu() for k, v in dp.sum_stats(prog.sums, run.cfg.ttt_length).items()}
+    epoch_sums["loss"] = epoch_sums["loss"] / epoch_sums["n"].clamp(min=1)
+    train_m = summarize(epoch_sums)
+    eval_m = evaluate_ttt(run.draft, eval_samples, run.head_draft, run.cfg, dp) if eval_samples else None
+    score = (eval_m or train_m)["tau_sim"]
+    prog.history.append({"epoch": epoch + 1, "train": train_m, "eval": eval_m, "tokens": dp.sum_int(prog.n_tokens),
+                         "seconds": time.monotonic() - t0, "lr": run.sched.get_last_lr()[0]})
+    decaying = rule is not None and rule.decay_start is not None
+    if rule is not None:        # the ranks' mean seconds: every rank decides the same (scores are all-reduced)
+        secs = dp.sum(torch.tensor([time.monotonic() - epoch_t0], dtype=torch.float64, device=run.device))
+        rule.update(epoch + 1, score, float(secs[0]) / dp.world)
+    if run.tb:
+        _epoch_scalars(run.tb, prog.step, train_m, eval_m)
+    elapsed = time.monotonic() - t0
+    say(f"train: epoch {epoch + 1} of {'at most ' if rule else ''}{epochs}: loss {sum(train_m['loss']):.3f} acc_0 "
+        f"{train_m['acc'][0]:.3f} tau_sim {train_m['tau_sim']:.2f}"
+        + (f" eval tau_sim {eval_m['tau_sim']:.2f}" if eval_m else "")
+        + f" ({elapsed:.0f} s" + eta_text(elapsed, epoch + 1 - epoch0, epochs - epoch - 1)
+        + (f", {dp.world} ranks)" if dp.world > 1 else ")"))
+    if dp.is_main:
+        save_draft(run.draft, run.out_dir / "last")
+        if on_epoch is not None:
+            on_epoch(epoch + 1, epochs)
+    if score > prog.best["tau_sim"]:
+        prog.best = {"tau_sim": score, "epoch": epoch + 1}
         if dp.is_main:
-            save_training_state(out_dir, {
-                "model": draft.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "epoch": epoch, "batch": batch, "step": step, "resume": resume, "tokens": tokens,
-                "sums": {k: v.cpu() for k, v in all_sums.items()} if sums is not None else {},
-                "best": best, "history": json.dumps(history), "rng": rng_states(),
-                "stopping": rule.state_dict() if rule else {}}, step, cfg.keep_checkpoints)
-        say(f"train: checkpoint step {step} ({checkpoint_place(epoch, batch)})")
-
-    tb = None
-    if dp.is_main and tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-        tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=step if state is not None else None)
-
-    def finish() -> dict:
-        if tb:
-            tb.close()
-        dp.barrier()                                          # rank 0's files exist when any rank returns
-        return {"best": best, "history": history, "steps": step, "step_losses": step_losses, "tokens": my_tokens,
-                "best_dir": str(out_dir / "best"), "last_dir": str(out_dir / "last"),
-                "stopping": rule.summary() if rule else None}
-
-    t0, step_losses, my_tokens, steps_this_call = time.monotonic(), [], 0, 0
-    end_epoch = epochs if stop_after_epochs is None else min(epochs, epoch0 + stop_after_epochs)
-    for epoch in range(epoch0, end_epoch):
-        if rule is not None and rule.stop(epoch):               # resumed after the rule's last epoch
-            break
-        epoch_t0 = time.monotonic()
-        draft.train()
-        batches = epoch_batches(train_samples, cfg, epoch, pack)
-        plan = [(g0, dp.micro_batches(batches[g0:g0 + group_size], cfg.grad_accum))       # one optimizer step each
-                for g0 in range(batch0 if epoch == epoch0 else 0, len(batches), group_size)]
-        feed = device_feed(lambda item: make_batch(train_samples, item, cfg, pack),   # CUDA: made ahead
-                           [ids or batches[g0] for g0, micro in plan for ids in micro], device)
-        for g0, micro in plan:
-            group = batches[g0:g0 + group_size]
-            # [sum of micro-batch losses, count, then per micro-batch: 1 where its loss is not finite] over all
-            # ranks, and this rank's flags: read with the gradient norm in the step's one host sync (a check per
-            # micro-batch would stop the host between every forward and its backward)
-            loss_sum = torch.zeros(2 + len(micro), dtype=torch.float64, device=device)
-            mine, losses = torch.zeros(len(micro), dtype=torch.float64, device=device), []
-            for m, batch_ids in enumerate(micro):
-                real = batch_ids is not None                               # None: a zero-weight pad (W > 1)
-                host = next(feed)
-                batch = to_device(host, device)
-                with dp.sync_gradients(model, last=m + 1 == len(micro)):   # all-reduce on the last one only
-                    with _autocast(device):
-                        loss, stats = model(batch)
-                    (loss / cfg.grad_accum if real else loss * 0.0).backward()
-                losses.append(loss.detach())
-                if real:
-                    stats["loss"] = stats["loss"] * stats["n"]      # weight batch means by their counts
-                    sums = stats if sums is None else {k: sums[k] + stats[k] for k in stats}
-                    tokens = int(host["valid"].sum())                 # on the host: no device sync
-                    n_tokens, my_tokens = n_tokens + tokens, my_tokens + tokens
-                    loss_sum[:2] += torch.stack([loss.detach().double(), loss.new_ones((), dtype=torch.float64)])
-                    mine[m] = (~torch.isfinite(loss.detach())).double()
-            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)   # the same on every rank: grads synced
-            loss_sum[2:] = mine
-            loss_sum = dp.sum(loss_sum)
-            gnorm, mean, *flags = torch.cat([gnorm.double()[None], (loss_sum[0] / loss_sum[1])[None], loss_sum[2:],
-                                             mine]).tolist()                  # the step's one host sync
-            if any(flags):                                     # every rank stops at this step, before opt.step
-                raise _nonfinite_loss(flags[len(micro):], micro, losses, epoch, step, g0, dp, cfg, train_samples,
-                                      pack)
-            if not math.isfinite(gnorm):
-                raise FloatingPointError(f"non-finite gradient norm at epoch {epoch + 1}, step {step} (batches "
-                                         f"{g0}..{g0 + len(group) - 1}); lower train.lr or check the features "
-                                         f"of this step's samples")
-            opt.step()                                 # queued: the host goes on to the next batch meanwhile
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            step_losses.append(mean)
-            if tb:
-                tb.add_scalar("train/loss", step_losses[-1], step)
-                tb.add_scalar("train/grad_norm", gnorm, step)
-                tb.add_scalar("train/lr", sched.get_last_lr()[0], step)
-            step += 1
-            steps_this_call += 1
-            if on_step is not None:
-                on_step(step, step_losses[-1])
-            if step % cfg.checkpoint_every == 0 and g0 + group_size < len(batches):
-                checkpoint(epoch, g0 + group_size)
-            if stop_after_steps is not None and steps_this_call >= stop_after_steps:
-                return finish()
-        # --- epoch end: metrics over all ranks, eval, export, a checkpoint at the start of the next epoch
-        epoch_sums = {k: v.cpu() for k, v in dp.sum_stats(sums, cfg.ttt_length).items()}
-        epoch_sums["loss"] = epoch_sums["loss"] / epoch_sums["n"].clamp(min=1)
-        train_m = summarize(epoch_sums)
-        eval_m = evaluate_ttt(draft, eval_samples, head_draft, cfg, dp) if eval_samples else None
-        score = (eval_m or train_m)["tau_sim"]
-        history.append({"epoch": epoch + 1, "train": train_m, "eval": eval_m, "tokens": dp.sum_int(n_tokens),
-                        "seconds": time.monotonic() - t0, "lr": sched.get_last_lr()[0]})
-        decaying = rule is not None and rule.decay_start is not None
-        if rule is not None:        # the ranks' mean seconds: every rank decides the same (scores are all-reduced)
-            secs = dp.sum(torch.tensor([time.monotonic() - epoch_t0], dtype=torch.float64, device=device))
-            rule.update(epoch + 1, score, float(secs[0]) / dp.world)
-        if tb:
-            _epoch_scalars(tb, step, train_m, eval_m)
-        elapsed = time.monotonic() - t0
-        say(f"train: epoch {epoch + 1} of {'at most ' if rule else ''}{epochs}: loss {sum(train_m['loss']):.3f} acc_0 "
-            f"{train_m['acc'][0]:.3f} tau_sim {train_m['tau_sim']:.2f}"
-            + (f" eval tau_sim {eval_m['tau_sim']:.2f}" if eval_m else "")
-            + f" ({elapsed:.0f} s" + eta_text(elapsed, epoch + 1 - epoch0, epochs - epoch - 1)
-            + (f", {dp.world} ranks)" if dp.world > 1 else ")"))
-        if dp.is_main:
-            save_draft(draft, out_dir / "last")
-            if on_epoch is not None:
-                on_epoch(epoch + 1, epochs)
-        if score > best["tau_sim"]:
-            best = {"tau_sim": score, "epoch": epoch + 1}
-            if dp.is_main:
-                save_draft(draft, out_dir / "best")
-        if rule is not None and not decaying and rule.decay_start is not None:
-            say(f"train: {rule.reason} after epoch {epoch + 1} (smoothed eval tau_sim {rule.smoothed:.3f}): "
-                f"learning-rate decay over {rule.decay_epochs} epoch(s)")
-        sums, n_tokens = None, 0
-        checkpoint(epoch + 1, 0)
-        if rule is not None and rule.stop(epoch + 1):
-            say(f"train: stopped after epoch {epoch + 1} by the plateau rule ({rule.reason}); best epoch "
-                f"{best['epoch']}")
-            break
-    return finish()
+            save_draft(run.draft, run.out_dir / "best")
+    if rule is not None and not decaying and rule.decay_start is not None:
+        say(f"train: {rule.reason} after epoch {epoch + 1} (smoothed eval tau_sim {rule.smoothed:.3f}): "
+            f"learning-rate decay over {rule.decay_epochs} epoch(s)")
+    prog.sums, prog.n_tokens = None, 0
+    _checkpoint(run, prog, epoch + 1, 0)
+    if rule is not None and rule.stop(epoch + 1):
+        say(f"train: stopped after epoch {epoch + 1} by the plateau rule ({rule.reason}); best epoch "
+            f"{prog.best['epoch']}")
+        return True
+    return False
 
 
-def _nonfinite_loss(mine: list[float], micro: list, losses: list, epoch: int, step: int, g0: int, dp, cfg,
-                    train_samples: list[dict], pack: bool) -> FloatingPointError:
-    """The error of a step with a non-finite micro-batch loss on some rank: on the rank that had it, naming epoch,
-    step, batch, rank and samples with nonfinite_loss_advice; elsewhere, pointing to that rank's error.
-    mine: this rank's flags per micro-batch (1.0: non-finite); losses: its micro-batch losses."""
-    m = next((i for i, bad in enumerate(mine) if bad), None)
-    if m is None:
-        return FloatingPointError(f"non-finite loss on another rank at epoch {epoch + 1}, step {step}; see its error")
-    where = (f"epoch {epoch + 1}, step {step}, batch {g0 + dp.rank * cfg.grad_accum + m}"
-             + (f", rank {dp.rank}" if dp.world > 1 else "")
-             + f" (samples {item_ids(train_samples, micro[m] or [], pack)[:4]}...)")
-    return FloatingPointError(f"non-finite loss {losses[m].item()} at {where}: "
-                              f"{nonfinite_loss_advice(train_samples, micro[m], pack, cfg.lr)}")
+def _finish(run: TrainRun, prog: _Progress) -> dict:
+    """Close TensorBoard, wait for rank 0's files, and return train()'s result."""
+    if run.tb:
+        run.tb.close()
+    run.dp.barrier()                                          # rank 0's files exist when any rank returns
+    return {"best": prog.best, "history": prog.history, "steps": prog.step, "step_losses": prog.step_losses,
+            "tokens": prog.my_tokens, "best_dir": str(run.out_dir / "best"), "last_dir": str(run.out_dir / "last"),
+            "stopping": run.rule.summary() if run.rule else None}
 
 
 def _epoch_scalars(tb, step: int, train_m: dict, eval_m: dict | None) -> None:
