@@ -314,3 +314,21 @@ def test_every_dotted_name_in_docstrings_and_docs_exists():
                       and not re.search(r"\.(py|json|jsonl|md|safetensors|parquet|gguf|txt|png|toml)$", ref)
                       and not _resolves(ref, modules)})
     assert not missing, f"dotted names that name nothing (fix them to the module that holds it now): {missing}"
+
+
+MAX_FUNCTION_LINES = 60
+# product functions allowed past MAX_FUNCTION_LINES, each with its reason (none: split them where their steps are)
+LONG_FUNCTIONS: dict[str, str] = {}
+
+
+def test_no_product_function_is_over_60_lines():
+    """Every function in eagle3_core, from `def` to its last line (a nested function counts in its parent and
+    alone), is at most MAX_FUNCTION_LINES lines, except LONG_FUNCTIONS (named with their reason)."""
+    functions = [(p, n) for p in _py_files("eagle3_core") for n in ast.walk(ast.parse(p.read_text()))
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    long = {f"{p.relative_to(ROOT)}:{n.name}": n.end_lineno - n.lineno + 1 for p, n in functions
+            if n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES}
+    unexplained = {k: v for k, v in long.items() if k not in LONG_FUNCTIONS}
+    assert not unexplained, (f"functions over {MAX_FUNCTION_LINES} lines (split them where their steps are, or "
+                             f"name them in LONG_FUNCTIONS with the reason): {unexplained}")
+    assert not set(LONG_FUNCTIONS) - set(long), f"LONG_FUNCTIONS names short ones: {set(LONG_FUNCTIONS) - set(long)}"
