@@ -536,6 +536,7 @@ def test_vllm_completions_request_and_response_fields():
         parse_response("vllm", old, "http://h:8000")
 
 
+@pytest.mark.slow
 def test_a_lower_num_train_inside_the_first_shard_sends_nothing_and_loses_no_answer(server, tmp_path):
     """10 GSM8K prompts answered in shards of 4 (4 + 4 + 2) by llama-server. A night asking for 3 ends inside
     shard 0: it is rewritten for its first 3 rows from its own answers (no request sent) and a copy of it kept in

@@ -80,7 +80,8 @@ def held_files(out: Path, key: str) -> list[Path]:
 def hold_other_rows(path: Path, key: str, rows: dict[str, tuple[int, str]]) -> Path | None:
     """Copy shard file `path` to `held/` (named by its content's digest) if it was written for inputs `key` and
     holds answers to rows other than `rows` (id -> (index, prompt digest)): rewriting it for `rows` would drop
-    them. Returns the copy (None: nothing to hold)."""
+    them. Returns the copy (None: nothing to hold). Held files are never deleted (shards run side by side read
+    them; they hold only answer text)."""
     if not path.exists() or _file_key(path) != key or "prompt_sha256" not in pq.read_schema(path).names:
         return None
     t = pq.read_table(path, columns=["id", "prompt_sha256"])
@@ -92,14 +93,6 @@ def hold_other_rows(path: Path, key: str, rows: dict[str, tuple[int, str]]) -> P
         shutil.copyfile(path, copy.with_suffix(".tmp"))
         copy.with_suffix(".tmp").replace(copy)
     return copy
-
-
-def release_held(out: Path, key: str, answered: set[str]) -> None:
-    """Delete the held answer files whose every row is among `answered` (a finished shard's ids): their answers
-    live in that shard now."""
-    for f in held_files(out, key):
-        if set(pq.read_table(f, columns=["id"])["id"].to_pylist()) <= answered:
-            f.unlink()
 
 
 class AnswerShardWriter:
@@ -208,6 +201,5 @@ class AnswerShardWriter:
             f"shard {self.k}: {record['answered']} answered + {record['failed']} failed != {self.prompts} prompts")
         write_manifest(self.record_path, record)
         shutil.rmtree(self.partial, ignore_errors=True)
-        release_held(self.out, self.key, set(table["id"].to_pylist()))
         self.finalized = True
         return record
