@@ -21,7 +21,7 @@ from safetensors.torch import save
 
 from eagle3_core.contract.manifest import write_atomic
 from eagle3_core.features import shard_writer
-from eagle3_core.training.ttt import shift_left, supervised, trim_start
+from eagle3_core.training.ttt import count_step, shift_left, supervised, trim_start
 
 
 class SoftCrossEntropy(torch.autograd.Function):
@@ -83,14 +83,7 @@ def reference_ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_
         m_loss = m_step & shift_left(in_vocab, 1 + k, False)[:, s0:]
         loss_k = soft_cross_entropy(logits, p_target[:, 1 + k + s0:1 + k + T], m_loss)
         total = total + (step_weight ** k) * loss_k
-        with torch.no_grad():
-            pred = draft.draft_to_target(logits.argmax(-1))
-            right = (pred == shift_left(top1, 1 + k)[:, s0:]) & m_step
-            chain = right if chain is None else chain & right
-            stats["n"].append(m_step.sum())
-            stats["correct"].append(right.sum())
-            stats["chain"].append(chain.sum())
-            stats["loss"].append(loss_k.detach())
+        chain = count_step(stats, draft, logits, top1, k, s0, m_step, chain, loss_k)   # the same counts
     return total, {k: torch.stack(v) for k, v in stats.items()}
 
 

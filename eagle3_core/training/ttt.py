@@ -235,11 +235,11 @@ def ttt_loss(draft, batch: dict, target_head_draft: torch.Tensor, ttt_length: in
         loss_k = position_loss(logits, z[:, 1 + k + s0:1 + k + T],                       # teacher z_{t+1+k}: views
                                z_lse[:, 1 + k + s0:1 + k + T], weight)
         total = total + (step_weight ** k) * loss_k
-        chain = _count_step(stats, draft, logits, top1, k, s0, m_step, chain, loss_k)
+        chain = count_step(stats, draft, logits, top1, k, s0, m_step, chain, loss_k)
     return total, {k: torch.stack(v) for k, v in stats.items()}
 
 
-def _count_step(stats: dict, draft, logits: torch.Tensor, top1: torch.Tensor, k: int, s0: int, m_step: torch.Tensor,
+def count_step(stats: dict, draft, logits: torch.Tensor, top1: torch.Tensor, k: int, s0: int, m_step: torch.Tensor,
                 chain: torch.Tensor | None, loss_k: torch.Tensor) -> torch.Tensor:
     """Append TTT step k's counts to `stats` without gradients: supervised positions ('n'), draft argmax equal to
     the target's top1 ('correct'), right at every step so far ('chain'), and its loss. logits [B, Tq, N] from index
