@@ -110,7 +110,7 @@ class AnswerShardWriter:
         self.path, self.record_path = out / shard_name(k), out / f"shard_{k:05d}.json"
         self.partial = out / "partial" / f"shard_{k:05d}"
         self.partial.mkdir(parents=True, exist_ok=True)
-        self.held_copy = hold_other_rows(self.path, key, rows)
+        hold_other_rows(self.path, key, rows)
         self.done_ids: set[str] = set()
         for f in self._files() + held_files(out, key):
             if _file_key(f) != key or "prompt_sha256" not in pq.read_schema(f).names:
