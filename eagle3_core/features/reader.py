@@ -137,7 +137,7 @@ def load_samples(store_dir: Path, verify: bool = True, target_model=None,
     if fmt == "online":
         if target_model is None:
             target_model = loading.load_target(TargetConfig(**manifest["target"]),
-                                       "cuda" if torch.cuda.is_available() else "cpu")
+                                               "cuda" if torch.cuda.is_available() else "cpu")
         source = _OnlineSource(HFExtractor(target_model, manifest["aux_layer_ids"]))
     else:
         source = _ShardSource(store_dir, fmt, widen=not keep_dtype)

@@ -30,7 +30,7 @@ def load_sglang(cfg: PipelineConfig, device: str, log=print) -> SGLangExtractor:
     the head read from the checkpoint on rank 0 only. `device`: ignored (each rank takes cuda:LOCAL_RANK, as
     SGLang's gpu_id). Raises ValueError if the world size is not features.tp_size, for a GGUF target, or for aux
     ids the layer-id rule cannot express; what SGLang raises (no GPU, weights that do not fit)."""
-    from eagle3_core.features.sglang_runner import Runner
+    from eagle3_core.features.sglang_runner import Runner  # optional: imports SGLang, in its own environment only
     f, t, rank, world = cfg.features, cfg.target, dist.get_rank(), dist.get_world_size()
     if world != f.tp_size:
         raise ValueError(f"features.tp_size = {f.tp_size} but torchrun started {world} processes; launch with "
