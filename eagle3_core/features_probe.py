@@ -32,12 +32,18 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 from eagle3_core.config import PipelineConfig, config_or_preset
 from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.manifest import read_manifest, sha256_json, write_manifest
+from eagle3_core.features.reader import load_samples
+from eagle3_core.pipeline.features_stage import run_features
 
 TOLERANCE = {"aux_rel": 0.02, "final_rel": 0.02, "argmax_agree": 0.98}
 PROBE_DIR = "features_probe"
@@ -46,10 +52,6 @@ PROBE_DIR = "features_probe"
 def probe_run(cfg: PipelineConfig, backend: str, rows: list[dict]) -> PipelineConfig:
     """The config of `backend`'s probe run: features_probe/<backend>/ under the run directory with `rows` as its
     tokenized data (written here; the same rows leave a finished store done), bf16, no import."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from eagle3_core.contract.manifest import sha256_json, write_manifest
     f = cfg.features
     par = {"tp_size": 1, "expert_parallel": False} if backend == "hf" else {}
     sub = cfg.model_copy(update={"run_dir": Path(cfg.run_dir) / PROBE_DIR / backend, "features": f.model_copy(
@@ -72,8 +74,6 @@ def compare(dir_a: Path, dir_b: Path) -> dict:
     """Backend a against backend b on two stores of the same samples: {'aux': [{layer, rel, worst_token}] per aux
     layer, 'final': {rel, worst_token}, 'argmax_agree', 'tokens', 'ok'} (ok: every measure within TOLERANCE).
     Raises ValueError if the stores hold other samples, tokens or layers."""
-    from eagle3_core.contract.manifest import read_manifest
-    from eagle3_core.features.reader import load_samples
     ma, mb = read_manifest(dir_a / "manifest.json"), read_manifest(dir_b / "manifest.json")
     if ma["aux_layer_ids"] != mb["aux_layer_ids"]:
         raise ValueError(f"{dir_a} holds aux layers {ma['aux_layer_ids']}, {dir_b} {mb['aux_layer_ids']}")
@@ -101,12 +101,6 @@ def probe(cfg: PipelineConfig, backends: list[str], samples: int, log=print) -> 
     samples, tokens_per_s {backend: rate}, seconds {backend: the stage's wall seconds, load included}, ranks
     {backend: the ranks its stage ran on (features.tp_size of a torchrun backend, else 1)}, **compare(...)}. Raises
     ValueError for other than two distinct backends or a run without tokenized rows."""
-    import time
-
-    import pyarrow.parquet as pq
-
-    from eagle3_core.contract.manifest import read_manifest
-    from eagle3_core.pipeline.features_stage import run_features
     if len(backends) != 2 or backends[0] == backends[1]:
         raise ValueError(f"--backends takes two different backends, e.g. hf,sglang; got {backends}")
     path = RunLayout(cfg.run_dir).tokenized_train

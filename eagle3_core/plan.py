@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from eagle3_core.config import PipelineConfig
+from eagle3_core.config import PipelineConfig, config_or_preset
 from eagle3_core.features.store_formats import FORMATS, features_bytes
 from eagle3_core.plan_inputs import compare, free_disk, measured_rates, parse_size
 from eagle3_core.training.stopping import planned_epochs
@@ -296,7 +296,6 @@ def fits_markdown(rows: list[dict], free: float, where: str, days: float | None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eagle3_core.config import config_or_preset
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="a PipelineConfig JSON file or a preset name")
     p.add_argument("--profile", required=True, help="the rates profile to plan with (or to write, with --measure)")

@@ -1,11 +1,13 @@
 """The layer rules of docs/architecture.md, counted on the source (ast): the folder map and its layer order (no upward
 import, no import cycle), small eagle3_core files, no module importing another module's `_private` name, no Prefect
-in eagle3_core, and the page's stage table equal to the code's."""
+in eagle3_core, the page's stage table equal to the code's, and imports at the top unless a comment says why."""
 from __future__ import annotations
 
 import ast
+import io
 import re
 import subprocess
+import tokenize
 from pathlib import Path
 
 from eagle3_core.contract.layout import STAGE_DIRS, RunLayout
@@ -332,3 +334,28 @@ def test_no_product_function_is_over_60_lines():
     assert not unexplained, (f"functions over {MAX_FUNCTION_LINES} lines (split them where their steps are, or "
                              f"name them in LONG_FUNCTIONS with the reason): {unexplained}")
     assert not set(LONG_FUNCTIONS) - set(long), f"LONG_FUNCTIONS names short ones: {set(LONG_FUNCTIONS) - set(long)}"
+
+
+def _comment_lines(source: str) -> set[int]:
+    """Line numbers of `source` that hold a `#` comment (tokenize: a `#` inside a string does not count)."""
+    return {t.start[0] for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+
+
+def test_every_import_inside_a_function_says_why_on_its_line():
+    """Imports sit at the top of their module. One that is not a direct child of the module body (inside a function,
+    or a try/except at the top) carries its reason as a comment on its first line: an optional dependency (SGLang,
+    Triton, a newer torch), a slow import used on one path (transformers, datasets, matplotlib), code run in a
+    foreign python. The count of such imports is in the message."""
+    inner, bare = [], []
+    for p in _py_files("eagle3_core"):
+        source = p.read_text()
+        tree, comments = ast.parse(source, str(p)), _comment_lines(source)
+        top = {id(n) for n in tree.body}
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in top:
+                inner.append(f"{p.relative_to(ROOT)}:{n.lineno}")
+                if n.lineno not in comments:
+                    bare.append(inner[-1])
+    assert not bare, (f"{len(inner)} imports inside functions in eagle3_core, {len(bare)} of them without a reason "
+                      f"comment on their line (move each to the top of its module, or say why it stays there): "
+                      f"{bare}")

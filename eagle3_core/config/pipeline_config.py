@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from eagle3_core.config.eval_config import EvalConfig, SGLangDeployConfig
 from eagle3_core.config.feature_config import FeatureConfig
@@ -88,7 +88,6 @@ class ConfigFileError(ValueError):
 def load_config(path: str | Path) -> PipelineConfig:
     """Read a PipelineConfig from a JSON file. Raises ConfigFileError naming the file and, for each bad field, its
     location and the reason (an unknown field also names the nearest valid one); FileNotFoundError if missing."""
-    from pydantic import ValidationError
     path = Path(path)
     text = path.read_text()
     try:

@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from eagle3_core.config.mix import DataMix
+from eagle3_core.config.mix_presets import mix_preset
 from eagle3_core.config.strict import StrictModel
 
 
@@ -34,7 +35,6 @@ class PromptConfig(StrictModel):
     @classmethod
     def _mix_by_name(cls, data):
         if isinstance(data, dict) and isinstance(data.get("mix"), str):
-            from eagle3_core.config.mix_presets import mix_preset
             data = {**data, "mix": mix_preset(data["mix"])}
         return data
 

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from pydantic import BaseModel
+from safetensors import safe_open
 
 from eagle3_core.config import PromptConfig, TrainConfig
 from eagle3_core.contract.manifest import sha256_json
@@ -80,7 +81,6 @@ def content_key_before_loss_mask(part: list[dict], aux_layer_ids: list[int], sto
 def stored_loss_mask_equals(path: Path, part: list[dict]) -> bool:
     """Whether the shard at `path` (one written under content_key_before_loss_mask) stores the loss masks of rows
     `part`: its loss_mask tensor (int8 [sum T], 1 byte per token read, not the features). False if unreadable."""
-    from safetensors import safe_open
     try:
         with safe_open(str(path), "pt") as f:
             stored = f.get_tensor("loss_mask").tolist()

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 
+from jinja2 import TemplateError
+
 from eagle3_core.data.chat import prompt_ids, render_chat
 
 POLICIES = ("drop", "last_turns", "long")
@@ -95,7 +97,6 @@ class RowBudget:
         return self.results[r["id"]]
 
     def _apply(self, r: dict) -> dict | None:
-        from jinja2 import TemplateError
         st = self.per.setdefault(r["source"], {"rows": 0, "over": 0, "dropped": 0, "last_turns": 0, "long": 0,
                                                "prompt_over_max_length": 0})
         st["rows"] += 1

@@ -9,8 +9,11 @@ carry no digests; `digests_from_files` reads them from the earlier prompts/{eval
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pyarrow.parquet as pq
 
 from eagle3_core.data.row_formats import conversation_text
 
@@ -119,9 +122,6 @@ def digests_from_files(earlier: dict, eval_path: Path, train_path: Path) -> dict
     """`earlier` with eval_digests / train_digests filled from an earlier run's prompts/eval.parquet and
     train.parquet where the manifest has none (a run from before they were kept). Rows of the file whose ids are
     not the manifest's are ignored; ids the file lacks get no digest (matched by id alone)."""
-    import json
-
-    import pyarrow.parquet as pq
     out = dict(earlier)
     for name, path in (("eval", eval_path), ("train", train_path)):
         if out.get(f"{name}_digests") is not None or not path.exists():

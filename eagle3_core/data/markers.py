@@ -21,6 +21,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from eagle3_core.data.chat import end_of_turn
+
 THINK = ("<think>", "</think>")
 # format -> (section open, section close, call open, name/arguments separator, call close); '' where absent
 TOOL_FORMATS = {
@@ -84,7 +86,6 @@ def stop_ids(tokenizer, generation_eos=None) -> tuple[int, ...]:
     turn), and it is served stopping on either (SGLang 0.5.14 `srt/configs/model_config.py` `hf_eos_token_id`: the
     generation config's EOS list, beside the tokenizer's EOS). Raises chat.MaskError when the template closes an
     assistant turn with no special token."""
-    from eagle3_core.data.chat import end_of_turn
     ids = {end_of_turn(tokenizer)[0]} if getattr(tokenizer, "chat_template", None) else set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
@@ -97,7 +98,6 @@ def target_markers(tokenizer, generation_eos=None) -> TargetMarkers:
     """The marker ids of `tokenizer` and its chat template (module docstring); stops: stop_ids(tokenizer,
     generation_eos). Raises chat.MaskError when the template closes an assistant turn with no special token
     (chat.end_of_turn)."""
-    from eagle3_core.data.chat import end_of_turn
     src = template_source(tokenizer)
     texts: dict[str, int] = {}
     think_ids = [single_token(tokenizer, t) for t in THINK]

@@ -20,7 +20,7 @@ REASONING, ANSWER = "Two plus two makes four.", "It is 4."
 
 
 def _render(template: str, messages: list[dict], generation_prompt: bool, kwargs: dict | None) -> str:
-    from transformers.utils.chat_template_utils import render_jinja_template
+    from transformers.utils.chat_template_utils import render_jinja_template  # slow import: check loads no transformers
     native = "reasoning_content" in template
     msgs = [renderable_message(m, native) for m in messages]
     return render_jinja_template([msgs], chat_template=template, add_generation_prompt=generation_prompt,

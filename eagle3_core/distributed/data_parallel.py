@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 STAT_KEYS = ("n", "correct", "chain", "loss")         # ttt.ttt_loss's per-step metric tensors, each [K]
 
@@ -68,7 +69,6 @@ class DataParallel:
         are not broadcast again at each forward: the draft's d2t/t2d never change); `module` on one process."""
         if self.world == 1:
             return module
-        from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(module, broadcast_buffers=False,
                                        device_ids=[device.index] if device.index is not None else None)
 

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ import torch
 
 from eagle3_core.config.sampling_config import SamplingConfig
 from eagle3_core.contract.numbers import eta_text
+from eagle3_core.evaluation.acceptance import bootstrap_ci, compare_outputs
 from eagle3_core.serving.client import generate_all
 from eagle3_core.serving.launcher import ServerError, llama_server_binary
 from eagle3_core.training.capacity import unservable
@@ -130,7 +132,6 @@ def run_requests(url: str, prompts: list[dict], max_new_tokens: int, log=None, l
     unless `sampling` (sampling_fields) says otherwise. Each request carries its row's tools and `template_kwargs`
     (the run's generation.chat_template_kwargs): the server (--jinja) renders the prompt as regeneration did.
     log: called with 'deploy: <label>: n of N prompts, ETA ...' after each answer."""
-    import time
     t0, done = time.monotonic(), []
     sampling = sampling or sampling_fields(SamplingConfig())                     # greedy
 
@@ -174,7 +175,6 @@ def summarize_sampled(base: list[dict], spec: list[dict]) -> dict:
     interval over prompts (each prompt's seeds together, as replay_sampled's), acceptance, tok/s. No token-equality
     check: at temperature > 0 the server with a draft draws other samples than the one without (lossless is a
     property of the distribution: replay_sampled's tests)."""
-    from eagle3_core.evaluation.acceptance import bootstrap_ci
     per: dict[str, list[int]] = {}
     for r in spec:
         tot = per.setdefault(r["id"], [0, 0])
@@ -189,7 +189,6 @@ def summarize_sampled(base: list[dict], spec: list[dict]) -> dict:
 
 def summarize(base: list[dict], spec: list[dict], tie_gap: float) -> dict:
     """tau, acceptance, tok/s and the lossless verdicts of llama.cpp's speculative run against its baseline."""
-    from eagle3_core.evaluation.acceptance import bootstrap_ci, compare_outputs
     tokens = [r["predicted_n"] for r in spec]
     steps = [r["predicted_n"] - r["draft_n_accepted"] for r in spec]
     verdicts = [compare_outputs(s["token_ids"], b["token_ids"], b["gaps"], tie_gap) for b, s in zip(base, spec)]

@@ -15,9 +15,16 @@ import asyncio
 import json
 from pathlib import Path
 
+import httpx
+
+from eagle3_core.contract.layout import RunLayout
 from eagle3_core.data.markers import stop_ids
 from eagle3_core.evaluation.acceptance import bootstrap_ci
 from eagle3_core.evaluation.speculate import stop_greedy
+from eagle3_core.serving import launcher  # sglang_server read per call: tests replace it there
+from eagle3_core.serving.client import API_PATHS, TOKEN_ID_APIS, parse_response, post_once, request_body
+from eagle3_core.serving.hf_generate import BatchedGenerator
+from eagle3_core.target.loading import load_target, load_tokenizer
 
 LENGTH_BUCKETS = (512, 2048, 8192, 32768)       # context tokens at a verify step: <= 512, <= 2048, ..., longer
 # (open, close) marker spellings of reasoning and tool-call spans in the chat templates this project ships
@@ -37,17 +44,14 @@ def greedy_outputs(cfg, prompts: list[list[int]], eos_ids: set[int], log=print) 
     token API here (no URL given), naming the field."""
     max_new = cfg.eval.max_new_tokens
     if cfg.server.kind == "sglang":
-        from eagle3_core.contract.layout import RunLayout
-        from eagle3_core.serving.launcher import sglang_server
         s, log_path = cfg.server, RunLayout(cfg.run_dir).eval / "replay_server.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with sglang_server(cfg.target.model, log_path, s.host, s.port, cfg.target.revision,
-                           cfg.target.trust_remote_code, s.startup_timeout_s, s.extra_args, cfg.sglang_python) as url:
+        with launcher.sglang_server(cfg.target.model, log_path, s.host, s.port, cfg.target.revision,
+                                    cfg.target.trust_remote_code, s.startup_timeout_s, s.extra_args,
+                                    cfg.sglang_python) as url:
             answers = asyncio.run(_token_api(url, "sglang", prompts, max_new, cfg.generation.concurrency,
                                              cfg.generation.request_timeout_s))
     elif cfg.server.kind == "transformers":
-        from eagle3_core.serving.hf_generate import BatchedGenerator
-        from eagle3_core.target.loading import load_target, load_tokenizer
         model, tok = load_target(cfg.target), load_tokenizer(cfg.target)
         gen = BatchedGenerator(model, tok, cfg.generation.concurrency, max_new,
                                stop_ids=stop_ids(tok, model.generation_config.eos_token_id))
@@ -55,7 +59,6 @@ def greedy_outputs(cfg, prompts: list[list[int]], eos_ids: set[int], log=print) 
     else:
         urls = cfg.server.urls or ([cfg.server.url] if cfg.server.url else [])
         api = cfg.generation.api_for(cfg.server.kind)
-        from eagle3_core.serving.client import TOKEN_ID_APIS
         if not urls or api not in TOKEN_ID_APIS:
             raise ValueError(f"eval.evaluator 'replay' records the target's greedy outputs through a token-id API: "
                              f"set server.url (a running server of the target) and generation.api 'sglang' or "
@@ -94,9 +97,6 @@ async def _gather(complete, prompts):
 
 
 async def _token_api(url: str, api: str, prompts, max_new: int, concurrency: int, timeout_s: float):
-    import httpx
-
-    from eagle3_core.serving.client import API_PATHS, parse_response, post_once, request_body
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         async def one(p):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from eagle3_core.config.eval_config import check_tree_params
 from eagle3_core.config.sampling_config import SamplingConfig
 from eagle3_core.serving.launcher import ServerError
 
@@ -56,7 +57,6 @@ def server_command(model: str, host: str, port: int, max_running_requests: int, 
     in older releases, so it works with both. Raises ValueError for algorithm other than EAGLE3 or tree parameters
     SGLang would reject (topk 1 needs num_draft_tokens = num_steps + 1), and a None or empty draft directory.
     """
-    from eagle3_core.config.eval_config import check_tree_params
     cmd = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port",
            str(port),
            "--max-running-requests", str(max_running_requests), "--cuda-graph-max-bs", str(cuda_graph_max_bs)]

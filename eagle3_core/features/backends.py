@@ -25,11 +25,21 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.features.extract import Extractor, HFExtractor
+from eagle3_core.features.sglang_worker import load_sglang
+from eagle3_core.features.specforge_import import aux_spot_check, head_tensors, imported_extractor
+from eagle3_core.features.store_formats import needs_head
+from eagle3_core.features.vocab_split import split_lm_head
+from eagle3_core.target.ep_loading import load_int4_target
+from eagle3_core.target.family import num_layers, resolve_aux_ids
+from eagle3_core.target import loading  # load_target read per call: tests replace it there
+from eagle3_core.target.loading import load_target_config, local_model_dir
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,6 @@ class Backend:
 
 def aux_ids_of(cfg: PipelineConfig, model) -> list[int]:
     """features.aux_layer_ids resolved for the loaded target `model` (family.resolve_aux_ids)."""
-    from eagle3_core.target.family import num_layers, resolve_aux_ids
     return resolve_aux_ids(cfg.features.aux_layer_ids, num_layers(model.config))
 
 
@@ -55,34 +64,27 @@ def split_extractor(cfg: PipelineConfig, model) -> Extractor:
     """An HFExtractor of this rank's share of a sharded target with lm_head split over the vocabulary across the
     ranks where it is whole (features.vocab_split.split_lm_head), computing fp8_topk's teacher in the forward
     when features.format needs it (store_formats.needs_head)."""
-    from eagle3_core.features.store_formats import needs_head
-    from eagle3_core.features.vocab_split import split_lm_head
     head = split_lm_head(model)
     return HFExtractor(model, aux_ids_of(cfg, model), split_head=head, teacher=needs_head(cfg.features.format))
 
 
 def load_hf(cfg: PipelineConfig, device: str, log=print) -> Extractor:
     """'hf': the whole target in this process (target.loading.load_target) as an HFExtractor."""
-    from eagle3_core.target.loading import load_target
-    model = load_target(cfg.target, device)
+    model = loading.load_target(cfg.target, device)
     return HFExtractor(model, aux_ids_of(cfg, model))
 
 
 def load_hf_tp(cfg: PipelineConfig, device: str, log=print) -> Extractor:
     """'hf_tp': this rank's share of the target under transformers' tensor-parallel plan (and its expert-parallel
     plan with features.expert_parallel), features.tp_size ranks."""
-    from eagle3_core.target.loading import load_target
     f = cfg.features
-    model = load_target(cfg.target, device, tp_size=f.tp_size, expert_parallel=f.expert_parallel)
+    model = loading.load_target(cfg.target, device, tp_size=f.tp_size, expert_parallel=f.expert_parallel)
     return split_extractor(cfg, model)
 
 
 def load_ep_int4(cfg: PipelineConfig, device: str, log=print) -> Extractor:
     """'ep_int4': this rank's share of a DeepSeek-V3 / Kimi-K2.5 target with its routed experts kept packed INT4
     (target.ep_loading; features.shard_attention picks head-sharded or whole MLA)."""
-    import torch.distributed as dist
-
-    from eagle3_core.target.ep_loading import load_int4_target
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else device
     model = load_int4_target(cfg.target, dev, dist.get_rank(), dist.get_world_size(),
                              shard_attention=cfg.features.shard_attention)
@@ -94,11 +96,6 @@ def load_specforge_import(cfg: PipelineConfig, device: str, log=print) -> Extrac
     against this run's tokenization (specforge_import.imported_extractor); of the target only its config,
     embedding and lm_head are read (head_tensors). Where features.backend is 'hf' (the target fits this process)
     the first sample's aux states are checked against the target's own (aux_spot_check)."""
-    import pyarrow.parquet as pq
-
-    from eagle3_core.features.specforge_import import aux_spot_check, head_tensors, imported_extractor
-    from eagle3_core.target.family import num_layers, resolve_aux_ids
-    from eagle3_core.target.loading import load_target, load_target_config, local_model_dir
     path = RunLayout(cfg.run_dir).tokenized_train
     rows = pq.read_table(path).to_pylist()
     tcfg = load_target_config(cfg.target)
@@ -107,14 +104,13 @@ def load_specforge_import(cfg: PipelineConfig, device: str, log=print) -> Extrac
     extractor = imported_extractor(cfg.features.import_from, rows, tcfg, embed, lm, ids, str(path))
     log(f"features: importing {cfg.features.import_from}; read {names} of the target's weights")
     if cfg.features.backend == "hf":
-        diff = aux_spot_check(extractor, load_target(cfg.target, "cpu"), rows[0])
+        diff = aux_spot_check(extractor, loading.load_target(cfg.target, "cpu"), rows[0])
         log(f"features: sample {rows[0]['id']!r}: imported aux states within {diff:.1%} of the target's")
     return extractor
 
 
 def _load_sglang(cfg: PipelineConfig, device: str, log=print) -> Extractor:
     """'sglang': SGLang's own ModelRunner on this rank (features/sglang_worker.py, run in the SGLang environment)."""
-    from eagle3_core.features.sglang_worker import load_sglang
     return load_sglang(cfg, device, log)
 
 

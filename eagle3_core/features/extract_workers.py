@@ -19,12 +19,14 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch.distributed as dist
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.compat import shard_backend
 from eagle3_core.contract.manifest import read_manifest, write_manifest
+from eagle3_core.features.backends import local_device, selected_backend
 from eagle3_core.features.store import (
     STORE_VERSION,
     bad_shards,
@@ -134,9 +136,6 @@ def run_worker(cfg: PipelineConfig, store_key: str | None = None, log=print) -> 
     (features.backends; each worker loads it whole on its device): rank 0 writes the target head and broadcasts
     the target id, every rank extracts its shards, rank 0 merges the parts after a barrier (`store_key` in the
     manifest and head.json)."""
-    import pyarrow.parquet as pq
-
-    from eagle3_core.features.backends import local_device, selected_backend
     rank, world = dist.get_rank(), dist.get_world_size()
     out = RunLayout(cfg.run_dir).features
     backend, f = selected_backend(cfg), cfg.features

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eagle3_core.features.reader import load_head
 from eagle3_core.features.store_formats import FINAL_KEYS, decode_final
 
 # the sampled gate: a source fails when its supervised tokens average this many nats a token less log-probability
@@ -75,7 +76,6 @@ def on_policy_by_source(store_dir: Path, source_of: dict[str, str], files: list[
     id -> source name ('?' for an id it lacks). {} for a store without argmaxes (format 'online').
     temperature (the regeneration's; None: not measured): each source also gets 'mean_logprob', 'expected_logprob'
     and 'logprob_gap' (nats a token, module docstring), from the shards' final states and the target's lm_head."""
-    from eagle3_core.features.reader import load_head
     store_dir = Path(store_dir)
     manifest_path = store_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}

@@ -15,10 +15,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eagle3_core.config import TargetConfig
 from eagle3_core.contract.manifest import read_manifest
 from eagle3_core.features import store_formats as ff
 from eagle3_core.features.extract import HFExtractor
 from eagle3_core.features.store import bad_shards
+from eagle3_core.target import loading  # load_target read per call: tests replace it there
 
 
 class FeatureSample(Mapping):
@@ -134,10 +136,8 @@ def load_samples(store_dir: Path, verify: bool = True, target_model=None,
                          "shards again")
     if fmt == "online":
         if target_model is None:
-            from eagle3_core.config import TargetConfig
-            from eagle3_core.target.loading import load_target
-            target_model = load_target(TargetConfig(**manifest["target"]),
-                                       "cuda" if torch.cuda.is_available() else "cpu")
+            target_model = loading.load_target(TargetConfig(**manifest["target"]),
+                                               "cuda" if torch.cuda.is_available() else "cpu")
         source = _OnlineSource(HFExtractor(target_model, manifest["aux_layer_ids"]))
     else:
         source = _ShardSource(store_dir, fmt, widen=not keep_dtype)

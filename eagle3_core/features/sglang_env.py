@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+from eagle3_core.config.feature_config import SGLANG_VERSION
+
 # what eagle3_core itself imports in the ranks of the 'sglang' backend (features/sglang_worker.py and the store it
 # writes through), beside SGLang; tests/test_sglang_backend.py checks that the list is complete
 SGLANG_WORKER_PACKAGES = ("torch", "safetensors", "pydantic", "pyarrow", "httpx", "tenacity", "huggingface_hub")
@@ -34,7 +36,6 @@ def sglang_env_problems(env: dict, on_gpu_host: bool) -> list[tuple[str, str]]:
     """Problems of the 'sglang' backend's environment `env` (probe_sglang): another sglang version is refused
     anywhere; no sglang (or an interpreter that does not run), or missing packages, only on a host with GPUs (the
     host that runs the stage; elsewhere, e.g. an offline check on a laptop, they are facts, not refusals)."""
-    from eagle3_core.config.feature_config import SGLANG_VERSION
     make = (f"`make sglang-env` makes .venv-sglang (sglang=={SGLANG_VERSION} and "
             f"{', '.join(SGLANG_WORKER_PACKAGES[1:])}); then set sglang_python to .venv-sglang/bin/python")
     if env["version"] is not None and env["version"] != SGLANG_VERSION:

@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.features.sglang_extract import SGLangExtractor
+from eagle3_core.features.specforge_import import head_tensors
+from eagle3_core.target.family import resolve_aux_ids
 
 
 def load_sglang(cfg: PipelineConfig, device: str, log=print) -> SGLangExtractor:
@@ -28,8 +30,7 @@ def load_sglang(cfg: PipelineConfig, device: str, log=print) -> SGLangExtractor:
     the head read from the checkpoint on rank 0 only. `device`: ignored (each rank takes cuda:LOCAL_RANK, as
     SGLang's gpu_id). Raises ValueError if the world size is not features.tp_size, for a GGUF target, or for aux
     ids the layer-id rule cannot express; what SGLang raises (no GPU, weights that do not fit)."""
-    from eagle3_core.features.sglang_runner import Runner
-    from eagle3_core.target.family import resolve_aux_ids
+    from eagle3_core.features.sglang_runner import Runner  # optional: imports SGLang, in its own environment only
     f, t, rank, world = cfg.features, cfg.target, dist.get_rank(), dist.get_world_size()
     if world != f.tp_size:
         raise ValueError(f"features.tp_size = {f.tp_size} but torchrun started {world} processes; launch with "
@@ -46,7 +47,6 @@ def load_sglang(cfg: PipelineConfig, device: str, log=print) -> SGLangExtractor:
         f"{f.tp_size if f.expert_parallel else 1}); aux layers {ids} = inputs of layers {inputs}")
 
     def head():
-        from eagle3_core.features.specforge_import import head_tensors
         emb, lm, _ = head_tensors(t.model, t.revision)
         return emb, lm
 

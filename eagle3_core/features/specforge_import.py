@@ -21,10 +21,17 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError
+from safetensors import safe_open
+
+from eagle3_core.features.extract import HFExtractor
+from eagle3_core.target.family import text_config
 
 
 class FeatureImportError(ValueError):
@@ -102,8 +109,6 @@ HEAD_SUFFIXES = {"embed": ("embed_tokens.weight", "wte.weight", "word_embeddings
 
 def _hub_file(model: str, name: str, revision: str | None) -> Path | None:
     """One file of a hub repository (downloaded once into the hub cache), None if the repository has none."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
     try:
         return Path(hf_hub_download(model, name, revision=revision))
     except EntryNotFoundError:
@@ -116,8 +121,6 @@ def head_tensors(model_dir: str | Path, revision: str | None = None) -> tuple[to
     tensors are downloaded) through the index's weight_map or the single model.safetensors, reading exactly those
     one or two tensors (a tied lm_head is the embedding); a vision tower's embeddings are passed over. Raises
     FeatureImportError naming the directory when no file or no embedding is found."""
-    import json
-
     if not Path(model_dir).is_dir():                                   # a hub name
         index = _hub_file(str(model_dir), "model.safetensors.index.json", revision)
         single = None if index else _hub_file(str(model_dir), "model.safetensors", revision)
@@ -139,7 +142,6 @@ def head_tensors(model_dir: str | Path, revision: str | None = None) -> tuple[to
 
 
 def _keys(path: Path | None) -> dict[str, str]:
-    from safetensors import safe_open
     if path is None:
         return {}
     with safe_open(path, "pt") as f:
@@ -148,8 +150,6 @@ def _keys(path: Path | None) -> dict[str, str]:
 
 def _read_head(where_from, where: dict[str, str], local) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """head_tensors' reading: `where` {tensor name: file name}, local(file name) -> its path."""
-    from safetensors import safe_open
-
     def find(kind: str) -> str | None:
         names = [k for k in where if k.endswith(HEAD_SUFFIXES[kind]) and "vision" not in k and "visual" not in k]
         return min(names, key=len) if names else None
@@ -216,7 +216,6 @@ class ImportedExtractor:
 
     def __init__(self, config, embed: torch.Tensor, lm_head: torch.Tensor, aux_layer_ids: list[int],
                  files_by_ids: dict[str, Path], lm_head_chunk: int = 4096):
-        from eagle3_core.target.family import text_config
         self.model = SimpleNamespace(config=config)
         self.aux_layer_ids, self.hidden_size = list(aux_layer_ids), text_config(config).hidden_size
         self.device = torch.device("cpu")
@@ -249,7 +248,6 @@ def imported_extractor(src: Path, rows: list[dict], config, embed: torch.Tensor,
     """The ImportedExtractor for the files under `src` and the tokenized `rows`, every file checked first
     (match_files). config: the target's config; embed, lm_head: its head weights (head_tensors: nothing else of
     the target is read, nothing runs)."""
-    from eagle3_core.target.family import text_config
     H = text_config(config).hidden_size
     files = match_files(feature_files(src), rows, H, where)
     by_key = {_ids_key(r["input_ids"]): files[r["id"]] for r in rows}
@@ -261,7 +259,6 @@ def aux_spot_check(extractor: ImportedExtractor, target_model, row: dict, tolera
     (HFExtractor, this process) and the imported file's; raises FeatureImportError naming the file and
     features.aux_layer_ids above `tolerance` (0.1: bf16 forwards of one target differ by about 1-2%, other layers
     by tens of percent). Returns the difference."""
-    from eagle3_core.features.extract import HFExtractor
     ours = HFExtractor(target_model, extractor.aux_layer_ids).forward([list(row["input_ids"])])["aux"][0].float()
     path = extractor.files[_ids_key(row["input_ids"])]
     theirs = read_sample(path, extractor.hidden_size)["aux"].float()

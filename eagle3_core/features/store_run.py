@@ -4,6 +4,7 @@ features.tp_size ranks, or whole-target workers). The features stage (pipeline.f
 stage's replay recordings (their aux states, pipeline.evaluate_stage) both extract through it."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -65,7 +66,6 @@ def foreign_python(cfg: PipelineConfig) -> dict:
     environment's packages); every other backend runs with this process's python ({})."""
     if cfg.features.backend != "sglang" or not cfg.sglang_python:
         return {}
-    import os
     root = str(Path(__file__).resolve().parents[2])
     return {"python": cfg.sglang_python,
             "env": {"PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}}

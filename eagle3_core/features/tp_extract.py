@@ -25,6 +25,7 @@ import argparse
 import os
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -33,7 +34,9 @@ from eagle3_core.config import PipelineConfig, load_config
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.distributed.launch import emit_line
 from eagle3_core.distributed.rank_exit import rank_main
+from eagle3_core.features.backends import selected_backend
 from eagle3_core.features.extract import HFExtractor
+from eagle3_core.features.store import extract_features
 
 _FORWARD, _HEAD, _STOP = "forward", "head", "stop"
 
@@ -103,10 +106,6 @@ def run_worker(cfg: PipelineConfig, store_key: str | None = None, log=print) -> 
     written here, with `store_key` in its manifest and head.json) or follow. Returns the store manifest on rank 0,
     None elsewhere. Raises ValueError if the world size is not features.tp_size or the backend is not a torchrun
     one."""
-    import pyarrow.parquet as pq
-
-    from eagle3_core.features.backends import selected_backend
-    from eagle3_core.features.store import extract_features
     f, rank, world = cfg.features, dist.get_rank(), dist.get_world_size()
     backend = selected_backend(cfg)
     if not backend.torchrun:

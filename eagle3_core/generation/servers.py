@@ -6,6 +6,8 @@ from contextlib import contextmanager
 
 from eagle3_core.config import EMBEDDED, PipelineConfig
 from eagle3_core.contract.layout import RunLayout
+from eagle3_core.serving.launcher import llama_server, next_attempt_log, sglang_server
+from eagle3_core.target.loading import gguf_path
 
 
 @contextmanager
@@ -17,8 +19,6 @@ def generation_servers(cfg: PipelineConfig):
     killed. Kind 'external' yields `server.url` / `server.urls`; kind 'transformers' yields no URL (the stage
     generates in process). Raises ValueError for a config that cannot work, ServerError if a server does not
     start."""
-    from eagle3_core.serving.launcher import llama_server, next_attempt_log, sglang_server
-    from eagle3_core.target.loading import gguf_path
     s, log_path = cfg.server, next_attempt_log(RunLayout(cfg.run_dir).generations, "server")
     if s.kind == "llama.cpp":
         gguf = gguf_path(cfg.target)

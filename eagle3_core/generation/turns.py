@@ -44,6 +44,8 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 
+from eagle3_core.data.markers import parse_answer, same_message
+
 
 def answer_positions(messages: list[dict], max_turns: int | None, tool_calls: bool = False) -> list[int]:
     """Indices in `messages` (a prompt row: ends with a user or tool turn) of the turns the target answers:
@@ -75,7 +77,6 @@ def answer_message(data: dict) -> dict:
 def same_calls(answer: dict, data: dict) -> bool:
     """True if the assistant messages `answer` and `data` make the same tool calls (names and parsed arguments, in
     order; markers.same_message)."""
-    from eagle3_core.data.markers import same_message
     return bool(data.get("tool_calls")) and same_message({"tool_calls": answer.get("tool_calls")},
                                                          {"tool_calls": data["tool_calls"]}) is None
 
@@ -84,7 +85,6 @@ def parsed_answer(tokenizer, markers, prompt_ids: list[int], output_ids: list[in
     """The answer fields (response, reasoning, tool_calls as JSON text or '') that a token-id answer's ids spell,
     read by the target's marker tokens (data.markers.parse_answer; the prompt's last token says whether the answer
     starts inside a think block the prompt opened)."""
-    from eagle3_core.data.markers import parse_answer
     opened = markers.think is not None and bool(prompt_ids) and prompt_ids[-1] == markers.think[0]
     msg = parse_answer(tokenizer, markers, output_ids, opened_think=opened)
     return {"response": msg["content"], "reasoning": msg.get("reasoning_content") or "",

@@ -10,9 +10,22 @@ from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.numbers import machine_load
 from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.chat import prompt_ids
+from eagle3_core.evaluation.llama_cpp_deploy import (
+    LLAMA_CPP_TIE_GAP,
+    convert_draft,
+    run_requests,
+    run_sampled,
+    summarize,
+    summarize_sampled,
+)
+from eagle3_core.evaluation.preflight import preflight
+from eagle3_core.evaluation.sglang_bench import SpecArgs, target_server_args
+from eagle3_core.evaluation.speedup import speed_disagreement
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, upstream_keys, upstream_manifest
 from eagle3_core.pipeline.stage import Stage
+from eagle3_core.serving.launcher import llama_server
+from eagle3_core.target.loading import gguf_path, load_target_config, load_tokenizer, local_model_dir
 
 
 def deploy_llama_cpp_key(cfg: PipelineConfig, up: dict | None = None) -> str:
@@ -45,9 +58,6 @@ def run_deploy_llama_cpp(cfg: PipelineConfig, log=print) -> dict:
     llama.cpp's own sampling fields, llama_cpp_deploy.sampling_fields) (deploy_llama_cpp/). The summary holds the
     first setting's numbers and `by_sampling`, one entry per setting. Skipped (manifest says why) when the target
     is not a GGUF file llama.cpp can serve."""
-    from eagle3_core.evaluation.llama_cpp_deploy import LLAMA_CPP_TIE_GAP, convert_draft, summarize, summarize_sampled
-    from eagle3_core.serving.launcher import llama_server
-    from eagle3_core.target.loading import gguf_path, local_model_dir
     out = RunLayout(cfg.run_dir).deploy_llama_cpp
     up = upstream_manifest(cfg.run_dir, "train")
 
@@ -95,7 +105,6 @@ def _llama_cpp_rows(url: str, rows: list[dict], n_new: int, s, n_seeds: int, log
                     kwargs: dict | None) -> list[dict]:
     """llama_cpp_deploy.run_requests greedy (`s` greedy), else run_sampled at `s` over seeds s.seed ..
     s.seed + n_seeds - 1."""
-    from eagle3_core.evaluation.llama_cpp_deploy import run_requests, run_sampled
     if s.greedy:
         return run_requests(url, rows, n_new, log, label, kwargs)
     return run_sampled(url, rows, n_new, s, list(range(s.seed, s.seed + n_seeds)), log,
@@ -106,7 +115,6 @@ def generation_speed_warnings(cfg: PipelineConfig, summary: dict) -> list[str]:
     """The llama.cpp benchmark's one-stream rates against what the same llama-server produced in the generation
     stage (evaluation.speedup.speed_disagreement); [] when generation ran on another server kind or generated
     nothing."""
-    from eagle3_core.evaluation.speedup import speed_disagreement
     gen = upstream_manifest(cfg.run_dir, "generation")
     if cfg.server.kind != "llama.cpp" or not gen.get("completion_tokens") or not gen.get("seconds"):
         return []
@@ -143,8 +151,7 @@ def deploy_sglang_skip(cfg: PipelineConfig) -> str | None:
     """Why the SGLang deployment stage does not run here (None: it runs). 'auto' skips GGUF targets (llama.cpp
     serves those), and a machine without SGLang unless both servers are given by URL; 'on' raises RuntimeError
     where 'auto' would skip for a missing SGLang; 'off' always skips."""
-    from eagle3_core.evaluation.sglang_deploy import sglang_installed
-    from eagle3_core.target.loading import gguf_path
+    from eagle3_core.evaluation.sglang_deploy import sglang_installed  # slow import (~0.5 s), deploy-sglang only
     d = cfg.deploy_sglang
     if d.enabled == "off":
         return "deploy_sglang.enabled is 'off'"
@@ -175,7 +182,6 @@ def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
     break-even tau per level (evaluation.sglang_deploy.run_benchmark). Skipped where deploy_sglang_skip says why:
     a skip the config decides (GGUF target, 'off') writes a manifest saying so; one this machine decides (no
     SGLang) writes none, so that a later run on a GPU host does the work, and returns {'skipped': reason}."""
-    from eagle3_core.target.loading import gguf_path
     out = RunLayout(cfg.run_dir).deploy_sglang
     d = stage_run.decision(cfg, SGLANG_ROW)
     if d.manifest is not None:
@@ -187,10 +193,11 @@ def run_deploy_sglang(cfg: PipelineConfig, log=print) -> dict:
         return {"skipped": why}                                   # this machine decides: a GPU host will run it
 
     def body() -> dict:
-        from eagle3_core.evaluation.preflight import preflight
-        from eagle3_core.evaluation.sglang_bench import SpecArgs, target_server_args
-        from eagle3_core.evaluation.sglang_deploy import DEFAULT_SPEC_BENCH, benchmark_prompts, run_benchmark
-        from eagle3_core.target.loading import load_target_config, load_tokenizer
+        from eagle3_core.evaluation.sglang_deploy import (  # slow import (~0.5 s), deploy-sglang only
+            DEFAULT_SPEC_BENCH,
+            benchmark_prompts,
+            run_benchmark,
+        )
         d, up = cfg.deploy_sglang, upstream_manifest(cfg.run_dir, "train")
         steps = d.num_steps or cfg.eval.num_draft_steps
         export = RunLayout(cfg.run_dir).stored(up["export_dir"])

@@ -15,11 +15,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from eagle3_core.config import PipelineConfig
-from eagle3_core.contract.compat import head_keys
+from eagle3_core.contract.compat import head_keys, shard_backend
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest
-from eagle3_core.features.backends import close_extractors, selected_backend
-from eagle3_core.features.store import bad_shards, write_record
+from eagle3_core.contract.shard_plan import plan_ranges
+from eagle3_core.features.backends import backend_name, close_extractors, selected_backend
+from eagle3_core.features.on_policy import check_on_policy, on_policy_by_source, on_policy_line, sources_of
+from eagle3_core.features.specforge_import import feature_files
+from eagle3_core.features.store import bad_shards, entry_holds, refuse_mixed_backends, write_record
 from eagle3_core.features.store_run import extract_here, launch
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
@@ -36,7 +39,6 @@ FEATURE_HOW_FIELDS = ("batch_tokens", "writer_threads", "backend", "tp_size", "e
 def on_policy_gate(cfg: PipelineConfig, rows: list[dict], files: list[str], log=print) -> None:
     """The early gate on the first shard (features.on_policy.check_on_policy): logs each source's on-policy
     fraction and raises ValueError below features.min_on_policy. Nothing for a store without argmaxes."""
-    from eagle3_core.features.on_policy import check_on_policy, on_policy_by_source, on_policy_line, sources_of
     if cfg.features.format == "online":
         return
     t = cfg.generation.temperature                  # sampled regeneration: the log-probability gate, not argmax
@@ -57,7 +59,6 @@ def features_key(cfg: PipelineConfig, up: dict | None = None) -> str:
 def import_key(cfg: PipelineConfig) -> dict:
     """What identifies an import (features.import_from) in a key: the directory and each file's name, size and
     mtime (a stat per file, no read)."""
-    from eagle3_core.features.specforge_import import feature_files
     src = Path(cfg.features.import_from)
     return {"import_from": str(src), "files": [[str(p.relative_to(src)), p.stat().st_size, p.stat().st_mtime_ns]
                                                for p in feature_files(src)]}
@@ -78,7 +79,6 @@ def tokenized_rows(cfg: PipelineConfig) -> list[dict]:
 def feature_shards(cfg: PipelineConfig) -> list[int]:
     """Shard ids of the features stage: shard i holds the tokenized samples of shard_plan.plan_ranges (the plan of
     features.store.extract_features: features.shard_samples each, a finished earlier shard keeping its own)."""
-    from eagle3_core.contract.shard_plan import plan_ranges
     upstream_manifest(cfg.run_dir, "tokenize")
     store = read_manifest(RunLayout(cfg.run_dir).manifest("features")) or {}
     ids = pq.read_table(RunLayout(cfg.run_dir).tokenized_train, columns=["id"])["id"].to_pylist()
@@ -98,8 +98,6 @@ def _finished_entries(cfg: PipelineConfig, keys: tuple[str, str], rows: list[dic
     stage key: keys = (store key, stage key)) and the store's target, the entry holds the content key of its
     samples, loss masks, layers, format and target (store.entry_holds), and the file is intact (size and mtime as
     recorded, no read)). No target loaded; one read of the tokenized rows and the manifests."""
-    from eagle3_core.contract.shard_plan import plan_ranges
-    from eagle3_core.features.store import entry_holds
     layout = RunLayout(cfg.run_dir)
     out, rows = layout.features, rows if rows is not None else tokenized_rows(cfg)
     head, store = read_manifest(layout.features_head), read_manifest(layout.manifest("features"))
@@ -123,9 +121,6 @@ def mixed_backend_problems(cfg: PipelineConfig) -> list[tuple[str, str]]:
     extract_features makes (store.refuse_mixed_backends), made before any rank or target loads. No target loaded;
     the tokenized rows are read only where the store holds another backend's shards. Empty otherwise (also with
     no store or nothing left to extract)."""
-    from eagle3_core.contract.compat import shard_backend
-    from eagle3_core.features.backends import backend_name
-    from eagle3_core.features.store import refuse_mixed_backends
     layout, backend = RunLayout(cfg.run_dir), backend_name(cfg)
     store = read_manifest(layout.manifest("features"))
     if cfg.features.mix_backends or not store or not layout.tokenized_train.exists() or \

@@ -11,16 +11,22 @@ from pathlib import Path
 
 import torch
 
-from eagle3_core.config import PipelineConfig
+from eagle3_core.config import PipelineConfig, TargetConfig
 from eagle3_core.config.sampling_config import SamplingConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import busy_seconds, write_manifest
+from eagle3_core.contract.shard_plan import append_only_ranges, rows_digest
 from eagle3_core.data.markers import stop_ids
-from eagle3_core.generation.answer_shard import holds_more_rows
+from eagle3_core.generation.answer_shard import finished_record, holds_more_rows
+from eagle3_core.generation.quality import check_quality, quality_report
+from eagle3_core.generation.regenerate import prompt_digests, regenerate
 from eagle3_core.generation.servers import generation_servers
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import stage_key, target_key, upstream_keys, upstream_manifest
 from eagle3_core.pipeline.stage import Shards, Stage
+from eagle3_core.serving.client import TOKEN_ID_APIS
+from eagle3_core.serving.hf_generate import BatchedGenerator
+from eagle3_core.target.loading import gguf_path, load_target, load_tokenizer
 
 
 def _sampling(cfg: PipelineConfig) -> dict:
@@ -53,14 +59,11 @@ def generation_shard_key(cfg: PipelineConfig) -> str:
 def loaded_target(target_json: str, device: str, dtype: torch.dtype | None = None):
     """The target, loaded once per process for all in-process generation shards of a run (fp32; cleared by
     finish_generation). dtype None: load_target's default."""
-    from eagle3_core.config import TargetConfig
-    from eagle3_core.target.loading import load_target
     return load_target(TargetConfig.model_validate_json(target_json), device, dtype)
 
 
 @lru_cache(maxsize=4)
 def _row_digests(path: Path, size: int, mtime_ns: int) -> tuple[list[str], list[str], list[str]]:
-    from eagle3_core.generation.regenerate import prompt_digests
     return prompt_digests(path)
 
 
@@ -90,7 +93,6 @@ def generation_plan(cfg: PipelineConfig) -> list[tuple[int, int, str]]:
     """[(start, stop, rows digest)] of every generation shard: append-only (shard_plan.append_only_ranges), a shard
     whose record was written for exactly its rows keeps them, the rest are cut into generation.shard_size rows.
     Raises FileNotFoundError if the prompts stage has not run."""
-    from eagle3_core.contract.shard_plan import append_only_ranges, rows_digest
     upstream_manifest(cfg.run_dir, "prompts")
     ids, digests, _ = prompt_rows(cfg)
     out, key, legacy, S = RunLayout(cfg.run_dir).generations, generation_shard_key(cfg), generation_key(cfg), \
@@ -111,7 +113,6 @@ def generation_plan(cfg: PipelineConfig) -> list[tuple[int, int, str]]:
 
 
 def _record_ok(out: Path, k: int, plan: list[tuple[int, int, str]], key: str, legacy: str) -> dict | None:
-    from eagle3_core.generation.answer_shard import finished_record
     return finished_record(out, k, key, plan[k][2]) or finished_record(out, k, legacy)
 
 
@@ -168,7 +169,6 @@ def generation_shard_needs_server(cfg: PipelineConfig, shard: int) -> bool:
 def _server_desc(cfg: PipelineConfig) -> str:
     """What answered the prompts, for the manifest: none when every row is kept as it is (no request was sent,
     whatever server.kind says: a Hugging Face target under the default kind 'llama.cpp' has no GGUF to name)."""
-    from eagle3_core.target.loading import gguf_path
     if all(m == "keep" for m in prompt_rows(cfg)[2]):
         return "none (every row kept as it is)"
     if cfg.server.kind == "llama.cpp":
@@ -200,9 +200,6 @@ def generation_shards(cfg: PipelineConfig, log=print) -> list[int]:
 
 
 def _regenerate(cfg: PipelineConfig, shards: list[int], urls: list[str], log, on_progress) -> list[dict]:
-    from eagle3_core.generation.regenerate import regenerate
-    from eagle3_core.serving.client import TOKEN_ID_APIS
-    from eagle3_core.target.loading import load_tokenizer
     plan = generation_plan(cfg)
     ranges = {k: (plan[k][0], plan[k][1]) for k in shards}
     in_process = cfg.server.kind == "transformers"
@@ -221,7 +218,6 @@ def _regenerate(cfg: PipelineConfig, shards: list[int], urls: list[str], log, on
 def _generation_engine(cfg: PipelineConfig, tok, log):
     """server.kind 'transformers': the target in this process (fp32; CUDA when available), batches of
     generation.concurrency rows."""
-    from eagle3_core.serving.hf_generate import BatchedGenerator
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = cfg.generation
     log(f"generation: target in this process on {device} (transformers, batches of {g.concurrency})")
@@ -265,8 +261,6 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
     Raises RuntimeError naming a shard that has not finished, ValueError for a record that does not match the
     disk, QualityGateError (with counts, examples and the fix) when too many answers failed, are empty, truncated
     or degenerate."""
-    from eagle3_core.generation.quality import check_quality, quality_report
-    from eagle3_core.serving.client import TOKEN_ID_APIS
     loaded_target.cache_clear()
     out, key, g = RunLayout(cfg.run_dir).generations, generation_shard_key(cfg), cfg.generation
     plan, legacy = generation_plan(cfg), generation_key(cfg)

@@ -14,6 +14,9 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest, sha256_file, sha256_json
 from eagle3_core.pipeline.stage import STAGES, Stage, row_of
+from eagle3_core.target.family import resolve_aux_ids
+from eagle3_core.target.loading import gguf_path, load_target_config
+from eagle3_core.training.warm_start import init_source
 
 CODE_VERSION = "4"  # bump when a stage's output format or semantics change
 
@@ -60,7 +63,6 @@ def upstream_keys(cfg: PipelineConfig, stage: Stage | str) -> dict[str, str]:
 
 def target_key(cfg: PipelineConfig) -> dict:
     """What identifies the target in a key: its config, and the sha256 of its GGUF file if it is one."""
-    from eagle3_core.target.loading import gguf_path
     gguf = gguf_path(cfg.target)
     return {"target": cfg.target.model_dump(), "gguf_sha256": sha256_unchanged_file(gguf) if gguf else None}
 
@@ -83,18 +85,15 @@ def init_key(cfg: PipelineConfig) -> dict | None:
     without train.init_from."""
     if cfg.train.init_from is None:
         return None
-    from eagle3_core.training.warm_start import init_source
     src = init_source(cfg.train.init_from)
     return {"dir": str(src.dir), "sha256": sha256_unchanged_file(src.weights)}
 
 
 def aux_ids(cfg: PipelineConfig, num_layers: int) -> list[int]:
     """features.aux_layer_ids resolved and checked for an L-layer target (target_family.resolve_aux_ids)."""
-    from eagle3_core.target.family import resolve_aux_ids
     return resolve_aux_ids(cfg.features.aux_layer_ids, num_layers)
 
 
 def target_config(cfg: PipelineConfig):
     """The target's config as every stage reads it (revision, trust_remote_code; no weights)."""
-    from eagle3_core.target.loading import load_target_config
     return load_target_config(cfg.target)

@@ -21,6 +21,8 @@ from pathlib import Path
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest, write_manifest
+from eagle3_core.data.prompt_set import available_prompts
+from eagle3_core.pipeline.prompts_stage import prompts_key, prompts_older_keys
 
 
 def nights_path(run_dir: Path) -> Path:
@@ -64,8 +66,6 @@ def plan_night(cfg: PipelineConfig, log=print) -> tuple[PipelineConfig, dict]:
     night warm-starts (train.init_from) from a copy of the current export (nights/night_NNN), keeping its vocab
     map; a night whose prompts did not change keeps the last night's settings, so every stage is done and nothing
     runs again. Raises ValueError if the sources hold no more than num_eval prompts."""
-    from eagle3_core.data.prompt_set import available_prompts
-    from eagle3_core.pipeline.prompts_stage import prompts_key, prompts_older_keys
     run, nights = Path(cfg.run_dir), history(cfg.run_dir)
     if not nights and (before := _finished_run_record(run)) is not None:
         write_manifest(nights_path(run), {"nights": [before]})

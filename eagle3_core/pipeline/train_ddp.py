@@ -20,6 +20,7 @@ import torch.distributed as dist
 from eagle3_core.config import PipelineConfig
 from eagle3_core.distributed.launch import die_with_parent, emit_line
 from eagle3_core.distributed.rank_exit import rank_main
+from eagle3_core.pipeline.train_stage import run_train
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -53,7 +54,6 @@ def shutdown_distributed() -> None:
 def main(argv: list[str] | None = None) -> None:
     """`--config run.json` (read and checked before the process group exists, so a bad file fails alone), then
     run_train on this rank through rank_exit.rank_main (group joined, left in order, on an error too)."""
-    from eagle3_core.pipeline.train_stage import run_train
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, type=Path, help="a PipelineConfig JSON file")
     cfg = PipelineConfig.model_validate_json(ap.parse_args(argv).config.read_text())

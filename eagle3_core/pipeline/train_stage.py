@@ -8,10 +8,14 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.compat import train_fields_v4
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest, write_manifest
+from eagle3_core.distributed.data_parallel import DataParallel
+from eagle3_core.features.reader import load_samples
+from eagle3_core.features.store import bad_shards
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import init_key, stage_key, target_config, upstream_keys
 from eagle3_core.pipeline.stage import Stage
 from eagle3_core.target.family import sglang_rule
+from eagle3_core.training import trainer  # trainer.train read per call: tests replace it there
 from eagle3_core.training.checkpoint import EXPORT_DTYPE, clear_training_state, export_draft, load_draft
 from eagle3_core.training.startup import draft_shape, fresh_draft  # noqa: F401 (draft_shape: for callers)
 
@@ -21,9 +25,6 @@ def train_split(cfg: PipelineConfig, dp=None) -> tuple[list, list]:
     shard is checked against its record first (features.store.bad_shards: size and mtime, sha256 where they differ), 1/W
     of them on each rank of `dp` (a DataParallel; default one process).
     Raises ValueError on every rank, naming the bad shards this rank found, if any rank found one."""
-    from eagle3_core.distributed.data_parallel import DataParallel
-    from eagle3_core.features.store import bad_shards
-    from eagle3_core.features.reader import load_samples
     dp, store = dp or DataParallel(), RunLayout(cfg.run_dir).features
     shards = (read_manifest(RunLayout(cfg.run_dir).manifest("features")) or {}).get("shards", [])   # none: says so
     bad = bad_shards(store, dp.shard(shards))
@@ -118,8 +119,6 @@ def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
     rank 0 alone exports and writes the manifest (its `world_size` says how many ranks trained; its `files` the
     export's, checked by the next run's done check). Logs 'epoch e of E' with an ETA; on_epoch(epochs_done,
     epochs) after each epoch (rank 0)."""
-    from eagle3_core.distributed.data_parallel import DataParallel
-    from eagle3_core.training.trainer import train
     dp = DataParallel.from_process_group()
     out = RunLayout(cfg.run_dir).draft
     d = stage_run.decision(cfg, ROW)
@@ -131,7 +130,7 @@ def run_train(cfg: PipelineConfig, log=print, on_epoch=None) -> dict:
         if dp.is_main:
             claim_training_dir(out, key, older)
         dp.barrier()                                   # no rank resumes from state of other inputs
-        summary = train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log, on_epoch=on_epoch)
+        summary = trainer.train(draft, train_s, eval_s, lm_head, cfg.train, out, log=log, on_epoch=on_epoch)
         if not dp.is_main:
             return {}
         export = export_draft(load_draft(out / "best"), out / "export",      # bf16, probed bit for bit

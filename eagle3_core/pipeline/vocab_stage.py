@@ -7,9 +7,12 @@ from safetensors.torch import save_file
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
+from eagle3_core.data.vocab_map import build_vocab_map, check_vocab_map, count_tokens, coverage_by_source
 from eagle3_core.pipeline import run as stage_run
 from eagle3_core.pipeline.keys import init_key, stage_key, target_config, upstream_keys, upstream_manifest
 from eagle3_core.pipeline.stage import Stage
+from eagle3_core.target.family import text_config
+from eagle3_core.training.warm_start import init_dir, init_vocab_map
 
 
 def kept_init_vocab(cfg: PipelineConfig) -> bool:
@@ -29,8 +32,6 @@ def vocab_key(cfg: PipelineConfig, up: dict | None = None) -> str:
 
 def run_vocab(cfg: PipelineConfig, log=print) -> dict:
     """Draft vocab map from loss-masked token counts (vocab/vocab_map.safetensors: d2t, t2d, counts)."""
-    from eagle3_core.data.vocab_map import build_vocab_map, count_tokens, coverage_by_source
-    from eagle3_core.target.family import text_config
     run = RunLayout(cfg.run_dir)
     out = run.vocab
 
@@ -43,8 +44,6 @@ def run_vocab(cfg: PipelineConfig, log=print) -> dict:
         always = sorted(t for t in markers.values() if t < V)
         N = min(cfg.draft.draft_vocab_size, V)
         if kept_init_vocab(cfg):
-            from eagle3_core.data.vocab_map import check_vocab_map
-            from eagle3_core.training.warm_start import init_dir, init_vocab_map
             d2t, t2d = init_vocab_map(cfg.train.init_from)
             where = str(init_dir(cfg.train.init_from))
             check_vocab_map(d2t, t2d, where)

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -224,7 +225,6 @@ def _stop_on_sigterm(signum, frame) -> None:
 
 def _install_sigterm_handler() -> None:
     """Main thread only (Python installs handlers nowhere else; PDEATHSIG still covers other threads)."""
-    import threading
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) is not _stop_on_sigterm:
         _previous_handler[0] = signal.signal(signal.SIGTERM, _stop_on_sigterm)

@@ -18,6 +18,19 @@ import torch
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import cached_manifest, write_manifest
+from eagle3_core.data.markers import stop_ids
+from eagle3_core.data.prompt_set import read_rows
+from eagle3_core.evaluation.acceptance import SpecRun, measure
+from eagle3_core.evaluation.speculate import TargetRunner
+from eagle3_core.features.reader import load_samples
+from eagle3_core.pipeline.evaluate_stage import category, held_out_prompt_ids
+from eagle3_core.pipeline.keys import stage_key, target_config, upstream_manifest
+from eagle3_core.pipeline.train_stage import claim_training_dir, train_key, train_split
+from eagle3_core.target.family import sglang_rule
+from eagle3_core.target.loading import generation_eos_ids, load_target, load_tokenizer
+from eagle3_core.training.checkpoint import export_draft, load_draft
+from eagle3_core.training.startup import fresh_draft
+from eagle3_core.training.trainer import train
 
 
 def subset_sizes(n_train: int, fractions: list[float]) -> list[int]:
@@ -64,8 +77,6 @@ def predict(trend: dict, samples: int, measured_max: int) -> dict:
 def size_key(cfg: PipelineConfig, n: int, seed: int) -> str:
     """Inputs key of one size: the training stage's key (features, vocab, recipe), the size, the subset seed, the
     eval settings and the held-out prompts."""
-    from eagle3_core.pipeline.keys import stage_key, upstream_manifest
-    from eagle3_core.pipeline.train_stage import train_key
     return stage_key(train_key(cfg), n, seed, cfg.eval, upstream_manifest(cfg.run_dir, "prompts")["inputs_key"])
 
 
@@ -79,10 +90,6 @@ def held_out_prompts(cfg: PipelineConfig) -> tuple[list[dict], list[list[int]], 
     """(rows of cfg.run_dir's prompts/eval.parquet, their token ids through the target's chat template with each
     row's tools and generation.chat_template_kwargs (evaluate_stage.held_out_prompt_ids, as the evaluate stage
     renders them), every id the target stops on: data.markers.stop_ids): what the offline evaluators decode from."""
-    from eagle3_core.data.prompt_set import read_rows
-    from eagle3_core.pipeline.evaluate_stage import held_out_prompt_ids
-    from eagle3_core.data.markers import stop_ids
-    from eagle3_core.target.loading import generation_eos_ids, load_tokenizer
     tok = load_tokenizer(cfg.target)
     rows = read_rows(RunLayout(cfg.run_dir).prompts_eval)
     eos = set(stop_ids(tok, generation_eos_ids(cfg.target)))
@@ -94,10 +101,6 @@ def measure_drafts(cfg: PipelineConfig, drafts: dict, device: str = "cpu", on_pr
     with cfg.eval.num_draft_steps, greedy, cfg.eval.max_new_tokens per prompt, against one target-only baseline;
     the target in fp32 on `device` ('cpu', 'cuda', 'cuda:1'; each draft is moved there, its dtype kept).
     Returns {name: evaluate.measure's entry}; on_prompt as evaluate.measure's."""
-    from eagle3_core.evaluation.acceptance import SpecRun, measure
-    from eagle3_core.evaluation.speculate import TargetRunner
-    from eagle3_core.pipeline.evaluate_stage import category
-    from eagle3_core.target.loading import load_target
     rows, prompts, eos = held_out_prompts(cfg)
     aux = {tuple(d.shape.aux_layer_ids) for d in drafts.values()}
     if len(aux) != 1:
@@ -110,7 +113,6 @@ def measure_drafts(cfg: PipelineConfig, drafts: dict, device: str = "cpu", on_pr
 
 def study_sizes(cfg: PipelineConfig, fractions: list[float]) -> list[int]:
     """subset_sizes of the train split of cfg.run_dir/features (sample count only; no shard is read)."""
-    from eagle3_core.features.reader import load_samples
     n = len(load_samples(RunLayout(cfg.run_dir).features, verify=False))
     return subset_sizes(n - int(n * cfg.train.eval_frac), fractions)
 
@@ -123,13 +125,6 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     (TTT eval accuracies of the best epoch), tau_sim, best_epoch, export_dir, per_prompt (evaluate.measure's, for
     paired comparisons), seconds}. Raises ValueError if `n`
     exceeds the training samples."""
-    from eagle3_core.pipeline.keys import target_config
-    from eagle3_core.pipeline.train_stage import claim_training_dir, train_split
-    from eagle3_core.training.startup import fresh_draft
-    from eagle3_core.target.family import sglang_rule
-    from eagle3_core.training.checkpoint import export_draft, load_draft
-    from eagle3_core.training.trainer import train
-
     out = cfg.run_dir / "scaling" / f"n_{n}"
     key = size_key(cfg, n, seed)
     if (m := cached_manifest(out / "manifest.json", key)) and "per_prompt" in m:     # older manifests: measure again
@@ -161,9 +156,9 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
 def plot_study(sizes: list[dict], trend: dict, extrapolations: list[dict], path: Path) -> Path:
     """PNG: tau (with 95% CI) and acc_k against training samples (log x), the fitted trend, dashed where it is
     extrapolated."""
-    import matplotlib
+    import matplotlib  # slow import (matplotlib, ~0.3 s), for the plot only
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # slow import (matplotlib, ~0.3 s), for the plot only
     ns = [s["samples"] for s in sizes]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     a.errorbar(ns, [s["tau"] for s in sizes], yerr=[[s["tau"] - s["tau_ci95"][0] for s in sizes],

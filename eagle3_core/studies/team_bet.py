@@ -25,6 +25,14 @@ from pathlib import Path
 import torch
 
 from eagle3_core.config import PipelineConfig
+from eagle3_core.contract.layout import RunLayout
+from eagle3_core.pipeline.keys import target_config
+from eagle3_core.pipeline.train_stage import claim_training_dir, train_key, train_split
+from eagle3_core.studies.scaling_study import nested_subset, subset_sizes
+from eagle3_core.target.family import sglang_rule
+from eagle3_core.training.checkpoint import export_draft, load_draft
+from eagle3_core.training.startup import fresh_draft
+from eagle3_core.training.trainer import train
 
 SUBSET_SEED = 0               # one permutation for every point: sizes nest, seeds vary the draft's init only
 
@@ -49,7 +57,6 @@ def study_points(n_train: int, fractions: list[float], grid: list[str], seeds: i
     size with the plateau rule; the warm-start arm (a quarter grown to all, plateau rule both times); the largest
     size with each fixed recipe of `grid`; the smaller sizes, largest first, plateau then grid; the other seeds of
     the largest size. Sizes: scaling_study.subset_sizes(n_train, fractions)."""
-    from eagle3_core.studies.scaling_study import subset_sizes
     sizes = subset_sizes(n_train, fractions)
     top, quarter = sizes[-1], max(1, round(n_train / 4))
     pts = [{"samples": top, "recipe": "plateau", "seed": 0},
@@ -67,7 +74,6 @@ def point_settings(cfg: PipelineConfig, point: dict) -> dict:
     """What a point's result depends on: the point, the train recipe and draft (less init_from and seed, set by the
     point), the eval settings, the target, the held-out prompt ids and the sha256 of the train prompt ids (the prompts
     stage's manifest)."""
-    from eagle3_core.contract.layout import RunLayout
     prompts = json.loads((RunLayout(cfg.run_dir).prompts / "manifest.json").read_text())
     train = cfg.train.model_dump(mode="json", exclude={"init_from", "epochs", "device"})
     return {"point": point, "train": train, "draft": cfg.draft.model_dump(mode="json", exclude={"seed"}),
@@ -130,13 +136,6 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
     resumed calls in out/gpu_seconds.json. Returns {export (dir), seconds, epochs (run), best_epoch, stopping,
     epoch_tokens}. Raises Unfinished when not one more epoch fits before `deadline` (time.monotonic()), its
     checkpoints kept for a later call; ValueError when n exceeds the train samples."""
-    from eagle3_core.pipeline.keys import target_config
-    from eagle3_core.pipeline.train_stage import claim_training_dir, train_key, train_split
-    from eagle3_core.studies.scaling_study import nested_subset
-    from eagle3_core.target.family import sglang_rule
-    from eagle3_core.training.checkpoint import export_draft, load_draft
-    from eagle3_core.training.startup import fresh_draft
-    from eagle3_core.training.trainer import train
     run = cfg.model_copy(deep=True)
     run.draft.seed, run.train.seed, run.train.epochs, run.train.init_from = seed, seed, recipe_epochs(recipe), init_from
     train_all, eval_s = train_split(run)

@@ -19,7 +19,19 @@ import torch
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
+from eagle3_core.evaluation.replay_eval import record_target, replay_measure
+from eagle3_core.evaluation.speculate import TargetRunner
+from eagle3_core.pipeline.features_stage import run_features
+from eagle3_core.pipeline.generation_stage import run_generation
+from eagle3_core.pipeline.keys import aux_ids
+from eagle3_core.pipeline.prompts_stage import run_prompts
+from eagle3_core.pipeline.tokenize_stage import run_tokenize
+from eagle3_core.pipeline.vocab_stage import run_vocab
 from eagle3_core.studies import team_bet_surface as ts
+from eagle3_core.studies.scaling_study import held_out_prompts
+from eagle3_core.target.family import num_layers
+from eagle3_core.target.loading import load_target
+from eagle3_core.training.checkpoint import load_draft
 
 
 def prompt_ids(cfg: PipelineConfig) -> dict:
@@ -40,11 +52,6 @@ def data_stages(cfg: PipelineConfig, results: Path, log=print) -> dict:
     """prompts, generation (its shards restored from RESULTS/generations first, kept there after), tokenize,
     features (timed), vocab. Returns data.json {generation_tok_s, output_tokens_per_sample, tokens_per_sample,
     extraction_tok_s, hidden_size}: the generation rate of the call that generated (kept in RESULTS/data.json)."""
-    from eagle3_core.pipeline.features_stage import run_features
-    from eagle3_core.pipeline.generation_stage import run_generation
-    from eagle3_core.pipeline.prompts_stage import run_prompts
-    from eagle3_core.pipeline.tokenize_stage import run_tokenize
-    from eagle3_core.pipeline.vocab_stage import run_vocab
     run = RunLayout(cfg.run_dir)
     run_prompts(cfg, log=log)
     restored = copy_new(results / "generations", run.generations)
@@ -73,13 +80,6 @@ def replay_measurer(cfg: PipelineConfig, device: str, batch: int, log=print):
     """measure(export_dir) -> replay_eval.replay_measure's entry (tau, tau_ci95, accept_per_position, per_prompt)
     of that draft on the held-out prompts, against one recording of the target (fp32 on `device`, `batch` prompts
     per batched generate), kept at RUN_DIR/team_bet/recording.pt while its settings hold."""
-    from eagle3_core.evaluation.replay_eval import record_target, replay_measure
-    from eagle3_core.evaluation.speculate import TargetRunner
-    from eagle3_core.pipeline.keys import aux_ids
-    from eagle3_core.studies.scaling_study import held_out_prompts
-    from eagle3_core.target.family import num_layers
-    from eagle3_core.target.loading import load_target
-    from eagle3_core.training.checkpoint import load_draft
     path = Path(cfg.run_dir) / "team_bet" / "recording.pt"
     settings = {"eval": cfg.eval.model_dump(mode="json"), "target": cfg.target.model_dump(mode="json"),
                 "batch": batch, "eval_ids": prompt_ids(cfg)["eval_ids"]}

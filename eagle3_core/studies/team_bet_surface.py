@@ -13,6 +13,9 @@ import math
 import torch
 
 from eagle3_core.config import PipelineConfig
+from eagle3_core.evaluation.acceptance import paired_bootstrap_diff_ci
+from eagle3_core.studies.team_bet import point_name, recipe_epochs
+from eagle3_core.training.stopping import planned_epochs
 
 TERMS = ("a", "b", "c", "d")
 
@@ -92,7 +95,6 @@ def warm_against_scratch(points: list[dict]) -> list[dict]:
     """Each warm-arm point against the scratch point of the same samples, recipe and seed: both taus, their
     GPU-seconds (the warm arm's includes its quarter's) and the paired bootstrap 95% interval of warm - scratch
     (acceptance.paired_bootstrap_diff_ci: the same held-out prompts resampled for both)."""
-    from eagle3_core.evaluation.acceptance import paired_bootstrap_diff_ci
     rows = []
     for w in (p for p in points if p["point"].get("warm_from")):
         key = {k: w["point"][k] for k in ("samples", "recipe", "seed")}
@@ -112,8 +114,6 @@ def study_plan(cfg: PipelineConfig, rates: dict, points: list[dict], n_train: in
     point, E x samples x tokens_per_sample / train_tok_s_per_gpu (E: its fixed epochs, or plan's expected epochs
     for the plateau rule, stopping.planned_epochs; the warm arm's quarter counted too). Returns {data_hours,
     points: [{name, epochs, hours}], train_hours, total_hours}."""
-    from eagle3_core.studies.team_bet import point_name, recipe_epochs
-    from eagle3_core.training.stopping import planned_epochs
     p = plan_run(cfg, rates, 1)
     data_h = sum(r["hours"] for r in p["stages"] if r["stage"] in ("generation", "features"))
     T, rate = rates["tokens_per_sample"]["value"], rates["train_tok_s_per_gpu"]["value"]

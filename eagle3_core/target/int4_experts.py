@@ -55,7 +55,7 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
         raise ValueError(f"weight_scale {tuple(scale.shape)} does not match weight_packed {tuple(packed.shape)} "
                          f"at group size {GROUP}")
     if packed.is_cuda and scale.dtype in (torch.bfloat16, torch.float16):
-        from eagle3_core.target.int4_kernel import dequantize_cuda
+        from eagle3_core.target.int4_kernel import dequantize_cuda  # optional: Triton, on CUDA hosts only
         if out is None or out.dtype == scale.dtype:
             return dequantize_cuda(packed, scale, out)
     q = unpack_int4(packed).view(*scale.shape, GROUP).to(scale.dtype)

@@ -3,6 +3,8 @@
 Legend: B batch, T tokens, H_t target hidden, V target vocab.
 Layer-id convention (SGLang `models/llama.py` `set_eagle3_layers_to_capture`): id i = output of 0-based decoder layer i = HF
 `output_hidden_states[i + 1]`. Hooks read the decoder layers' outputs directly, so the final norm never leaks in.
+transformers is imported inside the functions that need it: its import takes 1-2 s, and check and the flows
+import this module without loading a model.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from safetensors.torch import save_file
 
 from eagle3_core.config import EMBEDDED, TargetConfig, default_aux_layer_ids
 from eagle3_core.contract.manifest import sha256_file
+from eagle3_core.target.family import num_layers
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -56,7 +59,7 @@ def _converted_dir(gguf: Path) -> Path:
     out = cache_root() / "targets" / sha256_file(gguf)[:16]
     if (out / "config.json").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # slow import (~2 s): module docstring
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -84,7 +87,7 @@ def local_model_dir(cfg: TargetConfig) -> str:
 
 
 def load_tokenizer(cfg: TargetConfig):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # slow import (~2 s): module docstring
     return AutoTokenizer.from_pretrained(local_model_dir(cfg), revision=cfg.revision,
                                          trust_remote_code=cfg.trust_remote_code)
 
@@ -93,7 +96,7 @@ def load_target_config(cfg: TargetConfig):
     """The target's transformers config (the whole config: `target_family.text_config` unwraps a composite one),
     read with the target's revision and trust_remote_code, as every stage reads it. No weights are read.
     Raises OSError (from transformers) naming the path if there is no config."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # slow import (~2 s): module docstring
     return AutoConfig.from_pretrained(local_model_dir(cfg), revision=cfg.revision,
                                       trust_remote_code=cfg.trust_remote_code)
 
@@ -103,7 +106,7 @@ def generation_eos_ids(cfg: TargetConfig):
     transformers derives from config.json when there is none (what a loaded model's `generation_config` holds), else
     None (a directory holding only a tokenizer: the stages that need no weights run on one). One part of
     data.markers.stop_ids."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # slow import (~2 s): module docstring
     try:
         return GenerationConfig.from_pretrained(local_model_dir(cfg), revision=cfg.revision).eos_token_id
     except OSError:                       # no generation_config.json: transformers derives one from config.json
@@ -119,8 +122,8 @@ def auto_model_class(config, where: str):
     """AutoModelForCausalLM for decoder-only configs (and remote code that maps it); AutoModelForImageTextToText
     for a vision-language wrapper whose text model sits under `text_config` (transformers registers e.g.
     `kimi_k25` only there). Raises ValueError for anything else."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import (
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # slow import (~2 s): module docstring
+    from transformers.models.auto.modeling_auto import (  # slow import (~2 s): module docstring
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     )
@@ -145,9 +148,9 @@ PARALLEL_API_SINCE = "5.23.0"
 def parallel_api_problem() -> str | None:
     """Why the installed transformers cannot run the parallel paths (None when it can): the names the code calls
     and the release that has them."""
-    import transformers
-    from transformers import PreTrainedModel
-    from transformers.distributed import DistributedConfig
+    import transformers  # slow import (~2 s): module docstring
+    from transformers import PreTrainedModel  # slow import (~2 s): module docstring
+    from transformers.distributed import DistributedConfig  # slow import (~2 s): module docstring
     missing = [name for name, ok in (
         ("DistributedConfig(ep_size=...)", "ep_size" in getattr(DistributedConfig, "__dataclass_fields__", {})
          or "ep_size" in DistributedConfig.__init__.__code__.co_varnames),
@@ -166,7 +169,7 @@ def distributed_config(tp_size: int, ep_size: int = 1):
     problem = parallel_api_problem()
     if problem:
         raise ImportError(problem)
-    from transformers.distributed import DistributedConfig
+    from transformers.distributed import DistributedConfig  # slow import (~2 s): module docstring
     return DistributedConfig(tp_size=tp_size, ep_size=ep_size)
 
 
@@ -202,7 +205,6 @@ def load_target(cfg: TargetConfig, device: str = "cpu", dtype: torch.dtype | Non
 def default_aux_ids(config) -> list[int]:
     """Default aux layer ids for an HF config (L = the text model's `num_hidden_layers`): `[1, L//2 - 1, L - 4]`
     (config.default_aux_layer_ids). Raises ValueError for configs without layers."""
-    from eagle3_core.target.family import num_layers
     return default_aux_layer_ids(num_layers(config))
 
 
@@ -256,7 +258,7 @@ def target_config_file(path: str | Path):
     """The transformers config in a config.json file (any model_type transformers knows; a wrapper's text_config
     becomes its config class), without weights or network. Raises OSError naming a missing file, ValueError for a
     file that is no config."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # slow import (~2 s): module docstring
     path = Path(path)
     data = json.loads(path.read_text())
     if "model_type" not in data:

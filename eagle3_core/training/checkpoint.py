@@ -5,6 +5,7 @@ export and load check it strictly (SGLang silently keeps random weights for name
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle3_core.data.vocab_map import check_vocab_map
 from eagle3_core.target.family import PLUS_ONE, TOP_KEY, sglang_ids
 from eagle3_core.training.capacity import ENGINES, unservable
 from eagle3_core.training.draft_model import DraftShape, Eagle3Draft
@@ -179,11 +181,9 @@ def export_draft(draft: Eagle3Draft, out: Path, dtype: torch.dtype = EXPORT_DTYP
     bit equal to the trained draft cast to `dtype`. Returns `out`. Raises ValueError (vocab map) or
     CheckpointError (the export does not reproduce the draft, or none of `engines`, the deploy targets, serves its
     capacity options: training.capacity.SERVES, the refusal naming option and engine)."""
-    import copy
     if (why := unservable(draft.shape, engines)) is not None:
         raise CheckpointError(f"export to {out}: {why}")
 
-    from eagle3_core.data.vocab_map import check_vocab_map
     check_vocab_map(draft.d2t.cpu(), draft.t2d.cpu(), f"export to {out}")
     save_draft(draft, out, dtype, sglang_rule)
     cast = copy.deepcopy(draft).to(device="cpu", dtype=dtype)

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 from safetensors.torch import load_file
 
-from eagle3_core.config import PipelineConfig
+from eagle3_core.config import PipelineConfig, default_aux_layer_ids
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest
-from eagle3_core.target.family import resolve_aux_ids, sglang_rule
+from eagle3_core.features.reader import load_head
+from eagle3_core.target.family import num_layers, resolve_aux_ids, sglang_rule
 from eagle3_core.target.loading import load_target_config
+from eagle3_core.training.draft_geometry import draft_shape as family_draft_shape
+from eagle3_core.training.setup import build_draft
+from eagle3_core.training.warm_start import load_init, warm_draft
 
 
 def draft_shape(cfg: PipelineConfig):
     """The draft's shape: target config (composite configs unwrapped), family recipe, cfg.draft's geometry."""
-    from eagle3_core.target.family import num_layers
-    from eagle3_core.training.draft_geometry import draft_shape as family_draft_shape
     tcfg = load_target_config(cfg.target)
     ids = resolve_aux_ids(cfg.features.aux_layer_ids, num_layers(tcfg))
     return family_draft_shape(tcfg, cfg.draft.draft_vocab_size, ids, overrides=cfg.draft.geometry(),
@@ -25,8 +27,6 @@ def draft_shape(cfg: PipelineConfig):
 def init_default_aux_ids(cfg: PipelineConfig) -> list[int] | None:
     """The aux layer ids a warm-start draft whose config names none was trained on: those SGLang captures for such
     a draft on this target (config.default_aux_layer_ids); None for a target too shallow for them."""
-    from eagle3_core.config import default_aux_layer_ids
-    from eagle3_core.target.family import num_layers
     try:
         return default_aux_layer_ids(num_layers(load_target_config(cfg.target)))
     except ValueError:
@@ -38,8 +38,6 @@ def fresh_draft(cfg: PipelineConfig, log=print):
     embedding (features/head) and the vocab map (vocab/), seeded by draft.seed; with train.init_from, carrying the
     weights of that draft (warm_start.warm_draft: lm_head rows by target token id). Raises ValueError naming each
     field in which the warm-start draft differs from this run (shape, aux layer ids of the feature store)."""
-    from eagle3_core.features.reader import load_head
-    from eagle3_core.training.setup import build_draft
     vocab = load_file(str(RunLayout(cfg.run_dir).vocab_map))
     emb, lm = load_head(RunLayout(cfg.run_dir).features)
     shape = draft_shape(cfg)
@@ -49,7 +47,6 @@ def fresh_draft(cfg: PipelineConfig, log=print):
                          f"{RunLayout(cfg.run_dir).features} holds layers {store_ids}: rerun the features stage")
     draft = build_draft(shape, emb, vocab["d2t"], vocab["t2d"], cfg.draft.seed)
     if cfg.train.init_from is not None:
-        from eagle3_core.training.warm_start import load_init, warm_draft
         init = load_init(cfg.train.init_from, shape, keep_vocab=cfg.train.init_vocab == "keep",
                          default_aux_ids=init_default_aux_ids(cfg), rule=sglang_rule(load_target_config(cfg.target)))
         draft, info = warm_draft(init, draft)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 try:  # torch >= 2.9
-    from torch.nn.attention.flex_attention import AuxRequest
+    from torch.nn.attention.flex_attention import AuxRequest  # optional: torch >= 2.9 only
 except ImportError:  # pragma: no cover - older torch: the deprecated return_lse flag
     AuxRequest = None
 

@@ -26,10 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
-from eagle3_core.data.vocab_map import draft_to_target_ids, target_to_draft_ids
-from eagle3_core.target.family import PLUS_ONE, TOP_KEY, rope_type, sglang_layers_to_capture
+from eagle3_core.config import default_aux_layer_ids
+from eagle3_core.data.vocab_map import check_vocab_map, draft_to_target_ids, target_to_draft_ids
+from eagle3_core.target.family import PLUS_ONE, TOP_KEY, num_layers, rope_type, sglang_layers_to_capture, sglang_rule
 from eagle3_core.training.checkpoint import CheckpointError, check_tensors, shape_from_config
+from eagle3_core.training.draft_geometry import draft_shape
 from eagle3_core.training.draft_model import DraftShape, Eagle3Draft
 
 # DraftShape field -> the config field that sets it (what the user changes when they differ)
@@ -134,7 +138,6 @@ def init_tensors(src: InitSource) -> dict[str, torch.Tensor]:
     torch.load(weights_only=True, mmap=True): its `draft_state_dict`. Raises CheckpointError for a payload the safe
     loader refuses, or one that is not an EAGLE-3 draft's."""
     if not src.specforge_checkpoint:
-        from safetensors.torch import load_file
         return load_file(str(src.weights))
     try:
         state = torch.load(src.weights, map_location="cpu", weights_only=True, mmap=True)
@@ -203,7 +206,6 @@ def init_problems(init_from: str | Path, want: DraftShape, keep_vocab: bool,
         if src.specforge_checkpoint:
             shapes = {k: tuple(v.shape) for k, v in init_tensors(src).items()}
         else:
-            from safetensors import safe_open
             with safe_open(str(src.weights), "pt") as f:
                 shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
     except (OSError, CheckpointError, json.JSONDecodeError) as e:
@@ -286,7 +288,6 @@ def init_vocab_map(init_from: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t int64 [N], t2d bool [V]) of the draft `train.init_from` names (the vocab stage keeps them)."""
     src = init_source(init_from)
     if not src.specforge_checkpoint:
-        from safetensors import safe_open
         with safe_open(str(src.weights), "pt") as f:
             tensors = {k: f.get_tensor(k) for k in ("d2t", "t2d") if k in f.keys()}  # noqa: SIM118
     else:
@@ -302,10 +303,6 @@ def init_from_check(cfg, tcfg, ids: list[int] | None) -> tuple[dict, list[tuple[
     the run's resolved aux layer ids, None where they are wrong) against the draft this run builds
     (init_problems: exists, a draft, not EAGLE-2, geometry, vocab, aux ids, positions) and, when its vocab map is
     kept, that map (vocab_map.check_vocab_map). No weights are loaded (a SpecForge checkpoint is memory-mapped)."""
-    from eagle3_core.config import default_aux_layer_ids
-    from eagle3_core.data.vocab_map import check_vocab_map
-    from eagle3_core.target.family import num_layers, sglang_rule
-    from eagle3_core.training.draft_geometry import draft_shape
     keep = cfg.train.init_vocab == "keep"
     facts: dict = {"given": cfg.train.init_from, "vocab": cfg.train.init_vocab}
     L = num_layers(tcfg)
