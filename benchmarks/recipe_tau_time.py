@@ -12,8 +12,9 @@ that store is still the one timed), then each recipe of the --recipes file ({nam
 of its own, RUN_DIR/recipes/NAME, that links the shared prompts, generations, tokenized rows and features: its vocab
 stage (a vocab size of its own) and train stage run there, every epoch's `last` draft kept. Two keys of a recipe are
 not config fields: "samples": N trains on the first N of the nested subsets of scaling_study (a second data size
-from the same store; its features time is counted as N / all train samples of the whole), "measure": "last" measures
-its final epoch only (default every epoch).
+from the same store; its features time is counted as N / all train samples of the whole), "sources": {SOURCE: N}
+trains on the first N of each source's own nested subset instead (a sample's source: its id's prefix, "gsm8k/..."),
+"measure": "last" measures its final epoch only (default every epoch).
 A recipe's wall time at epoch e: features + its vocab + its train stage up to the end of epoch e (held-out TTT eval
 and checkpoints included; copying the snapshots is left out), compiled from a cold cache (cold_compile).
 SpecForge: train_end_to_end.specforge_online with the config's own recipe (its target forward in the loop, its
@@ -52,7 +53,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from eagle3_core.config import PipelineConfig, TargetConfig, load_config  # noqa: E402
 
 SHARED = ("prompts", "generations", "tokenized", "features")        # RunLayout folders every recipe reads
-NOT_CONFIG = ("samples", "measure")                                  # recipe keys this script reads itself
+NOT_CONFIG = ("samples", "sources", "measure")                       # recipe keys this script reads itself
 
 
 def merged(base: dict, override: dict) -> dict:
@@ -86,31 +87,49 @@ def cached(path: Path, settings: dict) -> dict | None:
     return None
 
 
-def epoch_tokens(cfg: PipelineConfig, n: int | None) -> int:
-    """Tokens an epoch trains on: the train split's (its first n of the nested subsets with n)."""
-    from eagle3_core.pipeline.train_stage import train_split
+def subset_indices(ids: list[str], recipe: dict) -> list[int]:
+    """Indices into the train split (its sample ids, in order) that a recipe trains on: every one; with "samples" N
+    the first N of scaling_study's nested subsets; with "sources" {SOURCE: N} the first N of each source's own
+    nested subset (a sample's source: the prefix of its id before '/'). Raises ValueError naming a source with fewer
+    samples than asked."""
     from eagle3_core.studies.scaling_study import nested_subset
+    if "sources" in recipe:
+        keep = []
+        for source, n in recipe["sources"].items():
+            own = [i for i, sid in enumerate(ids) if sid.split("/", 1)[0] == source]
+            if n > len(own):
+                raise ValueError(f"recipe sources: {source!r} has {len(own)} train samples, {n} asked")
+            keep += [own[j] for j in nested_subset(len(own), n, 0)]
+        return sorted(keep)
+    if "samples" in recipe:
+        if recipe["samples"] > len(ids):
+            raise ValueError(f"recipe samples {recipe['samples']} > {len(ids)} train samples")
+        return nested_subset(len(ids), recipe["samples"], 0)
+    return list(range(len(ids)))
+
+
+def epoch_tokens(cfg: PipelineConfig, recipe: dict) -> int:
+    """Tokens an epoch of `recipe` trains on (subset_indices of the train split)."""
+    from eagle3_core.pipeline.train_stage import train_split
     train_all, _ = train_split(cfg)
-    keep = range(len(train_all)) if n is None else nested_subset(len(train_all), n, 0)
-    return sum(len(train_all[i]["input_ids"]) for i in keep)
+    return sum(len(train_all[i]["input_ids"]) for i in subset_indices([s["id"] for s in train_all], recipe))
 
 
-def subset_train(cfg: PipelineConfig, n: int, on_epoch, log) -> int:
-    """The train stage's trainer on the first n of scaling_study's nested subsets of the train split (the held-out
-    TTT eval split unchanged), into RUN_DIR/draft; returns how many train samples the store holds."""
+def subset_train(cfg: PipelineConfig, recipe: dict, on_epoch, log) -> float:
+    """The train stage's trainer on the recipe's subset of the train split (subset_indices; the held-out TTT eval
+    split unchanged), into RUN_DIR/draft; returns the subset's share of the train samples the store holds."""
     from eagle3_core.contract.layout import RunLayout
     from eagle3_core.pipeline.train_stage import claim_training_dir, fresh_draft, train_key, train_split
-    from eagle3_core.studies.scaling_study import nested_subset
     from eagle3_core.training.trainer import train
     train_all, eval_s = train_split(cfg)
-    if n > len(train_all):
-        raise ValueError(f"recipe samples {n} > {len(train_all)} train samples in {cfg.run_dir / 'features'}")
+    keep = subset_indices([s["id"] for s in train_all], recipe)
     draft, lm_head = fresh_draft(cfg, log=lambda s: None)
     out = RunLayout(cfg.run_dir).draft
-    claim_training_dir(out, f"{train_key(cfg)}-n{n}")
-    train(draft, [train_all[i] for i in nested_subset(len(train_all), n, 0)], eval_s, lm_head, cfg.train, out,
+    tag = json.dumps(recipe.get("sources")) if "sources" in recipe else recipe["samples"]
+    claim_training_dir(out, f"{train_key(cfg)}-n{tag}")
+    train(draft, [train_all[i] for i in keep], eval_s, lm_head, cfg.train, out,
           log=log, on_epoch=on_epoch, tensorboard=False)
-    return len(train_all)
+    return len(keep) / len(train_all)
 
 
 def cold_compile() -> None:
@@ -152,15 +171,15 @@ def train_ours(base: PipelineConfig, name: str, recipe: dict, features_seconds: 
         print(f"   [{name}] {s}", flush=True)
 
     share = 1.0
-    if "samples" in recipe:
-        share = recipe["samples"] / subset_train(cfg, recipe["samples"], snapshot, log)
+    if "samples" in recipe or "sources" in recipe:
+        share = subset_train(cfg, recipe, snapshot, log)
         manifest = {}
     else:
         manifest = run_train(cfg, log=log, on_epoch=snapshot)
     epochs = [{"epoch": e, "seconds": features_seconds * share + vocab_seconds + s,
                "dir": str(run.run_dir / "epochs" / f"epoch_{e}")} for e, s in enumerate(marks, 1)]
     out = {"settings": settings, "vocab_seconds": vocab_seconds, "features_share": share, "epochs": epochs,
-           "epoch_tokens": epoch_tokens(cfg, recipe.get("samples")),
+           "epoch_tokens": epoch_tokens(cfg, recipe),
            "best": manifest.get("best"), "stopping": manifest.get("stopping")}   # the exported epoch; the rule's
     (run.run_dir / "trained.json").write_text(json.dumps(out, indent=2))
     return out

@@ -1,6 +1,7 @@
 """Prompt sources in their real formats (tests/data, HumanEval, hand-made rows of every other format under
 tests/fixtures/prompt_formats), the mix presets' mappings run through the Hugging Face `datasets` code path on local
 files, rejects with reasons, dedup, length filters, per-source counts and the seeded disjoint split."""
+import collections
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from eagle3_core.config import PipelineConfig, PromptConfig
 from eagle3_core.config.mix import DataMix, SourceSpec
 from eagle3_core.data.prompt_set import build_prompts, load_source
 from eagle3_core.data.rejects import RejectError
+from eagle3_core.pipeline.evaluate_stage import category
 
 FIX = Path(__file__).parent / "fixtures" / "prompt_formats"
 U, A, S, T = "user", "assistant", "system", "tool"
@@ -45,6 +47,8 @@ def test_real_files_normalize_to_the_expected_conversations():
     assert spec[0]["messages"] == [msg(U, "Compose an engaging travel blog post about a recent trip to Hawaii, "
                                           "highlighting cultural experiences and must-see attractions.")]
     assert json.loads(spec[0]["meta"])["later_turns"] == 1          # the second MT-bench turn needs its own answer
+    cats = collections.Counter(category(r) for r in spec)            # tau per category reads Spec-Bench's own
+    assert cats["writing"] == 10 and cats["translation"] == 80 and len(cats) == 13
     share = SHARED_DATA / "sharegpt/dummy_conversation.json"
     rows = load_source(str(share))
     assert len(rows) == 500 and rows[0]["id"] == "dummy_conversation/identity_0"

@@ -98,6 +98,8 @@ def normalize(row, spec) -> tuple[list[dict], dict]:
         msgs = [{"role": "user", "content": _text(turns[0], 0)}] if turns else []
         meta["later_turns"] = max(len(turns) - 1, 0)
         meta["later_user_turns"] = [_text(t, k) for k, t in enumerate(turns[1:], 1)]
+        if isinstance(row.get("category"), str):      # the evaluators' tau per category (evaluate_stage.category)
+            meta["category"] = row["category"]
     elif fmt == "bfcl":
         turns = row.get("question") or []
         if not (turns and isinstance(turns[0], list)):
