@@ -8,7 +8,7 @@ draft geometry and rope, vocab sizes, context lengths, disk per feature format a
 evaluate stages (which path, and why), and refuses, naming the field and the fix, what would fail later: unsorted,
 repeated or out-of-range aux ids (L-1 included), a rope the draft cannot run, draft positions below the target's
 context, a target too large for a stage that loads it whole in this process (features 'hf', evaluate 'decode'), a
-features backend and size whose bytes per GPU (target/memory.py: the checkpoint's bytes as stored, its
+features backend and size whose bytes per GPU (target/memory_fit.py: the checkpoint's bytes as stored, its
 quantization_config read, and transformers' own plans on a meta-device model) do not fit one GPU, or that split
 attention heads or routed experts unevenly, expert parallelism on a target without experts, a server kind that
 cannot serve the target (generation.servers.server_problems), a train.init_from that is missing or does not fit
@@ -55,13 +55,13 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     """(facts, problems) of a run. target_config: the target's transformers config (default: read with
     target.loading.load_target_config, no weights); memory: (bytes, description) for the in-process fit check (default:
     machine_memory_bytes()); gpus: (count, bytes per GPU) for the features backend's per-GPU check
-    (target.memory.backend_facts; default: this host's, None: no GPU); disk: None (not checked), DETECT (run_dir's
+    (features.backends.memory_facts; default: this host's, None: no GPU); disk: None (not checked), DETECT (run_dir's
     file system) or (free bytes, description) for disk_check; chat_template: the target's chat template (text)
     that generation.chat_template_kwargs are checked against (data.template_kwargs; default: the target's
     tokenizer's where the target's config is read from it, not checked where `target_config` is given; None: not
     checked); sglang_env: probe_sglang's answer for sglang_python (default: probed here, with backend 'sglang'
-    only). Also checks the generation server against the target (server_problems) and train.init_from
-    (init_from_check). Facts are JSON-able; problems are (field, message) pairs, empty when the run fits: those
+    only: its row's python_check). Also checks the generation server against the target (server_problems) and
+    train.init_from (init_from_check). Facts are JSON-able; problems are (field, message) pairs, empty when the run fits: those
     of checkers.CHECKERS, in their order."""
     run = run_to_check(cfg, draft_dir, target_config, memory, gpus, disk, chat_template, sglang_env)
     facts, problems = {}, []

@@ -14,15 +14,20 @@ from pathlib import Path
 import torch
 
 from eagle3_core.config import PipelineConfig
-from eagle3_core.config.eval_config import resolved_evaluator
 from eagle3_core.data.budget import budget_problems
 from eagle3_core.data.prompt_set import source_specs
 from eagle3_core.data.readers import missing_source_files
 from eagle3_core.data.template_kwargs import kwarg_problem
 from eagle3_core.data.text_probe import target_template, text_api_problems
 from eagle3_core.evaluation.preflight import check_draft
-from eagle3_core.features.backends import BACKENDS, backend_name
-from eagle3_core.features.sglang_env import probe_sglang, sglang_env_problems
+from eagle3_core.features.backends import (
+    BACKENDS,
+    IMPORT,
+    backend_name,
+    loads_whole_target,
+    memory_facts,
+    resolved_evaluator,
+)
 from eagle3_core.features.store_formats import FORMATS, bytes_per_token, features_bytes
 from eagle3_core.generation.servers import server_problems
 from eagle3_core.pipeline.features_stage import mixed_backend_problems
@@ -39,7 +44,7 @@ from eagle3_core.target.family import (
     value,
 )
 from eagle3_core.target.loading import load_target_config
-from eagle3_core.target.memory import backend_facts, gpu_memory
+from eagle3_core.target.memory import gpu_memory
 from eagle3_core.training.draft_geometry import draft_geometry, geometry_problems
 from eagle3_core.training.warm_start import init_from_check
 
@@ -202,10 +207,10 @@ def backends_check(run: RunToCheck) -> tuple[dict, list[tuple[str, str]]]:
                                                 "target in one process"))},
                           "target_weights_gb_bf16_estimate": round(need / 1e9, 1), "machine": where}}
     problems += fit_problems
-    whole = [name for name, loads in (("features (HFExtractor)", f.backend == "hf"),
+    whole = [name for name, loads in (("features (HFExtractor)", loads_whole_target(f.backend)),
                                       ("evaluate (decode)", evaluator == "decode")) if loads]
     if need > have and whole:
-        hint = (f"; features: {feats['needs']}" if "needs" in feats and f.backend == "hf" else "")
+        hint = (f"; features: {feats['needs']}" if "needs" in feats and loads_whole_target(f.backend) else "")
         fix = ("; or set eval.evaluator 'replay' (the target's recorded greedy outputs, no whole target)"
                if evaluator == "decode" else "")
         problems.append(("target.model", f"~{need / 1e9:.0f} GB of bf16 weights (estimated from the config) do "
@@ -215,24 +220,24 @@ def backends_check(run: RunToCheck) -> tuple[dict, list[tuple[str, str]]]:
 
 
 def features_backend(run: RunToCheck) -> tuple[dict, list[tuple[str, str]], list[tuple[str, str]]]:
-    """(facts, problems, fit problems) of the features backend: its bytes per GPU on `gpus` (default: this
-    host's) and fit (target.memory.backend_facts), what runs it (features.backends.BACKENDS), expert parallelism
-    (expert_parallel_check) and, for 'sglang', the SGLang environment of sglang_python."""
+    """(facts, problems, fit problems) of the features backend, all read from its row (features.backends.BACKENDS):
+    its bytes per GPU on `gpus` (default: this host's) and fit (its memory model: backends.memory_facts), what runs
+    it (`runs`), expert parallelism (expert_parallel_check) and the environment its ranks run in (`python_check`:
+    for 'sglang' the SGLang environment of sglang_python; run.sglang_env, where given, is that probe's answer)."""
     cfg, f, problems = run.cfg, run.cfg.features, []
     fit_cfg, ep_problems = expert_parallel_check(cfg, run.t)
     problems += ep_problems
     gpus = gpu_memory() if run.gpus is DETECT else run.gpus
-    feats, fit_problems = backend_facts(fit_cfg, run.tcfg, gpus)
+    feats, fit_problems = memory_facts(fit_cfg, run.tcfg, gpus)
     if backend_name(cfg) in BACKENDS:
         feats["runs"] = BACKENDS[backend_name(cfg)].runs.format(w=f.tp_size)
     else:
         problems.append(("features.backend", f"{f.backend!r} is not a features backend; choose one of "
-                                             f"{[n for n in BACKENDS if n != 'specforge_import']}"))
-    if f.backend == "sglang":
-        env = probe_sglang(cfg.sglang_python) if run.sglang_env is DETECT else run.sglang_env
-        feats["sglang_env"] = env if gpus or env["version"] else {**env, "note": "not refused here: no GPU on this "
-                                                                  "host, which is not where the stage runs"}
-        problems += sglang_env_problems(env, bool(gpus))
+                                             f"{[n for n in BACKENDS if n != IMPORT]}"))
+    if (row := BACKENDS.get(f.backend)) is not None and row.python_check is not None:
+        env_facts, env_problems = row.python_check(cfg, gpus, None if run.sglang_env is DETECT else run.sglang_env)
+        feats.update(env_facts)
+        problems += env_problems
     return feats, problems, fit_problems
 
 

@@ -42,6 +42,7 @@ import torch
 from eagle3_core.config import PipelineConfig, config_or_preset
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest, sha256_json, write_manifest
+from eagle3_core.features.backends import loads_whole_target
 from eagle3_core.features.reader import load_samples
 from eagle3_core.pipeline.features_stage import run_features
 
@@ -53,7 +54,7 @@ def probe_run(cfg: PipelineConfig, backend: str, rows: list[dict]) -> PipelineCo
     """The config of `backend`'s probe run: features_probe/<backend>/ under the run directory with `rows` as its
     tokenized data (written here; the same rows leave a finished store done), bf16, no import."""
     f = cfg.features
-    par = {"tp_size": 1, "expert_parallel": False} if backend == "hf" else {}
+    par = {"tp_size": 1, "expert_parallel": False} if loads_whole_target(backend) else {}
     sub = cfg.model_copy(update={"run_dir": Path(cfg.run_dir) / PROBE_DIR / backend, "features": f.model_copy(
         update={"backend": backend, "format": "bf16", "import_from": None, **par})})
     layout = RunLayout(sub.run_dir)

@@ -5,16 +5,20 @@ mixing backends is refused unless features.mix_backends."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
+from eagle3_core.check import check_run
 from eagle3_core.config import FeatureConfig, PipelineConfig, TargetConfig
+from eagle3_core.config.feature_config import TORCHRUN_BACKENDS
 from eagle3_core.contract import manifest as manifest_mod
 from eagle3_core.contract.manifest import read_manifest
 from eagle3_core.features import backends
-from eagle3_core.features.backends import BACKENDS, Backend
+from eagle3_core.features import store_run
+from eagle3_core.features.backends import BACKENDS, Backend, must_replay, resolved_evaluator
 from eagle3_core.features.reader import load_samples
 from eagle3_core.pipeline.features_stage import (
     feature_shards,
@@ -24,6 +28,8 @@ from eagle3_core.pipeline.features_stage import (
     run_features_shard,
     store_key,
 )
+from eagle3_core.target.loading import load_target_config
+from eagle3_core.target.memory_fit import Fit
 from tiny_targets import build
 from tokenized_rows import random_rows, write_tokenized
 
@@ -88,7 +94,7 @@ def loads(monkeypatch):
         def counted(cfg, device, log=print, row=row):
             seen.append(row.name)
             return row.load(cfg, device, log)
-        monkeypatch.setitem(BACKENDS, name, Backend(row.name, row.torchrun, counted, row.runs))
+        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(row, load=counted))
     return seen
 
 
@@ -247,6 +253,71 @@ def test_the_features_stage_has_one_manifest_writer(target, tmp_path, monkeypatc
     finish_features(per_shard, [run_features_shard(per_shard, k, log=lambda s: None) for k in range(3)],
                     log=lambda s: None)
     assert writers and set(writers) == {"write_record"}, writers
+
+
+def _checked(cfg: PipelineConfig, gpus) -> tuple[dict, list[tuple[str, str]]]:
+    """check_run's facts of the features and evaluate backends, and its problems of a features.* field."""
+    facts, problems = check_run(cfg, target_config=load_target_config(cfg.target), memory=(1 << 40, "test"),
+                                gpus=gpus)
+    return facts["backends"], [(f, m) for f, m in problems if f.startswith("features.")]
+
+
+def test_a_backend_of_a_few_lines_becomes_a_features_backend_by_one_row(target, tmp_path, monkeypatch):
+    """The echo backend (this file: an Extractor class and its load) added to BACKENDS by its one row, nothing else
+    patched: check says what runs it, weighs its memory model (the default, the whole target's, as for 'hf') and
+    passes; the shard plan runs it per shard, the features stage extracts with it and records it, and the evaluator
+    decodes. A torchrun variant of it, also one row (its own launcher, python, memory model, replay): check reports
+    its memory model's facts and overrun, the flow gets one task, torchrun is asked to run its launcher with its
+    python, and the evaluator replays."""
+    monkeypatch.setitem(BACKENDS, "echo", ECHO)
+    cfg = _run_dir(tmp_path / "run", target, backend="echo")
+    gpus = (1, 10**9)
+    backends_facts, problems = _checked(cfg, gpus)
+    feats, hf_feats = backends_facts["features"], _checked(cfg.model_copy(update={"features": cfg.features.model_copy(
+        update={"backend": "hf"})}), gpus)[0]["features"]
+    assert problems == [] and feats["runs"] == "the tests' echo backend" and feats["chosen"] == "echo"
+    assert {k: v for k, v in feats.items() if k not in ("runs", "chosen")} == \
+        {k: v for k, v in hf_feats.items() if k not in ("runs", "chosen")} and "gb_per_gpu" in feats
+    assert backends_facts["evaluate"]["evaluator"] == "decode" == resolved_evaluator("auto", "echo")
+    assert feature_status(cfg) == {"shards": [0, 1, 2], "done": [], "per_shard": True}
+    assert store_run.foreign_python(cfg) == {}
+    first = run_features(cfg, log=lambda s: None)
+    assert first["backend"] == "echo" and {e["backend"] for e in first["shards"]} == {"echo"}
+    aux = load_samples(cfg.run_dir / "features")[0]["aux"].float()             # echo's [e, 2e, 3e]
+    H = aux.shape[-1] // 3
+    assert torch.equal(aux[..., H:2 * H], 2 * aux[..., :H])              # e and 3e each rounded to bf16
+    assert torch.allclose(aux[..., 2 * H:], 3 * aux[..., :H], rtol=2 ** -7, atol=0)
+
+    echo_tp = Backend("echo_tp", True, load_echo, "{w} echo ranks", launcher="echo_ranks",
+                      python=lambda c: {"python": "/opt/echo/bin/python"}, replay=True,
+                      memory=lambda m: Fit(10**9 * m.f.tp_size, [], {"echo_ranks": m.f.tp_size}, "features.tp_size"))
+    monkeypatch.setitem(BACKENDS, "echo_tp", echo_tp)
+    tp = _run_dir(tmp_path / "tp", target, backend="echo_tp", tp_size=2)
+    backends_facts, problems = _checked(tp, (2, 10**9))
+    feats = backends_facts["features"]
+    assert (feats["runs"], feats["echo_ranks"], feats["gb_per_gpu"]) == ("2 echo ranks", 2, 2.0)
+    assert [f for f, _ in problems] == ["features.tp_size"] and "exceed 85% of one GPU" in problems[0][1], problems
+    assert backends_facts["evaluate"]["evaluator"] == "replay" and must_replay("echo_tp") and not must_replay("echo")
+    assert feature_status(tp)["per_shard"] is False
+    launched = []
+    monkeypatch.setattr(store_run, "run_torchrun", lambda args, n, **kw: launched.append((args[:2], n, kw["python"])))
+    with pytest.raises(RuntimeError, match="does not list every shard after the torchrun"):
+        run_features(tp, log=lambda s: None)                   # nothing ran: no manifest
+    assert launched == [(["-m", "echo_ranks"], 2, "/opt/echo/bin/python")]
+    with pytest.raises(ValueError, match="extracts all shards in one torchrun"):
+        run_features_shard(tp, 0, log=lambda s: None)
+
+
+def test_the_configs_copies_of_backend_names_match_the_table():
+    """config cannot import the table (its layer is below features): its list of the torchrun backends is the
+    table's torchrun rows, and features.backend's description names every row (the import aside), tp_size's every
+    torchrun row."""
+    assert TORCHRUN_BACKENDS == tuple(n for n, row in BACKENDS.items() if row.torchrun)
+    fields = FeatureConfig.model_fields
+    assert all(f"'{n}'" in fields["backend"].description for n in BACKENDS if n != backends.IMPORT)
+    assert all(f"'{n}'" in fields["tp_size"].description for n in TORCHRUN_BACKENDS)
+    with pytest.raises(ValueError, match="need features.backend 'hf_tp', 'ep_int4' or 'sglang' "):
+        FeatureConfig(tp_size=2)
 
 
 def test_an_unknown_backend_is_named(tmp_path, target):

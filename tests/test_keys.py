@@ -233,7 +233,7 @@ def test_sampling_settings_count_only_when_sampled_and_a_greedy_key_is_the_key_b
     (and top_k / seed only when set: a sampled run's key from before they existed stays its key); the declared
     serving settings count where they differ from eval.sampling (evaluate measures at them too), not where they
     are the same. A greedy evaluate key without serving settings is the formula before eval.sampling existed."""
-    from eagle3_core.config.eval_config import resolved_evaluator
+    from eagle3_core.features.backends import resolved_evaluator
     from eagle3_core.pipeline.keys import stage_key
     base = _base(tmp_path)
 

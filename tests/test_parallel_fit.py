@@ -1,4 +1,4 @@
-"""check's features-backend verdict (parallel_fit.backend_facts via check_run): parameter bytes per GPU at the
+"""check's features-backend verdict (target.memory_fit.backend_facts via check_run): parameter bytes per GPU at the
 chosen features.tp_size against one GPU's memory, from the config alone; sizes that cannot fit or split heads
 unevenly are refused naming features.tp_size. The per-rank counts themselves are compared with what real ranks
 hold in tests/test_tp_extract.py."""

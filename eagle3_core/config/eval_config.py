@@ -23,9 +23,6 @@ def check_tree_params(num_steps: int, topk: int, num_draft_tokens: int) -> None:
                          f"{num_steps} and topk {topk} (root + at most {candidates} candidates)")
 
 
-SHARDED_BACKENDS = ("hf_tp", "ep_int4", "sglang")         # features backends whose target no single process holds
-
-
 class EvalConfig(StrictModel):
     evaluator: Literal["auto", "decode", "replay"] = Field(
         "auto", description="'decode': the target decodes in this process, verifying the draft step by step "
@@ -63,13 +60,6 @@ class EvalConfig(StrictModel):
         if self.tree_topk > 1:
             check_tree_params(self.num_draft_steps, self.tree_topk, self.tree_num_draft_tokens)
         return self
-
-
-def resolved_evaluator(evaluator: str, features_backend: str) -> str:
-    """'decode' or 'replay' for eval.evaluator given features.backend (EvalConfig.evaluator)."""
-    if evaluator != "auto":
-        return evaluator
-    return "replay" if features_backend in SHARDED_BACKENDS else "decode"
 
 
 class SGLangDeployConfig(StrictModel):

@@ -10,6 +10,9 @@ from eagle3_core.config.strict import StrictModel
 # the SGLang release the 'sglang' backend is written against (sglang_runner.py's list of its internals); SpecForge
 # 0.2.0 pins the same one. check refuses another version in the environment of PipelineConfig.sglang_python.
 SGLANG_VERSION = "0.5.14"
+# the torchrun backends, named by _parallel_needs_hf_tp's message: the rows of features.backends.BACKENDS with
+# `torchrun` (config cannot import them; tests/test_features_stage.py checks this list and the descriptions)
+TORCHRUN_BACKENDS = ("hf_tp", "ep_int4", "sglang")
 
 
 class FeatureConfig(StrictModel):
@@ -76,8 +79,8 @@ class FeatureConfig(StrictModel):
     @model_validator(mode="after")
     def _parallel_needs_hf_tp(self):
         if self.backend == "hf" and (self.tp_size != 1 or self.expert_parallel):
+            names = " or ".join([", ".join(map(repr, TORCHRUN_BACKENDS[:-1])), repr(TORCHRUN_BACKENDS[-1])])
             raise ValueError(f"features.tp_size = {self.tp_size}, expert_parallel = {self.expert_parallel} need "
-                             f"features.backend 'hf_tp', 'ep_int4' or 'sglang' (backend 'hf' loads the whole target "
-                             f"in one process)")
+                             f"features.backend {names} (backend 'hf' loads the whole target in one process)")
         return self
 

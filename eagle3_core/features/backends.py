@@ -1,23 +1,32 @@
-"""Extraction backends: the table the features stage dispatches on (pipeline.features_stage), one row per backend.
+"""Extraction backends: the table the features stage dispatches on (pipeline.features_stage), one row per backend
+holding every fact about it (`Backend`); no other module compares a backend's name.
 
 A backend gives the feature store an Extractor (features.extract.Extractor) and says how it runs; everything else
 is the store's (features.store): the shard plan, content keys, checksums, resume, the manifest and head.json,
-written through its one writer (store.write_record). What a backend declares (`Backend`):
+written through its one writer (store.write_record). A row declares:
 
 - granularity (`torchrun`): False, per-shard tasks: the flow runs one task per shard in its own process
   (run_features_shard), the target loaded once per process (open_extractor), or all shards in one call
-  (run_features; with `workers` a torchrun of whole-target workers each owning shards r, r+W, ...,
-  extract_workers); True, one task for all shards: a torchrun of features.tp_size ranks (tp_extract).
-- rank roles: under torchrun every rank calls `load` (each loads its part of the target: who loads the target)
-  and runs every forward; rank 0 alone runs the store and writes (through store.write_record), the others follow
-  its broadcasts (tp_extract.follow). Per-shard backends load in the calling process (or each worker).
+  (run_features; with `workers` a torchrun of whole-target workers each owning shards r, r+W, ...); True, one
+  task for all shards: a torchrun of features.tp_size ranks.
+- launcher: the module torchrun runs (`python -m`): features.tp_extract for a torchrun row, whose rank 0 alone runs
+  the store and writes while the others follow its broadcasts (tp_extract.follow); features.extract_workers for
+  a per-shard row's `workers`.
+- python: the interpreter and environment of those ranks (run_torchrun's `python` and `env`): this process's, or
+  the config's sglang_python (sglang_env.sglang_python); python_check, what check asks of that environment.
+- load: who loads the target: every rank of the torchrun its part, or the calling process (or each worker) all.
+- memory: the memory model check weighs (target.memory_fit: bytes one rank holds, fit problems); expert_parallel,
+  whether the row always splits routed experts by expert.
+- replay: no single process holds the target, so eval.evaluator 'auto' replays the target's recorded outputs and a
+  sampled evaluation is refused (resolved_evaluator, must_replay).
 - outputs: Extractor.forward gives aux [B, T, 3H_t] for every token, and final [B, T, H_t] with its lm_head argmax
   target_top1 [B, T]; training reads final and argmax only at positions p with loss_mask[p + 1] = 1, but the
   store holds them for every token (a sparse store of those positions is a store format's change).
 - the backend's name is recorded in each shard's entry and kept out of every key (it changes how features are
   computed, not what); a store mixing backends is refused unless features.mix_backends.
 
-A new backend is a module with its `load` and a line in BACKENDS (docs/architecture.md, "An extraction backend").
+A new backend is a module with its `load` and a row in BACKENDS (docs/architecture.md, "An extraction backend"); a
+per-shard backend that loads the whole target needs only the first four fields.
 """
 from __future__ import annotations
 
@@ -32,6 +41,7 @@ import torch.distributed as dist
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.features.extract import Extractor, HFExtractor
+from eagle3_core.features.sglang_env import sglang_env_check, sglang_python
 from eagle3_core.features.sglang_worker import load_sglang
 from eagle3_core.features.specforge_import import aux_spot_check, head_tensors, imported_extractor
 from eagle3_core.features.store_formats import needs_head
@@ -40,19 +50,47 @@ from eagle3_core.target.ep_loading import load_int4_target
 from eagle3_core.target.family import num_layers, resolve_aux_ids
 from eagle3_core.target import loading  # load_target read per call: tests replace it there
 from eagle3_core.target.loading import load_target_config, local_model_dir
+from eagle3_core.target.memory_fit import (
+    MemoryModel,
+    backend_facts,
+    ep_int4_fit,
+    sglang_fit,
+    tensor_parallel_fit,
+    whole_target_fit,
+)
+
+TP_RANKS = "eagle3_core.features.tp_extract"               # the launcher of a torchrun row: ranks share one target
+WORKERS = "eagle3_core.features.extract_workers"           # of a per-shard row's `workers`: each its whole target
+
+
+def this_python(cfg: PipelineConfig) -> dict:
+    """run_torchrun's `python` and `env` for a backend whose ranks run with this process's interpreter: none ({})."""
+    return {}
 
 
 @dataclass(frozen=True)
 class Backend:
-    """A row of the backend table. name: features.backend's value (recorded per shard). torchrun: the
-    granularity (False: per-shard tasks in the calling process; True: one torchrun of features.tp_size ranks for
-    all shards, rank 0 writing). load(cfg, device, log) -> Extractor: the target (or what stands for it) ready to
-    extract, on `device` ('cuda', 'cuda:N' or 'cpu'); under torchrun called on every rank of the initialised
-    process group. runs: what `python -m eagle3_core.check` says runs ('{w}': features.tp_size)."""
+    """A row of the backend table (module docstring). name: features.backend's value (recorded per shard).
+    torchrun: the granularity (False: per-shard tasks in the calling process; True: one torchrun of
+    features.tp_size ranks for all shards, rank 0 writing). load(cfg, device, log) -> Extractor: the target (or what
+    stands for it) ready to extract, on `device` ('cuda', 'cuda:N' or 'cpu'); under torchrun called on every rank
+    of the initialised process group. runs: what `python -m eagle3_core.check` says runs ('{w}': features.tp_size).
+    launcher: the module torchrun runs (TP_RANKS, WORKERS). python(cfg) -> run_torchrun's {python, env} ({}: this
+    process's). python_check(cfg, gpus, env) -> (facts, problems) of that environment, None: nothing to check.
+    memory: its memory model (target.memory_fit; None: it runs no target). expert_parallel: routed experts always
+    split by expert (whatever features.expert_parallel says). replay: no single process holds the target (the
+    evaluator replays)."""
     name: str
     torchrun: bool
     load: Callable[[PipelineConfig, str, Callable], Extractor]
     runs: str
+    launcher: str = WORKERS
+    python: Callable[[PipelineConfig], dict] = this_python
+    python_check: Callable[[PipelineConfig, tuple[int, int] | None, dict | None],
+                           tuple[dict, list[tuple[str, str]]]] | None = None
+    memory: MemoryModel | None = whole_target_fit
+    expert_parallel: bool = False
+    replay: bool = False
 
 
 def aux_ids_of(cfg: PipelineConfig, model) -> list[int]:
@@ -94,8 +132,8 @@ def load_ep_int4(cfg: PipelineConfig, device: str, log=print) -> Extractor:
 def load_specforge_import(cfg: PipelineConfig, device: str, log=print) -> Extractor:
     """'specforge_import' (features.import_from set): SpecForge's offline feature files, every file checked
     against this run's tokenization (specforge_import.imported_extractor); of the target only its config,
-    embedding and lm_head are read (head_tensors). Where features.backend is 'hf' (the target fits this process)
-    the first sample's aux states are checked against the target's own (aux_spot_check)."""
+    embedding and lm_head are read (head_tensors). Where features.backend loads the whole target in one process
+    ('hf': loads_whole_target) the first sample's aux states are checked against the target's own (aux_spot_check)."""
     path = RunLayout(cfg.run_dir).tokenized_train
     rows = pq.read_table(path).to_pylist()
     tcfg = load_target_config(cfg.target)
@@ -103,7 +141,7 @@ def load_specforge_import(cfg: PipelineConfig, device: str, log=print) -> Extrac
     embed, lm, names = head_tensors(local_model_dir(cfg.target), cfg.target.revision)
     extractor = imported_extractor(cfg.features.import_from, rows, tcfg, embed, lm, ids, str(path))
     log(f"features: importing {cfg.features.import_from}; read {names} of the target's weights")
-    if cfg.features.backend == "hf":
+    if loads_whole_target(cfg.features.backend):
         diff = aux_spot_check(extractor, loading.load_target(cfg.target, "cpu"), rows[0])
         log(f"features: sample {rows[0]['id']!r}: imported aux states within {diff:.1%} of the target's")
     return extractor
@@ -115,17 +153,22 @@ def _load_sglang(cfg: PipelineConfig, device: str, log=print) -> Extractor:
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in [
-    Backend("hf", False, load_hf, "HF transformers in process (HFExtractor)"),
+    Backend("hf", False, load_hf, "HF transformers in process (HFExtractor)", launcher=WORKERS,
+            memory=whole_target_fit),
     Backend("hf_tp", True, load_hf_tp,
-            "transformers' tensor-parallel plan over {w} torchrun ranks (features/tp_extract.py)"),
+            "transformers' tensor-parallel plan over {w} torchrun ranks (features/tp_extract.py)",
+            launcher=TP_RANKS, memory=tensor_parallel_fit, replay=True),
     Backend("ep_int4", True, load_ep_int4,
             "{w} torchrun ranks, routed experts kept INT4 as stored, 1/{w} of them per rank, MLA heads split (this "
-            "project's plan for DeepSeek-V3 / Kimi-K2.5: target/ep_loading.py)"),
+            "project's plan for DeepSeek-V3 / Kimi-K2.5: target/ep_loading.py)",
+            launcher=TP_RANKS, memory=ep_int4_fit, expert_parallel=True, replay=True),
     Backend("sglang", True, _load_sglang,
             "SGLang's own ModelRunner in {w} torchrun ranks (tensor parallel, its kernels and INT4 MoE), in the "
-            "environment of the config's sglang_python (features/sglang_worker.py)"),
+            "environment of the config's sglang_python (features/sglang_worker.py)",
+            launcher=TP_RANKS, python=sglang_python, python_check=sglang_env_check, memory=sglang_fit, replay=True),
     Backend("specforge_import", False, load_specforge_import,
-            "SpecForge's offline feature files imported (features.import_from); no target forward"),
+            "SpecForge's offline feature files imported (features.import_from); no target forward",
+            launcher=WORKERS, memory=None),
 ]}
 
 IMPORT = "specforge_import"                        # the backend features.import_from selects, whatever .backend says
@@ -145,6 +188,36 @@ def selected_backend(cfg: PipelineConfig) -> Backend:
         raise ValueError(f"features.backend {name!r} is not a features backend; choose one of {known} (or set "
                          f"features.import_from to import SpecForge's files)")
     return BACKENDS[name]
+
+
+def loads_whole_target(backend: str) -> bool:
+    """True when backend `backend` (features.backend) loads the whole target in the calling process (a per-shard
+    row that runs one: 'hf'); False for a torchrun row, an import, or a name not in BACKENDS."""
+    row = BACKENDS.get(backend)
+    return row is not None and not row.torchrun and row.memory is not None
+
+
+def must_replay(backend: str) -> bool:
+    """True when no single process holds the target with backend `backend` (its row's replay): the evaluator
+    replays recorded outputs and a sampled evaluation is refused. False for a name not in BACKENDS."""
+    row = BACKENDS.get(backend)
+    return row is not None and row.replay
+
+
+def resolved_evaluator(evaluator: str, features_backend: str) -> str:
+    """'decode' or 'replay' for eval.evaluator given features.backend (config.eval_config.EvalConfig.evaluator):
+    'auto' replays where must_replay(features_backend)."""
+    if evaluator != "auto":
+        return evaluator
+    return "replay" if must_replay(features_backend) else "decode"
+
+
+def memory_facts(cfg: PipelineConfig, tcfg, gpus: tuple[int, int] | None) -> tuple[dict, list[tuple[str, str]]]:
+    """(facts, problems) of features.backend's memory model on `gpus` (target.memory_fit.backend_facts with its row's
+    memory and expert_parallel; a name not in BACKENDS: the facts every backend shares, no problem). The row of
+    features.backend, not of an import (features.import_from), is weighed: it names the target the run holds."""
+    row = BACKENDS.get(cfg.features.backend)
+    return backend_facts(cfg, tcfg, gpus, row.memory if row else None, bool(row and row.expert_parallel))
 
 
 def local_device() -> str:

@@ -1,12 +1,16 @@
 """The environment the 'sglang' features backend runs in (config's sglang_python): which sglang version and which of
 the packages its ranks import it has, read by running that interpreter (nothing imported here), and what `check`
-refuses about it. The pinned version is config.feature_config.SGLANG_VERSION."""
+refuses about it (sglang_env_check), and the interpreter its torchrun ranks run with (sglang_python): the two
+facts the backend's row names (features.backends). The pinned version is config.feature_config.SGLANG_VERSION."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
+from eagle3_core.config import PipelineConfig
 from eagle3_core.config.feature_config import SGLANG_VERSION
 
 # what eagle3_core itself imports in the ranks of the 'sglang' backend (features/sglang_worker.py and the store it
@@ -53,3 +57,25 @@ def sglang_env_problems(env: dict, on_gpu_host: bool) -> list[tuple[str, str]]:
         return [("sglang_python", f"{env['python']} lacks {env['missing']}, which the ranks import beside "
                  f"SGLang: {env['python']} -m pip install {' '.join(env['missing'])}")]
     return []
+
+
+def sglang_python(cfg: PipelineConfig) -> dict:
+    """run_torchrun's `python` and `env` for the 'sglang' backend's ranks (its row's python): cfg.sglang_python
+    with this project first on PYTHONPATH (its eagle3_core, the SGLang environment's packages); {} (this process's
+    python) when sglang_python is unset."""
+    if not cfg.sglang_python:
+        return {}
+    root = str(Path(__file__).resolve().parents[2])
+    return {"python": cfg.sglang_python,
+            "env": {"PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}}
+
+
+def sglang_env_check(cfg: PipelineConfig, gpus: tuple[int, int] | None,
+                     env: dict | None = None) -> tuple[dict, list[tuple[str, str]]]:
+    """({'sglang_env': ...}, problems) of the environment the 'sglang' backend's ranks run in (its row's
+    python_check, run by check): probe_sglang's answer for cfg.sglang_python (`env`: that answer given instead),
+    noted as not refused on a host without GPUs (`gpus` None), and sglang_env_problems."""
+    env = probe_sglang(cfg.sglang_python) if env is None else env
+    fact = env if gpus or env["version"] else {**env, "note": "not refused here: no GPU on this host, which is not "
+                                                              "where the stage runs"}
+    return {"sglang_env": fact}, sglang_env_problems(env, bool(gpus))

@@ -2,7 +2,7 @@
 target in SGLang's own ModelRunner, as an Extractor. The ranks are features.tp_extract's (one torchrun of
 features.tp_size ranks: rank 0 leads and writes the store through features.store.extract_features, the others follow
 its broadcasts), run by the python of the SGLang environment (the config's sglang_python;
-features.store_run.foreign_python puts this project first on its PYTHONPATH).
+features.sglang_env.sglang_python, its row's python, puts this project first on its PYTHONPATH).
 
 Legend: W ranks (one GPU each), L target decoder layers.
 Every rank builds SGLang's ModelRunner on its GPU (features/sglang_runner.py: tp_size W, ep_size W with

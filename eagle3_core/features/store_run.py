@@ -4,9 +4,6 @@ features.tp_size ranks, or whole-target workers). The features stage (pipeline.f
 stage's replay recordings (their aux states, pipeline.evaluate_stage) both extract through it."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pyarrow.parquet as pq
 
 from eagle3_core.config import PipelineConfig
@@ -32,8 +29,9 @@ def extract_here(cfg: PipelineConfig, skey: str, log, only_shards: set[int] | No
 
 
 def launch(cfg: PipelineConfig, skey: str, workers: int | None, log, **rdzv) -> dict:
-    """All shards under torchrun: the backend's features.tp_size ranks (tp_extract), or `workers` whole-target
-    workers per node (extract_workers); `rdzv`: nnodes, node_rank, rdzv_endpoint when the ranks span hosts.
+    """All shards under torchrun, running the row's launcher with its python (foreign_python): a torchrun row's
+    features.tp_size ranks (tp_extract), or a per-shard row's `workers` whole-target workers per node
+    (extract_workers); `rdzv`: nnodes, node_rank, rdzv_endpoint when the ranks span hosts.
     Every line the ranks print goes to `log` (and features/torchrun.log for a sharded target). Returns the store
     manifest rank 0 wrote. Raises TorchrunError if a rank fails (finished shards are kept: rerun to finish)."""
     f, backend, out = cfg.features, selected_backend(cfg), RunLayout(cfg.run_dir).features
@@ -46,8 +44,7 @@ def launch(cfg: PipelineConfig, skey: str, workers: int | None, log, **rdzv) -> 
     out.mkdir(parents=True, exist_ok=True)
     config_file = out / ("tp_config.json" if backend.torchrun else "workers_config.json")
     config_file.write_text(cfg.model_dump_json())
-    module = "eagle3_core.features.tp_extract" if backend.torchrun else "eagle3_core.features.extract_workers"
-    run_torchrun(["-m", module, "--config", str(config_file), "--store-key", skey],
+    run_torchrun(["-m", backend.launcher, "--config", str(config_file), "--store-key", skey],
                  f.tp_size // nnodes if backend.torchrun else workers, on_line=log,
                  log_path=out / "torchrun.log" if backend.torchrun else None, **rdzv, **foreign_python(cfg))
     manifest = read_manifest(out / "manifest.json")
@@ -56,16 +53,12 @@ def launch(cfg: PipelineConfig, skey: str, workers: int | None, log, **rdzv) -> 
                            f"{rdzv.get('node_rank', 0)}; node 0 writes it): rerun the stage to finish it")
     how = (f"target sharded over {f.tp_size} ranks ({backend.name})" if backend.torchrun
            else f"{manifest['workers']} workers")
-    return {**manifest, **({"tp_size": f.tp_size, "expert_parallel": f.expert_parallel or backend.name == "ep_int4"}
+    return {**manifest, **({"tp_size": f.tp_size, "expert_parallel": f.expert_parallel or backend.expert_parallel}
                            if backend.torchrun else {}), "how": how}
 
 
 def foreign_python(cfg: PipelineConfig) -> dict:
-    """run_torchrun's `python` and `env` for the run's features backend: backend 'sglang' with cfg.sglang_python
-    runs the ranks with that interpreter and this project first on PYTHONPATH (its eagle3_core, the SGLang
-    environment's packages); every other backend runs with this process's python ({})."""
-    if cfg.features.backend != "sglang" or not cfg.sglang_python:
-        return {}
-    root = str(Path(__file__).resolve().parents[2])
-    return {"python": cfg.sglang_python,
-            "env": {"PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}}
+    """run_torchrun's `python` and `env` for the run's features backend, its row's python: 'sglang' with
+    cfg.sglang_python runs the ranks with that interpreter (features.sglang_env.sglang_python); every other backend
+    with this process's ({})."""
+    return selected_backend(cfg).python(cfg)

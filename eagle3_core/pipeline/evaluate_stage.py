@@ -11,7 +11,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3_core.config import PipelineConfig
-from eagle3_core.config.eval_config import SHARDED_BACKENDS, resolved_evaluator
 from eagle3_core.contract.compat import EVAL_FIELDS_V4, fields_v4
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest, sha256_json, write_manifest
@@ -25,7 +24,7 @@ from eagle3_core.evaluation.replay_eval import replay_measure
 from eagle3_core.evaluation.replay_record import breakdown, greedy_outputs, marker_ids
 from eagle3_core.evaluation.replay_sampled import record_sampled, replay_measure_sampled
 from eagle3_core.evaluation.speculate import TargetRunner
-from eagle3_core.features.backends import close_extractors, selected_backend
+from eagle3_core.features.backends import close_extractors, must_replay, resolved_evaluator, selected_backend
 from eagle3_core.features.reader import load_samples
 from eagle3_core.features.store import bad_shards, write_record
 from eagle3_core.features.store_run import extract_here, launch
@@ -213,7 +212,7 @@ class _Held:
 def _evaluate(cfg: PipelineConfig, up: dict, log, on_progress) -> dict:
     """The evaluate stage's body (run_evaluate): the check of sampled settings, the pre-flight, then the evaluator
     the settings choose (sampled replay, replay, or decode)."""
-    if not cfg.eval.sampling.greedy and cfg.features.backend in SHARDED_BACKENDS:
+    if not cfg.eval.sampling.greedy and must_replay(cfg.features.backend):
         raise ValueError(f"eval.sampling.temperature {cfg.eval.sampling.temperature} with features.backend "
                          f"{cfg.features.backend!r}: the sampled replay reads the target's probabilities of its "
                          f"own samples, which needs the target in one process (features.backend 'hf'); set "

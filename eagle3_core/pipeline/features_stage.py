@@ -176,11 +176,11 @@ def run_features(cfg: PipelineConfig, log=print, workers: int | None = None, **r
     """The features stage, every shard in one call; returns its manifest (features/manifest.json: the store's
     record with the inputs key). Per-shard backends extract in this process (the flow runs one task per shard
     instead: run_features_shard, finish_features), or with `workers` worker processes per node under torchrun
-    (one per GPU, each loading the whole target); torchrun backends ('hf_tp', 'ep_int4', 'sglang': in the
-    environment of cfg.sglang_python, foreign_python) run one torchrun of features.tp_size ranks. `rdzv`: nnodes,
-    node_rank, rdzv_endpoint when the ranks span hosts (node 0's call returns the manifest). Done already (key,
-    and every listed shard intact): the manifest, nothing run; a shard missing or changed since written is extracted
-    again alone. Raises TorchrunError if a rank fails (finished
+    (one per GPU, each loading the whole target); torchrun backends run one torchrun of features.tp_size ranks
+    (the row's launcher with its python, e.g. 'sglang' in the environment of cfg.sglang_python: store_run.launch).
+    `rdzv`: nnodes, node_rank, rdzv_endpoint when the ranks span hosts (node 0's call returns the manifest). Done
+    already (key, and every listed shard intact): the manifest, nothing run; a shard missing or changed since
+    written is extracted again alone. Raises TorchrunError if a rank fails (finished
     shards are kept: rerun to finish), ValueError for an unknown backend or a store mixing backends."""
     out, backend = RunLayout(cfg.run_dir).features, selected_backend(cfg)
     d, skey = stage_run.decision(cfg, ROW), store_key(cfg)

@@ -1,4 +1,5 @@
-"""Which features backend a target needs: its parameter bytes per GPU at a parallel size, from the config alone.
+"""A target's bytes per GPU at a parallel size, from the config alone: the counts each features backend's memory
+model (target.memory_fit) is built of.
 
 Legend: W ranks (= features.tp_size, one GPU each), P parameters.
 The model is built on the meta device (no weights, no memory: ~4 s for a 1T-parameter Kimi-K2.5 config) and its
@@ -216,28 +217,6 @@ def kv_bytes_per_token(t, world: int) -> int:
     return BYTES_PER_PARAM * L * 2 * math.ceil(heads / world) * hd
 
 
-def sglang_fit(f, t, model, q, gpus) -> tuple[dict, list[tuple[str, str]]]:
-    """(facts, problems) of backend 'sglang': GB of weights per rank (sglang_bytes_per_rank) plus the KV cache of
-    one prefill batch (features.batch_tokens tokens, kv_bytes_per_token) against SGLang's static share of a GPU
-    (features.mem_fraction_static, SGLANG_DEFAULT_MEM_FRACTION when None); activations take the rest."""
-    weights, kv = sglang_bytes_per_rank(model, q, f.tp_size), kv_bytes_per_token(t, f.tp_size) * f.batch_tokens
-    frac = f.mem_fraction_static or SGLANG_DEFAULT_MEM_FRACTION
-    facts = {"gb_per_gpu": round(weights / 1e9, 2), "kv_gb_per_batch": round(kv / 1e9, 2),
-             "mem_fraction_static": f.mem_fraction_static or f"None (SGLang's default; counted {frac})",
-             "expert_parallel": f.expert_parallel}
-    problems = [("features.tp_size", m + ": SGLang's tensor parallelism splits whole heads")
-                for m in head_divisibility(t, f.tp_size)]
-    if f.expert_parallel and _uneven(t, f.tp_size):
-        problems.append(("features.expert_parallel", f"SGLang's ep_size = tp_size = {f.tp_size} must divide the "
-                         f"{_experts(t)} routed experts; set it false (experts split by slice)"))
-    if gpus and weights + kv > frac * gpus[1]:
-        problems.append(("features.tp_size", f"{weights / 1e9:.1f} GB of weights and {kv / 1e9:.1f} GB of KV cache "
-                         f"per GPU with backend 'sglang' at tp_size {f.tp_size} exceed mem_fraction_static {frac} "
-                         f"of one GPU ({gpus[1] / 1e9:.0f} GB): raise features.tp_size or "
-                         f"features.mem_fraction_static, or lower features.batch_tokens"))
-    return facts, problems
-
-
 def gpu_memory() -> tuple[int, int] | None:
     """(GPU count, bytes of the smallest GPU) on this host, None without CUDA."""
     if not torch.cuda.is_available():
@@ -259,104 +238,12 @@ def head_divisibility(t, tp_size: int) -> list[str]:
     return out
 
 
-def _experts(t) -> int:
-    return value_or_zero(t, "n_routed_experts", "num_local_experts", "num_experts")
+def routed_experts(t) -> int:
+    """The routed experts of text config `t` (n_routed_experts, num_local_experts or num_experts), 0 for none."""
+    return next((getattr(t, f) for f in ("n_routed_experts", "num_local_experts", "num_experts")
+                 if getattr(t, f, None)), 0)
 
 
-def value_or_zero(t, *fields: str) -> int:
-    return next((getattr(t, f) for f in fields if getattr(t, f, None)), 0)
-
-
-def backend_facts(cfg, tcfg, gpus: tuple[int, int] | None) -> tuple[dict, list[tuple[str, str]]]:
-    """(facts, problems) of the features backend `cfg.features` asks for, on `gpus` (count, bytes per GPU; None:
-    no GPU, then the ranks share this host's RAM and only the layout is reported).
-
-    Facts: the checkpoint's bytes as stored (stored_bytes: total, routed experts, their quantization), parameter
-    GB per rank in bf16 at tp_size 1, 2, 4, 8, ... and the chosen one (what 'hf' and 'hf_tp' hold: transformers
-    dequantizes a compressed-tensors checkpoint to bf16 at load), GB per rank with 'ep_int4' (routed experts kept
-    as stored, ep_int4_bytes_per_rank) where the experts are quantized, the GB per GPU of the chosen backend, and
-    the smallest backend and size that fit one GPU (`needs`). Problems, each naming the field to change: the
-    chosen backend and size do not fit (with the backend that would), heads or experts not divisible by the size,
-    'ep_int4' on a checkpoint without quantized experts."""
-    f, t = cfg.features, text_config(tcfg)
-    model = meta_model(tcfg, cfg.target.trust_remote_code)
-    q = quantization(tcfg)
-    stored = stored_bytes(model, q)
-    sizes = sorted({1, 2, 4, 8, 16, 32, 64, f.tp_size})
-    ep = f.expert_parallel or f.backend == "ep_int4"
-    per_rank = {w: param_bytes_per_rank(model, w, ep and w > 1) for w in sizes}
-    int4 = ({w: ep_int4_bytes_per_rank(model, q, w, f.shard_attention) for w in sizes
-             if w > 1 and not _uneven(t, w)}
-            if stored["experts_quantized"] and not ep_int4_scheme_problems(model, q) else {})
-    budget = FIT_FRACTION * gpus[1] if gpus else None
-    facts = {"chosen": f.backend, "tp_size": f.tp_size, "expert_parallel": ep,
-             "checkpoint_gb": {"total": round(stored["total"] / 1e9, 2),
-                               "routed_experts": round(stored["routed_experts"] / 1e9, 2),
-                               "quantization": _scheme(q) if stored["experts_quantized"] else "none (bf16)"},
-             "param_gb_per_rank_bf16": {w: round(b / 1e9, 2) for w, b in per_rank.items()},
-             "gpus": f"{gpus[0]} x {gpus[1] / 1e9:.0f} GB" if gpus else "none (CPU: ranks share the RAM)"}
-    if int4:
-        facts["gb_per_rank_ep_int4"] = {w: round(b / 1e9, 2) for w, b in int4.items()}
-    chosen = int4.get(f.tp_size) if f.backend == "ep_int4" else per_rank[f.tp_size]
-    if chosen is not None:
-        facts["gb_per_gpu"] = round(chosen / 1e9, 2)
-    if budget is not None:
-        facts["weights_budget_gb_per_gpu"] = f"{budget / 1e9:.1f} ({FIT_FRACTION:.0%} of {gpus[1] / 1e9:.0f} GB)"
-        facts["needs"] = _needs(t, sizes, per_rank, int4, budget, gpus[1])
-    problems = []
-    if f.backend == "sglang":                      # its own layout and budget (sglang_fit)
-        sg, problems = sglang_fit(f, t, model, q, gpus)
-        facts.update(sg)
-        chosen = None
-    if f.backend in ("hf_tp", "ep_int4"):
-        problems += [("features.tp_size", m + ": the tensor-parallel plan splits whole heads")
-                     for m in head_divisibility(t, f.tp_size)]
-    if f.backend == "ep_int4":
-        problems += _ep_int4_problems(f, t, model, q, stored)
-    if budget is not None and chosen is not None and chosen > budget and f.backend != "hf":
-        problems.append(("features.backend" if int4 and f.backend == "hf_tp" else "features.tp_size",
-                         f"{chosen / 1e9:.1f} GB of weights per GPU with backend {f.backend!r} at tp_size "
-                         f"{f.tp_size} exceed {FIT_FRACTION:.0%} of one GPU ({gpus[1] / 1e9:.0f} GB); needs "
-                         f"{facts['needs']}"))
-    if gpus and f.tp_size > gpus[0]:
-        facts["hosts"] = f"tp_size {f.tp_size} > {gpus[0]} GPUs here: torchrun over several hosts (nnodes)"
-    return facts, problems
-
-
-def _ep_int4_problems(f, t, model: torch.nn.Module, q: dict | None, stored: dict) -> list[tuple[str, str]]:
-    """(field, message) for backend 'ep_int4' on this checkpoint: experts not quantized, tp_size not dividing the
-    routed experts, a quantization scheme it cannot keep (ep_int4_scheme_problems)."""
-    problems = []
-    if not stored["experts_quantized"]:
-        problems.append(("features.backend", "'ep_int4' keeps routed experts as the checkpoint stores them, "
-                         "but this checkpoint's experts are not quantized (no quantization_config targets "
-                         "them): use 'hf_tp' (or 'hf' where the target fits one GPU)"))
-    elif _uneven(t, f.tp_size):
-        problems.append(("features.tp_size", f"{f.tp_size} must divide the {_experts(t)} routed experts "
-                         f"(each rank holds whole experts)"))
-    return problems + ep_int4_scheme_problems(model, q)
-
-
-def _uneven(t, w: int) -> bool:
-    return not _experts(t) or _experts(t) % w != 0
-
-
-def _scheme(q: dict) -> str:
-    w = next(iter((q.get("config_groups") or {}).values()), {}).get("weights") or {}
-    return (f"{w.get('type')}{w.get('num_bits')} {w.get('strategy')} {w.get('group_size') or ''} "
-            f"({q.get('quant_method')} {q.get('format')})").replace("  ", " ")
-
-
-def _needs(t, sizes, per_rank, int4, budget, gpu_bytes) -> str:
-    """The smallest way to fit one GPU: the whole target ('hf'), else 'ep_int4' at the fewest ranks, else 'hf_tp'."""
-    fitting = [w for w in sizes if per_rank[w] <= budget and not head_divisibility(t, w)]
-    if fitting and fitting[0] == 1:
-        return "hf (the whole target fits one GPU)"
-    fits4 = [w for w, b in int4.items() if b <= budget and not head_divisibility(t, w)]
-    if fits4:
-        return (f"ep_int4 with tp_size >= {fits4[0]} ({int4[fits4[0]] / 1e9:.1f} GB per GPU with the routed "
-                f"experts kept as stored, at most {FIT_FRACTION:.0%} of one)")
-    if fitting:
-        return (f"hf_tp with tp_size >= {fitting[0]} ({per_rank[fitting[0]] / 1e9:.1f} GB of bf16 weights per GPU, "
-                f"at most {FIT_FRACTION:.0%} of one)")
-    return f"more than {sizes[-1]} GPUs of {gpu_bytes / 1e9:.0f} GB"
+def uneven_experts(t, world: int) -> bool:
+    """True when `world` ranks cannot each hold whole routed experts of `t` (none, or `world` not dividing them)."""
+    return not routed_experts(t) or routed_experts(t) % world != 0
