@@ -13,7 +13,7 @@ quantization_config read, and transformers' own plans on a meta-device model) do
 attention heads or routed experts unevenly, expert parallelism on a target without experts, a server kind that
 cannot serve the target (generation.servers.server_problems), a train.init_from that is missing or does not fit
 (training.warm_start.init_from_check), less free disk on run_dir's file system than the features stage writes
-(disk_check; in check_or_raise and the CLI), a token budget prompt-mode rows cannot fit (generation.max_new_tokens
+(checkers.disk_check; in check_or_raise and the CLI), a token budget prompt-mode rows cannot fit (generation.max_new_tokens
 against features.max_length, the regenerating server's context against both: data.budget.budget_problems),
 generation.chat_template_kwargs the target's chat template does not read or reads as another type
 (data.template_kwargs; offline with `--chat-template FILE`); with `--draft DIR` (a warm start or a deployment)
@@ -56,7 +56,7 @@ def check_run(cfg: PipelineConfig, draft_dir: Path | None = None, target_config=
     target.loading.load_target_config, no weights); memory: (bytes, description) for the in-process fit check (default:
     machine_memory_bytes()); gpus: (count, bytes per GPU) for the features backend's per-GPU check
     (features.backends.memory_facts; default: this host's, None: no GPU); disk: None (not checked), DETECT (run_dir's
-    file system) or (free bytes, description) for disk_check; chat_template: the target's chat template (text)
+    file system) or (free bytes, description) for checkers.disk_check; chat_template: the target's chat template (text)
     that generation.chat_template_kwargs are checked against (data.template_kwargs; default: the target's
     tokenizer's where the target's config is read from it, not checked where `target_config` is given; None: not
     checked); sglang_env: probe_sglang's answer for sglang_python (default: probed here, with backend 'sglang'
