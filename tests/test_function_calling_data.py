@@ -54,3 +54,27 @@ def test_a_bfcl_row_without_turns_is_rejected_naming_the_field(tmp_path):
     rejects = []
     assert load_source(SourceSpec(path=str(bad)), rejects=rejects) == []
     assert "row 0: field 'question' is not a list of turns" in rejects[0]["reason"]
+
+
+def test_a_template_that_drops_tools_is_found_and_the_prompts_stage_warns(tmp_path, tokenizer):
+    """SmolLM2's template (the embedded target's) never reads `tools`: BFCL's prompts reach it without the
+    functions, and the prompts stage says so per source; Qwen2.5's template renders them."""
+    from chat_templates import stand_in
+    from eagle3_core.config import PipelineConfig
+    from eagle3_core.data.chat import renders_tools
+    from eagle3_core.pipeline.prompts_stage import run_prompts
+    row = load_source(SourceSpec(path=str(BFCL), max_rows=1))[0]
+    assert not renders_tools(tokenizer, row["messages"], json.loads(row["tools"]))
+    assert renders_tools(stand_in("qwen25_tools"), row["messages"], json.loads(row["tools"]))
+    cfg = PipelineConfig.model_validate({"run_dir": str(tmp_path / "run"), "prompts": {
+        "mix": {"name": "tools", "sources": [{"path": str(BFCL)},
+                                              {"path": str(SHARED_DATA / "gsm8k" / "train.jsonl"), "max_rows": 20}]},
+        "num_train": 30, "num_eval": 4}})
+    lines = []
+    m = run_prompts(cfg, log=lines.append)
+    per = m["stats"]["tools_not_rendered"]
+    train = [r for r in m["train_ids"] if r.startswith("function_calling/")]
+    assert list(per) == ["function_calling"] and per["function_calling"]["rows"] == len(train) > 0
+    assert per["function_calling"]["probed_row"] in train
+    warn = [x for x in lines if "carry tool schemas" in x]
+    assert len(warn) == 1 and "source function_calling" in warn[0] and "does not render `tools`" in warn[0]

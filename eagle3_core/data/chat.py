@@ -38,6 +38,14 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, to
                                          **(template_kwargs or {}))
 
 
+def renders_tools(tokenizer, messages: list[dict], tools: list[dict], template_kwargs: dict | None = None) -> bool:
+    """Whether the chat template shows `tools` (OpenAI tool schemas) in the prompt of `messages`: the rendering with
+    them differs from the one without. A template that never reads `tools` (SmolLM2's, Llama-2's) drops the schemas,
+    and the target answers a function-calling prompt without seeing the functions."""
+    return (render_chat(tokenizer, messages, True, tools, template_kwargs)
+            != render_chat(tokenizer, messages, True, None, template_kwargs))
+
+
 def reads_reasoning_field(tokenizer) -> bool:
     """True if the chat template reads `reasoning_content` (Qwen3, Kimi-K2-Thinking and K2.5 do): such a template
     places the reasoning itself, and a <think> block put inline into the content would be rendered twice (Kimi

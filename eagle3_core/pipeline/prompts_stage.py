@@ -2,6 +2,8 @@
 (prompts/{train,eval}.parquet, rejects.jsonl)."""
 from __future__ import annotations
 
+import json
+
 from jinja2 import TemplateError
 
 from eagle3_core.config import PipelineConfig
@@ -10,7 +12,7 @@ from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.manifest import read_manifest
 from eagle3_core.data import prompt_set as prompts_mod
 from eagle3_core.data.budget import RowBudget, budget_line
-from eagle3_core.data.chat import MaskError
+from eagle3_core.data.chat import MaskError, renders_tools
 from eagle3_core.data.held_out import digests_from_files, eval_set_digest
 from eagle3_core.data.markers import target_markers
 from eagle3_core.data.samples import row_samples
@@ -115,6 +117,7 @@ def _build_prompt_files(cfg: PipelineConfig, log) -> dict:
     log(budget_line(budget) + (f"; the train set is {stats['train_short']} short of prompts.num_train: no spare "
                                f"rows of those sources fit" if stats["train_short"] else ""))
     stats["unanswered_turns"] = _unanswered(train, g, log)
+    stats["tools_not_rendered"] = _tools_not_rendered(tok, train, g.chat_template_kwargs or None, log)
     _check_train_left(cfg, train)
     _count_train(stats, train)
     evals = _write_prompt_rows(run, train, evals)
@@ -140,6 +143,29 @@ def _unanswered(train: list[dict], g, log) -> dict:
         log(f"prompts: source {source}: {u['turns']} user turn(s) of {u['rows']} row(s) will not be answered: "
             f"{u['reason']}")
     return unanswered
+
+
+def _tools_not_rendered(tok, train: list[dict], template_kwargs: dict | None, log) -> dict:
+    """{source: {rows, probed_row}} for each source whose train rows carry tool schemas that the target's chat template
+    does not show (data.chat.renders_tools on the source's first such row), each logged as a warning: the target
+    answers those prompts without seeing the functions, so the draft learns no tool calls from them."""
+    first: dict[str, dict] = {}
+    rows: dict[str, int] = {}
+    for r in train:
+        if r.get("tools"):
+            first.setdefault(r["source"], r)
+            rows[r["source"]] = rows.get(r["source"], 0) + 1
+    out = {}
+    for source, r in first.items():
+        msgs = json.loads(r["messages"]) if isinstance(r["messages"], str) else r["messages"]
+        tools = json.loads(r["tools"]) if isinstance(r["tools"], str) else r["tools"]
+        if not renders_tools(tok, msgs, tools, template_kwargs):
+            out[source] = {"rows": rows[source], "probed_row": r["id"]}
+            log(f"prompts: WARNING source {source}: {rows[source]} train rows carry tool schemas, but the target's "
+                f"chat template does not render `tools` (row {r['id']} renders the same without them): the target "
+                f"answers them without seeing the functions. Use a target whose template takes tools, or give the "
+                f"schemas in the system message")
+    return out
 
 
 def _check_train_left(cfg: PipelineConfig, train: list[dict]) -> None:
