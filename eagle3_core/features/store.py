@@ -193,7 +193,7 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
 
     model: an HF causal LM (wrapped in HFExtractor) or an Extractor (extract.Extractor: what a features backend
     gives, features.backends). aux_layer_ids None: the config's defaults. store_format: one of
-    feature_formats.FORMATS; 'online' stores only tokens and needs `target` (the TargetConfig as a dict) so that
+    store_formats.FORMATS; 'online' stores only tokens and needs `target` (the TargetConfig as a dict) so that
     training can load the target. Shards listed in an earlier manifest for the same content that are intact
     (bad_shards: size and mtime as recorded) are kept; any other shard (missing, corrupt, other inputs) is extracted
     again. backend: the name recorded in each new shard's entry (out of its content key); a store whose kept shards
