@@ -140,7 +140,8 @@ def entry_holds(store_dir: Path, entry: dict, part: list[dict], aux_layer_ids: l
                 target_id: str, key: str | None = None) -> bool:
     """Whether manifest entry `entry` was written for tokenized rows `part` with these layers, format and target:
     its content key is content_key(...) (`key`, if already computed), or, for an entry written before loss masks
-    were in the key (compat.content_key_before_loss_mask), the shard stores the rows' loss masks."""
+    were in the key (compat.content_key_before_loss_mask), the shard stores the rows' loss masks.
+    Remove the second test when runs written before bc5e252 are no longer supported (compat.LEGACY_READERS)."""
     key = key or content_key(part, aux_layer_ids, store_format, target_id)
     if entry.get("content_key") == key:
         return True

@@ -59,7 +59,9 @@ def evaluate_key(cfg: PipelineConfig, up: dict | None = None) -> str:
 
 def evaluate_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
     """The key an evaluate stage finished before the keys hashed results only holds (the evaluator unresolved;
-    none for sampled settings: older runs all measured greedily)."""
+    none for sampled settings: older runs all measured greedily).
+    Remove when runs written before f66665b are no longer supported: their evaluation then runs again
+    (compat.LEGACY_READERS)."""
     if not cfg.eval.sampling.greedy or len(cfg.eval.measured_samplings) > 1:
         return ()
     up = upstream_keys(cfg, ROW) if up is None else up
