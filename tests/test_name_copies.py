@@ -3,7 +3,9 @@ lower layer from importing the table that defines the names (a config Literal li
 serving table holds; a stage module imports no other), the copy must stay equal to it."""
 from __future__ import annotations
 
+import ast
 import typing
+from pathlib import Path
 
 from eagle3_core.checkers import EVALUATE_RUNS
 from eagle3_core.config.eval_config import EvalConfig
@@ -22,6 +24,9 @@ from eagle3_core.pipeline.report_numbers import RUN_NAMES
 from eagle3_core.serving.client import API_PATHS, TOKEN_ID_APIS
 from eagle3_core.training.ttt import POSITION_LOSSES
 from eagle3_core.training.ttt_attention import IMPLEMENTATIONS
+from tasks.logs import QUIET_TASKS
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _choices(model, field: str) -> tuple:
@@ -67,3 +72,11 @@ def test_a_replay_recording_keys_on_the_features_result_fields():
 def test_the_reports_run_names_are_the_plots_labels():
     assert RUN_NAMES == {k: LABELS[k] for k in RUN_NAMES}
     assert set(LABELS) - set(RUN_NAMES) == {"before_training"}
+
+
+def test_the_quiet_tasks_are_task_names():
+    """tasks.logs.QUIET_TASKS names tasks by the names their @task decorators give them (tasks/*.py)."""
+    names = {kw.value.value for p in (ROOT / "tasks").glob("*.py") for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "task"
+             for kw in node.keywords if kw.arg == "name" and isinstance(kw.value, ast.Constant)}
+    assert QUIET_TASKS <= names, QUIET_TASKS - names
