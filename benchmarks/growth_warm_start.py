@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3_core.config import preset  # noqa: E402
+from eagle3_core.contract.layout import STAGE_DIRS  # noqa: E402
 from eagle3_core.pipeline.evaluate_stage import run_evaluate  # noqa: E402
 from eagle3_core.pipeline.features_stage import run_features  # noqa: E402
 from eagle3_core.pipeline.generation_stage import run_generation  # noqa: E402
@@ -31,7 +32,7 @@ from eagle3_core.pipeline.tokenize_stage import run_tokenize  # noqa: E402
 from eagle3_core.pipeline.train_stage import run_train  # noqa: E402
 from eagle3_core.pipeline.vocab_stage import run_vocab  # noqa: E402
 
-DATA = ("prompts", "generations", "tokenized", "features")
+DATA = tuple(STAGE_DIRS[s] for s in ("prompts", "generation", "tokenize", "features"))   # the data stages' folders
 
 
 def _files(d: Path) -> dict[str, bytes]:

@@ -51,8 +51,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from eagle3_core.config import PipelineConfig, TargetConfig, load_config  # noqa: E402
+from eagle3_core.contract.layout import STAGE_DIRS  # noqa: E402
 
-SHARED = ("prompts", "generations", "tokenized", "features")        # RunLayout folders every recipe reads
+SHARED = tuple(STAGE_DIRS[s] for s in ("prompts", "generation", "tokenize", "features"))   # folders every recipe reads
 NOT_CONFIG = ("samples", "sources", "measure")                       # recipe keys this script reads itself
 
 

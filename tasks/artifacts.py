@@ -20,8 +20,8 @@ from prefect.artifacts import (
 )
 
 from eagle3_core.contract.numbers import eta_text
-from eagle3_core.pipeline.report import RUN_NAMES, embed_images
-from eagle3_core.pipeline.report_numbers import before_training_label
+from eagle3_core.pipeline.report import embed_images
+from eagle3_core.pipeline.report_numbers import RUN_NAMES, before_training_label
 
 
 def run_key(run_dir: Path | str, name: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from eagle3_core.pipeline.report_numbers import RUN_NAMES
 from eagle3_core.pipeline.table import STAGES
 from tasks.control import log_in_parent_runs
 from tasks.logs import done_before_this_run, readable
@@ -24,7 +25,7 @@ def summary_line(stage: str, manifest: dict, skipped: bool = False) -> str:
     best = manifest.get("best")
     if isinstance(best, dict) and "epoch" in best:
         parts.append(f"best epoch {best['epoch']}" + (f" (tau_sim {best['tau_sim']:.3f})" if "tau_sim" in best else ""))
-    for name in ("trained", "trained_tree", "untrained"):
+    for name in RUN_NAMES:
         if isinstance(inner.get(name), dict) and "tau" in inner[name]:
             parts.append(f"tau {name} {inner[name]['tau']:.3f}")
     seconds = manifest.get("seconds")

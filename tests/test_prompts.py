@@ -121,6 +121,21 @@ def test_alpaca_without_input_and_content_parts():
     assert parts[1]["messages"] == [msg(U, "Say hi."), msg(A, "Hi!")]
 
 
+def test_a_format_is_one_row_of_the_table_tried_in_order(monkeypatch):
+    """A new prompt format is a row of data.row_formats.ROW_FORMATS (its detector and normalizer): format 'auto'
+    tries the rows in order, the first detector that holds wins, and the row's normalizer makes the conversation."""
+    from eagle3_core.data import row_formats
+    spec = SourceSpec(path="rows.jsonl", mode="keep")
+    both = {"turns": ["Hi?"], "instruction": "Say hi."}
+    assert row_formats.detect_format(both, spec) == "spec_bench"           # spec_bench's row comes before alpaca's
+    qa = row_formats.RowFormat("qa_pair", lambda row, spec: isinstance(row.get("q"), str),
+                               lambda row, spec: ([msg(U, row["q"]), msg(A, row["a"])], {"pairs": 1}))
+    monkeypatch.setattr(row_formats, "ROW_FORMATS", {"qa_pair": qa, **row_formats.ROW_FORMATS})
+    assert row_formats.normalize({"q": "2+2?", "a": "4", "prompt": "unused"}, spec) == \
+        ([msg(U, "2+2?"), msg(A, "4")], {"format": "qa_pair", "pairs": 1})
+    assert row_formats.normalize({"prompt": "2+2?", "response": "4"}, spec)[1] == {"format": "prompt_response"}
+
+
 PRESET_FIXTURES = {"swe-agent-trajectories": "swe_agent_trajectories.parquet",
                    "deepswe-kimi-k2": "deepswe_kimi_k2.jsonl", "kimi-k2.5-2000x": "kimi_k25_2000x.jsonl",
                    "hermes-function-calling": "hermes_function_calling.json",

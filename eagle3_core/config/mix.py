@@ -19,7 +19,9 @@ from pydantic import Field, model_validator
 
 from eagle3_core.config.strict import StrictModel
 
-FORMATS = ("auto", "openai", "sharegpt", "alpaca", "prompt_response", "spec_bench", "swe_agent", "bfcl")
+# 'auto' and the names of data.row_formats.ROW_FORMATS in its order (config sits below data, so this is a copy:
+# tests/test_name_copies.py checks it against the table)
+FORMATS = ("auto", "openai", "sharegpt", "swe_agent", "spec_bench", "bfcl", "alpaca", "prompt_response")
 
 
 class SourceSpec(StrictModel):

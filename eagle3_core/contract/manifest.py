@@ -57,7 +57,9 @@ def file_intact(path: Path, record: dict[str, Any], checksum: bool = False) -> b
     time -> intact, nothing read. Its sha256 is computed (the whole file read) only when `checksum` is True (the
     explicit `python -m eagle3_core.verify`), when the record has no mtime_ns (written before this rule), or when
     the mtime differs (a copy that kept the bytes passes, an edit does not). A change that keeps size and mtime
-    (a flipped bit with the timestamp put back) is found by verify only."""
+    (a flipped bit with the timestamp put back) is found by verify only.
+    A record without mtime_ns is a run's written before bc5e252: nothing to remove, it takes the changed-mtime path
+    (compat.LEGACY_READERS)."""
     path = Path(path)
     try:
         st = path.stat()

@@ -55,7 +55,9 @@ def reconcile(earlier: dict, rows: list[dict]) -> Reconciled:
 
     earlier: {eval_ids, train_ids, eval_digests, train_digests}; a digests list may be missing (a manifest from
     before digests were kept): those rows are then matched by id alone. A row matches an earlier one when its id
-    holds the same content, or, failing that, when its content is the earlier row's (under another id)."""
+    holds the same content, or, failing that, when its content is the earlier row's (under another id).
+    Remove the missing-digests case when runs written before 735a5a6 are no longer supported
+    (compat.LEGACY_READERS)."""
     by_id = {r["id"]: r for r in rows}
     digest = {i: content_digest(r["messages"]) for i, r in by_id.items()}
     by_digest: dict[str, list[str]] = {}
@@ -121,7 +123,9 @@ def choose_held_out(groups: dict[str, list[dict]], num_eval: int, take: dict[str
 def digests_from_files(earlier: dict, eval_path: Path, train_path: Path) -> dict:
     """`earlier` with eval_digests / train_digests filled from an earlier run's prompts/eval.parquet and
     train.parquet where the manifest has none (a run from before they were kept). Rows of the file whose ids are
-    not the manifest's are ignored; ids the file lacks get no digest (matched by id alone)."""
+    not the manifest's are ignored; ids the file lacks get no digest (matched by id alone).
+    Remove when runs written before 735a5a6 are no longer supported: growing one then matches its prompts by id
+    alone (compat.LEGACY_READERS)."""
     out = dict(earlier)
     for name, path in (("eval", eval_path), ("train", train_path)):
         if out.get(f"{name}_digests") is not None or not path.exists():

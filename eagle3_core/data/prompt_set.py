@@ -340,7 +340,8 @@ def prompt_digest(row: dict) -> str:
 def earlier_prompts(manifest: dict | None, cfg: PromptConfig) -> dict | None:
     """What an earlier prompts run of `cfg`'s sources and seed chose ({train_ids, eval_ids, train_digests,
     eval_digests}; digests None in a manifest from before they were kept), from its manifest; None if there is none
-    or it was made from other sources or another seed (then nothing is kept)."""
+    or it was made from other sources or another seed (then nothing is kept).
+    The None digests go when runs written before 735a5a6 are no longer supported (compat.LEGACY_READERS)."""
     if not manifest or manifest.get("seed", cfg.seed) != cfg.seed:
         return None
     if set((manifest.get("stats") or {}).get("per_source", {})) != {s.label for s in source_specs(cfg)}:

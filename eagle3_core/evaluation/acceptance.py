@@ -46,8 +46,11 @@ def paired_bootstrap_diff_ci(a: list[tuple[int, int]], b: list[tuple[int, int]],
     return _percentile_bootstrap(len(a), lambda idx: _tau_of(ta, sa, idx) - _tau_of(tb, sb, idx), n, seed)
 
 
+VERDICTS = ("equal", "near_tie", "mismatch")                # compare_outputs' answers, the keys of a 'lossless' count
+
+
 def compare_outputs(spec: list[int], ref: list[int], ref_gaps: list[float], tie_gap: float) -> str:
-    """'equal', 'near_tie' (first difference where the reference's top-2 gap < tie_gap) or 'mismatch'."""
+    """'equal', 'near_tie' (first difference where the reference's top-2 gap < tie_gap) or 'mismatch' (VERDICTS)."""
     if spec == ref:
         return "equal"
     for i, (a, b) in enumerate(zip(spec, ref)):
@@ -131,7 +134,7 @@ def _run_summary(run: SpecRun, outs: list[dict], idx: list[int], base: list[dict
         "per_prompt": [[r["tokens_from_verify"], r["verify_steps"]] for r in outs],
         "verify_steps": steps, "target_forward_calls": calls, "tokens": tok, "seconds": secs,
         "tokens_per_s": tok / secs, "baseline_tokens_per_s": base_tps, "speedup": (tok / secs) / base_tps,
-        "lossless": {v: verdicts.count(v) for v in ("equal", "near_tie", "mismatch")},
+        "lossless": {v: verdicts.count(v) for v in VERDICTS},
         "timing": {k: sum(r["timing"][k] for r in outs) for k in outs[0]["timing"]} if outs else {},
     }
 

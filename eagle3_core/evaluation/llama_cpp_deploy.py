@@ -30,7 +30,7 @@ import torch
 
 from eagle3_core.config.sampling_config import SamplingConfig
 from eagle3_core.contract.numbers import eta_text
-from eagle3_core.evaluation.acceptance import bootstrap_ci, compare_outputs
+from eagle3_core.evaluation.acceptance import VERDICTS, bootstrap_ci, compare_outputs
 from eagle3_core.serving.client import generate_all
 from eagle3_core.serving.launcher import ServerError, llama_server_binary
 from eagle3_core.training.capacity import unservable
@@ -198,4 +198,4 @@ def summarize(base: list[dict], spec: list[dict], tie_gap: float) -> dict:
             "tokens": sum(tokens), "verify_steps": sum(steps), "draft_n": drafted,
             "draft_n_accepted": accepted, "acceptance_rate": accepted / max(drafted, 1),
             **_speed(base, spec),
-            "lossless": {v: verdicts.count(v) for v in ("equal", "near_tie", "mismatch")}}
+            "lossless": {v: verdicts.count(v) for v in VERDICTS}}

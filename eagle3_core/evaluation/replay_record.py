@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.data.markers import stop_ids
+from eagle3_core.data.markers import THINK, TOOL_FORMATS, stop_ids
 from eagle3_core.evaluation.acceptance import bootstrap_ci
 from eagle3_core.evaluation.speculate import stop_greedy
 from eagle3_core.serving import launcher  # sglang_server read per call: tests replace it there
@@ -27,10 +27,11 @@ from eagle3_core.serving.hf_generate import BatchedGenerator
 from eagle3_core.target.loading import load_target, load_tokenizer
 
 LENGTH_BUCKETS = (512, 2048, 8192, 32768)       # context tokens at a verify step: <= 512, <= 2048, ..., longer
-# (open, close) marker spellings of reasoning and tool-call spans in the chat templates this project ships
-SEGMENT_MARKERS = {"reasoning": (("<think>", "</think>"), ("<|think|>", "<|/think|>")),
-                   "tool_call": (("<tool_call>", "</tool_call>"), ("<|tool_call_begin|>", "<|tool_call_end|>"),
-                                 ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"))}
+# (open, close) marker spellings of reasoning and tool-call spans: data.markers' THINK (and the <|think|> spelling),
+# and each TOOL_FORMATS row's section and call markers
+SEGMENT_MARKERS = {"reasoning": (THINK, ("<|think|>", "<|/think|>")),
+                   "tool_call": tuple(pair for f in TOOL_FORMATS.values() for pair in ((f[0], f[1]), (f[2], f[4]))
+                                      if pair[0])}
 
 
 def greedy_outputs(cfg, prompts: list[list[int]], eos_ids: set[int], log=print) -> list[list[int]]:

@@ -121,7 +121,9 @@ def on_policy_line(per_source: dict[str, dict]) -> str:
 
 def sources_of(rows: list[dict]) -> dict[str, str]:
     """Sample id -> source of tokenized rows ({id, source}; rows written before the `source` column: the id's
-    prefix, '{source}/{row id}')."""
+    prefix, '{source}/{row id}').
+    Remove the id prefix when runs written before 0722f12 are no longer supported: the per-source fractions then
+    fail on them (compat.LEGACY_READERS)."""
     return {r["id"]: r.get("source") or r["id"].split("/", 1)[0] for r in rows}
 
 

@@ -112,7 +112,7 @@ class _OnlineSource:
 
 def load_samples(store_dir: Path, verify: bool = True, target_model=None,
                  keep_dtype: bool = False) -> list[FeatureSample]:
-    """The samples of a feature store, in row order, whatever its format (feature_formats.FORMATS).
+    """The samples of a feature store, in row order, whatever its format (store_formats.FORMATS).
 
     Each is a FeatureSample (a read-only Mapping; see its docstring for keys, shapes and dtypes). verify: check
     every shard against its record first (bad_shards: size and mtime, the sha256 where those disagree; in

@@ -140,7 +140,8 @@ def entry_holds(store_dir: Path, entry: dict, part: list[dict], aux_layer_ids: l
                 target_id: str, key: str | None = None) -> bool:
     """Whether manifest entry `entry` was written for tokenized rows `part` with these layers, format and target:
     its content key is content_key(...) (`key`, if already computed), or, for an entry written before loss masks
-    were in the key (compat.content_key_before_loss_mask), the shard stores the rows' loss masks."""
+    were in the key (compat.content_key_before_loss_mask), the shard stores the rows' loss masks.
+    Remove the second test when runs written before bc5e252 are no longer supported (compat.LEGACY_READERS)."""
     key = key or content_key(part, aux_layer_ids, store_format, target_id)
     if entry.get("content_key") == key:
         return True
@@ -193,7 +194,7 @@ def extract_features(model, rows: list[dict], out_dir: Path, aux_layer_ids: list
 
     model: an HF causal LM (wrapped in HFExtractor) or an Extractor (extract.Extractor: what a features backend
     gives, features.backends). aux_layer_ids None: the config's defaults. store_format: one of
-    feature_formats.FORMATS; 'online' stores only tokens and needs `target` (the TargetConfig as a dict) so that
+    store_formats.FORMATS; 'online' stores only tokens and needs `target` (the TargetConfig as a dict) so that
     training can load the target. Shards listed in an earlier manifest for the same content that are intact
     (bad_shards: size and mtime as recorded) are kept; any other shard (missing, corrupt, other inputs) is extracted
     again. backend: the name recorded in each new shard's entry (out of its content key); a store whose kept shards

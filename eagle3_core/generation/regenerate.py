@@ -80,7 +80,9 @@ def output_schema(prompts_path: Path, key: str) -> pa.Schema:
 
 def prompt_digests(prompts_path: Path) -> tuple[list[str], list[str], list[str]]:
     """(ids, prompts.prompt_digest of each row, modes) of a prompt file, in row order: digests from its
-    `prompt_sha256` column, computed from messages, tools and mode for files written before it existed."""
+    `prompt_sha256` column, computed from messages, tools and mode for files written before it existed.
+    Remove the computed digests when runs written before 1e5d694 are no longer supported: their prompt file is then
+    unreadable (compat.LEGACY_READERS)."""
     cols = set(pq.read_schema(prompts_path).names)
     if "prompt_sha256" in cols:                          # written by the prompts stage since shards name rows
         t = pq.read_table(prompts_path, columns=["id", "prompt_sha256", "mode"])

@@ -43,7 +43,9 @@ def deploy_llama_cpp_key(cfg: PipelineConfig, up: dict | None = None) -> str:
 
 def deploy_llama_cpp_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
     """The key a llama.cpp deployment finished before the keys hashed results only holds (every eval setting and
-    server.host; none where it measures at a sampled setting: older runs measured greedily only)."""
+    server.host; none where it measures at a sampled setting: older runs measured greedily only).
+    Remove when runs written before f66665b are no longer supported: that deployment then runs again
+    (compat.LEGACY_READERS)."""
     if [s.greedy for s in cfg.eval.measured_samplings] != [True]:
         return ()
     up = upstream_keys(cfg, LLAMA_CPP_ROW) if up is None else up
@@ -139,7 +141,9 @@ def deploy_sglang_key(cfg: PipelineConfig, up: dict | None = None) -> str:
 
 def deploy_sglang_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
     """The key an SGLang deployment finished before the keys hashed results only holds (eval.num_draft_steps and
-    every deploy_sglang setting; none at a sampled eval.sampling)."""
+    every deploy_sglang setting; none at a sampled eval.sampling).
+    Remove when runs written before f66665b are no longer supported: that deployment then runs again
+    (compat.LEGACY_READERS)."""
     if not cfg.eval.sampling.greedy:
         return ()
     up = upstream_keys(cfg, SGLANG_ROW) if up is None else up

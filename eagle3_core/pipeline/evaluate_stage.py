@@ -35,6 +35,9 @@ from eagle3_core.target.loading import generation_eos_ids, load_target, load_tok
 from eagle3_core.training.checkpoint import load_draft
 from eagle3_core.training.startup import fresh_draft
 
+# the feature settings that change a replay recording's store: features_stage.FEATURE_RESULT_FIELDS (a stage module
+# imports no other: tests/test_name_copies.py checks the two agree)
+REPLAY_FEATURE_FIELDS = ("aux_layer_ids", "max_length", "shard_samples", "format")
 
 def evaluate_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     """Inputs key of the evaluate stage: the trained draft and the held-out prompts (`up`: {'train', 'prompts':
@@ -55,7 +58,9 @@ def evaluate_key(cfg: PipelineConfig, up: dict | None = None) -> str:
 
 def evaluate_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
     """The key an evaluate stage finished before the keys hashed results only holds (the evaluator unresolved;
-    none for sampled settings: older runs all measured greedily)."""
+    none for sampled settings: older runs all measured greedily).
+    Remove when runs written before f66665b are no longer supported: their evaluation then runs again
+    (compat.LEGACY_READERS)."""
     if not cfg.eval.sampling.greedy or len(cfg.eval.measured_samplings) > 1:
         return ()
     up = upstream_keys(cfg, ROW) if up is None else up
@@ -140,8 +145,8 @@ def replay_recordings(cfg, prompts: list[list[int]], outputs: list[list[int]], l
                                  "features": cfg.features.model_copy(update={"import_from": None})})
     layout = RunLayout(sub.run_dir)
     seqs = [p + g for p, g in zip(prompts, outputs, strict=True)]
-    key = stage_key("replay-recording", seqs, sub.features.model_dump(
-        mode="json", include={"aux_layer_ids", "max_length", "shard_samples", "format"}), target_key(sub))
+    settings = sub.features.model_dump(mode="json", include=set(REPLAY_FEATURE_FIELDS))
+    key = stage_key("replay-recording", seqs, settings, target_key(sub))
     done = read_manifest(layout.features / "manifest.json")
     if not done or done.get("inputs_key") != key or bad_shards(layout.features, done.get("shards", [])):
         rows = [{"id": f"eval-{i}", "input_ids": s, "loss_mask": [0] * len(p) + [1] * len(g)}

@@ -43,7 +43,7 @@ def generation_key(cfg: PipelineConfig, up: dict | None = None) -> str:
     """Key of the generation stage's answers as a whole: what they depend on (sampling, the prompts stage's key
     (`up`: {'prompts': its key}; default: read from its manifest), the target, the server kind; not concurrency,
     retries or server addresses, so a rerun with other servers resumes). Shard records written before shards named
-    their own rows carry it (accepted for the same prompts)."""
+    their own rows carry it (accepted for the same prompts: _record_ok)."""
     up = upstream_keys(cfg, ROW) if up is None else up
     return stage_key({**_sampling(cfg), "shard_size": cfg.generation.shard_size}, up["prompts"], target_key(cfg))
 
@@ -92,7 +92,9 @@ def _parsed_record(path: Path, size: int, mtime_ns: int) -> dict:
 def generation_plan(cfg: PipelineConfig) -> list[tuple[int, int, str]]:
     """[(start, stop, rows digest)] of every generation shard: append-only (shard_plan.append_only_ranges), a shard
     whose record was written for exactly its rows keeps them, the rest are cut into generation.shard_size rows.
-    Raises FileNotFoundError if the prompts stage has not run."""
+    Raises FileNotFoundError if the prompts stage has not run.
+    Remove the `legacy` key when runs written before 1e5d694 are no longer supported: their shards are then answered
+    again (compat.LEGACY_READERS)."""
     upstream_manifest(cfg.run_dir, "prompts")
     ids, digests, _ = prompt_rows(cfg)
     out, key, legacy, S = RunLayout(cfg.run_dir).generations, generation_shard_key(cfg), generation_key(cfg), \
@@ -113,6 +115,9 @@ def generation_plan(cfg: PipelineConfig) -> list[tuple[int, int, str]]:
 
 
 def _record_ok(out: Path, k: int, plan: list[tuple[int, int, str]], key: str, legacy: str) -> dict | None:
+    """Shard k's finished record for its planned rows under the shard key `key`, or one written under the stage's
+    `legacy` key (generation_key) before records named their rows. Remove `legacy` when runs written before 1e5d694
+    are no longer supported (compat.LEGACY_READERS)."""
     return finished_record(out, k, key, plan[k][2]) or finished_record(out, k, legacy)
 
 

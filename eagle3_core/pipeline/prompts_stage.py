@@ -40,7 +40,9 @@ def prompts_key(cfg: PipelineConfig, up: dict | None = None) -> str:
 
 
 def prompts_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, ...]:
-    """The key a prompts stage finished before the keys hashed results only holds (compat.prompt_fields_v4)."""
+    """The key a prompts stage finished before the keys hashed results only holds (compat.prompt_fields_v4).
+    Remove when runs written before f66665b are no longer supported: their prompts stage (and all below) then runs
+    again (compat.LEGACY_READERS)."""
     return (_prompts_key(cfg, prompt_fields_v4(cfg.prompts)),)
 
 
@@ -73,7 +75,9 @@ def kept_probe(tokenizer, template_kwargs: dict | None):
 def routes_stale(cfg: PipelineConfig, manifest: dict) -> list[str]:
     """['kept_routes'] when a finished prompts manifest does not hold a route for exactly the mode 'keep' sources
     whose kept choice is 'auto' (written before kept sources were probed, or for kept 'train', whose key is the
-    same): the stage runs again; else []."""
+    same): the stage runs again; else [].
+    Remove the missing-routes case when runs written before d264da2 are no longer supported
+    (compat.LEGACY_READERS)."""
     auto = sorted(s.label for s in prompts_mod.source_specs(cfg.prompts) if s.mode == "keep" and s.kept == "auto")
     routes = manifest.get("kept_routes")
     if (routes is None and auto) or (routes is not None and sorted(routes) != auto):

@@ -91,11 +91,8 @@ def _optional_manifest(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-RUN_NAMES = {"trained": "trained, chain", "trained_tree": "trained, tree", "untrained": "untrained, chain"}
-
-
 def _runs(ev: dict) -> dict[str, dict]:
-    return {k: ev[k] for k in RUN_NAMES if k in ev}
+    return {k: ev[k] for k in nums.RUN_NAMES if k in ev}
 
 
 def write_plots(r: dict, run_dir: Path) -> dict[str, str]:

@@ -12,6 +12,9 @@ from eagle3_core.pipeline.table import STAGES
 
 # below this many held-out prompts a 95% interval of tau is too wide for a gap to mean a misconfiguration
 MIN_PROMPTS_FOR_WARNINGS = 8
+# the evaluate stage's runs of the draft (eval/report.json keys) in report order, with their names
+# (evaluation.plots.LABELS names them alike, and the warm start's: tests/test_name_copies.py checks the two agree)
+RUN_NAMES = {"trained": "trained, chain", "trained_tree": "trained, tree", "untrained": "untrained, chain"}
 SPEED_SOURCES = {"offline": "the target alone (offline)", "llama_cpp": "llama.cpp without the draft"}
 
 
@@ -46,7 +49,7 @@ def speed_bars(r: dict, run_label) -> list[dict]:
     if "baseline" in ev:                                                    # replay evaluations decode nothing
         base, b = "target only (offline)", ev["baseline"]["tokens_per_s"]
         bars.append({"label": base, "tokens_per_s": b, "baseline": base, "ratio": 1.0})
-        for name in ("trained", "trained_tree", "untrained"):
+        for name in RUN_NAMES:
             if name in ev and "tokens_per_s" in ev[name]:
                 bars.append({"label": run_label(name, ev[name]), "tokens_per_s": ev[name]["tokens_per_s"],
                              "baseline": base, "ratio": ev[name]["tokens_per_s"] / b})

@@ -71,7 +71,9 @@ def train_recipe_fields(cfg: PipelineConfig, batching: str | None = None) -> dic
 def resolved_train_fields(cfg: PipelineConfig, batching: str) -> dict:
     """The train settings as the train key hashed them before it hashed the recipe asked for (main up to 24b95b7):
     'auto' batching resolved on the host that keyed the run, `batching` ('packed' on CUDA, 'padded' on a CPU;
-    setup.resolved_batching). Equal to train_recipe_fields for an explicit 'packed' or 'padded'."""
+    setup.resolved_batching). Equal to train_recipe_fields for an explicit 'packed' or 'padded'.
+    Remove when runs written before 7a36c3e are no longer supported: such a run with 'auto' batching then trains
+    again (compat.LEGACY_READERS)."""
     resolved = batching if cfg.train.batching == "auto" else cfg.train.batching
     return train_recipe_fields(cfg, resolved)
 
@@ -103,7 +105,9 @@ def train_older_keys(cfg: PipelineConfig, up: dict | None = None) -> tuple[str, 
     """The keys a finished train stage may hold for the same settings, so that it stays done and its checkpoints
     resume: with 'auto' batching, the keys it had when the key hashed 'auto' as resolved on the host that trained
     (packed rows on CUDA, padded on a CPU: resolved_train_fields), and the key from before the keys hashed results
-    only (compat.train_fields_v4: every train field hashed)."""
+    only (compat.train_fields_v4: every train field hashed).
+    Remove the resolved keys when runs written before 7a36c3e are no longer supported, the compat one when those
+    before f66665b are not: such a train stage then trains again (compat.LEGACY_READERS)."""
     if cfg.train.loss != "kl":                                          # older runs all trained with 'kl'
         return ()
     up = upstream_keys(cfg, ROW) if up is None else up

@@ -124,7 +124,9 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     returned as it is. Returns the size's manifest {samples, tokens, tau, tau_ci95, accept_per_position, acc_k
     (TTT eval accuracies of the best epoch), tau_sim, best_epoch, export_dir, per_prompt (evaluate.measure's, for
     paired comparisons), seconds}. Raises ValueError if `n`
-    exceeds the training samples."""
+    exceeds the training samples.
+    Remove the per_prompt test when study points written before 3fd89c7 are no longer supported
+    (compat.LEGACY_READERS)."""
     out = cfg.run_dir / "scaling" / f"n_{n}"
     key = size_key(cfg, n, seed)
     if (m := cached_manifest(out / "manifest.json", key)) and "per_prompt" in m:     # older manifests: measure again

@@ -321,7 +321,8 @@ def check_resume(state: dict, key: dict, path: Path, fingerprint_v4=None) -> Non
     """Refuse to resume from checkpoint `state` (at `path`) unless it was written for the batches `key`
     (resume_key) gives: ValueError naming the first field that differs (RESUME_FIELDS), its value then and now,
     and what to do. A checkpoint written before checkpoints held a resume key is compared by its `data`
-    fingerprint against fingerprint_v4() (compat.checkpoint_fingerprint_v4)."""
+    fingerprint against fingerprint_v4() (compat.checkpoint_fingerprint_v4).
+    Remove `fingerprint_v4` when runs written before f66665b are no longer supported (compat.LEGACY_READERS)."""
     fix = f"set it back to resume, or delete {Path(path).parent} to train from scratch"
     if "resume" not in state:
         if fingerprint_v4 is None or state.get("data") != fingerprint_v4():
