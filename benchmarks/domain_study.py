@@ -1,7 +1,7 @@
 """Does a draft travel across domains? Drafts trained on one source, and on a mix, measured per category of all the
 others, at equal samples, in one command on a GPU.
 
-  python benchmarks/domain_study.py --config configs/domain_study.json --out domain.json [--samples 800] \
+  python benchmarks/domain_study.py --config configs/domain_study.json --out domain.json [--samples 780] \
       [--epochs 6] [--target DIR] [--plot docs/img/domain_h100.png]
   python benchmarks/domain_study.py --replot domain.json --plot docs/img/domain_h100.png
 
@@ -26,10 +26,13 @@ category's prompts); per category the mix minus each single-source arm with the 
 (acceptance.paired_bootstrap_diff_ci: the same prompts resampled for both); GPU seconds per arm. JSON on stdout and
 to --out, with the device and the date.
 
-Budget: about 8 minutes on one H100 or H200: regeneration of 1,636 answers about 1.5 minutes, the three arms about
-1 minute each from a cold compile cache, the recording and the replays (--workers 8) about 4 minutes. Every part is
-cached (trained.json, measured.json, the recording): a second call on the same machine goes on where the first
-stopped.
+Budget, measured on one H100 (2026-12-06, the first calls of this study): regeneration of the 1,636 answers 86 s,
+the three arms 47 s, 30 s and 28 s from a cold compile cache, the recording 34 s; replay 0.75 s per prompt and
+draft in one process (912 prompt-drafts: about 11 minutes in one process), so the replay runs in chunks of
+recipe_tau_time.CHUNK prompts over --workers processes (8 on a GPU). Every part is cached (the data stages'
+manifests, trained.json, the recording, each replayed chunk): a call stopped at its limit loses at most one chunk per
+process, and the next call goes on from there.
+--samples 780: GSM8K has 794 train samples once the trainer holds 1% of the train split out for its TTT eval.
 """
 from __future__ import annotations
 
@@ -207,7 +210,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="write the JSON result here (needed unless --replot)")
     ap.add_argument("--plot", type=Path, default=None, help="also draw the result here (PNG)")
     ap.add_argument("--replot", type=Path, default=None, help="draw --plot from this result JSON; train nothing")
-    ap.add_argument("--samples", type=int, default=800, help="train samples of every arm (equal data)")
+    ap.add_argument("--samples", type=int, default=780, help="train samples of every arm (equal data)")
     ap.add_argument("--epochs", type=int, default=6, help="epochs of every arm")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--target", default=None, help="target directory instead of the config's target.model")

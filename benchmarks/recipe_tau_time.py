@@ -245,50 +245,99 @@ def recording(cfg: PipelineConfig, device: str, path: Path, batch: int) -> Path:
     return path
 
 
-def measure_worker(cfg_json: str, dirs: list[str], device: str, recorded: str | None) -> None:
-    """One process: the drafts in `dirs` measured, each entry written to DIR/measured.json; with `recorded` (a
-    recording's path) by replay_eval.replay_measure, else by scaling_study.measure_drafts (the decoding evaluator)."""
-    from eagle3_core.evaluation.replay_eval import replay_measure
+CHUNK = 16                 # held-out prompts per replay task: a call killed at its limit loses at most one per process
+
+
+def measure_worker(cfg_json: str, dirs: list[str], device: str) -> None:
+    """One process: the drafts in `dirs` measured by scaling_study.measure_drafts (the decoding evaluator), each
+    entry written to DIR/measured.json."""
     from eagle3_core.studies.scaling_study import measure_drafts
     from eagle3_core.training.checkpoint import load_draft
     torch.set_num_threads(2)
     cfg = PipelineConfig.model_validate_json(cfg_json)
-    keys = ("tau", "tau_ci95", "accept_per_position", "per_prompt")
-    settings = {**eval_settings(cfg), "evaluator": "replay" if recorded else "decode"}
-
-    def write(d: str, m: dict) -> None:
+    settings = {**eval_settings(cfg), "evaluator": "decode"}
+    keys = ("tau", "tau_ci95", "accept_per_position", "per_prompt", "lossless")
+    for d, m in measure_drafts(cfg, {d: load_draft(Path(d)) for d in dirs}, device).items():
         (Path(d) / "measured.json").write_text(json.dumps({"settings": settings, **{k: m[k] for k in keys}}))
 
-    if recorded:                                                     # each draft's result kept as soon as it is in
-        recs = torch.load(recorded, weights_only=True)["recordings"]
-        for d in dirs:
-            write(d, replay_measure(load_draft(Path(d)).to(device).eval(), recs, cfg.eval.num_draft_steps))
-    else:
-        keys += ("lossless",)
-        for d, m in measure_drafts(cfg, {d: load_draft(Path(d)) for d in dirs}, device).items():
-            write(d, m)
+
+def part_path(d: str, a: int, b: int) -> Path:
+    """Where the replay of held-out prompts a..b-1 by the draft in `d` is kept."""
+    return Path(d) / "replay_parts" / f"prompts_{a:05d}_{b:05d}.json"
 
 
-def measure_all(cfg: PipelineConfig, dirs: list[str], workers: int, device: str, recorded: Path | None) -> None:
-    """Measure every draft dir without a measured.json for these eval settings, in `workers` processes (spawned:
-    CUDA does not survive a fork); a failed worker raises RuntimeError naming its drafts."""
-    settings = {**eval_settings(cfg), "evaluator": "replay" if recorded else "decode"}
-    todo = [d for d in dirs if not cached(Path(d) / "measured.json", settings)]
-    if not todo:
-        return
-    workers = max(1, min(workers, len(todo)))
-    shares = [todo[i::workers] for i in range(workers)]
-    print(f"== measuring {len(todo)} drafts in {workers} processes on {device}", flush=True)
-    t0 = time.monotonic()
+def replay_tasks(dirs: list[str], n: int, settings: dict) -> list[tuple[str, int, int]]:
+    """(draft dir, first prompt, end) of every CHUNK of the n held-out prompts not yet replayed for `settings`."""
+    return [(d, a, min(a + CHUNK, n)) for d in dirs for a in range(0, n, CHUNK)
+            if not cached(part_path(d, a, min(a + CHUNK, n)), settings)]
+
+
+def replay_worker(cfg_json: str, tasks: list[tuple[str, int, int]], device: str, recorded: str) -> None:
+    """One process: each task's prompts replayed (replay_eval.replay_chain) by its draft on the recording, each
+    chunk's runs written to part_path as soon as they are in."""
+    from eagle3_core.evaluation.replay_eval import replay_chain
+    from eagle3_core.training.checkpoint import load_draft
+    torch.set_num_threads(2)
+    cfg = PipelineConfig.model_validate_json(cfg_json)
+    settings = {**eval_settings(cfg), "evaluator": "replay"}
+    recs = torch.load(recorded, weights_only=True)["recordings"]
+    drafts: dict = {}
+    for d, a, b in tasks:
+        draft = drafts.setdefault(d, load_draft(Path(d)).to(device).eval())
+        runs = [replay_chain(draft, r, cfg.eval.num_draft_steps) for r in recs[a:b]]
+        path = part_path(d, a, b)
+        path.parent.mkdir(exist_ok=True)
+        keep = ("accepted", "verify_steps", "tokens_from_verify")
+        path.write_text(json.dumps({"settings": settings, "runs": [{k: r[k] for k in keep} for r in runs]}))
+
+
+def merge_parts(d: str, n: int, settings: dict, num_steps: int) -> None:
+    """DIR/measured.json from the draft's replayed chunks, in prompt order (replay_eval.summarize_runs)."""
+    from eagle3_core.evaluation.replay_eval import summarize_runs
+    runs = [r for a in range(0, n, CHUNK) for r in json.loads(part_path(d, a, min(a + CHUNK, n)).read_text())["runs"]]
+    m = summarize_runs(runs, num_steps)
+    keys = ("tau", "tau_ci95", "accept_per_position", "per_prompt")
+    (Path(d) / "measured.json").write_text(json.dumps({"settings": settings, **{k: m[k] for k in keys}}))
+
+
+def run_workers(target, shares: list, args: tuple) -> None:
+    """Run target(args[0], share, *args[1:]) for every share in its own spawned process (CUDA does not survive a
+    fork); raises RuntimeError naming the shares whose process failed."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=measure_worker, args=(cfg.model_dump_json(), share, device,
-                                                      recorded and str(recorded))) for share in shares]
+    procs = [ctx.Process(target=target, args=(args[0], share, *args[1:])) for share in shares]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
     if bad := [s for p, s in zip(procs, shares, strict=True) if p.exitcode != 0]:
         raise RuntimeError(f"measuring failed for {bad}: see the traceback above")
+
+
+def measure_all(cfg: PipelineConfig, dirs: list[str], workers: int, device: str, recorded: Path | None) -> None:
+    """Measure every draft dir without a measured.json for these eval settings in `workers` processes. With
+    `recorded` (a recording's path) by the replay evaluator in chunks of CHUNK prompts spread over the processes,
+    each chunk kept as it is done (a later call goes on from the chunks left), else by the decoding evaluator, a
+    draft per process. A failed worker raises RuntimeError naming its share."""
+    settings = {**eval_settings(cfg), "evaluator": "replay" if recorded else "decode"}
+    todo = [d for d in dirs if not cached(Path(d) / "measured.json", settings)]
+    if not todo:
+        return
+    t0 = time.monotonic()
+    if recorded:
+        n = len(settings["eval_ids"])
+        tasks = replay_tasks(todo, n, settings)
+        workers = max(1, min(workers, len(tasks)))
+        print(f"== replaying {len(todo)} drafts: {len(tasks)} chunks of {CHUNK} prompts in {workers} processes on "
+              f"{device}", flush=True)
+        if tasks:
+            run_workers(replay_worker, [tasks[i::workers] for i in range(workers)],
+                        (cfg.model_dump_json(), device, str(recorded)))
+        for d in todo:
+            merge_parts(d, n, settings, cfg.eval.num_draft_steps)
+    else:
+        workers = max(1, min(workers, len(todo)))
+        print(f"== measuring {len(todo)} drafts in {workers} processes on {device}", flush=True)
+        run_workers(measure_worker, [todo[i::workers] for i in range(workers)], (cfg.model_dump_json(), device))
     print(f"== measured in {time.monotonic() - t0:.0f} s", flush=True)
 
 

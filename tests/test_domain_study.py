@@ -70,3 +70,33 @@ def test_replot_draws_the_result_file(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_replay_goes_in_chunks_kept_as_done_and_merges_in_prompt_order(tmp_path):
+    """recipe_tau_time.measure_all's replay path: a draft's held-out prompts are replayed in chunks of CHUNK, each
+    kept as done; a later call replays only the chunks left, and measured.json is summarize_runs over all of them in
+    prompt order (what one replay_measure over every prompt gives)."""
+    import random
+
+    from recipe_tau_time import CHUNK, merge_parts, part_path, replay_tasks
+
+    from eagle3_core.evaluation.replay_eval import summarize_runs
+    rng = random.Random(0)
+    n, d, settings = 2 * CHUNK + 5, str(tmp_path / "draft"), {"eval": {"num_draft_steps": 3}, "eval_ids": ["x"]}
+    runs = []
+    for _ in range(n):
+        acc = [rng.randint(0, 3) for _ in range(rng.randint(1, 6))]
+        runs.append({"accepted": acc, "verify_steps": len(acc), "tokens_from_verify": sum(acc) + len(acc)})
+    assert replay_tasks([d], n, settings) == [(d, 0, CHUNK), (d, CHUNK, 2 * CHUNK), (d, 2 * CHUNK, n)]
+    for a, b in [(0, CHUNK), (2 * CHUNK, n)]:
+        part_path(d, a, b).parent.mkdir(parents=True, exist_ok=True)
+        part_path(d, a, b).write_text(json.dumps({"settings": settings, "runs": runs[a:b]}))
+    assert replay_tasks([d], n, settings) == [(d, CHUNK, 2 * CHUNK)]                 # only the chunk left
+    assert len(replay_tasks([d], n, {**settings, "eval_ids": ["y"]})) == 3          # other settings: all again
+    part_path(d, CHUNK, 2 * CHUNK).write_text(json.dumps({"settings": settings, "runs": runs[CHUNK:2 * CHUNK]}))
+    merge_parts(d, n, settings, 3)
+    m = json.loads((tmp_path / "draft" / "measured.json").read_text())
+    whole = summarize_runs(runs, 3)
+    assert m["settings"] == settings and m["per_prompt"] == whole["per_prompt"] and len(m["per_prompt"]) == n
+    assert m["tau"] == whole["tau"] == sum(r["tokens_from_verify"] for r in runs) / sum(len(r["accepted"]) for r in runs)
+    assert m["accept_per_position"] == whole["accept_per_position"]

@@ -105,10 +105,17 @@ def replay_chain(draft, rec: dict, num_steps: int) -> dict:
 
 
 def replay_measure(draft, recordings: list[dict], num_steps: int, keep_runs: bool = False) -> dict:
-    """tau of `draft` over the recordings (replay_chain each): {tau, tau_ci95 (evaluate.bootstrap_ci), prompts,
-    accept_per_position (fraction of verify steps that reached position i and accepted it), per_prompt
-    ([tokens_from_verify, verify_steps] per recording, for evaluate.paired_bootstrap_diff_ci)}."""
+    """tau of `draft` over the recordings (replay_chain each), as summarize_runs gives it; with keep_runs the
+    runs themselves under 'runs'."""
     runs = [replay_chain(draft, r, num_steps) for r in recordings]
+    return {**summarize_runs(runs, num_steps), **({"runs": runs} if keep_runs else {})}
+
+
+def summarize_runs(runs: list[dict], num_steps: int) -> dict:
+    """replay_chain results (in prompt order; those of prompt chunks replayed apart may be concatenated) summed
+    into {tau, tau_ci95 (acceptance.bootstrap_ci), prompts, accept_per_position (fraction of verify steps that
+    reached position i and accepted it), per_prompt ([tokens_from_verify, verify_steps] per recording, for
+    acceptance.paired_bootstrap_diff_ci)}."""
     produced, steps = [r["tokens_from_verify"] for r in runs], [r["verify_steps"] for r in runs]
     acc = [a for r in runs for a in r["accepted"]]
     per_pos = []
@@ -117,5 +124,4 @@ def replay_measure(draft, recordings: list[dict], num_steps: int, keep_runs: boo
         per_pos.append(sum(1 for a in acc if a >= i + 1) / reached if reached else 0.0)
     return {"tau": sum(produced) / max(sum(steps), 1), "tau_ci95": bootstrap_ci(produced, steps),
             "prompts": len(runs), "accept_per_position": per_pos,
-            "per_prompt": [[p, st] for p, st in zip(produced, steps, strict=True)], **({"runs": runs} if keep_runs
-                                                                                      else {})}
+            "per_prompt": [[p, st] for p, st in zip(produced, steps, strict=True)]}
