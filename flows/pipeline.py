@@ -22,7 +22,8 @@ from tasks.report import plan_stages_task, report_task
 
 @flow(name="eagle3-pipeline", flow_run_name=s.run_name("pipeline"), on_cancellation=[s.say_cancelled],
       on_crashed=[s.end_cancelled])
-def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False, nightly: bool = False) -> dict:
+def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False, nightly: bool = False,
+                    gpus: int = 1) -> dict:
     """Run every stage on `config` (default: the embedded demo preset) and publish the report as artifacts.
     refresh=True recomputes every stage; otherwise finished stages and shards are reused. nightly=True (what the
     nightly schedule passes) makes it a night's work (eagle3_core.pipeline.nightly): every prompt of the sources, only
@@ -37,7 +38,9 @@ def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False, nigh
         refresh: recompute every stage, ignoring what is done on disk (off: finished stages and shards are reused).
         nightly: a night's work on this run (what the nightly schedule passes): every prompt of the sources, only
             the new ones regenerated and extracted, a warm start from the current draft, promoted only if tau is
-            not worse; off: one run of the config as it is."""
+            not worse; off: one run of the config as it is.
+        gpus: GPUs of this host for the features stage's whole-target workers (a per-shard backend such as 'hf';
+            a torchrun backend uses features.tp_size) and for DDP training; 1: one process each."""
     s.label(config, "pipeline")
     said = [check_task(config)]       # config + target config files only: fails in seconds
     with s.locked(config), s.pipeline_progress(config.run_dir, ALL_STAGES):    # this run's page: stage k of N
@@ -48,9 +51,9 @@ def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False, nigh
         s.forget(config, refresh, *ALL_STAGES)
         s.prompts_flow(config)
         s.generation_flow(config)
-        s.features_flow(config)
+        s.features_flow(config, gpus=gpus)
         s.vocab_flow(config)
-        s.train_flow(config)
+        s.train_flow(config, gpus=gpus)
         s.evaluate_flow(config)
         s.deploy_llama_cpp_flow(config)
         s.deploy_sglang_flow(config)

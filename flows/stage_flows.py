@@ -63,6 +63,8 @@ STAGE_ARGS = """
         config: the run's settings (a preset's values); run_dir is the run: the stage writes under it, and the
             run's name and run: tag come from its last folder.
         refresh: recompute this stage, ignoring what is done on disk (off: finished work is reused)."""
+GPUS_ARG = """
+        gpus: GPUs of this host the stage runs on (1: one process); see the first lines."""
 
 
 def label(config: PipelineConfig, stage: str) -> None:
@@ -116,17 +118,21 @@ def generation_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dic
 
 
 @flow(name="features", flow_run_name=run_name("features"))
-def features_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
+def features_flow(config: PipelineConfig = DEMO, refresh: bool = False, gpus: int = 1) -> dict:
     """Tokenize with loss masks, then extract the target's aux hidden states with features.backend: a per-shard
-    backend ('hf', an import) one task per shard, one after another (the target stays loaded between them; more
-    GPUs = more workers of the GPU pool); a torchrun backend ('hf_tp', 'ep_int4') one torchrun task whose
-    features.tp_size ranks share the sharded target and extract every shard."""
+    backend ('hf', an import) one task per shard, one after another (the target stays loaded between them), or with
+    gpus > 1 one torchrun task of `gpus` workers on this host, each loading the whole target and extracting every
+    gpus-th shard; a torchrun backend ('hf_tp', 'ep_int4', 'sglang') one torchrun task whose features.tp_size ranks
+    share the sharded target and extract every shard."""
     with stage_run(config, "features", refresh, "tokenize", "features"):
         run_stage(t.tokenize_task, config, "tokenize")
         plan = plan_features_task(config)
         if not plan["per_shard"]:
-            from tasks.distributed import features_tp_task
+            from tasks.distributed import features_tp_task  # a torchrun backend only: keeps the flow's import light
             return summarize("features", features_tp_task(config))
+        if gpus > 1:
+            from tasks.distributed import features_distributed_task  # as above
+            return summarize("features", features_distributed_task(config, gpus))
         shards = run_shards(t.features_shard_task, config, "features", plan)
         return summarize("features", run_stage(t.finish_features_task, config, "features", shards))
 
@@ -138,9 +144,14 @@ def vocab_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
 
 
 @flow(name="train", flow_run_name=run_name("train"))
-def train_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> dict:
-    """Train the EAGLE-3 draft with training-time test and export it for SGLang."""
-    return one_task_stage(config, "train", refresh, t.train_task)
+def train_flow(config: PipelineConfig = DEMO, refresh: bool = False, gpus: int = 1) -> dict:
+    """Train the EAGLE-3 draft with training-time test and export it for SGLang; with gpus > 1 under DDP, one
+    torchrun task of `gpus` ranks on this host (train.batch_tokens per rank: the global batch grows with them)."""
+    if gpus <= 1:
+        return one_task_stage(config, "train", refresh, t.train_task)
+    from tasks.distributed import train_ddp_task  # a multi-GPU run only: keeps the flow's import light
+    with stage_run(config, "train", refresh):
+        return summarize("train", train_ddp_task(config, gpus))
 
 
 @flow(name="evaluate", flow_run_name=run_name("evaluate"))
@@ -164,6 +175,7 @@ def deploy_sglang_flow(config: PipelineConfig = DEMO, refresh: bool = False) -> 
 
 for _stage_flow in (prompts_flow, generation_flow, features_flow, vocab_flow, train_flow, evaluate_flow,
                     deploy_llama_cpp_flow, deploy_sglang_flow):     # the form's field descriptions (Prefect reads Args)
-    _stage_flow.fn.__doc__ = (_stage_flow.fn.__doc__ or "") + STAGE_ARGS
+    _stage_flow.fn.__doc__ = (_stage_flow.fn.__doc__ or "") + STAGE_ARGS + (GPUS_ARG if _stage_flow in (
+        features_flow, train_flow) else "")
     _stage_flow.on_crashed_hooks.append(end_cancelled)     # a cancel above ends it Cancelled (tasks/cancel.py)
     _stage_flow.on_cancellation_hooks.append(say_cancelled)   # and its log, and the logs above it, say so

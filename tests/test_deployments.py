@@ -66,7 +66,7 @@ def test_deployments_register_with_schedule_schema_and_defaults(deployments):
     assert (sched.schedule.cron, sched.schedule.timezone, sched.active) == (NIGHTLY_CRON, "Europe/Berlin", False)
     assert sched.parameters == {"nightly": True}                  # scheduled runs do a night's work
     schema = demo.parameter_openapi_schema
-    assert set(schema["properties"]) == {"config", "refresh", "nightly"}
+    assert set(schema["properties"]) == {"config", "refresh", "nightly", "gpus"}
     defs = schema["definitions"]
     assert {"PipelineConfig", "TrainConfig", "GenerationConfig"} <= set(defs)
     assert defs["GenerationConfig"]["properties"]["shard_size"]["description"]

@@ -270,3 +270,29 @@ def test_data_parallel_is_the_identity_on_one_process_and_slices_groups_on_many(
     assert DataParallel(0, 2).micro_batches(short, 2) == [[0], [1]]
     assert DataParallel(1, 2).micro_batches(short, 2) == [[2], None]
     assert DataParallel(1, 2).shard([0, 1, 2, 3, 4]) == [1, 3] and not DataParallel(1, 2).is_main
+
+
+@pytest.mark.slow
+def test_the_train_flow_on_two_gpus_runs_the_ddp_task(prefect_server, tmp_path, monkeypatch):
+    """train_flow(gpus=2), the flow a user starts from the UI: its train stage is one torchrun task of 2 ranks
+    (tasks.distributed.train_ddp_task, world size 2 in the manifest, torchrun's lines in draft/torchrun.log); a
+    second call finds the stage done on every rank and trains nothing: the same manifest, no new epoch logged."""
+    from conftest import ROOT
+    from eagle3_core.pipeline.features_stage import run_features
+    from eagle3_core.pipeline.vocab_stage import run_vocab
+    from flows.stage_flows import train_flow
+    from tiny_targets import build
+    from tokenized_rows import random_rows, tiny_train_run, write_tokenized
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    cfg = tiny_train_run(tmp_path / "run", build("llama", tmp_path / "t"), eval_frac=0.25)
+    write_tokenized(cfg.run_dir, random_rows(16, lengths=(8, 30), prompt_part=3), inputs_key="sixteen-random-rows")
+    run_features(cfg, log=lambda s: None)
+    run_vocab(cfg, log=lambda s: None)
+    m = train_flow(cfg, gpus=2)
+    assert m["world_size"] == 2 and m["train_samples"] == 12 and (cfg.run_dir / m["export_dir"]).is_dir()
+    log = (cfg.run_dir / "draft" / "torchrun.log").read_text()
+    assert "train: best epoch" in log
+    before = log.count("train: best epoch")
+    assert train_flow(cfg, gpus=2) == m
+    assert (cfg.run_dir / "draft" / "torchrun.log").read_text().count("train: best epoch") == before
