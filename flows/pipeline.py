@@ -17,7 +17,7 @@ from eagle3_core.config import PipelineConfig, load_config, preset
 from flows import stage_flows as s
 from tasks.control import ALL_STAGES, check_task
 from tasks.nightly import finish_night_task, plan_night_task
-from tasks.report import plan_stages_task, report_task
+from tasks.report import plan_stages_task, report_task, written_report
 
 
 @flow(name="eagle3-pipeline", flow_run_name=s.run_name("pipeline"), on_cancellation=[s.say_cancelled],
@@ -84,7 +84,7 @@ def main() -> None:
     else:
         cfg = preset(args.preset, args.run_dir or f"runs/{args.preset}")
     eagle3_pipeline(cfg, refresh=args.refresh)
-    print((cfg.run_dir / "report.md").read_text())
+    print(written_report(cfg))
 
 
 if __name__ == "__main__":

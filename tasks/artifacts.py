@@ -227,7 +227,7 @@ def publish_report(summary: dict, markdown: str, history: list[dict], run_dir: P
                           description="Acceptance length tau of the drafts (95% bootstrap interval over prompts)")
     create_table_artifact([{"stage": k, "seconds": v} for k, v in summary["stage_seconds"].items()],
                           key=run_key(run_dir, "eagle3-stage-times"), description="Wall time per stage (s)")
-    png = acceptance_plot(summary, history, run_dir / "report_acceptance.png")
+    png = acceptance_plot(summary, history, RunLayout(run_dir).report_acceptance_png)
     # the UI shows an image artifact from a URL: a data URL keeps the small PNG self-contained
     url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
     create_image_artifact(url, key=run_key(run_dir, "eagle3-acceptance-plot"),

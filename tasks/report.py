@@ -24,9 +24,14 @@ def run_started_at() -> float | None:
     return start.timestamp() if start else None
 
 
+def written_report(config: PipelineConfig) -> str:
+    """The run's report.md as the report task wrote it (what `python -m flows.pipeline` prints at the end)."""
+    return RunLayout(config.run_dir).report_md.read_text()
+
+
 def earlier_report(config: PipelineConfig) -> dict | None:
     """The run directory's previous report.json (its quiet speeds, for the load flag), None before the first."""
-    path = config.run_dir / "report.json"
+    path = RunLayout(config.run_dir).report_json
     try:
         return json.loads(path.read_text()) if path.exists() else None
     except ValueError:                      # a report cut short by a crash: no earlier speeds
@@ -41,8 +46,8 @@ def report_task(config: PipelineConfig) -> dict:
         summary = report.collect(config.run_dir, config.train.init_from, run_started_at(), earlier_report(config))
         summary["plots"] = report.write_plots(summary, config.run_dir)
         md = report.markdown(summary)
-        (config.run_dir / "report.md").write_text(md)
-        (config.run_dir / "report.json").write_text(json.dumps(summary, indent=2))
+        (run := RunLayout(config.run_dir)).report_md.write_text(md)
+        run.report_json.write_text(json.dumps(summary, indent=2))
         history = json.loads((RunLayout(config.run_dir).manifest("train")).read_text())["history"]
         publish_report(summary, md, history, config.run_dir)
         create_markdown_artifact(report.plots_markdown_inline(summary["plots"], config.run_dir),
@@ -53,7 +58,7 @@ def report_task(config: PipelineConfig) -> dict:
         for source, why in summary["speed"]["flags"].items():
             log.warning("report: %s speeds measured on a loaded machine (%s): flagged, left out of the speed-up",
                         source, why)
-        log.info("report written to %s", config.run_dir / "report.md")
+        log.info("report written to %s", run.report_md)
         return summary
 
 

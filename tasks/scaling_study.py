@@ -77,7 +77,7 @@ def team_bet_points_task(config: PipelineConfig, fractions: list[float], grid: l
     with run_log() as log:
         measure = team_bet_run.replay_measurer(config, "cuda" if torch.cuda.is_available() else "cpu", 64,
                                                log=log.info)
-        return team_bet.run_points(config, points, Path(results), Path(config.run_dir) / "team_bet", measure,
+        return team_bet.run_points(config, points, Path(results), RunLayout(config.run_dir).team_bet, measure,
                                    budget_s=budget_s, partial=partial, log=log.info)
 
 

@@ -197,6 +197,15 @@ def test_the_run_layout_and_stage_dirs_read_the_stage_table(tmp_path):
         assert set(s.upstream) <= set(STAGES), (s.name, s.upstream)
 
 
+def test_every_path_of_a_run_is_named_in_the_run_layout_alone():
+    """No module of eagle3_core, tasks or flows joins a literal name onto a run directory (`run_dir / "x"`): the
+    run's paths are RunLayout's (contract/layout.py), the one place that names them."""
+    joined = re.compile(r"run_dir\)? / [\"f]")
+    found = [f"{f.relative_to(ROOT)}:{i}" for f in _py_files("eagle3_core", "tasks", "flows")
+             if f.name != "layout.py" for i, line in enumerate(f.read_text().splitlines(), 1) if joined.search(line)]
+    assert found == [], found
+
+
 def test_fault_injection_lives_with_the_tests():
     """Faults are injected by tests/fault_site (sitecustomize on a subprocess's PYTHONPATH, or a call of the killed
     script), never by production code: no fault variable, injector or hook in eagle3_core/ or tasks/."""

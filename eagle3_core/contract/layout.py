@@ -92,6 +92,47 @@ class RunLayout:
         """draft/export: the exported draft (SGLang-loadable)."""
         return self.draft / "export"
 
+    # files of the run as a whole, beside the stage directories
+    @property
+    def report_md(self) -> Path:
+        """report.md: the run's report (tasks/report.py)."""
+        return self.run_dir / "report.md"
+
+    @property
+    def report_json(self) -> Path:
+        """report.json: the report's numbers; the next report reads its quiet speeds (the load flag)."""
+        return self.run_dir / "report.json"
+
+    @property
+    def report_plots(self) -> Path:
+        """plots/: the report's PNG plots (pipeline.report.write_plots)."""
+        return self.run_dir / "plots"
+
+    @property
+    def report_acceptance_png(self) -> Path:
+        """report_acceptance.png: the acceptance plot published as the UI's image artifact."""
+        return self.run_dir / "report_acceptance.png"
+
+    @property
+    def report_on_policy(self) -> Path:
+        """report_on_policy.json: the on-policy fraction per source, kept per feature store."""
+        return self.run_dir / "report_on_policy.json"
+
+    @property
+    def nights(self) -> Path:
+        """nights.json: the nightly runs' table (pipeline.nightly)."""
+        return self.run_dir / "nights.json"
+
+    @property
+    def scaling(self) -> Path:
+        """scaling/: the scaling study's points and plot (studies.scaling_study)."""
+        return self.run_dir / "scaling"
+
+    @property
+    def team_bet(self) -> Path:
+        """team_bet/: the team-bet study's recording and points (studies.team_bet_run)."""
+        return self.run_dir / "team_bet"
+
     def relative(self, path: Path) -> str:
         """`path` (under the run directory) as a manifest stores it: relative to the run directory, so that a run
         directory copied or moved elsewhere still finds its own files (read back by `stored`)."""

@@ -26,7 +26,7 @@ from eagle3_core.pipeline.prompts_stage import prompts_key, prompts_older_keys
 
 
 def nights_path(run_dir: Path) -> Path:
-    return Path(run_dir) / "nights.json"
+    return RunLayout(run_dir).nights
 
 
 def history(run_dir: Path) -> list[dict]:

@@ -78,7 +78,7 @@ def _on_policy_once(run_dir: Path, compute) -> dict:
     in run_dir/report_on_policy.json under the sha256 of features/manifest.json (rewritten whenever a shard is), so
     a report of a no-op rerun opens no shard."""
     stamp = hashlib.sha256(RunLayout(run_dir).manifest("features").read_bytes()).hexdigest()
-    memo = run_dir / "report_on_policy.json"
+    memo = RunLayout(run_dir).report_on_policy
     if memo.exists() and (kept := json.loads(memo.read_text())).get("features_manifest_sha256") == stamp:
         return kept["per_source"]
     per = compute()
@@ -99,7 +99,7 @@ def write_plots(r: dict, run_dir: Path) -> dict[str, str]:
     """PNG plots of a collected run under run_dir/plots; returns {name: path relative to run_dir}."""
     from eagle3_core.evaluation.plots import (  # matplotlib, loaded only when plots are drawn
         plot_acceptance_per_position, plot_tau, plot_tok_s, run_label)
-    ev, out = r["eval"], Path(run_dir) / "plots"
+    ev, out = r["eval"], RunLayout(run_dir).report_plots
     runs = _runs(ev)
     tau_sim = (ev.get("consistency") or {}).get("tau_sim_at_steps")
     before = nums.before_training_label(r)

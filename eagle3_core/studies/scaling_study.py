@@ -127,7 +127,7 @@ def train_and_measure(cfg: PipelineConfig, n: int, seed: int = 0, log=print) -> 
     exceeds the training samples.
     Remove the per_prompt test when study points written before 3fd89c7 are no longer supported
     (compat.LEGACY_READERS)."""
-    out = cfg.run_dir / "scaling" / f"n_{n}"
+    out = RunLayout(cfg.run_dir).scaling / f"n_{n}"
     key = size_key(cfg, n, seed)
     if (m := cached_manifest(out / "manifest.json", key)) and "per_prompt" in m:     # older manifests: measure again
         return m
@@ -197,7 +197,7 @@ def finish_study(cfg: PipelineConfig, sizes: list[dict], extrapolate_to: list[in
     trend = fit_log_trend([s["samples"] for s in sizes], [s["tau"] for s in sizes])
     hi = sizes[-1]["samples"]
     preds = [predict(trend, n, hi) for n in (extrapolate_to or [])]
-    out = cfg.run_dir / "scaling"
+    out = RunLayout(cfg.run_dir).scaling
     plot = plot_study(sizes, trend, [p for p in preds if p["extrapolated"]], out / "tau_vs_samples.png")
     md = ["# tau against training data", "",
           f"Recipe: {cfg.train.epochs or 'rule-chosen (train.epochs_for)'} epochs, lr {cfg.train.lr}, TTT length "

@@ -80,7 +80,7 @@ def replay_measurer(cfg: PipelineConfig, device: str, batch: int, log=print):
     """measure(export_dir) -> replay_eval.replay_measure's entry (tau, tau_ci95, accept_per_position, per_prompt)
     of that draft on the held-out prompts, against one recording of the target (fp32 on `device`, `batch` prompts
     per batched generate), kept at RUN_DIR/team_bet/recording.pt while its settings hold."""
-    path = Path(cfg.run_dir) / "team_bet" / "recording.pt"
+    path = RunLayout(cfg.run_dir).team_bet / "recording.pt"
     settings = {"eval": cfg.eval.model_dump(mode="json"), "target": cfg.target.model_dump(mode="json"),
                 "batch": batch, "eval_ids": prompt_ids(cfg)["eval_ids"]}
     if path.exists() and torch.load(path, weights_only=True)["settings"] == settings:
