@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from pathlib import Path
 
 from prefect import flow
 

@@ -19,6 +19,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from eagle3_core.contract.layout import RunLayout
 from eagle3_core.contract.numbers import eta_text
 from eagle3_core.pipeline.report import embed_images
 from eagle3_core.pipeline.report_numbers import RUN_NAMES, before_training_label

@@ -24,7 +24,6 @@ import re
 
 import torch
 
-from eagle3_core.target.family import text_config
 from eagle3_core.target.int4_experts import GROUP
 from eagle3_core.target.loading import auto_model_class, distributed_config
 
