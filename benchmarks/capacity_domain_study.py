@@ -27,7 +27,6 @@ per-step graphs cover layer 0 only, training.packing.packed_ttt_loss). Raise --s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import sys
@@ -127,22 +126,8 @@ def main() -> None:
     ap.add_argument("--measure-device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--record-batch", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2, help="processes that replay the drafts")
-    a = ap.parse_args()
-    if a.replot:
-        if not a.plot:
-            ap.error("--replot needs --plot")
-        print(plot(json.loads(a.replot.read_text()), a.plot))
-        return
-    if not a.out:
-        ap.error("--out is needed (unless --replot)")
-    with contextlib.redirect_stdout(sys.stderr):                    # progress on stderr, the JSON alone on stdout
-        res = study(a)
-    text = json.dumps(res, indent=2)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(text)
-    if a.plot:
-        plot(res, a.plot)
-    print(text)
+    import recipe_tau_time as rt
+    rt.study_main(ap, study, plot)
 
 
 def study(a) -> dict:

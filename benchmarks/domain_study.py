@@ -37,7 +37,6 @@ process, and the next call goes on from there.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import shutil
@@ -218,22 +217,7 @@ def main() -> None:
     ap.add_argument("--record-batch", type=int, default=64)
     ap.add_argument("--workers", type=int, default=8 if torch.cuda.is_available() else 2,
                     help="processes that replay the drafts (on a GPU they share it: launch-bound)")
-    a = ap.parse_args()
-    if a.replot:
-        if not a.plot:
-            ap.error("--replot needs --plot")
-        print(plot(json.loads(a.replot.read_text()), a.plot))
-        return
-    if not a.out:
-        ap.error("--out is needed (unless --replot)")
-    with contextlib.redirect_stdout(sys.stderr):                    # progress on stderr, the JSON alone on stdout
-        res = study(a)
-    text = json.dumps(res, indent=2)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(text)
-    if a.plot:
-        plot(res, a.plot)
-    print(text)
+    rt.study_main(ap, study, plot)
 
 
 if __name__ == "__main__":

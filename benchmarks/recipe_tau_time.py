@@ -35,6 +35,7 @@ the paired bootstrap interval of its difference from SpecForge's final draft (th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -436,6 +437,28 @@ def report(res: dict, out: Path | None, plot_path: Path | None, title: str) -> N
                                          f"{b['seconds']:.0f} s, epoch {b['epoch']} | " if b else "none | - | ")
               + (f"{d['tau']:+.3f} ({d['ci95_paired'][0]:+.3f} to {d['ci95_paired'][1]:+.3f}) |" if d else "- |")
               + f" {last['tau']:.3f} at {last['seconds']:.0f} s, epoch {last['epoch']} |")
+
+
+def study_main(ap, study, plot) -> None:
+    """A study script's main after its arguments are declared (--out, --plot, --replot among them): --replot redraws
+    --plot from a result JSON; else study(args) runs with its progress on stderr, and the result JSON goes to --out
+    and stdout (and is drawn to --plot). ap.error when --replot lacks --plot or --out is missing."""
+    a = ap.parse_args()
+    if a.replot:
+        if not a.plot:
+            ap.error("--replot needs --plot")
+        print(plot(json.loads(a.replot.read_text()), a.plot))
+        return
+    if not a.out:
+        ap.error("--out is needed (unless --replot)")
+    with contextlib.redirect_stdout(sys.stderr):                    # progress on stderr, the JSON alone on stdout
+        res = study(a)
+    text = json.dumps(res, indent=2)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(text)
+    if a.plot:
+        plot(res, a.plot)
+    print(text)
 
 
 def main() -> None:
