@@ -84,11 +84,31 @@ def served(tmp_path_factory):
         _wait_for(f"{UI}/api/health", server, tmp / "server.log", 180)
         deploy = _start("deploy", env, tmp / "deploy.log")
         procs.append(deploy)
-        _wait_for(f"{UI}/api/deployments/name/eagle3-pipeline/debug-tiny", deploy, tmp / "deploy.log", 300)
+        _wait_for_served(deploy, tmp / "deploy.log", 300)
         yield tmp
     finally:
         for p in reversed(procs):
             _stop(p)
+
+
+def _wait_for_served(deploy: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Wait until `make deploy` has registered every deployment and its runner has polled them (status READY, set by
+    the first poll, which starts only after the last registration). Before that the registrations race the UI's Run:
+    Prefect 3.9's create_flow_run reads the deployment and then inserts the flow run in one DEFERRED SQLite
+    transaction (prefect/server/api/deployments.py), which SQLite fails at once with "database is locked" (503, which
+    the UI does not retry) when another write commits in between. Measured on this 2-core machine: 6 of 61 bare
+    create_flow_run requests answered 503 during the registrations, 0 of 150 after every deployment was READY."""
+    from deployments.serve import deployment_specs
+    expected = len(deployment_specs(ROOT / "runs", "UTC"))
+    deadline, found = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline:
+        assert deploy.poll() is None, f"{deploy.args} exited: {log.read_text()[-3000:]}"
+        found = httpx.post(f"{UI}/api/deployments/filter", json={}, timeout=30).json()
+        if len(found) == expected and all(d["status"] == "READY" for d in found):
+            return
+        time.sleep(1)
+    raise AssertionError(f"{expected} deployments not all registered and READY after {timeout_s} s: "
+                         f"{[(d['name'], d['status']) for d in found]}; log {log}: {log.read_text()[-3000:]}")
 
 
 def _property_input(page, label: str):
@@ -123,7 +143,7 @@ def test_ui_runs_the_smallest_preset_with_one_parameter_changed(served):
             page.get_by_role("button", name="Submit").click()
             # the run the form created, found by its name through the API: the deployment page's list of runs
             # refreshes on a timer, which on a loaded machine missed a 60 s wait (CI, 2026-12-04)
-            run_url = f"{UI}/runs/flow-run/{_flow_run_id(run_name, served / 'server.log')}"
+            run_url = f"{UI}/runs/flow-run/{_flow_run_id(page, run_name, served / 'server.log')}"
             page.goto(run_url, wait_until="networkidle")
             state = page.locator(".state-badge").first
             deadline, last_reload, eval_progress = time.monotonic() + RUN_TIMEOUT_S, time.monotonic(), None
@@ -233,16 +253,18 @@ def _artifacts(key_part: str) -> list[dict]:
     return r.json()
 
 
-def _flow_run_id(name: str, server_log: Path, timeout_s: float = 120) -> str:
+def _flow_run_id(page, name: str, server_log: Path, timeout_s: float = 120) -> str:
     """The id of the flow run named `name` (Prefect's REST API), waited for until the server has it; else an
-    AssertionError with the server log's errors (the UI shows only 'Something went wrong' when its request fails)."""
+    AssertionError with the browser's failed requests and the server log's errors (the UI shows only 'Something went
+    wrong' when its request fails). It waits through `page`: Playwright's sync API delivers the browser's response
+    events (FAILED_REQUESTS) only inside its own calls."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         r = httpx.post(f"{UI}/api/flow_runs/filter", json={"flow_runs": {"name": {"any_": [name]}}}, timeout=30)
         r.raise_for_status()
         if r.json():
             return r.json()[0]["id"]
-        time.sleep(1)
+        page.wait_for_timeout(1000)
     errors = [line for line in server_log.read_text().splitlines() if re.search(r"error|exception| [45]\d\d ", line,
                                                                                   re.I)]
     raise AssertionError(f"no flow run named {name!r} {timeout_s} s after the form was submitted; the browser's "
