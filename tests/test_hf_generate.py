@@ -2,16 +2,19 @@
 batched answers equal unbatched greedy decoding, the shard contract holds, and EOS ends an answer."""
 import asyncio
 import json
+import threading
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from conftest import SHARED_DATA
-from eagle3_core.config import GenerationConfig, PipelineConfig, PromptConfig, ServerConfig
+from eagle3_core.config import GenerationConfig, PipelineConfig, PromptConfig, ServerConfig, TargetConfig
 from eagle3_core.data.chat import prompt_ids
 from eagle3_core.evaluation.acceptance import compare_outputs
 from eagle3_core.evaluation.speculate import TargetRunner, greedy_generate
-from eagle3_core.pipeline.generation_stage import run_generation, run_generation_shard
+from eagle3_core.pipeline.generation_stage import (_loaded_target, loaded_target, run_generation,
+                                                   run_generation_shard)
 from eagle3_core.pipeline.prompts_stage import run_prompts
 from eagle3_core.serving.hf_generate import BatchedGenerator
 
@@ -71,3 +74,26 @@ def test_an_eos_token_ends_the_answer_before_it(target_model, tokenizer):
         gen.close()
     assert a == b and gen.batches == 1
     assert a["output_ids"] == free[:k] and a["finish_reason"] == "stop" and a["completion_tokens"] == k + 1
+
+
+def test_parallel_shard_tasks_share_one_loaded_target():
+    """server.kind 'transformers' with two shard tasks at once (threads of one process): one load, one model; two
+    unguarded loads raised (transformers' lazy import: "cannot import name 'AutoConfig'", or "Cannot copy out of meta
+    tensor")."""
+    _loaded_target.cache_clear()
+    start, models, errors = threading.Barrier(2), [], []
+
+    def shard_task():
+        start.wait()
+        try:
+            models.append(loaded_target(TargetConfig().model_dump_json(), "cpu", torch.float32))
+        except Exception as e:  # noqa: BLE001 -- the test reports what a thread raised
+            errors.append(repr(e))
+    threads = [threading.Thread(target=shard_task) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    _loaded_target.cache_clear()
+    assert errors == [] and len(models) == 2 and models[0] is models[1], (errors, len(models))
+    assert next(models[0].parameters()).dtype == torch.float32

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from contextlib import nullcontext
 from functools import lru_cache
@@ -55,10 +56,20 @@ def generation_shard_key(cfg: PipelineConfig) -> str:
     return stage_key(_sampling(cfg), target_key(cfg))
 
 
-@lru_cache(maxsize=1)
+_TARGET_LOCK = threading.Lock()
+
+
 def loaded_target(target_json: str, device: str, dtype: torch.dtype | None = None):
     """The target, loaded once per process for all in-process generation shards of a run (fp32; cleared by
-    finish_generation). dtype None: load_target's default."""
+    finish_generation). dtype None: load_target's default. The flow's shard tasks are threads of one process: the
+    first loads and the others wait for its model (two loads at once failed: transformers' lazy imports and its
+    meta-device initialisation are not thread-safe, "Cannot copy out of meta tensor")."""
+    with _TARGET_LOCK:
+        return _loaded_target(target_json, device, dtype)
+
+
+@lru_cache(maxsize=1)
+def _loaded_target(target_json: str, device: str, dtype: torch.dtype | None):
     return load_target(TargetConfig.model_validate_json(target_json), device, dtype)
 
 
@@ -266,7 +277,7 @@ def finish_generation(cfg: PipelineConfig, shard_manifests: list[dict], seconds:
     Raises RuntimeError naming a shard that has not finished, ValueError for a record that does not match the
     disk, QualityGateError (with counts, examples and the fix) when too many answers failed, are empty, truncated
     or degenerate."""
-    loaded_target.cache_clear()
+    _loaded_target.cache_clear()
     out, key, g = RunLayout(cfg.run_dir).generations, generation_shard_key(cfg), cfg.generation
     plan, legacy = generation_plan(cfg), generation_key(cfg)
 
