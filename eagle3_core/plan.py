@@ -27,7 +27,7 @@ from pathlib import Path
 
 from eagle3_core.config import PipelineConfig, config_or_preset
 from eagle3_core.features.store_formats import FORMATS, features_bytes
-from eagle3_core.plan_inputs import compare, free_disk, measured_rates, parse_size
+from eagle3_core.plan_inputs import compare, free_disk, kept_shares, measured_rates, parse_size
 from eagle3_core.training.stopping import planned_epochs
 
 STATUSES = ("measured", "given", "scaled")
@@ -98,18 +98,15 @@ def _workload(cfg: PipelineConfig, rates: dict) -> dict:
     rewrites its history gives several (data.history; the rate `samples_per_row`, measured by a finished run, 1
     where the rates have none)."""
     S = cfg.prompts.num_train
-    kept = 0
-    if cfg.prompts.mix is not None:
-        # rows kept as they are need no request; a keep source whose kept choice is 'regenerate' is answered
-        counts = [(s.count, s.mode == "keep" and s.kept != "regenerate") for s in cfg.prompts.mix.sources]
-        kept = round(S * sum(c for c, k in counts if c and k) / max(sum(c for c, _ in counts if c), 1))
+    kept, unrouted = (kept_shares(cfg) if cfg.prompts.mix is not None else (0.0, 0.0))
     O = T = None
     if "output_tokens_per_sample" in rates:
         O = min(rates["output_tokens_per_sample"]["value"], cfg.generation.max_new_tokens)
     if "tokens_per_sample" in rates:
         T = min(rates["tokens_per_sample"]["value"], cfg.features.max_length)
     per_row = rates.get("samples_per_row", {}).get("value", 1.0)
-    return {"samples": round(S * per_row), "rows": S, "regenerated": S - kept, "answer_tokens": O, "tokens": T}
+    return {"samples": round(S * per_row), "rows": S, "regenerated": S - round(S * kept),
+            "unrouted": round(S * unrouted), "answer_tokens": O, "tokens": T}
 
 
 def _rate(rates: dict, *names: str) -> tuple[str, dict] | None:
@@ -223,7 +220,9 @@ def markdown(p: dict) -> str:
     """The plan as a Markdown table, every rate with its status and source."""
     w = p["workload"]
     lines = [f"Plan at {p['gpus']} GPU(s), features {p['format']}: {w['samples']} samples ({w['regenerated']} "
-             f"regenerated), {w['tokens'] or '?'} tokens and {w['answer_tokens'] or '?'} answer tokens per sample", "",
+             f"regenerated), {w['tokens'] or '?'} tokens and {w['answer_tokens'] or '?'} answer tokens per sample"
+             + (f"; {w['unrouted']} rows of kept 'auto' sources counted as kept until the prompts stage routes "
+                f"them (kept_routes): each one it re-routes is one more request" if w.get("unrouted") else ""), "",
              "| stage | wall h | GPU-h | disk | rate | status | source | note |", "|---|---|---|---|---|---|---|---|"]
     for r in p["stages"]:
         rate = r["rate"] or {}

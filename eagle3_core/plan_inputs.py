@@ -1,12 +1,15 @@
 """What `plan` reads besides the config and the rates file: a finished run's measured rates (`--measure RUN_DIR`
 writes them into a rates profile) and its measured / planned time per stage (`--against RUN_DIR`), from its stage
-manifests; the free disk to fit the features into (`--disk SIZE`, or the run directory's file system)."""
+manifests; the free disk to fit the features into (`--disk SIZE`, or the run directory's file system); the routes
+a finished prompts stage gave kept 'auto' sources (kept_shares)."""
 from __future__ import annotations
 
 import json
 import shutil
 from datetime import date
 from pathlib import Path
+
+from eagle3_core.contract.layout import RunLayout
 
 
 def measured_rates(run_dir: Path, where: str) -> dict[str, dict]:
@@ -74,3 +77,23 @@ def free_disk(run_dir: str | Path) -> tuple[int, str]:
     run = Path(run_dir)
     where = next(p for p in [run, *run.absolute().parents] if p.exists())
     return shutil.disk_usage(where).free, str(where)
+
+
+def kept_shares(cfg) -> tuple[float, float]:
+    """(share of the counted rows kept as they are, share of those kept only because their source is not routed
+    yet), over the mix's sources given by count (cfg: a PipelineConfig whose prompts.mix is set). Rows kept as
+    they are need no request: mode 'keep' sources with kept 'train', 'mask' or 'refuse', and kept 'auto' sources
+    unless a finished prompts stage routed them to 'regenerate' (prompts/manifest.json `kept_routes`). Before that
+    stage has run, an 'auto' source counts as kept and plan.markdown names its rows: each one the probe re-routes is
+    one more request."""
+    path = RunLayout(cfg.run_dir).manifest("prompts")
+    routes = (json.loads(path.read_text()).get("kept_routes") or {}) if path.is_file() else {}
+    kept = unrouted = total = 0
+    for s in cfg.prompts.mix.sources:
+        if not s.count:
+            continue
+        total += s.count
+        route = routes.get(s.label, {}).get("route", s.kept) if s.kept == "auto" else s.kept
+        kept += s.count if s.mode == "keep" and route != "regenerate" else 0
+        unrouted += s.count if s.mode == "keep" and route == "auto" else 0
+    return kept / max(total, 1), unrouted / max(total, 1)

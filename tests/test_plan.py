@@ -6,6 +6,7 @@ import pytest
 from conftest import ROOT
 
 from eagle3_core.config import load_config
+from eagle3_core.contract.layout import RunLayout
 from eagle3_core.features.store_formats import bytes_per_token
 from eagle3_core.plan import (
     STAGE_RATES,
@@ -14,6 +15,7 @@ from eagle3_core.plan import (
     fits_table,
     load_rates,
     main,
+    markdown,
     measured_rates,
     missing_rates,
     parse_size,
@@ -48,8 +50,8 @@ def test_the_reference_plan_reproduces_9_2_tb_24_h_and_18_8_h_within_10_percent(
     assert _stage(bf16, "features")["hours"] == pytest.approx(18.8, rel=0.10)
     # exactly what the config changes: 99K train prompts (1K held out), of which the kept trajectories (deepswe
     # 2,800 + kimi-k2.5-2000x 2,000 of the mix's 100K) need no request
-    assert bf16["workload"] == {"samples": 99000, "rows": 99000, "regenerated": 99000 - 4752, "answer_tokens": 2000,
-                                "tokens": 2000}
+    assert bf16["workload"] == {"samples": 99000, "rows": 99000, "regenerated": 99000 - 4752, "unrouted": 4752,
+                                "answer_tokens": 2000, "tokens": 2000}
     assert _stage(bf16, "generation")["hours"] == pytest.approx(94248 * 2000 / 2300 / 3600)
     assert all(r["rate"] is None or r["rate"]["status"] in ("measured", "given", "scaled") for r in bf16["stages"])
 
@@ -172,6 +174,28 @@ def test_plan_counts_the_samples_after_the_history_split():
                                                          if s.mode == "keep" else s for s in cfg.prompts.mix.sources]})
     regen = plan_run(cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"mix": mix})}), rates, gpus=8)
     assert one["workload"]["regenerated"] == 99000 - 4752 and regen["workload"]["regenerated"] == 99000
+
+
+def test_plan_counts_the_kept_rows_the_prompts_stage_rerouted_as_requests(tmp_path):
+    """Both keep sources of the agentic config are kept 'auto': before the prompts stage has probed them, plan
+    counts their 4,752 rows as kept and says so on its first line; once prompts/manifest.json routes
+    deepswe-kimi-k2 to 'regenerate' (a history the target would not write) and kimi-k2.5-2000x to 'train', the
+    deepswe rows (2,800 of the 100K counted, 2,772 of 99K) are requests again and the line is gone."""
+    cfg = load_config(KIMI).model_copy(update={"run_dir": tmp_path})
+    rates = load_rates(RATES, "kimi_k25_agentic")
+    before = plan_run(cfg, rates, gpus=8)
+    assert (before["workload"]["regenerated"], before["workload"]["unrouted"]) == (94248, 4752)
+    assert "4752 rows of kept 'auto' sources counted as kept until the prompts stage routes them" in \
+        markdown(before)
+    manifest = RunLayout(tmp_path).manifest("prompts")
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"kept_routes": {
+        "deepswe-kimi-k2": {"route": "regenerate", "probed_row": 0, "cause": "template", "reason": "a test"},
+        "kimi-k2.5-2000x": {"route": "train", "probed_row": 0, "cause": None, "reason": ""}}}))
+    after = plan_run(cfg, rates, gpus=8)
+    assert (after["workload"]["regenerated"], after["workload"]["unrouted"]) == (94248 + 2772, 0)
+    assert _stage(after, "generation")["hours"] == pytest.approx(97020 * 2600 / 2300 / 3600)
+    assert "counted as kept until" not in markdown(after)
 
 
 def test_the_agentic_reference_config_plans_its_own_lengths_and_the_teams_config_is_refused_by_check(capsys):
