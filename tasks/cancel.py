@@ -27,7 +27,7 @@ def _chain(client, flow_run) -> list:
 def _said_cancelled(client, flow_run, chain: list) -> None:
     root = chain[-1] if chain else flow_run
     msg = (f"cancelled: {flow_run.name}" + (f", a stage of {root.name}," if chain else "") + " stopped by the "
-           f"cancel; the stages and shards that finished are kept: run it again to continue")
+           "cancel; the stages and shards that finished are kept: run it again to continue")
     for r in [flow_run, *chain]:
         flow_run_logger(flow_run=r).info(msg)
 

@@ -95,9 +95,10 @@ def _wait_for_served(deploy: subprocess.Popen, log: Path, timeout_s: float) -> N
     """Wait until `make deploy` has registered every deployment and its runner has polled them (status READY, set by
     the first poll, which starts only after the last registration). Before that the registrations race the UI's Run:
     Prefect 3.9's create_flow_run reads the deployment and then inserts the flow run in one DEFERRED SQLite
-    transaction (prefect/server/api/deployments.py), which SQLite fails at once with "database is locked" (503, which
-    the UI does not retry) when another write commits in between. Measured on this 2-core machine: 6 of 61 bare
-    create_flow_run requests answered 503 during the registrations, 0 of 150 after every deployment was READY."""
+    transaction (prefect/server/api/deployments.py), which SQLite fails at once with "database is locked" (503,
+    which the UI does not retry) when another write commits in between. Measured on a 2-core machine (2026-12-06):
+    6 of 61 bare create_flow_run requests answered 503 during the registrations, 0 of 150 after every deployment was
+    READY."""
     from deployments.serve import deployment_specs
     expected = len(deployment_specs(ROOT / "runs", "UTC"))
     deadline, found = time.monotonic() + timeout_s, []

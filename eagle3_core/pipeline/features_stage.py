@@ -182,7 +182,7 @@ def run_features(cfg: PipelineConfig, log=print, workers: int | None = None, **r
     already (key, and every listed shard intact): the manifest, nothing run; a shard missing or changed since
     written is extracted again alone. Raises TorchrunError if a rank fails (finished
     shards are kept: rerun to finish), ValueError for an unknown backend or a store mixing backends."""
-    out, backend = RunLayout(cfg.run_dir).features, selected_backend(cfg)
+    backend = selected_backend(cfg)
     d, skey = stage_run.decision(cfg, ROW), store_key(cfg)
 
     def body() -> dict:

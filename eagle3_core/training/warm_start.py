@@ -179,8 +179,8 @@ def shape_problems(init: DraftShape, want: DraftShape, where: str, keep_vocab: b
                       and positions_change_nothing(want)):
             continue
         if field == "target.model":
-            fix = (f"the draft was trained for another target: warm-start from a draft of this target, or unset "
-                   f"train.init_from")
+            fix = ("the draft was trained for another target: warm-start from a draft of this target, or unset "
+                   "train.init_from")
         elif name == "aux_layer_ids":
             fix = (f"set {field} to {a} (the layer outputs the draft was trained on: its top-level ids - 1, or its "
                    f"nested SGLang ids as the target's SGLang serves them; on DeepSeek/Kimi targets nested ids not "
