@@ -229,7 +229,10 @@ def test_temperature_0_through_the_sampled_path_is_the_greedy_replay_for_a_scrip
     prompts = [prompt_ids(tokenizer, [{"role": "user", "content": t}])
                for t in ["def add(a, b):", "Explain recursion in one sentence."]]
     greedy = record_target(runner, prompts, 40, eos)
-    sampled = record_sampled(runner, prompts, 40, eos, SamplingConfig(), seeds=[0])
+    calls = []
+    sampled = record_sampled(runner, prompts, 40, eos, SamplingConfig(), seeds=[0],
+                             on_trajectory=lambda *a: calls.append(a))
+    assert calls == [(i + 1, 2, len(r["tokens"])) for i, r in enumerate(sampled)]        # the stage's progress
     accepted = []
     for g, r in zip(greedy, sampled):
         assert r["tokens"] == g["tokens"]
@@ -301,6 +304,8 @@ def test_the_evaluate_stage_measures_tau_at_the_evaluation_temperature(e2e_run, 
         assert all(1.0 <= r["tau"] <= cfg.eval.num_draft_steps + 1 for r in rules.values())
     assert report["trained"]["prompts"] == n and report["trained"]["trajectories"] == 2 * n
     assert any("sampled replay at temperature 0.7" in line for line in lines)
+    progress = [line for line in lines if "trajectories sampled at temperature 0.7" in line]
+    assert [p.split(" of ")[0] for p in progress] == [f"evaluate: {i}" for i in range(1, 2 * n + 1)]
     manifest = json.loads((RunLayout(run_dir).eval / "manifest.json").read_text())
     assert manifest["serving"] == {"temperature": 1.0, "top_p": 0.95, "top_k": 0, "seed": 0}
     r = collect(run_dir)

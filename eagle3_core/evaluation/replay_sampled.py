@@ -88,11 +88,12 @@ def trajectory_seed(seed: int, prompt_index: int) -> int:
 
 @torch.no_grad()
 def record_sampled(target: TargetRunner, prompts: list[list[int]], max_new: int, eos_ids: set[int],
-                   s: SamplingConfig, seeds: list[int]) -> list[dict]:
+                   s: SamplingConfig, seeds: list[int], on_trajectory=None) -> list[dict]:
     """One recording per prompt and seed (prompt-major): {prompt, prompt_index, seed, tokens (x_1..x_M sampled at
     `s`: sample_trajectory), p_x (float32 [M]: p_t(x_t), the target's filtered probability of each recorded token,
-    from one forward over prompt + tokens), aux (float32 [n + M, 3H_t] on CPU, the same forward)}."""
-    out = []
+    from one forward over prompt + tokens), aux (float32 [n + M, 3H_t] on CPU, the same forward)}.
+    on_trajectory(done, total, tokens): called after each recording (tokens: its sampled token count)."""
+    out, total = [], len(prompts) * len(seeds)
     for i, p in enumerate(prompts):
         for seed in seeds:
             g = torch.Generator().manual_seed(trajectory_seed(seed, i))
@@ -102,6 +103,8 @@ def record_sampled(target: TargetRunner, prompts: list[list[int]], max_new: int,
             p_x = probs.gather(-1, torch.tensor(x, device=probs.device)[:, None])[:, 0]
             out.append({"prompt": list(p), "prompt_index": i, "seed": seed, "tokens": x, "p_x": p_x.float().cpu(),
                         "aux": aux.float().cpu()})
+            if on_trajectory is not None:
+                on_trajectory(len(out), total, len(x))
     return out
 
 

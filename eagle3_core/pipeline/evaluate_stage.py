@@ -116,7 +116,12 @@ def _sampled(cfg: PipelineConfig, target, prompts, drafts: dict, eos: set[int], 
     e = cfg.eval
     s = e.sampling if s is None else s
     seeds = list(range(s.seed, s.seed + e.sampled_seeds))
-    recs = record_sampled(target, prompts, e.max_new_tokens, eos, s, seeds)
+    t0 = time.monotonic()
+
+    def progress(done: int, total: int, tokens: int) -> None:       # the sampling is the stage's longest silence
+        log(f"evaluate: {done} of {total} trajectories sampled at temperature {s.temperature:g} ({tokens} tokens)"
+            + eta_text(time.monotonic() - t0, done, total - done))
+    recs = record_sampled(target, prompts, e.max_new_tokens, eos, s, seeds, on_trajectory=progress)
     log(f"evaluate: sampled {len(recs)} trajectories ({len(prompts)} held-out prompts x {len(seeds)} seeds, "
         f"{sum(len(r['tokens']) for r in recs)} tokens) at temperature {s.temperature:g}")
     report = {"evaluator": "replay_sampled", "recording": {"prompts": len(prompts), "seeds": seeds,
