@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import recipe_tau_time as rt  # noqa: E402
+
 from eagle3_core.config import PipelineConfig, TargetConfig, load_config  # noqa: E402
 
 ARMS = ("default", "wider_mlp", "two_layers", "eagle3.1")
@@ -126,13 +128,11 @@ def main() -> None:
     ap.add_argument("--measure-device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--record-batch", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2, help="processes that replay the drafts")
-    import recipe_tau_time as rt
     rt.study_main(ap, study, plot)
 
 
 def study(a) -> dict:
     """The whole study for parsed arguments `a` (module docstring); returns the result dict."""
-    import recipe_tau_time as rt
     from train_end_to_end import data_stages
 
     from eagle3_core.pipeline.vocab_stage import run_vocab

@@ -10,6 +10,7 @@ from datetime import date
 from pathlib import Path
 
 from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.manifest import read_manifest
 
 
 def measured_rates(run_dir: Path, where: str) -> dict[str, dict]:
@@ -86,8 +87,7 @@ def kept_shares(cfg) -> tuple[float, float]:
     unless a finished prompts stage routed them to 'regenerate' (prompts/manifest.json `kept_routes`). Before that
     stage has run, an 'auto' source counts as kept and plan.markdown names its rows: each one the probe re-routes is
     one more request."""
-    path = RunLayout(cfg.run_dir).manifest("prompts")
-    routes = (json.loads(path.read_text()).get("kept_routes") or {}) if path.is_file() else {}
+    routes = (read_manifest(RunLayout(cfg.run_dir).manifest("prompts")) or {}).get("kept_routes") or {}
     kept = unrouted = total = 0
     for s in cfg.prompts.mix.sources:
         if not s.count:
