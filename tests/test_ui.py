@@ -56,17 +56,25 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _wait_for(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+def _wait_until(ready, proc: subprocess.Popen, log: Path, timeout_s: float, what) -> None:
+    """Poll ready() every second until it is true; AssertionError when `proc` exits first, or after timeout_s with
+    what() (the state waited on) and the tail of `log`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"{proc.args} exited: {log.read_text()[-3000:]}"
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if ready():
+            return
         time.sleep(1)
-    raise AssertionError(f"{url} not ready after {timeout_s} s; log {log}: {log.read_text()[-3000:]}")
+    raise AssertionError(f"{what()} after {timeout_s} s; log {log}: {log.read_text()[-3000:]}")
+
+
+def _wait_for(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    def answers() -> bool:
+        try:
+            return httpx.get(url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+    _wait_until(answers, proc, log, timeout_s, lambda: f"{url} not ready")
 
 
 @pytest.fixture(scope="module")
@@ -100,16 +108,13 @@ def _wait_for_served(deploy: subprocess.Popen, log: Path, timeout_s: float) -> N
     6 of 61 bare create_flow_run requests answered 503 during the registrations, 0 of 150 after every deployment was
     READY."""
     from deployments.serve import deployment_specs
-    expected = len(deployment_specs(ROOT / "runs", "UTC"))
-    deadline, found = time.monotonic() + timeout_s, []
-    while time.monotonic() < deadline:
-        assert deploy.poll() is None, f"{deploy.args} exited: {log.read_text()[-3000:]}"
-        found = httpx.post(f"{UI}/api/deployments/filter", json={}, timeout=30).json()
-        if len(found) == expected and all(d["status"] == "READY" for d in found):
-            return
-        time.sleep(1)
-    raise AssertionError(f"{expected} deployments not all registered and READY after {timeout_s} s: "
-                         f"{[(d['name'], d['status']) for d in found]}; log {log}: {log.read_text()[-3000:]}")
+    expected, found = len(deployment_specs(ROOT / "runs", "UTC")), []
+
+    def all_ready() -> bool:
+        found[:] = httpx.post(f"{UI}/api/deployments/filter", json={}, timeout=30).json()
+        return len(found) == expected and all(d["status"] == "READY" for d in found)
+    _wait_until(all_ready, deploy, log, timeout_s, lambda: f"{expected} deployments not all registered and READY: "
+                f"{[(d['name'], d['status']) for d in found]}")
 
 
 def _property_input(page, label: str):
