@@ -31,7 +31,8 @@ the three arms 47 s, 30 s and 28 s from a cold compile cache, the recording 34 s
 draft in one process (912 prompt-drafts: about 11 minutes in one process), so the replay runs in chunks of
 recipe_tau_time.CHUNK prompts over --workers processes (8 on a GPU). Every part is cached (the data stages'
 manifests, trained.json, the recording, each replayed chunk): a call stopped at its limit loses at most one chunk per
-process, and the next call goes on from there.
+process, and the next call goes on from there. The whole study in one call, data stages included: 534 s on one H100
+(2026-12-06; docs/studies.md).
 --samples 780: GSM8K has 794 train samples once the trainer holds 1% of the train split out for its TTT eval.
 """
 from __future__ import annotations
