@@ -22,8 +22,9 @@ as a run on that source alone would pick it. Every arm's last epoch is measured 
 (recipe_tau_time.recording: the target's greedy output on the 304 held-out prompts, recorded once; chain of
 eval.num_draft_steps) and split by prompt category (evaluate_stage.category: Spec-Bench's own category, else the
 source). Reported per arm and category: tau with its bootstrap 95% interval (acceptance.bootstrap_ci over that
-category's prompts); per category the mix minus each single-source arm with the paired bootstrap 95% interval
-(acceptance.paired_bootstrap_diff_ci: the same prompts resampled for both); GPU seconds per arm. JSON on stdout and
+category's prompts); per category and over all held-out prompts ('all') the mix minus each single-source arm with
+the paired bootstrap 95% interval (acceptance.paired_bootstrap_diff_ci: the same prompts resampled for both); GPU
+seconds per arm, and each arm's per-prompt [tokens from verify steps, verify steps]. JSON on stdout and
 to --out, with the device and the date.
 
 Budget, measured on one H100 (2026-12-06, the first calls of this study): regeneration of the 1,636 answers 86 s,
@@ -187,13 +188,14 @@ def study(a) -> dict:
     arms = {arm: {"sources": recipes[arm]["sources"], "tau_all": m["tau"], "tau_all_ci95": m["tau_ci95"],
                   "per_category": per_category(m["per_prompt"], cats),
                   "gpu_seconds": trained[arm]["epochs"][-1]["seconds"],
-                  "epoch_tokens": trained[arm]["epoch_tokens"]} for arm, m in measured.items()}
+                  "epoch_tokens": trained[arm]["epoch_tokens"],
+                  "per_prompt": m["per_prompt"]} for arm, m in measured.items()}        # held_out_prompts' order
     return {"study": "domains at equal samples", "config": str(a.config), "samples": a.samples, "epochs": a.epochs,
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
             "data_stage_seconds": {**stages, "features": features_seconds}, **rt.eval_settings(cfg),
             "categories": ordered(rows, cats),
-            "arms": arms, "mix_minus_single": mix_against_single(measured, cats),
+            "arms": arms, "mix_minus_single": mix_against_single(measured, {"all": list(range(len(rows))), **cats}),
             "wall_seconds": time.monotonic() - t_start}
 
 
