@@ -260,8 +260,8 @@ def specforge_step_fn(s: dict, inp: dict, device: torch.device, K: int, backend:
     """SpecForge 0.2.0: OnlineEagle3Model around LlamaForCausalLMEagle3 (built from its config: under
     transformers 5.x from_pretrained leaves its rotary caches uninitialised), bf16 weights with its
     BF16Optimizer (fp32 master weights, AdamW, clip 0.5), loss sum_k 0.8**k ploss_k as SpecForge's trainer."""
-    from specforge.algorithms.eagle3.model import OnlineEagle3Model
-    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from specforge_side_by_side import import_specforge
+    OnlineEagle3Model, LlamaForCausalLMEagle3, _ = import_specforge()   # without Triton: its loss in PyTorch
     from specforge.optimizer import BF16Optimizer
     from transformers.models.llama.configuration_llama import LlamaConfig
 
@@ -463,8 +463,9 @@ def main() -> None:
                          "with the attention merge compiled on CUDA); real and long: new (kernels compiled, "
                          "steps eager) and/or whole (packing.packed_ttt_loss, the trainer's path for long runs: "
                          "the whole TTT loss one compiled graph, train.graph 'row')")
-    ap.add_argument("--specforge", default="flex_attention",
-                    help="SpecForge attention backends to measure, comma-separated ('' for none)")
+    ap.add_argument("--specforge", default=None,
+                    help="SpecForge attention backends to measure, comma-separated ('' for none; default "
+                         "flex_attention on CUDA, sdpa elsewhere: flex attention has no backward on a CPU)")
     ap.add_argument("--check", action="store_true", help="first compare merged_flex with eager (loss, grads), "
                                                          "also on a packed row")
     ap.add_argument("--profile", default="", help="profile one step of this variant, e.g. "
@@ -487,7 +488,8 @@ def main() -> None:
     if args.peak_tflops is None:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         args.peak_tflops = next((v for k, v in DATASHEET_TFLOPS.items() if k in name), float("nan"))
-    print(f"mode {args.mode}, shapes {s}, TTT {K}, device {device} "
+    shown = {k: v for k, v in s.items() if not (args.mode == "long" and k == "T")}    # long: T is each row's length
+    print(f"mode {args.mode}, shapes {shown}, TTT {K}, device {device} "
           f"({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch {torch.__version__}")
     inp = make_inputs({**s, "T": min(s["T"], 256)} if args.mode == "long" else s, B, device)   # long: its own rows
     if args.check:
@@ -500,7 +502,9 @@ def main() -> None:
     attentions = list(filter(None, (args.attention or ("merged_flex" if device.type == "cuda"
                                                        else "merged_math")).split(",")))
     compiles = list(filter(None, args.compile.split(",")))
-    backends = list(filter(None, args.specforge.split(",")))
+    specforge = args.specforge if args.specforge is not None else (
+        "flex_attention" if device.type == "cuda" else "sdpa")
+    backends = list(filter(None, specforge.split(",")))
     if args.mode == "fixed":
         print(f"B {B}, T {s['T']}; model FLOPs per token per training step: {flops_per_token(s, K) / 1e9:.2f} GFLOP "
               f"(formula in the module docstring); peak {args.peak_tflops:.0f} TFLOP/s")
