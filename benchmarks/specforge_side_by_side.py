@@ -64,6 +64,13 @@ def import_specforge():
     return m.OnlineEagle3Model, LlamaForCausalLMEagle3, reference
 
 
+def fastest_backend(device: torch.device) -> str:
+    """SpecForge 0.2.0's fastest attention backend that trains on `device`: 'flex_attention' on CUDA (its 'fa' needs
+    the flash_attn package, 'usp' a sequence-parallel group), 'sdpa' elsewhere (flex attention has no backward on a
+    CPU)."""
+    return "flex_attention" if device.type == "cuda" else "sdpa"
+
+
 def specforge_draft(ours, backend: str = "sdpa"):
     """SpecForge's LlamaForCausalLMEagle3 (attention `backend`: 'sdpa', or 'flex_attention' on a GPU) with our
     draft's shape and weights (same parameter names)."""

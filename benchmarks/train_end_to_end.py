@@ -151,7 +151,7 @@ def specforge_online(cfg: PipelineConfig, device: torch.device, on_epoch=None) -
     CPU (a check that the script runs): sdpa attention, and specforge_side_by_side's PyTorch stand-in for its
     Triton loss. on_epoch(epochs_done, seconds, model): after each epoch, SpecForge's draft module; the time it
     takes is left out of the clock."""
-    from specforge_side_by_side import import_specforge, specforge_draft, specforge_inputs
+    from specforge_side_by_side import fastest_backend, import_specforge, specforge_draft, specforge_inputs
     OnlineEagle3Model, _, _ = import_specforge()
     from specforge.optimizer import BF16Optimizer
 
@@ -162,7 +162,7 @@ def specforge_online(cfg: PipelineConfig, device: torch.device, on_epoch=None) -
     from eagle3_core.target.loading import load_target
     from eagle3_core.training.batch_feed import epoch_batches
     t = cfg.train
-    backend = "flex_attention" if device.type == "cuda" else "sdpa"
+    backend = fastest_backend(device)
     train_s, _ = train_split(cfg)
     t = t.resolved(sum(len(s["input_ids"]) for s in train_s))
     seqs = [(torch.as_tensor(s["input_ids"]).long(), torch.as_tensor(s["loss_mask"]).bool()) for s in train_s]

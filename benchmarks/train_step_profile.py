@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from specforge_side_by_side import import_specforge  # noqa: E402
+from specforge_side_by_side import fastest_backend, import_specforge  # noqa: E402
 from train_end_to_end import TorchWarnings  # noqa: E402
 from train_throughput import (  # noqa: E402
     DATASHEET_TFLOPS, FULL, TINY, flops_per_token, make_inputs, ours_step_fn, specforge_step_fn)
@@ -342,7 +342,7 @@ def main() -> None:
         return text
 
     parts = set(filter(None, a.parts.split(",")))
-    backends = a.specforge if a.specforge is not None else ("flex_attention" if device.type == "cuda" else "sdpa")
+    backends = a.specforge if a.specforge is not None else fastest_backend(device)
     variants = [f"ours:{v}" for v in filter(None, a.ours.split(","))] + \
         [f"specforge:{b}" for b in filter(None, backends.split(","))]
     steps = {}

@@ -64,6 +64,7 @@ from eagle3_core.training.packing import packed_ttt_loss  # noqa: E402
 from eagle3_core.training.setup import compile_for_training  # noqa: E402
 from eagle3_core.training.ttt import ttt_loss  # noqa: E402
 from reference_paths import reference_ttt_loss  # noqa: E402
+from specforge_side_by_side import fastest_backend, import_specforge  # noqa: E402
 
 FULL = {"H": 4096, "nh": 32, "nkv": 8, "hd": 128, "I": 14336, "V": 128256, "N": 32000, "T": 2048}
 TINY = {"H": 64, "nh": 4, "nkv": 2, "hd": 16, "I": 128, "V": 512, "N": 256, "T": 64}
@@ -260,7 +261,6 @@ def specforge_step_fn(s: dict, inp: dict, device: torch.device, K: int, backend:
     """SpecForge 0.2.0: OnlineEagle3Model around LlamaForCausalLMEagle3 (built from its config: under
     transformers 5.x from_pretrained leaves its rotary caches uninitialised), bf16 weights with its
     BF16Optimizer (fp32 master weights, AdamW, clip 0.5), loss sum_k 0.8**k ploss_k as SpecForge's trainer."""
-    from specforge_side_by_side import import_specforge
     OnlineEagle3Model, LlamaForCausalLMEagle3, _ = import_specforge()   # without Triton: its loss in PyTorch
     from specforge.optimizer import BF16Optimizer
     from transformers.models.llama.configuration_llama import LlamaConfig
@@ -502,8 +502,7 @@ def main() -> None:
     attentions = list(filter(None, (args.attention or ("merged_flex" if device.type == "cuda"
                                                        else "merged_math")).split(",")))
     compiles = list(filter(None, args.compile.split(",")))
-    specforge = args.specforge if args.specforge is not None else (
-        "flex_attention" if device.type == "cuda" else "sdpa")
+    specforge = args.specforge if args.specforge is not None else fastest_backend(device)
     backends = list(filter(None, specforge.split(",")))
     if args.mode == "fixed":
         print(f"B {B}, T {s['T']}; model FLOPs per token per training step: {flops_per_token(s, K) / 1e9:.2f} GFLOP "
