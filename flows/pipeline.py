@@ -7,13 +7,12 @@ prompts -> regenerate -> tokenize + loss masks -> aux hidden states -> vocab map
 from __future__ import annotations
 
 import argparse
-import signal
-import sys
 
 from prefect import flow
 
 from eagle3_core.config import PipelineConfig, load_config, preset
 from flows import stage_flows as s
+from flows.sigterm import exit_on_sigterm
 from tasks.control import ALL_STAGES, check_task
 from tasks.nightly import finish_night_task, plan_night_task
 from tasks.report import plan_stages_task, report_task, written_report
@@ -59,15 +58,6 @@ def eagle3_pipeline(config: PipelineConfig = s.DEMO, refresh: bool = False, nigh
         if nightly:
             finish_night_task(config, night)
         return report_task(config)
-
-
-def exit_on_sigterm() -> None:
-    """Make SIGTERM (make's, a scheduler's, `kill`) end this process by SystemExit(143) instead of Python's default
-    of dying on the spot. Prefect's flow engine turns the signal into a Crashed run, then restores the handler it
-    found and sends the signal again (prefect/utilities/engine/__init__.py, capture_sigterm): with the default
-    handler the process died there and the temporary Prefect server it had started was left running without a
-    parent, holding its port; with this one the exit runs Prefect's atexit hook, which stops that server."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def main() -> None:

@@ -179,7 +179,7 @@ def test_a_run_directory_copied_elsewhere_evaluates_its_own_draft(e2e_run, tmp_p
 def test_a_terminated_pipeline_leaves_no_temporary_prefect_server_running(tmp_path):
     """`python -m flows.pipeline` (what `make demo` runs) stopped by SIGTERM mid-run: the run is Crashed and the
     temporary Prefect server it started (a uvicorn child in its process group) is gone too, not left holding a port
-    (flows.pipeline.exit_on_sigterm)."""
+    (flows.sigterm.exit_on_sigterm)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {
         "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300"}    # its own temporary server, not the harness
