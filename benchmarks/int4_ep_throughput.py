@@ -13,7 +13,8 @@ Rows (each: median, min and max of 3 timings, each the mean of `--iters` calls a
 - experts_int4: target.int4_experts.Int4Experts with 48 experts packed INT4 (the layout of the published
   checkpoint), B tokens routed top-8 over 384 experts (about B pairs land on the 48), one layer: dequantize into the
   shared buffer + grouped SwiGLU matmul + weighting and scatter. experts_bf16: the same with the weights already
-  bf16 (the bound); dequantize: the dequantization alone.
+  bf16 (the bound); dequantize: the dequantization alone. experts_int4_fused (CUDA): the same layer, both grouped
+  matmuls reading the packed words and dequantizing in registers (target.int4_grouped_mm), no dequantized buffer.
 - mla_8_heads / mla_64_heads: transformers' DeepseekV3Attention (SDPA) on [8, 2048, H], 8 heads (one TP-8 shard,
   as target.ep_loading slices it) and all 64.
 - moe_rest: the router (fp32 logits, as transformers runs it) plus the shared expert's 1/8 slice.
@@ -131,6 +132,8 @@ def experts_rows(d: dict, dev, iters: int, profile: bool = False) -> dict:
         m._grouped_mm_ok = keep
     out["grouped_vs_loop_max_rel"] = float((y - y_loop).float().abs().max() / y_loop.float().abs().max())
     out["experts_int4"] = timed(lambda: ex(x, idx, w), dev, iters)
+    if dev.type == "cuda":
+        out.update(fused_rows(ex, (x, idx, w), y, dev, iters))
     if profile and dev.type == "cuda":
         from torch.profiler import ProfilerActivity, profile as prof
         with prof(activities=[ProfilerActivity.CUDA]) as pr:
@@ -146,6 +149,18 @@ def experts_rows(d: dict, dev, iters: int, profile: bool = False) -> dict:
     out["experts_bf16"] = timed(lambda: ex(x, idx, w), dev, iters)
     del ex, gu, dn
     return out
+
+
+def fused_rows(ex: Int4Experts, args: tuple, y: torch.Tensor, dev, iters: int) -> dict:
+    """experts_int4_fused: the same layer with both matmuls reading the packed words (target.int4_grouped_mm), its
+    time and its largest difference from the dequantizing path relative to that path's largest output."""
+    ex.fused = True
+    try:
+        y_fused = ex(*args)
+        return {"fused_vs_dequantized_max_rel": float((y_fused - y).float().abs().max() / y.float().abs().max()),
+                "experts_int4_fused": timed(lambda: ex(*args), dev, iters)}
+    finally:
+        ex.fused = False
 
 
 def kimi_config(d: dict, heads: int, **kw):
@@ -278,7 +293,8 @@ def projection(result: dict, comm_ms: float) -> dict:
         tok/s     = min(B / t_forward, the writer's rate at world size 1 (end_to_end, rank 0 writes alone))"""
     e, l = result["experts"], result["layers"]
     m = {k: v["median_ms"] for k, v in {**e, **l}.items() if isinstance(v, dict) and "median_ms" in v}
-    t = (L_MOE * (m["experts_int4"] + m["mla_8_heads"] + m["moe_rest"]) + L_DENSE * (m["mla_8_heads"] + m["dense_mlp"])
+    experts = min(m["experts_int4"], m.get("experts_int4_fused", float("inf")))     # the faster INT4 path
+    t = (L_MOE * (experts + m["mla_8_heads"] + m["moe_rest"]) + L_DENSE * (m["mla_8_heads"] + m["dense_mlp"])
          + m["lm_head"] + (L_MOE + L_DENSE) * comm_ms)
     compute = result["dims"]["tokens"] / (t / 1e3)
     writer = result.get("end_to_end", {}).get("marginal_tok_s") or float("inf")

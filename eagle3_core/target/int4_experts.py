@@ -21,6 +21,7 @@ summation order are those of transformers' eager `DeepseekV3Experts.forward`
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import ClassVar
 
@@ -89,13 +90,17 @@ class Int4Experts(nn.Module):
     hidden's dtype, the sum over this rank's experts only (zero rows for tokens routed elsewhere).
 
     Buffers: gate_up_packed int32 [E_l, 2I, H/8], gate_up_scale [E_l, 2I, H/32], down_packed int32 [E_l, H, I/8],
-    down_scale [E_l, H, I/32]. dtype: the compute dtype the layer's weights are dequantized to."""
+    down_scale [E_l, H, I/32]. dtype: the compute dtype the layer's weights are dequantized to. fused: on CUDA with
+    bf16, both matmuls read the packed words and dequantize in registers (target.int4_grouped_mm) instead of
+    dequantizing the layer into the shared buffer; off by default until its GPU timing beats the buffer's
+    (benchmarks/int4_ep_throughput.py, row experts_int4_fused)."""
 
     _buffers_by_shape: ClassVar[dict] = {}            # (device, dtype, shape) -> the one dequantized layer
 
     def __init__(self, first: int, num_local: int, hidden: int, width: int, act_fn, dtype: torch.dtype,
-                 scale_dtype: torch.dtype = torch.bfloat16, device=None):
+                 scale_dtype: torch.dtype = torch.bfloat16, device=None, fused: bool = False):
         super().__init__()
+        self.fused = fused          # the matmuls read the packed words (target.int4_grouped_mm): `_fused_ok`
         if hidden % GROUP or width % GROUP:
             raise ValueError(f"hidden {hidden} and expert width {width} must be multiples of the INT4 group {GROUP}")
         self.first, self.num_local, self.hidden, self.width = first, num_local, hidden, width
@@ -127,10 +132,12 @@ class Int4Experts(nn.Module):
         tok, slot = ((local >= 0) & (local < self.num_local)).nonzero(as_tuple=True)     # [P] token-expert pairs
         expert, order = local[tok, slot].sort(stable=True)                            # grouped by expert
         tok, slot = tok[order], slot[order]
-        gate_up, down = self.dequantized()
         x = hidden.index_select(0, tok).to(self.dtype)                                # [P, H]
         w = top_k_weights[tok, slot, None]                                           # [P, 1] fp32
         counts = torch.bincount(expert, minlength=self.num_local)
+        if self.fused and _fused_ok(x, self.gate_up_scale):
+            return _combine(self._fused(x, w, counts).to(hidden.dtype), tok, hidden.shape)
+        gate_up, down = self.dequantized()
         # the routing weight scales the activation [P, I] rather than the output [P, H] (the same product,
         # (h w) W_down^T = (h W_down^T) w, on 3.5x fewer elements)
         if _grouped_mm_ok(x, gate_up):
@@ -146,6 +153,19 @@ class Int4Experts(nn.Module):
                     y[start:start + n] = F.linear((self.act_fn(gate) * up * w[start:start + n]).to(x.dtype), down[e])
                 start += n
         return _combine(y.to(hidden.dtype), tok, hidden.shape)
+
+    def _fused(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """[P, H] bf16 pairs sorted by expert -> [P, H]: both matmuls read the packed words (no dequantized layer)."""
+        from eagle3_core.target.int4_grouped_mm import grouped_mm_int4   # Triton: CUDA hosts, or its interpreter
+        offs = counts.cumsum(0).to(torch.int32)
+        gate, up = grouped_mm_int4(x, offs, self.gate_up_packed, self.gate_up_scale).chunk(2, dim=-1)
+        h = self.act_fn(gate) * up
+        return grouped_mm_int4(h.mul_(w.to(h.dtype)), offs, self.down_packed, self.down_scale)
+
+
+def _fused_ok(x: torch.Tensor, scale: torch.Tensor) -> bool:
+    """The fused INT4 matmul takes bf16 activations and scales, on CUDA or under Triton's interpreter."""
+    return x.dtype == scale.dtype == torch.bfloat16 and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _combine(y: torch.Tensor, tok: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -1,0 +1,110 @@
+"""target.int4_grouped_mm, the grouped matmul that reads packed INT4 words, run by Triton's interpreter on the CPU
+(a child process with TRITON_INTERPRET=1 and the Triton that `make setup` installs apart from .venv's packages, so
+no other test sees Triton), against compressed-tensors' dequantization followed by the matmul in fp32."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_core.target.int4_experts import Int4Experts
+from tests.int4_targets import pack_expert
+
+ROOT = Path(__file__).resolve().parents[1]
+TRITON_SITE = Path(sys.prefix) / "triton-interpret"        # Makefile: pip install --target $(VENV)/triton-interpret
+
+CHILD = """
+import sys, torch
+from eagle3_core.target.int4_grouped_mm import grouped_mm_int4
+from eagle3_core.target.int4_experts import Int4Experts
+d = torch.load(sys.argv[1])
+out = {name: grouped_mm_int4(c["x"], c["offs"], c["packed"], c["scale"]) for name, c in d["cases"].items()}
+E, H, I = d["experts_shape"]
+ex = Int4Experts(0, E, H, I, torch.nn.functional.silu, torch.bfloat16)
+ex.load_state_dict(d["experts"])
+for fused in (True, False):
+    ex.fused = fused
+    out[f"experts_fused_{fused}"] = ex(*d["experts_args"])
+torch.save(out, sys.argv[2])
+"""
+
+
+def _packed_experts(E: int, N: int, K: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed int32 [E, N, K/8], scale bf16 [E, N, K/32], W bf16 [E, N, K]) by compressed-tensors' compressor and
+    decompressor (pack-quantized, 4 bits, symmetric, groups of 32)."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=True, strategy="group", group_size=32))
+    packs = [pack_expert(torch.randn(N, K, generator=g) / K ** 0.5) for _ in range(E)]
+    W = [PackedQuantizationCompressor.decompress(p, scheme)["weight"] for p in packs]
+    return (torch.stack([p["weight_packed"] for p in packs]), torch.stack([p["weight_scale"] for p in packs]),
+            torch.stack(W))
+
+
+def _case(counts: list[int], N: int, K: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    packed, scale, W = _packed_experts(len(counts), N, K, g)
+    x = torch.randn(sum(counts), K, generator=g).to(torch.bfloat16)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    starts = [0, *offs[:-1].tolist()]
+    ref = torch.cat([x[a:b].float() @ W[e].float().T for e, (a, b) in enumerate(zip(starts, offs.tolist()))])
+    return {"x": x, "offs": offs, "packed": packed, "scale": scale, "ref": ref}
+
+
+def _run_child(tmp_path: Path, data: dict) -> dict:
+    if not (TRITON_SITE / "triton").is_dir():
+        raise AssertionError(f"{TRITON_SITE} holds no Triton: run `make setup` (it installs Triton there for this "
+                             f"test only)")
+    torch.save(data, tmp_path / "in.pt")
+    env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(TRITON_SITE), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(tmp_path / "out.pt")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> tuple[dict, dict]:
+    cases = {  # experts with no rows, one row, rows across tile edges (64), N not a multiple of 64, K/32 odd
+        "uneven": _case([70, 0, 3, 130, 1], N=72, K=192, seed=0),
+        "k96_one_expert": _case([129], N=40, K=96, seed=1),
+    }
+    g = torch.Generator().manual_seed(2)
+    E, H, I = 3, 64, 32
+    ex = Int4Experts(0, E, H, I, torch.nn.functional.silu, torch.bfloat16)
+    for name, (n, k) in (("gate_up", (2 * I, H)), ("down", (H, I))):
+        packed, scale, _ = _packed_experts(E, n, k, g)
+        getattr(ex, f"{name}_packed").copy_(packed)
+        getattr(ex, f"{name}_scale").copy_(scale)
+    hidden = torch.randn(50, H, generator=g).to(torch.bfloat16)
+    index = torch.randint(0, 5, (50, 2), generator=g)            # experts 3 and 4 live on another rank
+    weights = torch.rand(50, 2, generator=g)
+    data = {"cases": {k: {n: c[n] for n in ("x", "offs", "packed", "scale")} for k, c in cases.items()},
+            "experts": ex.state_dict(), "experts_shape": (E, H, I), "experts_args": (hidden, index, weights)}
+    return cases, _run_child(tmp_path_factory.mktemp("int4_gmm"), data)
+
+
+@pytest.mark.parametrize("name", ["uneven", "k96_one_expert"])
+def test_the_fused_int4_matmul_is_compressed_tensors_dequantization_then_the_matmul(results, name):
+    cases, out = results
+    ref, mine = cases[name]["ref"], out[name]
+    assert mine.dtype == torch.bfloat16 and mine.shape == ref.shape
+    assert ref.abs().max() > 1.0                                   # not near-zero outputs any code would match
+    same = mine == ref.to(torch.bfloat16)                          # one rounding of the fp32 result
+    assert same.float().mean() >= 0.999, same.float().mean()
+    ulp = ref.abs().clamp_min(2 ** -126).log2().floor().exp2() * 2 ** -7
+    assert ((mine.float() - ref).abs() <= ulp).all()
+
+
+def test_int4_experts_fused_equals_its_dequantizing_path(results):
+    _, out = results
+    fused, buffered = out["experts_fused_True"], out["experts_fused_False"]
+    assert fused.abs().max() > 0.05 and (fused == 0).all(-1).sum() > 0   # tokens routed elsewhere stay zero rows
+    # the fused path rounds act(gate) * up to bf16 before the routing weight, as the CUDA grouped_mm path does; the
+    # CPU loop rounds once after it: bf16-rounding differences, small against the output's scale
+    torch.testing.assert_close(fused, buffered, atol=2 ** -7 * float(buffered.abs().max()), rtol=2 ** -6)
