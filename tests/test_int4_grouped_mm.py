@@ -1,8 +1,10 @@
 """target.int4_grouped_mm, the grouped matmul that reads packed INT4 words, run by Triton's interpreter on the CPU
 (a child process with TRITON_INTERPRET=1 and the Triton that `make setup` installs apart from .venv's packages, so
-no other test sees Triton), against compressed-tensors' dequantization followed by the matmul in fp32."""
+no other test sees Triton), against compressed-tensors' dequantization followed by the matmul in fp32; and its CUDA
+path compiled for sm_90 without a GPU."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -33,6 +35,27 @@ torch.save(out, sys.argv[2])
 """
 
 
+# the CUDA path compiled without a GPU: Triton's own LLVM and ptxas, for sm_90 (H100 and H200)
+COMPILE = """
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from eagle3_core.target.int4_grouped_mm import BM, BN, _grouped_mm_int4
+sig = {"x_ptr": "*bf16", "packed_ptr": "*i32", "scale_ptr": "*bf16", "y_ptr": "*bf16", "offs_ptr": "*i32",
+       "tile_offs_ptr": "*i32", "E": "i32", "N": "i32", "K": "i32", "E_PAD": "constexpr", "BM": "constexpr",
+       "BN": "constexpr", "BK": "constexpr", "INTERPRET": "constexpr"}
+out = {}
+for bk in (128, 64, 32):
+    src = ASTSource(fn=_grouped_mm_int4, signature=sig,
+                    constexprs={"E_PAD": 64, "BM": BM, "BN": BN, "BK": bk, "INTERPRET": False})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    out[bk] = {"mma": sorted(set(re.findall(r"wgmma\.mma_async[a-z0-9._]*", ptx))),
+               "int_to_float": len(re.findall(r"cvt\.rn\.f32\.[su]32", ptx)),
+               "to_bf16": len(re.findall(r"cvt\.rn\.bf16", ptx))}
+print(json.dumps(out))
+"""
+
+
 def _packed_experts(E: int, N: int, K: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed int32 [E, N, K/8], scale bf16 [E, N, K/32], W bf16 [E, N, K]) by compressed-tensors' compressor and
     decompressor (pack-quantized, 4 bits, symmetric, groups of 32)."""
@@ -56,15 +79,21 @@ def _case(counts: list[int], N: int, K: int, seed: int) -> dict:
     return {"x": x, "offs": offs, "packed": packed, "scale": scale, "ref": ref}
 
 
-def _run_child(tmp_path: Path, data: dict) -> dict:
+def _child(args: list[str], **env) -> str:
+    """Run `python -c args...` with the Triton of TRITON_SITE importable; its stdout."""
     if not (TRITON_SITE / "triton").is_dir():
         raise AssertionError(f"{TRITON_SITE} holds no Triton: run `make setup` (it installs Triton there for this "
                              f"test only)")
-    torch.save(data, tmp_path / "in.pt")
-    env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(TRITON_SITE), str(ROOT)])}
-    done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = os.environ | env | {"PYTHONPATH": os.pathsep.join([str(TRITON_SITE), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-c", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _run_child(tmp_path: Path, data: dict) -> dict:
+    torch.save(data, tmp_path / "in.pt")
+    _child([CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], TRITON_INTERPRET="1")
     return torch.load(tmp_path / "out.pt")
 
 
@@ -108,3 +137,9 @@ def test_int4_experts_fused_equals_its_dequantizing_path(results):
     # the fused path rounds act(gate) * up to bf16 before the routing weight, as the CUDA grouped_mm path does; the
     # CPU loop rounds once after it: bf16-rounding differences, small against the output's scale
     torch.testing.assert_close(fused, buffered, atol=2 ** -7 * float(buffered.abs().max()), rtol=2 ** -6)
+
+
+def test_the_cuda_path_compiles_for_sm90_to_tensor_core_mma_without_int_to_float_conversions():
+    for bk, ptx in json.loads(_child([COMPILE]).strip().splitlines()[-1]).items():
+        assert ptx["mma"] and all(".f32.bf16.bf16" in m for m in ptx["mma"]), (bk, ptx)   # bf16 in, fp32 sums
+        assert ptx["int_to_float"] == 0 and ptx["to_bf16"] > 0, (bk, ptx)    # the nibble's float by its bits
