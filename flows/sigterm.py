@@ -7,8 +7,12 @@ thread; once that exception has unwound the flow it restores the handler it foun
 main thread executes, and when that is inside native code which clears the error indicator, the exception is lost:
 a SIGTERM sent while the prompts stage imported transformers' tokenizers (the sentencepiece extension module) left
 the run going to its end. The C-level handler still writes the signal number to the wakeup fd
-(`signal.set_wakeup_fd`), so a watcher thread sees every SIGTERM and sends it again every `resend_s` seconds until
-the exit has begun.
+(`signal.set_wakeup_fd`), so a watcher thread sees every SIGTERM and, while the main thread has not reached the
+interpreter's shutdown, sends it again every `resend_s` seconds.
+
+Limits: an asyncio loop in the main thread that adds signal handlers takes the wakeup fd and leaves none when it
+removes them (no code of this project does); a resend that lands while a taken signal is still unwinding (Prefect's
+crash handling, servers stopping: a few seconds in the runs seen) interrupts that unwinding, hence 30 s.
 """
 from __future__ import annotations
 
@@ -17,23 +21,23 @@ import signal
 import sys
 import threading
 
-_exit_begun = threading.Event()
-
 
 def _exit_143(signum: int, frame) -> None:
     """The handler Prefect hands the signal back to: SystemExit(128 + signum), which runs Prefect's atexit hook
-    that stops the temporary server. Later deliveries are ignored, so a resend cannot interrupt that hook."""
-    if not _exit_begun.is_set():
-        _exit_begun.set()
-        sys.exit(128 + signum)
+    that stops the temporary server."""
+    sys.exit(128 + signum)
 
 
 def _resend_until_exit(read_fd: int, resend_s: float) -> None:
+    main = threading.main_thread()
     while int(signal.SIGTERM) not in os.read(read_fd, 512):
         pass                                    # other signals with a Python handler (SIGINT) write here too
-    while not _exit_begun.wait(resend_s):
-        print(f"SIGTERM has not ended the run within {resend_s:g} s (a signal's exception can be lost in native code): "
-              f"sending it again", file=sys.stderr, flush=True)
+    while True:
+        main.join(resend_s)                     # returns once the interpreter shuts down (threading._shutdown)
+        if not main.is_alive():
+            return
+        print(f"SIGTERM has not ended the run within {resend_s:g} s (a signal's exception can be lost in native "
+              f"code): sending it again", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -41,15 +45,14 @@ def _no_wakeup_fd_in_child() -> None:
     """A forked child (a data loader worker) must not report its own signals to the parent's watcher."""
     try:
         signal.set_wakeup_fd(-1)
-    except ValueError:                          # forked from a thread that is not the child's main thread
+    except ValueError:                          # not the child's main thread (3.11 makes the forking thread it)
         pass
 
 
-def exit_on_sigterm(resend_s: float = 10.0) -> None:
-    """Install `_exit_143` for SIGTERM and start the watcher that resends a SIGTERM not taken within `resend_s`
-    seconds. Main thread only (ValueError otherwise: `signal.signal` and `set_wakeup_fd` are main-thread calls);
-    call once, before the flow starts. 10 s: the engine's crash handling took under 2 s from the signal to the
-    handback in the runs that took the signal, so a resend does not interrupt it."""
+def exit_on_sigterm(resend_s: float = 30.0) -> None:
+    """Install `_exit_143` for SIGTERM and start the watcher that sends a SIGTERM again every `resend_s` seconds
+    until the interpreter shuts down. Main thread only (ValueError otherwise: `signal.signal` and `set_wakeup_fd`
+    are main-thread calls); call once, before the flow starts."""
     signal.signal(signal.SIGTERM, _exit_143)
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)            # set_wakeup_fd requires a non-blocking fd

@@ -21,7 +21,6 @@ summation order are those of transformers' eager `DeepseekV3Experts.forward`
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import ClassVar
 
@@ -164,8 +163,17 @@ class Int4Experts(nn.Module):
 
 
 def _fused_ok(x: torch.Tensor, scale: torch.Tensor) -> bool:
-    """The fused INT4 matmul takes bf16 activations and scales, on CUDA or under Triton's interpreter."""
-    return x.dtype == scale.dtype == torch.bfloat16 and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    """The fused INT4 matmul takes bf16 activations and scales, on CUDA or under Triton's interpreter (elsewhere,
+    and without Triton, the dequantizing path runs)."""
+    if x.dtype != torch.bfloat16 or scale.dtype != torch.bfloat16:
+        return False
+    if x.is_cuda:
+        return True
+    try:
+        from eagle3_core.target.int4_grouped_mm import interpreting    # Triton: optional off CUDA
+    except ImportError:                          # no Triton on this host
+        return False
+    return interpreting()
 
 
 def _combine(y: torch.Tensor, tok: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -86,15 +86,23 @@ def _grouped_mm_int4(x_ptr, packed_ptr, scale_ptr, y_ptr, offs_ptr, tile_offs_pt
              mask=row_live[:, None] & n_live[None, :])
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter, as Triton reads TRITON_INTERPRET (its knobs from 3.4 on)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
 def _block_k(K: int) -> int:
     return next(bk for bk in (128, 64, 32) if K % bk == 0)
 
 
 def grouped_mm_int4(x: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [P, K] bf16 (rows sorted by expert), offs int32 [E] (inclusive end row of each expert, as F.grouped_mm's
-    `offs`), packed int32 [E, N, K/8], scale bf16 [E, N, K/32] -> y [P, N] bf16 with y[p] = x[p] @ W_e^T. No host
-    sync: the tile schedule is computed on the device and the grid has E spare tiles. Raises ValueError on shapes
-    that do not match or K not a multiple of 32."""
+    `offs`; offs[-1] must be P: rows after it are left unwritten), packed int32 [E, N, K/8], scale bf16
+    [E, N, K/32] -> y [P, N] bf16 with y[p] = x[p] @ W_e^T. No host sync: the tile schedule is computed on the
+    device and the grid has E spare tiles. Raises ValueError on shapes that do not match or K not a multiple of 32."""
     (P, K), (E, N, words) = x.shape, packed.shape
     if K % GROUP or words * NIBBLES != K or tuple(scale.shape) != (E, N, K // GROUP) or offs.shape != (E,):
         raise ValueError(f"grouped_mm_int4: x {tuple(x.shape)}, packed {tuple(packed.shape)}, scale "
@@ -109,5 +117,5 @@ def grouped_mm_int4(x: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, s
     grid = (triton.cdiv(P, BM) + E, triton.cdiv(N, BN))
     _grouped_mm_int4[grid](x.contiguous(), packed.contiguous(), scale.contiguous(), y, offs.to(torch.int32),
                            tile_offs, E, N, K, E_PAD=triton.next_power_of_2(E), BM=BM, BN=BN, BK=_block_k(K),
-                           INTERPRET=os.environ.get("TRITON_INTERPRET") == "1")
+                           INTERPRET=interpreting())
     return y
