@@ -303,6 +303,20 @@ def test_stage_server_killed_fails_the_run_through_the_watcher_and_a_rerun_runs_
     assert_each_prompt_answered_once(cfg)
 
 
+def stop_and_wait(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGSTOP to process group `pid`, then wait until every thread of `pid` is stopped (state T in
+    /proc/PID/task/*/stat): the stop is delivered asynchronously, and on a loaded machine llama-server answered one
+    more /health after os.killpg had returned (7 times in 60)."""
+    os.killpg(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = [Path(t).read_text().rsplit(")", 1)[1].split()[0] for t in Path(f"/proc/{pid}/task").glob("*/stat")]
+        if states and all(st == "T" for st in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped {timeout_s} s after SIGSTOP: {states}"
+        time.sleep(0.01)
+
+
 def test_advice_fits_the_server_kind(tmp_path):
     """A server the stage started that stops answering (SIGSTOP: alive, silent) is reported with its log, not with
     'start it or set server.url'; once it has exited, entering a pool fails at once naming the exit and the log.
@@ -324,7 +338,7 @@ def test_advice_fits_the_server_kind(tmp_path):
             with pytest.raises(ServerError, match=rf"no inference server answered for 1 s .*the stage started this "
                                                   rf"server and it passed its health check: see its log {log}; then "
                                                   rf"rerun"):
-                asyncio.run(use([url], 1.0, lambda: os.killpg(proc.pid, signal.SIGSTOP)))
+                asyncio.run(use([url], 1.0, lambda: stop_and_wait(proc.pid)))
         finally:
             os.killpg(proc.pid, signal.SIGCONT)
         os.killpg(proc.pid, signal.SIGTERM)                  # llama-server ends cleanly on SIGTERM: code 0
