@@ -163,6 +163,17 @@ def fused_rows(ex: Int4Experts, args: tuple, y: torch.Tensor, dev, iters: int) -
         ex.fused = False
 
 
+def use_tiles(path: Path, d: dict) -> dict:
+    """Take a tiles sweep's `best` (benchmarks/int4_grouped_mm_tiles.py) as target.int4_grouped_mm's launch shapes
+    for this run's two matmul shapes; returns them."""
+    from eagle3_core.target import int4_grouped_mm as gmm   # Triton: only a run given --tiles imports it here
+    best = json.loads(path.read_text())["best"]
+    for name, nk in (("gate_up", (2 * d["width"], d["hidden"])), ("down", (d["hidden"], d["width"]))):
+        if best.get(name):
+            gmm.TILES[nk] = gmm.Tiles(**best[name])
+    return best
+
+
 def kimi_config(d: dict, heads: int, **kw):
     from transformers import DeepseekV3Config
     cfg = DeepseekV3Config(vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["dense"],
@@ -355,6 +366,8 @@ def main() -> None:
     ap.add_argument("--rates", type=Path, default=Path(__file__).resolve().parents[1] / "configs" / "rates.json")
     ap.add_argument("--profile-name", default="kimi_k25_ep_int4_h200")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: experts, layers, end_to_end")
+    ap.add_argument("--tiles", type=Path, default=None, metavar="TILES_JSON",
+                    help="the fused row's launch shapes: the `best` of benchmarks/int4_grouped_mm_tiles.py's result")
     a = ap.parse_args()
     if a.rates_from:
         result = json.loads(a.rates_from.read_text())
@@ -370,7 +383,7 @@ def main() -> None:
     import transformers
     result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev.type == "cuda" else
               "cpu", "torch": torch.__version__, "transformers": transformers.__version__, "dims": d,
-              "iters": a.iters}
+              "iters": a.iters, "fused_tiles": use_tiles(a.tiles, d) if a.tiles else "defaults"}
     for name, fn in (("experts", lambda: experts_rows(d, dev, a.iters, a.profile)),
                      ("layers", lambda: layer_rows(d, dev, a.iters)),
                      ("end_to_end", lambda: end_to_end(d, dev, a.samples, a.format))):

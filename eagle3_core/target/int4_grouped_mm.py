@@ -20,6 +20,7 @@ bits (its cast truncates).
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -27,7 +28,24 @@ import triton.language as tl
 
 GROUP = 32
 NIBBLES = 8
-BM, BN = 64, 64       # pair rows and output columns per program
+
+
+class Tiles(NamedTuple):
+    """One launch shape: bm pair rows x bn output columns per program, bk inputs per step (the largest of bk, 64,
+    32 that divides K), unpack (0 or 1, `_weight_tile`), w_first (the weight tile as the MMA's first operand),
+    Triton's num_warps and num_stages."""
+    bm: int
+    bn: int
+    bk: int
+    unpack: int
+    w_first: bool
+    warps: int
+    stages: int
+
+
+DEFAULT_TILES = Tiles(64, 64, 128, 0, False, 4, 3)
+# the tiles for a (N, K), measured: benchmarks/int4_grouped_mm_tiles.py on one GPU (docs/benchmarks.md)
+TILES: dict[tuple[int, int], Tiles] = {}
 
 
 @triton.jit
@@ -41,49 +59,123 @@ def _to_bf16(v, INTERPRET: tl.constexpr):
     return v.to(tl.bfloat16)
 
 
+# bf16 pairs from one word, Hopper's packed bf16 arithmetic (sm_90: sub/mul .rn.bf16x2): lop3 (w & 0x000F000F) |
+# 0x43004300 makes the two bf16 values 128 + nibble (nibbles i and i + 4 of the word, as 0x4300 | nibble reads), minus
+# 136 (0x4308) is q exactly, times the word's scale is q * scale rounded once. $0-$7: nibbles 0-7, $8 word, $9 scale
+_PAIRS_ASM = tl.constexpr("{ .reg .b32 t, m, s2, c; mov.b32 s2, {$9, $9}; mov.b32 c, 0x43084308;" + "".join(
+    f" shr.b32 m, $8, {4 * i}; lop3.b32 t, m, 0x000F000F, 0x43004300, 0xea; sub.rn.bf16x2 t, t, c;"
+    f" mul.rn.bf16x2 t, t, s2; mov.b32 {{${i}, ${i + 4}}}, t;" for i in range(4)) + " }")
+
+
+@triton.jit
+def _nibble_pairs(words, s, INTERPRET: tl.constexpr):
+    """8 bf16 tensors shaped as `words` (int32): nibble i of each word as q * s rounded once to bf16 (s bf16, the
+    word's scale). Compiled: _PAIRS_ASM; under the interpreter the same values by plain operations."""
+    if INTERPRET:
+        sf = s.to(tl.float32)
+        o0 = _to_bf16((((words >> 0) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
+        o1 = _to_bf16((((words >> 4) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
+        o2 = _to_bf16((((words >> 8) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
+        o3 = _to_bf16((((words >> 12) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
+        o4 = _to_bf16((((words >> 16) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
+        o5 = _to_bf16((((words >> 20) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
+        o6 = _to_bf16((((words >> 24) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
+        o7 = _to_bf16((((words >> 28) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
+    else:
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            _PAIRS_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, s], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    return o0, o1, o2, o3, o4, o5, o6, o7
+
+
 @triton.jit
 def _weight_tile(packed_ptr, scale_ptr, n, n_live, k0, K, BN: tl.constexpr, BK: tl.constexpr,
-                 INTERPRET: tl.constexpr):
-    """[BN, BK] bf16 weights of rows n, inputs [k0, k0 + BK), from the words and scales of one expert."""
-    words = tl.load(packed_ptr + n[:, None] * (K // 8) + (k0 // 8 + tl.arange(0, BK // 8))[None, :],
-                    mask=n_live[:, None], other=0)                                        # [BN, BK/8] int32
-    nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF             # [BN, BK/8, 8]: q + 8
+                 UNPACK: tl.constexpr, INTERPRET: tl.constexpr):
+    """[BN, BK] bf16 weights of rows n, inputs [k0, k0 + BK), from the words and scales of one expert. UNPACK 0:
+    each word loaded once, its 8 nibbles spread by a reshape, q * scale in fp32 rounded to bf16; 1: each input
+    loads its own word (8 loads of a word, served by L1), no reshape; 2: as 0 with the nibbles made bf16 pairs by
+    bit operations and scaled by packed bf16 arithmetic (_nibble_pairs), the 8 results interleaved by joins."""
+    if UNPACK == 2:
+        j = k0 // 8 + tl.arange(0, BK // 8)
+        words = tl.load(packed_ptr + n[:, None] * (K // 8) + j[None, :], mask=n_live[:, None], other=0)
+        s = tl.load(scale_ptr + n[:, None] * (K // 32) + (j // 4)[None, :], mask=n_live[:, None], other=0)
+        o0, o1, o2, o3, o4, o5, o6, o7 = _nibble_pairs(words, s, INTERPRET)
+        even = tl.join(tl.join(o0, o4), tl.join(o2, o6))          # [BN, BK/8, 2, 2]: nibble 4 b2 + 2 b1
+        odd = tl.join(tl.join(o1, o5), tl.join(o3, o7))
+        return tl.reshape(tl.join(even, odd), (BN, BK))         # nibble 4 b2 + 2 b1 + b0 = input 8 j + i
+    if UNPACK == 0:
+        words = tl.load(packed_ptr + n[:, None] * (K // 8) + (k0 // 8 + tl.arange(0, BK // 8))[None, :],
+                        mask=n_live[:, None], other=0)                                    # [BN, BK/8] int32
+        nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF         # [BN, BK/8, 8]: q + 8
+        nib = tl.reshape(nib, (BN, BK))
+    else:
+        k = k0 + tl.arange(0, BK)
+        words = tl.load(packed_ptr + n[:, None] * (K // 8) + (k // 8)[None, :], mask=n_live[:, None], other=0)
+        nib = (words >> ((k % 8) * 4)[None, :]) & 0xF                                     # [BN, BK]: q + 8
     q = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0                     # 2^23 + q + 8 - (2^23 + 8)
     s = tl.load(scale_ptr + n[:, None] * (K // 32) + (k0 // 32 + tl.arange(0, BK // 32))[None, :],
                 mask=n_live[:, None], other=0).to(tl.float32)                             # [BN, BK/32]
-    w = tl.reshape(q, (BN, BK // 32, 32)) * s[:, :, None]
-    return _to_bf16(tl.reshape(w, (BN, BK)), INTERPRET)
+    w = tl.reshape(tl.reshape(q, (BN, BK // 32, 32)) * s[:, :, None], (BN, BK))
+    return _to_bf16(w, INTERPRET)
+
+
+@triton.jit
+def expert_tile(t, tile_offs_ptr, offs_ptr, E, N, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Program t's (expert, first row, row end, first column): the tiles run expert by expert, and within an expert
+    its row tiles fastest, so the programs resident at once share one expert's weight tile and its rows stay in L2
+    (the whole layer's rows are read about once, not once per column tile). Expert -1: a spare program."""
+    n_tiles = tl.cdiv(N, BN)
+    e_all = tl.arange(0, E_PAD)
+    ends = tl.load(tile_offs_ptr + e_all, mask=e_all < E, other=0)
+    ends = tl.where(e_all < E, ends * n_tiles, 2 ** 30)
+    e = tl.sum((ends <= t).to(tl.int32))          # the expert whose tiles cover t
+    m0 = tl.load(tile_offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
+    m_tiles = tl.load(tile_offs_ptr + e, mask=e < E, other=1) - m0
+    local = t - m0 * n_tiles
+    row0 = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0) + (local % m_tiles) * BM
+    end = tl.load(offs_ptr + e, mask=e < E, other=0)
+    return tl.where(e < E, e, -1), row0, end, (local // m_tiles) * BN
 
 
 @triton.jit
 def _grouped_mm_int4(x_ptr, packed_ptr, scale_ptr, y_ptr, offs_ptr, tile_offs_ptr, E, N, K,
                      E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     INTERPRET: tl.constexpr):
-    t = tl.program_id(0)                          # a tile of BM rows of one expert; the grid's last ones are spare
-    e_all = tl.arange(0, E_PAD)
-    tile_ends = tl.load(tile_offs_ptr + e_all, mask=e_all < E, other=2 ** 30)
-    e = tl.sum((tile_ends <= t).to(tl.int32))     # the expert whose tiles cover t
-    if e >= E:
+                     UNPACK: tl.constexpr, W_FIRST: tl.constexpr, INTERPRET: tl.constexpr):
+    e, row0, end, col0 = expert_tile(tl.program_id(0), tile_offs_ptr, offs_ptr, E, N, E_PAD, BM, BN)
+    if e < 0:
         return
-    tile0 = tl.load(tile_offs_ptr + e - 1, mask=e > 0, other=0)
-    row0 = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
-    rows = row0 + (t - tile0) * BM + tl.arange(0, BM)
-    row_live = rows < tl.load(offs_ptr + e)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    rows = row0 + tl.arange(0, BM)
+    row_live = rows < end
+    n = col0 + tl.arange(0, BN)
     n_live = n < N
     expert_words = packed_ptr + e.to(tl.int64) * N * (K // 8)
     expert_scales = scale_ptr + e.to(tl.int64) * N * (K // 32)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if W_FIRST:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + (k0 + tl.arange(0, BK))[None, :],
                     mask=row_live[:, None], other=0.0)                                    # [BM, BK]
-        w = _weight_tile(expert_words, expert_scales, n, n_live, k0, K, BN, BK, INTERPRET)
-        if INTERPRET:                             # its bf16 dot is wrong; bf16 products are exact in fp32
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
-    tl.store(y_ptr + rows[:, None].to(tl.int64) * N + n[None, :], _to_bf16(acc, INTERPRET),
-             mask=row_live[:, None] & n_live[None, :])
+        w = _weight_tile(expert_words, expert_scales, n, n_live, k0, K, BN, BK, UNPACK, INTERPRET)
+        acc = _mma(acc, x, w, W_FIRST, INTERPRET)
+    if W_FIRST:
+        tl.store(y_ptr + rows[None, :].to(tl.int64) * N + n[:, None], _to_bf16(acc, INTERPRET),
+                 mask=row_live[None, :] & n_live[:, None])
+    else:
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * N + n[None, :], _to_bf16(acc, INTERPRET),
+                 mask=row_live[:, None] & n_live[None, :])
+
+
+@triton.jit
+def _mma(acc, x, w, W_FIRST: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + x @ w^T ([BM, BN]), or acc + w @ x^T ([BN, BM]) with the weight tile as the MMA's first operand."""
+    if INTERPRET:                                 # its bf16 dot is wrong; bf16 products are exact in fp32
+        if W_FIRST:
+            return acc + tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    if W_FIRST:
+        return acc + tl.dot(w, tl.trans(x))
+    return acc + tl.dot(x, tl.trans(w))
 
 
 def interpreting() -> bool:
@@ -94,15 +186,18 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-def _block_k(K: int) -> int:
-    return next(bk for bk in (128, 64, 32) if K % bk == 0)
+def block_k(K: int, bk: int) -> int:
+    """The inputs per step: the first of bk, 64, 32 that divides K (K a multiple of 32)."""
+    return next(b for b in (bk, 64, 32) if K % b == 0)
 
 
-def grouped_mm_int4(x: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def grouped_mm_int4(x: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                    tiles: Tiles | None = None) -> torch.Tensor:
     """x [P, K] bf16 (rows sorted by expert), offs int32 [E] (inclusive end row of each expert, as F.grouped_mm's
     `offs`; offs[-1] must be P: rows after it are left unwritten), packed int32 [E, N, K/8], scale bf16
-    [E, N, K/32] -> y [P, N] bf16 with y[p] = x[p] @ W_e^T. No host sync: the tile schedule is computed on the
-    device and the grid has E spare tiles. Raises ValueError on shapes that do not match or K not a multiple of 32."""
+    [E, N, K/32] -> y [P, N] bf16 with y[p] = x[p] @ W_e^T. tiles: the launch shape (default: TILES[(N, K)], else
+    DEFAULT_TILES). No host sync: the tile schedule is computed on the device and the grid has E spare row tiles
+    per column tile. Raises ValueError on shapes that do not match or K not a multiple of 32."""
     (P, K), (E, N, words) = x.shape, packed.shape
     if K % GROUP or words * NIBBLES != K or tuple(scale.shape) != (E, N, K // GROUP) or offs.shape != (E,):
         raise ValueError(f"grouped_mm_int4: x {tuple(x.shape)}, packed {tuple(packed.shape)}, scale "
@@ -111,11 +206,13 @@ def grouped_mm_int4(x: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, s
     if x.dtype != torch.bfloat16 or scale.dtype != torch.bfloat16 or packed.dtype != torch.int32:
         raise ValueError(f"grouped_mm_int4 takes bf16 x and scales and int32 words, not {x.dtype}, {scale.dtype}, "
                          f"{packed.dtype}")
+    t = tiles or TILES.get((N, K), DEFAULT_TILES)
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    tile_offs = torch.cumsum((counts + BM - 1) // BM, 0).to(torch.int32)
+    tile_offs = torch.cumsum((counts + t.bm - 1) // t.bm, 0).to(torch.int32)
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(P, BM) + E, triton.cdiv(N, BN))
+    grid = ((triton.cdiv(P, t.bm) + E) * triton.cdiv(N, t.bn),)
     _grouped_mm_int4[grid](x.contiguous(), packed.contiguous(), scale.contiguous(), y, offs.to(torch.int32),
-                           tile_offs, E, N, K, E_PAD=triton.next_power_of_2(E), BM=BM, BN=BN, BK=_block_k(K),
-                           INTERPRET=interpreting())
+                           tile_offs, E, N, K, E_PAD=triton.next_power_of_2(E), BM=t.bm, BN=t.bn,
+                           BK=block_k(K, t.bk), UNPACK=t.unpack, W_FIRST=t.w_first, INTERPRET=interpreting(),
+                           num_warps=t.warps, num_stages=t.stages)
     return y
