@@ -21,10 +21,11 @@ TRITON_SITE = Path(sys.prefix) / "triton-interpret"        # Makefile: pip insta
 
 CHILD = """
 import sys, torch
-from eagle3_core.target.int4_grouped_mm import grouped_mm_int4
+from eagle3_core.target.int4_grouped_mm import Tiles, grouped_mm_int4
 from eagle3_core.target.int4_experts import Int4Experts
 d = torch.load(sys.argv[1])
-out = {name: grouped_mm_int4(c["x"], c["offs"], c["packed"], c["scale"]) for name, c in d["cases"].items()}
+out = {f"{name}/{i}": grouped_mm_int4(c["x"], c["offs"], c["packed"], c["scale"], t and Tiles(*t))
+       for name, c in d["cases"].items() for i, t in enumerate(d["tiles"])}
 E, H, I = d["experts_shape"]
 ex = Int4Experts(0, E, H, I, torch.nn.functional.silu, torch.bfloat16)
 ex.load_state_dict(d["experts"])
@@ -97,6 +98,11 @@ def _run_child(tmp_path: Path, data: dict) -> dict:
     return torch.load(tmp_path / "out.pt")
 
 
+# the default launch shape, then the others' code paths: unpack 1, unpack 2 (nibble pairs) with the weight tile as the
+# first MMA operand and row and column tiles of different sizes
+TILES = [None, (32, 64, 64, 1, False, 4, 3), (64, 32, 128, 2, True, 4, 3)]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> tuple[dict, dict]:
     cases = {  # experts with no rows, one row, rows across tile edges (64), N not a multiple of 64, K/32 odd
@@ -113,15 +119,16 @@ def results(tmp_path_factory) -> tuple[dict, dict]:
     hidden = torch.randn(50, H, generator=g).to(torch.bfloat16)
     index = torch.randint(0, 5, (50, 2), generator=g)            # experts 3 and 4 live on another rank
     weights = torch.rand(50, 2, generator=g)
-    data = {"cases": {k: {n: c[n] for n in ("x", "offs", "packed", "scale")} for k, c in cases.items()},
+    data = {"cases": {k: {n: c[n] for n in ("x", "offs", "packed", "scale")} for k, c in cases.items()}, "tiles": TILES,
             "experts": ex.state_dict(), "experts_shape": (E, H, I), "experts_args": (hidden, index, weights)}
     return cases, _run_child(tmp_path_factory.mktemp("int4_gmm"), data)
 
 
+@pytest.mark.parametrize("tiles", range(len(TILES)))
 @pytest.mark.parametrize("name", ["uneven", "k96_one_expert"])
-def test_the_fused_int4_matmul_is_compressed_tensors_dequantization_then_the_matmul(results, name):
+def test_the_fused_int4_matmul_is_compressed_tensors_dequantization_then_the_matmul(results, name, tiles):
     cases, out = results
-    ref, mine = cases[name]["ref"], out[name]
+    ref, mine = cases[name]["ref"], out[f"{name}/{tiles}"]
     assert mine.dtype == torch.bfloat16 and mine.shape == ref.shape
     assert ref.abs().max() > 1.0                                   # not near-zero outputs any code would match
     same = mine == ref.to(torch.bfloat16)                          # one rounding of the fp32 result
