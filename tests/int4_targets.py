@@ -61,13 +61,18 @@ def config(family: str, layers: int = 3, **kw):
     raise ValueError(family)
 
 
+def quant_scheme():
+    """compressed-tensors' QuantizationScheme of QUANT_CONFIG's group_0 (4-bit symmetric groups of 32)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    return QuantizationScheme(targets=["Linear"],
+                              weights=QuantizationArgs(**QUANT_CONFIG["config_groups"]["group_0"]["weights"]))
+
+
 def pack_expert(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """weight [N, K] -> {weight_packed, weight_scale, weight_shape} by compressed-tensors' pack-quantized
     compressor; scale = max |w| / 7 per group of 32 inputs, bf16."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    args = QuantizationArgs(**QUANT_CONFIG["config_groups"]["group_0"]["weights"])
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    scheme = quant_scheme()
     w = w.to(torch.bfloat16)
     scale = (w.float().view(w.shape[0], -1, GROUP).abs().amax(-1) / 7).clamp_min(1e-4).to(torch.bfloat16)
     out = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
@@ -81,9 +86,7 @@ def build_int4(family: str, out: Path, layers: int = 3, seed: int = 0, bf16_twin
     expert stored as its bf16 dequantization (compressed-tensors' `decompress`), no quantization_config: what the
     in-process `hf` backend reads in the model dtype. kw: text_config fields on top (vocab_size, ...)."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    scheme = QuantizationScheme(targets=["Linear"],
-                                weights=QuantizationArgs(**QUANT_CONFIG["config_groups"]["group_0"]["weights"]))
+    scheme = quant_scheme()
     from eagle3_core.target.loading import auto_model_class
     cfg = config(family, layers, **kw)
     torch.manual_seed(seed)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from eagle3_core.target.int4_experts import Int4Experts
-from tests.int4_targets import pack_expert
+from tests.int4_targets import pack_expert, quant_scheme
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_SITE = Path(sys.prefix) / "triton-interpret"        # Makefile: pip install --target $(VENV)/triton-interpret
@@ -61,9 +61,7 @@ def _packed_experts(E: int, N: int, K: int, g: torch.Generator) -> tuple[torch.T
     """(packed int32 [E, N, K/8], scale bf16 [E, N, K/32], W bf16 [E, N, K]) by compressed-tensors' compressor and
     decompressor (pack-quantized, 4 bits, symmetric, groups of 32)."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
-        num_bits=4, type="int", symmetric=True, strategy="group", group_size=32))
+    scheme = quant_scheme()
     packs = [pack_expert(torch.randn(N, K, generator=g) / K ** 0.5) for _ in range(E)]
     W = [PackedQuantizationCompressor.decompress(p, scheme)["weight"] for p in packs]
     return (torch.stack([p["weight_packed"] for p in packs]), torch.stack([p["weight_scale"] for p in packs]),

@@ -29,8 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-GROUP = 32          # inputs per scale (the published checkpoint's group_size)
-NIBBLES = 8         # INT4 values per int32 word
+from eagle3_core.target.int4_layout import GROUP, NIBBLES
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-GROUP = 32
-NIBBLES = 8
+from eagle3_core.target.int4_layout import GROUP, NIBBLES
 
 
 class Tiles(NamedTuple):

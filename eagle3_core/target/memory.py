@@ -24,7 +24,7 @@ import re
 
 import torch
 
-from eagle3_core.target.int4_experts import GROUP
+from eagle3_core.target.int4_layout import GROUP
 from eagle3_core.target.loading import auto_model_class, distributed_config
 
 # styles that split a parameter over the ranks (transformers/distributed/tensor_parallel.py and expert_parallel.py
