@@ -96,7 +96,9 @@ def _weight_tile(packed_ptr, scale_ptr, n, n_live, k0, K, BN: tl.constexpr, BK: 
     if UNPACK == 2:
         j = k0 // 8 + tl.arange(0, BK // 8)
         words = tl.load(packed_ptr + n[:, None] * (K // 8) + j[None, :], mask=n_live[:, None], other=0)
-        s = tl.load(scale_ptr + n[:, None] * (K // 32) + (j // 4)[None, :], mask=n_live[:, None], other=0)
+        s = tl.load(scale_ptr + n[:, None] * (K // 32) + (k0 // 32 + tl.arange(0, BK // 32))[None, :],
+                    mask=n_live[:, None], other=0)                                        # [BN, BK/32]
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BK // 32, 4)), (BN, BK // 8))  # each word's scale
         o0, o1, o2, o3, o4, o5, o6, o7 = _nibble_pairs(words, s, INTERPRET)
         even = tl.join(tl.join(o0, o4), tl.join(o2, o6))          # [BN, BK/8, 2, 2]: nibble 4 b2 + 2 b1
         odd = tl.join(tl.join(o1, o5), tl.join(o3, o7))
@@ -167,14 +169,20 @@ def _grouped_mm_int4(x_ptr, packed_ptr, scale_ptr, y_ptr, offs_ptr, tile_offs_pt
 
 @triton.jit
 def _mma(acc, x, w, W_FIRST: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc + x @ w^T ([BM, BN]), or acc + w @ x^T ([BN, BM]) with the weight tile as the MMA's first operand."""
+    """acc + x @ w^T ([BM, BN]), or acc + w @ x^T ([BN, BM]) with the weight tile as the MMA's first operand. One
+    return: Triton generates the code after a return inside a constexpr branch too."""
     if INTERPRET:                                 # its bf16 dot is wrong; bf16 products are exact in fp32
+        x, w = x.to(tl.float32), w.to(tl.float32)
         if W_FIRST:
-            return acc + tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-    if W_FIRST:
-        return acc + tl.dot(w, tl.trans(x))
-    return acc + tl.dot(x, tl.trans(w))
+            out = acc + tl.dot(w, tl.trans(x), input_precision="ieee")
+        else:
+            out = acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:
+        if W_FIRST:
+            out = acc + tl.dot(w, tl.trans(x))
+        else:
+            out = acc + tl.dot(x, tl.trans(w))
+    return out
 
 
 def interpreting() -> bool:
