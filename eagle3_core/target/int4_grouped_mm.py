@@ -31,7 +31,7 @@ from eagle3_core.target.int4_layout import GROUP, NIBBLES
 
 class Tiles(NamedTuple):
     """One launch shape: bm pair rows x bn output columns per program, bk inputs per step (the largest of bk, 64,
-    32 that divides K), unpack (0 or 1, `_weight_tile`), w_first (the weight tile as the MMA's first operand),
+    32 that divides K), unpack (0, 1 or 2, `_weight_tile`), w_first (the weight tile as the MMA's first operand),
     Triton's num_warps and num_stages."""
     bm: int
     bn: int
@@ -87,22 +87,26 @@ def _nibble_pairs(words, s, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(packed_ptr, scale_ptr, n, n_live, k0, K, BN: tl.constexpr, BK: tl.constexpr,
-                 UNPACK: tl.constexpr, INTERPRET: tl.constexpr):
-    """[BN, BK] bf16 weights of rows n, inputs [k0, k0 + BK), from the words and scales of one expert. UNPACK 0:
-    each word loaded once, its 8 nibbles spread by a reshape, q * scale in fp32 rounded to bf16; 1: each input
-    loads its own word (8 loads of a word, served by L1), no reshape; 2: as 0 with the nibbles made bf16 pairs by
-    bit operations and scaled by packed bf16 arithmetic (_nibble_pairs), the 8 results interleaved by joins."""
-    if UNPACK == 2:
-        j = k0 // 8 + tl.arange(0, BK // 8)
-        words = tl.load(packed_ptr + n[:, None] * (K // 8) + j[None, :], mask=n_live[:, None], other=0)
-        s = tl.load(scale_ptr + n[:, None] * (K // 32) + (k0 // 32 + tl.arange(0, BK // 32))[None, :],
-                    mask=n_live[:, None], other=0)                                        # [BN, BK/32]
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BK // 32, 4)), (BN, BK // 8))  # each word's scale
-        o0, o1, o2, o3, o4, o5, o6, o7 = _nibble_pairs(words, s, INTERPRET)
-        even = tl.join(tl.join(o0, o4), tl.join(o2, o6))          # [BN, BK/8, 2, 2]: nibble 4 b2 + 2 b1
-        odd = tl.join(tl.join(o1, o5), tl.join(o3, o7))
-        return tl.reshape(tl.join(even, odd), (BN, BK))         # nibble 4 b2 + 2 b1 + b0 = input 8 j + i
+def _pairs_tile(packed_ptr, scale_ptr, n, n_live, k0, K, BN: tl.constexpr, BK: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """unpack 2: each word loaded once, its nibbles made bf16 pairs by bit operations and scaled by packed bf16
+    arithmetic (_nibble_pairs), the 8 results [BN, BK/8] interleaved by joins into [BN, BK]."""
+    j = k0 // 8 + tl.arange(0, BK // 8)
+    words = tl.load(packed_ptr + n[:, None] * (K // 8) + j[None, :], mask=n_live[:, None], other=0)
+    s = tl.load(scale_ptr + n[:, None] * (K // 32) + (k0 // 32 + tl.arange(0, BK // 32))[None, :],
+                mask=n_live[:, None], other=0)                                            # [BN, BK/32]
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BK // 32, 4)), (BN, BK // 8))      # each word's scale
+    o0, o1, o2, o3, o4, o5, o6, o7 = _nibble_pairs(words, s, INTERPRET)
+    even = tl.join(tl.join(o0, o4), tl.join(o2, o6))              # [BN, BK/8, 2, 2]: nibble 4 b2 + 2 b1
+    odd = tl.join(tl.join(o1, o5), tl.join(o3, o7))
+    return tl.reshape(tl.join(even, odd), (BN, BK))             # nibble 4 b2 + 2 b1 + b0 = input 8 j + i
+
+
+@triton.jit
+def _float_tile(packed_ptr, scale_ptr, n, n_live, k0, K, BN: tl.constexpr, BK: tl.constexpr,
+                UNPACK: tl.constexpr, INTERPRET: tl.constexpr):
+    """unpack 0: each word loaded once, its 8 nibbles spread by a reshape; 1: each input loads its own word (8 loads
+    of a word, served by L1), no reshape. Then q * scale in fp32, rounded once to bf16."""
     if UNPACK == 0:
         words = tl.load(packed_ptr + n[:, None] * (K // 8) + (k0 // 8 + tl.arange(0, BK // 8))[None, :],
                         mask=n_live[:, None], other=0)                                    # [BN, BK/8] int32
@@ -117,6 +121,18 @@ def _weight_tile(packed_ptr, scale_ptr, n, n_live, k0, K, BN: tl.constexpr, BK: 
                 mask=n_live[:, None], other=0).to(tl.float32)                             # [BN, BK/32]
     w = tl.reshape(tl.reshape(q, (BN, BK // 32, 32)) * s[:, :, None], (BN, BK))
     return _to_bf16(w, INTERPRET)
+
+
+@triton.jit
+def _weight_tile(packed_ptr, scale_ptr, n, n_live, k0, K, BN: tl.constexpr, BK: tl.constexpr,
+                 UNPACK: tl.constexpr, INTERPRET: tl.constexpr):
+    """[BN, BK] bf16 weights of rows n, inputs [k0, k0 + BK), from the words and scales of one expert (UNPACK 0, 1:
+    _float_tile; 2: _pairs_tile)."""
+    if UNPACK == 2:
+        w = _pairs_tile(packed_ptr, scale_ptr, n, n_live, k0, K, BN, BK, INTERPRET)
+    else:
+        w = _float_tile(packed_ptr, scale_ptr, n, n_live, k0, K, BN, BK, UNPACK, INTERPRET)
+    return w
 
 
 @triton.jit
