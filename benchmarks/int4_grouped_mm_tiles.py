@@ -3,6 +3,7 @@ of Kimi-K2.5's routed experts, beside torch's bf16 grouped matmul on the same we
 
   python benchmarks/int4_grouped_mm_tiles.py --out tiles.json              # one GPU (H100: about 3 minutes)
   TRITON_INTERPRET=1 python benchmarks/int4_grouped_mm_tiles.py --tiny     # CPU: every variant runs, small shapes
+  python benchmarks/int4_grouped_mm_tiles.py --sass                          # CPU: each candidate's sm_90 SASS
 
 Shapes (int4_ep_throughput.py's legend): 48 experts of 384, 16,384 tokens routed top-8 at random (about 16,384
 token-expert pairs on the rank); gate_up N 4,096 x K 7,168, down N 7,168 x K 2,048. Every candidate Tiles (tile
@@ -12,13 +13,21 @@ int4_ep_throughput.timed does (median, min and max of 3 timings, each the mean o
 ceiling of the schedule: the same Triton grouped matmul reading bf16 weights (`triton_bf16`, no unpacking), at the
 tiles of the best candidate. The JSON's `best` maps each matmul to the fastest candidate whose outputs match;
 int4_ep_throughput.py --tiles takes it.
+
+--sass needs no GPU: every candidate compiled for sm_90 by Triton's own ptxas (pointers and K, N taken as multiples
+of 16, as Triton specializes them at launch), disassembled by its nvdisasm: instructions in the kernel, shared
+memory, local-memory spills (STL), shared-memory stores and loads, tensor-core MMAs (HGMMA), packed bf16 arithmetic.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
+import re
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -33,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle3_core.target.int4_experts import dequantize_int4  # noqa: E402
 from eagle3_core.target.int4_grouped_mm import (Tiles, block_k, expert_tile,  # noqa: E402
-                                               grouped_mm_int4)
+                                               grouped_mm_int4, grouped_mm_int4_kernel)
 from int4_ep_throughput import KIMI, TINY, random_packed, timed  # noqa: E402
 
 # (bm, bn, bk, warps, stages); unpack 1 is left out: 8.5-17x slower than unpack 0 on one H100 (2026-12-07)
@@ -138,12 +147,44 @@ def best(result: dict) -> dict | None:
     return min(ok, key=lambda r: r["time"]["median_ms"])["tiles"] if ok else None
 
 
+def sass_mix(t: Tiles) -> dict:
+    """Instruction counts of the kernel compiled for sm_90 at tiles t (no GPU: Triton's ptxas and nvdisasm)."""
+    from triton.backends.compiler import GPUTarget   # only --sass compiles without a launch
+    from triton.compiler import ASTSource            # (as above)
+    args = ("x_ptr", "packed_ptr", "scale_ptr", "y_ptr", "offs_ptr", "tile_offs_ptr", "E", "N", "K")
+    sig = {a: "*bf16" if a in ("x_ptr", "scale_ptr", "y_ptr") else "*i32" if a.endswith("_ptr") else "i32"
+           for a in args} | {c: "constexpr" for c in ("E_PAD", "BM", "BN", "BK", "UNPACK", "W_FIRST", "INTERPRET")}
+    src = ASTSource(fn=grouped_mm_int4_kernel, signature=sig, attrs={(i,): [["tt.divisibility", 16]] for i in
+                                                               (0, 1, 2, 3, 4, 5, 7, 8)},
+                    constexprs={"E_PAD": 64, "BM": t.bm, "BN": t.bn, "BK": t.bk, "UNPACK": t.unpack,
+                                "W_FIRST": t.w_first, "INTERPRET": False})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": t.warps,
+                                                                        "num_stages": t.stages})
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(
+        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass))
+    return {"instructions": sum(ops.values()), "shared_bytes": k.metadata.shared, "spills_STL": ops["STL"],
+            **{o: ops[o] for o in ("STS", "LDS", "LDSM", "STSM", "HGMMA", "HMUL2", "FMUL")}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tiny", action="store_true", help="small shapes, two tile shapes (CPU under TRITON_INTERPRET)")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--sass", action="store_true", help="no GPU: each candidate's sm_90 instruction mix")
     a = ap.parse_args()
+    if a.sass:
+        for t in candidates(False):
+            try:
+                print(json.dumps({"tiles": t._asdict(), **sass_mix(t)}), flush=True)
+            except Exception as exc:                      # out of resources for this shape is a result
+                print(json.dumps({"tiles": t._asdict(), "error": f"{type(exc).__name__}: {str(exc)[:200]}"}))
+        return
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     d = TINY if a.tiny else KIMI
     offs = routed_offs(d, dev)

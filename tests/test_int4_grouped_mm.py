@@ -41,13 +41,13 @@ COMPILE = """
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from eagle3_core.target.int4_grouped_mm import DEFAULT_TILES as T, _grouped_mm_int4
+from eagle3_core.target.int4_grouped_mm import DEFAULT_TILES as T, grouped_mm_int4_kernel
 sig = {"x_ptr": "*bf16", "packed_ptr": "*i32", "scale_ptr": "*bf16", "y_ptr": "*bf16", "offs_ptr": "*i32",
        "tile_offs_ptr": "*i32", "E": "i32", "N": "i32", "K": "i32", "E_PAD": "constexpr", "BM": "constexpr",
        "BN": "constexpr", "BK": "constexpr", "UNPACK": "constexpr", "W_FIRST": "constexpr", "INTERPRET": "constexpr"}
 out = {}
 for bk, unpack, w_first in ((128, 0, False), (64, 1, False), (32, 0, True), (128, 2, True), (64, 2, False)):
-    src = ASTSource(fn=_grouped_mm_int4, signature=sig, constexprs={
+    src = ASTSource(fn=grouped_mm_int4_kernel, signature=sig, constexprs={
         "E_PAD": 64, "BM": T.bm, "BN": T.bn, "BK": bk, "UNPACK": unpack, "W_FIRST": w_first, "INTERPRET": False})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     out[f"{bk}/{unpack}/{w_first}"] = {"mma": sorted(set(re.findall(r"wgmma\.mma_async[a-z0-9._]*", ptx))),

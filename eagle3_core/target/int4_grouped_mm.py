@@ -154,7 +154,7 @@ def expert_tile(t, tile_offs_ptr, offs_ptr, E, N, E_PAD: tl.constexpr, BM: tl.co
 
 
 @triton.jit
-def _grouped_mm_int4(x_ptr, packed_ptr, scale_ptr, y_ptr, offs_ptr, tile_offs_ptr, E, N, K,
+def grouped_mm_int4_kernel(x_ptr, packed_ptr, scale_ptr, y_ptr, offs_ptr, tile_offs_ptr, E, N, K,
                      E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      UNPACK: tl.constexpr, W_FIRST: tl.constexpr, INTERPRET: tl.constexpr):
     e, row0, end, col0 = expert_tile(tl.program_id(0), tile_offs_ptr, offs_ptr, E, N, E_PAD, BM, BN)
@@ -234,8 +234,8 @@ def grouped_mm_int4(x: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, s
     tile_offs = torch.cumsum((counts + t.bm - 1) // t.bm, 0).to(torch.int32)
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
     grid = ((triton.cdiv(P, t.bm) + E) * triton.cdiv(N, t.bn),)
-    _grouped_mm_int4[grid](x.contiguous(), packed.contiguous(), scale.contiguous(), y, offs.to(torch.int32),
-                           tile_offs, E, N, K, E_PAD=triton.next_power_of_2(E), BM=t.bm, BN=t.bn,
-                           BK=block_k(K, t.bk), UNPACK=t.unpack, W_FIRST=t.w_first, INTERPRET=interpreting(),
-                           num_warps=t.warps, num_stages=t.stages)
+    grouped_mm_int4_kernel[grid](x.contiguous(), packed.contiguous(), scale.contiguous(), y,
+                                 offs.to(torch.int32), tile_offs, E, N, K, E_PAD=triton.next_power_of_2(E),
+                                 BM=t.bm, BN=t.bn, BK=block_k(K, t.bk), UNPACK=t.unpack, W_FIRST=t.w_first,
+                                 INTERPRET=interpreting(), num_warps=t.warps, num_stages=t.stages)
     return y
