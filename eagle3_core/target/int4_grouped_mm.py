@@ -42,9 +42,11 @@ class Tiles(NamedTuple):
     stages: int
 
 
-DEFAULT_TILES = Tiles(64, 64, 128, 0, False, 4, 3)
-# the tiles for a (N, K), measured: benchmarks/int4_grouped_mm_tiles.py on one GPU (docs/benchmarks.md)
-TILES: dict[tuple[int, int], Tiles] = {}
+DEFAULT_TILES = Tiles(64, 64, 128, 0, False, 4, 3)      # small: fits the shared memory of any tensor-core GPU
+# the tiles for a (N, K), the fastest measured by benchmarks/int4_grouped_mm_tiles.py (docs/benchmarks.md): Kimi-K2.5's
+# gate_up and down on one H100, 2026-12-07 (4.73 and 2.39 ms against 6.30 and 3.29 at DEFAULT_TILES)
+TILES: dict[tuple[int, int], Tiles] = {(4096, 7168): Tiles(128, 128, 128, 0, False, 8, 3),
+                                       (7168, 2048): Tiles(128, 128, 128, 0, False, 8, 3)}
 
 
 @triton.jit
