@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -148,3 +149,60 @@ def test_the_cuda_path_compiles_for_sm90_to_tensor_core_mma_without_int_to_float
     for bk, ptx in json.loads(_child([COMPILE]).strip().splitlines()[-1]).items():
         assert ptx["mma"] and all(".f32.bf16.bf16" in m for m in ptx["mma"]), (bk, ptx)   # bf16 in, fp32 sums
         assert ptx["int_to_float"] == 0 and ptx["to_bf16"] > 0, (bk, ptx)    # the nibble's float by its bits
+
+
+def _bf16(bits: int) -> float:
+    """The bf16 value of 16 bits (0..65535)."""
+    return torch.tensor([bits - 65536 * (bits >> 15)], dtype=torch.int16).view(torch.bfloat16).item()
+
+
+def _bf16_bits(v: float) -> int:
+    """v rounded once to bf16 (fp64 -> fp32 is exact for the values here; fp32 -> bf16 rounds to nearest even)."""
+    return torch.tensor([v], dtype=torch.float64).float().to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
+
+
+def _run_pairs_asm(asm: str, word: int, scale_bits: int) -> list[int]:
+    """PAIRS_ASM executed instruction by instruction on one word and one bf16 scale (bits): the 16-bit values of
+    its outputs $0-$7. Knows the PTX instructions the string uses (mov, shr, lop3, sub/mul .rn.bf16x2) and
+    fails on any other."""
+    regs = {"$8": word & 0xFFFFFFFF, "$9": scale_bits}
+    val = lambda a: int(a, 16) if a.startswith("0x") else regs[a]  # noqa: E731
+    for ins in (i.strip() for i in asm.strip()[1:-1].split(";") if i.strip()):
+        op, _, rest = ins.partition(" ")
+        args = re.findall(r"\{[^}]*\}|[^,\s]+", rest)
+        halves = lambda a: [h.strip() for h in a[1:-1].split(",")]  # noqa: E731
+        if op == ".reg":
+            continue
+        if op == "mov.b32" and args[0].startswith("{"):
+            lo, hi = halves(args[0])
+            regs[lo], regs[hi] = val(args[1]) & 0xFFFF, val(args[1]) >> 16
+        elif op == "mov.b32":
+            regs[args[0]] = ((val(halves(args[1])[1]) << 16) | val(halves(args[1])[0]) if args[1].startswith("{")
+                             else val(args[1]))
+        elif op == "shr.b32":
+            regs[args[0]] = val(args[1]) >> int(args[2])
+        elif op == "lop3.b32":
+            a, b, c, lut = (val(x) for x in args[1:])
+            regs[args[0]] = sum(((lut >> (((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | ((c >> i) & 1))) & 1) << i
+                                for i in range(32))
+        elif op in ("sub.rn.bf16x2", "mul.rn.bf16x2"):
+            f = (lambda p, q: p - q) if op.startswith("sub") else (lambda p, q: p * q)
+            x, y = val(args[1]), val(args[2])
+            regs[args[0]] = (_bf16_bits(f(_bf16(x & 0xFFFF), _bf16(y & 0xFFFF)))
+                             | _bf16_bits(f(_bf16(x >> 16), _bf16(y >> 16))) << 16)
+        else:
+            raise AssertionError(f"an instruction this emulation does not know: {ins}")
+    return [regs[f"${i}"] for i in range(8)]
+
+
+def test_the_inline_ptx_makes_each_nibble_q_times_scale_rounded_once():
+    asm = _child(["from eagle3_core.target.int4_grouped_mm import PAIRS_ASM; print(PAIRS_ASM.value)"]).strip()
+    g = torch.Generator().manual_seed(3)
+    words = [0x76543210, 0xFEDCBA98, *torch.randint(0, 2 ** 32, (6,), generator=g, dtype=torch.int64).tolist()]
+    scales = (torch.randn(5, generator=g) * 0.01).to(torch.bfloat16).tolist() + [-0.0625, 1.0, 3.0e-3]
+    for word in words:
+        q = [((word >> (4 * i)) & 0xF) - 8 for i in range(8)]
+        for s in scales:
+            s_bits = torch.tensor([s], dtype=torch.bfloat16).view(torch.int16).item() & 0xFFFF
+            want = [_bf16_bits(qi * _bf16(s_bits)) for qi in q]           # compressed-tensors: q.to(bf16) * scale
+            assert _run_pairs_asm(asm, word, s_bits) == want, (hex(word), s)

@@ -63,7 +63,7 @@ def _to_bf16(v, INTERPRET: tl.constexpr):
 # bf16 pairs from one word, Hopper's packed bf16 arithmetic (sm_90: sub/mul .rn.bf16x2): lop3 (w & 0x000F000F) |
 # 0x43004300 makes the two bf16 values 128 + nibble (nibbles i and i + 4 of the word, as 0x4300 | nibble reads), minus
 # 136 (0x4308) is q exactly, times the word's scale is q * scale rounded once. $0-$7: nibbles 0-7, $8 word, $9 scale
-_PAIRS_ASM = tl.constexpr("{ .reg .b32 t, m, s2, c; mov.b32 s2, {$9, $9}; mov.b32 c, 0x43084308;" + "".join(
+PAIRS_ASM = tl.constexpr("{ .reg .b32 t, m, s2, c; mov.b32 s2, {$9, $9}; mov.b32 c, 0x43084308;" + "".join(
     f" shr.b32 m, $8, {4 * i}; lop3.b32 t, m, 0x000F000F, 0x43004300, 0xea; sub.rn.bf16x2 t, t, c;"
     f" mul.rn.bf16x2 t, t, s2; mov.b32 {{${i}, ${i + 4}}}, t;" for i in range(4)) + " }")
 
@@ -71,7 +71,7 @@ _PAIRS_ASM = tl.constexpr("{ .reg .b32 t, m, s2, c; mov.b32 s2, {$9, $9}; mov.b3
 @triton.jit
 def _nibble_pairs(words, s, INTERPRET: tl.constexpr):
     """8 bf16 tensors shaped as `words` (int32): nibble i of each word as q * s rounded once to bf16 (s bf16, the
-    word's scale). Compiled: _PAIRS_ASM; under the interpreter the same values by plain operations."""
+    word's scale). Compiled: PAIRS_ASM; under the interpreter the same values by plain operations."""
     if INTERPRET:
         sf = s.to(tl.float32)
         o0 = _to_bf16((((words >> 0) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
@@ -84,7 +84,7 @@ def _nibble_pairs(words, s, INTERPRET: tl.constexpr):
         o7 = _to_bf16((((words >> 28) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
     else:
         o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-            _PAIRS_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, s], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+            PAIRS_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, s], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     return o0, o1, o2, o3, o4, o5, o6, o7
 
 
