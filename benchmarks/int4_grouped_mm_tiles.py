@@ -1,7 +1,7 @@
 """The launch shapes of target.int4_grouped_mm timed on one GPU, for the two grouped matmuls of one EP-8 rank's share
 of Kimi-K2.5's routed experts, beside torch's bf16 grouped matmul on the same weights dequantized.
 
-  python benchmarks/int4_grouped_mm_tiles.py --out tiles.json              # one GPU (H100: about 3 minutes)
+  python benchmarks/int4_grouped_mm_tiles.py --out tiles.json              # one GPU (H100: about 1 minute)
   TRITON_INTERPRET=1 python benchmarks/int4_grouped_mm_tiles.py --tiny     # CPU: every variant runs, small shapes
   python benchmarks/int4_grouped_mm_tiles.py --sass                          # CPU: each candidate's sm_90 SASS
 
