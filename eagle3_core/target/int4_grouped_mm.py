@@ -8,7 +8,9 @@ a whole layer into a bf16 buffer (2 bytes written and read again per weight) and
 program here reads its [BN, BK] weight tile as BK / 8 words and BK / 32 scales per row (0.5625 bytes a weight) and
 forms the bf16 tile in registers, the idea of Marlin's mixed-precision GEMM (Frantar et al. 2024, arXiv:2408.11743)
 without its hand-tuned layout. The int to float conversion uses the bits: the word (q + 8) | 0x4B000000 read as fp32
-is 2^23 + q + 8 exactly, so subtracting 2^23 + 8 gives q without a conversion instruction.
+is 2^23 + q + 8 exactly, so subtracting 2^23 + 8 gives q without a conversion instruction (unpack 0 and 1); unpack 2
+does the same in bf16 pairs (PAIRS_ASM). The launch shape is a Tiles (TILES per (N, K), measured by
+benchmarks/int4_grouped_mm_tiles.py).
 
 Numerics: each weight is the fp32 product q * scale (exact: 4 + 8 significant bits) rounded once to bf16
 (round-to-nearest-even), as compressed-tensors' `dequantize` computes it in the scale's dtype; the dot accumulates in
