@@ -145,6 +145,13 @@ def test_int4_experts_fused_equals_its_dequantizing_path(results):
     torch.testing.assert_close(fused, buffered, atol=2 ** -7 * float(buffered.abs().max()), rtol=2 ** -6)
 
 
+def test_unpack_2_falls_back_to_unpack_0_before_sm90_only():
+    out = _child(["from eagle3_core.target.int4_grouped_mm import Tiles, usable; "
+                  "t = Tiles(128, 128, 64, 2, False, 8, 3); "
+                  "print([usable(t, c).unpack for c in ((8, 0), (8, 9), (9, 0), (10, 0), None)])"])
+    assert out.strip() == "[0, 0, 2, 2, 2]"
+
+
 def test_the_cuda_path_compiles_for_sm90_to_tensor_core_mma_without_int_to_float_conversions():
     for bk, ptx in json.loads(_child([COMPILE]).strip().splitlines()[-1]).items():
         assert ptx["mma"] and all(".f32.bf16.bf16" in m for m in ptx["mma"]), (bk, ptx)   # bf16 in, fp32 sums

@@ -90,8 +90,8 @@ class Int4Experts(nn.Module):
     Buffers: gate_up_packed int32 [E_l, 2I, H/8], gate_up_scale [E_l, 2I, H/32], down_packed int32 [E_l, H, I/8],
     down_scale [E_l, H, I/32]. dtype: the compute dtype the layer's weights are dequantized to. fused: on CUDA with
     bf16, both matmuls read the packed words and dequantize in registers (target.int4_grouped_mm) instead of
-    dequantizing the layer into the shared buffer; off by default: on one H100 (2026-12-07) the layer took 9.15 ms
-    fused against 6.58 ms through the buffer (benchmarks/int4_ep_throughput.py, row experts_int4_fused)."""
+    dequantizing the layer into the shared buffer; off by default: on one H100 (2026-12-07) the layer took 6.80 ms
+    fused against 6.53 ms through the buffer (benchmarks/int4_ep_throughput.py, row experts_int4_fused)."""
 
     _buffers_by_shape: ClassVar[dict] = {}            # (device, dtype, shape) -> the one dequantized layer
 

@@ -46,9 +46,15 @@ class Tiles(NamedTuple):
 
 DEFAULT_TILES = Tiles(64, 64, 128, 0, False, 4, 3)      # small: fits the shared memory of any tensor-core GPU
 # the tiles for a (N, K), the fastest measured by benchmarks/int4_grouped_mm_tiles.py (docs/benchmarks.md): Kimi-K2.5's
-# gate_up and down on one H100, 2026-12-07 (4.73 and 2.39 ms against 6.30 and 3.29 at DEFAULT_TILES)
-TILES: dict[tuple[int, int], Tiles] = {(4096, 7168): Tiles(128, 128, 128, 0, False, 8, 3),
-                                       (7168, 2048): Tiles(128, 128, 128, 0, False, 8, 3)}
+# gate_up and down on one H100, 2026-12-07: 3.23 and 1.64 ms (6.30 and 3.46 at DEFAULT_TILES)
+TILES: dict[tuple[int, int], Tiles] = {(4096, 7168): Tiles(128, 128, 64, 2, False, 8, 3),
+                                       (7168, 2048): Tiles(128, 128, 64, 2, False, 8, 3)}
+
+
+def usable(t: Tiles, capability: tuple[int, int] | None) -> Tiles:
+    """t, with unpack 2 replaced by 0 on a GPU older than sm_90 (capability (major, minor); None: the interpreter),
+    where the packed bf16 subtract and multiply of PAIRS_ASM do not exist (PTX ISA: sub/mul .bf16x2 need sm_90)."""
+    return t._replace(unpack=0) if t.unpack == 2 and capability is not None and capability < (9, 0) else t
 
 
 @triton.jit
@@ -233,7 +239,8 @@ def grouped_mm_int4(x: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, s
     if x.dtype != torch.bfloat16 or scale.dtype != torch.bfloat16 or packed.dtype != torch.int32:
         raise ValueError(f"grouped_mm_int4 takes bf16 x and scales and int32 words, not {x.dtype}, {scale.dtype}, "
                          f"{packed.dtype}")
-    t = tiles or TILES.get((N, K), DEFAULT_TILES)
+    t = usable(tiles or TILES.get((N, K), DEFAULT_TILES),
+               torch.cuda.get_device_capability(x.device) if x.is_cuda else None)
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     tile_offs = torch.cumsum((counts + t.bm - 1) // t.bm, 0).to(torch.int32)
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
