@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle3_core.target.int4_experts import dequantize_int4  # noqa: E402
 from eagle3_core.target.int4_grouped_mm import (Tiles, block_k, expert_tile,  # noqa: E402
-                                               grouped_mm_int4, grouped_mm_int4_kernel)
+                                               grouped_mm_int4, grouped_mm_int4_kernel, tile_schedule)
 from int4_ep_throughput import KIMI, TINY, random_packed, timed  # noqa: E402
 
 # (bm, bn, bk, warps, stages); unpack 1 is left out: 8.5-17x slower than unpack 0 on one H100 (2026-12-07)
@@ -135,10 +135,9 @@ def _grouped_mm_bf16(x_ptr, w_ptr, y_ptr, offs_ptr, tile_offs_ptr, E, N, K, E_PA
 def triton_bf16(x: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, t: Tiles) -> torch.Tensor:
     """y [P, N] bf16 = x [P, K] @ w[e]^T by _grouped_mm_bf16 at the tiles t."""
     (P, K), (E, N, _) = x.shape, w.shape
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    tile_offs = torch.cumsum((counts + t.bm - 1) // t.bm, 0).to(torch.int32)
+    tile_offs, grid = tile_schedule(offs, P, N, t)
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
-    _grouped_mm_bf16[((triton.cdiv(P, t.bm) + E) * triton.cdiv(N, t.bn),)](
+    _grouped_mm_bf16[grid](
         x, w, y, offs, tile_offs, E, N, K, E_PAD=triton.next_power_of_2(E), BM=t.bm, BN=t.bn,
         BK=block_k(K, t.bk), num_warps=t.warps, num_stages=t.stages)
     return y

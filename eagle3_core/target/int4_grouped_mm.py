@@ -77,19 +77,18 @@ PAIRS_ASM = tl.constexpr("{ .reg .b32 t, m, s2, c; mov.b32 s2, {$9, $9}; mov.b32
 
 
 @triton.jit
+def _scaled(words, s, SHIFT: tl.constexpr):
+    """Under the interpreter: the nibble at bit SHIFT of each word as q * s rounded once to bf16 (on the bits)."""
+    return _to_bf16((((words >> SHIFT) & 0xF) - 8).to(tl.float32) * s.to(tl.float32), True)
+
+
+@triton.jit
 def _nibble_pairs(words, s, INTERPRET: tl.constexpr):
     """8 bf16 tensors shaped as `words` (int32): nibble i of each word as q * s rounded once to bf16 (s bf16, the
     word's scale). Compiled: PAIRS_ASM; under the interpreter the same values by plain operations."""
     if INTERPRET:
-        sf = s.to(tl.float32)
-        o0 = _to_bf16((((words >> 0) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
-        o1 = _to_bf16((((words >> 4) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
-        o2 = _to_bf16((((words >> 8) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
-        o3 = _to_bf16((((words >> 12) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
-        o4 = _to_bf16((((words >> 16) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
-        o5 = _to_bf16((((words >> 20) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
-        o6 = _to_bf16((((words >> 24) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
-        o7 = _to_bf16((((words >> 28) & 0xF) - 8).to(tl.float32) * sf, INTERPRET)
+        o0, o1, o2, o3 = (_scaled(words, s, 0), _scaled(words, s, 4), _scaled(words, s, 8), _scaled(words, s, 12))
+        o4, o5, o6, o7 = (_scaled(words, s, 16), _scaled(words, s, 20), _scaled(words, s, 24), _scaled(words, s, 28))
     else:
         o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
             PAIRS_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, s], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
@@ -97,16 +96,27 @@ def _nibble_pairs(words, s, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _words(packed_ptr, n, n_live, k0, K, BK: tl.constexpr):
+    """[BN, BK/8] int32: the words holding inputs [k0, k0 + BK) of rows n."""
+    return tl.load(packed_ptr + n[:, None] * (K // 8) + (k0 // 8 + tl.arange(0, BK // 8))[None, :],
+                   mask=n_live[:, None], other=0)
+
+
+@triton.jit
+def _scales(scale_ptr, n, n_live, k0, K, BK: tl.constexpr):
+    """[BN, BK/32] bf16: the scales of inputs [k0, k0 + BK) of rows n."""
+    return tl.load(scale_ptr + n[:, None] * (K // 32) + (k0 // 32 + tl.arange(0, BK // 32))[None, :],
+                   mask=n_live[:, None], other=0)
+
+
+@triton.jit
 def _pairs_tile(packed_ptr, scale_ptr, n, n_live, k0, K, BN: tl.constexpr, BK: tl.constexpr,
                 INTERPRET: tl.constexpr):
     """unpack 2: each word loaded once, its nibbles made bf16 pairs by bit operations and scaled by packed bf16
     arithmetic (_nibble_pairs), the 8 results [BN, BK/8] interleaved by joins into [BN, BK]."""
-    j = k0 // 8 + tl.arange(0, BK // 8)
-    words = tl.load(packed_ptr + n[:, None] * (K // 8) + j[None, :], mask=n_live[:, None], other=0)
-    s = tl.load(scale_ptr + n[:, None] * (K // 32) + (k0 // 32 + tl.arange(0, BK // 32))[None, :],
-                mask=n_live[:, None], other=0)                                            # [BN, BK/32]
+    s = _scales(scale_ptr, n, n_live, k0, K, BK)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BK // 32, 4)), (BN, BK // 8))      # each word's scale
-    o0, o1, o2, o3, o4, o5, o6, o7 = _nibble_pairs(words, s, INTERPRET)
+    o0, o1, o2, o3, o4, o5, o6, o7 = _nibble_pairs(_words(packed_ptr, n, n_live, k0, K, BK), s, INTERPRET)
     even = tl.join(tl.join(o0, o4), tl.join(o2, o6))              # [BN, BK/8, 2, 2]: nibble 4 b2 + 2 b1
     odd = tl.join(tl.join(o1, o5), tl.join(o3, o7))
     return tl.reshape(tl.join(even, odd), (BN, BK))             # nibble 4 b2 + 2 b1 + b0 = input 8 j + i
@@ -118,8 +128,7 @@ def _float_tile(packed_ptr, scale_ptr, n, n_live, k0, K, BN: tl.constexpr, BK: t
     """unpack 0: each word loaded once, its 8 nibbles spread by a reshape; 1: each input loads its own word (8 loads
     of a word, served by L1), no reshape. Then q * scale in fp32, rounded once to bf16."""
     if UNPACK == 0:
-        words = tl.load(packed_ptr + n[:, None] * (K // 8) + (k0 // 8 + tl.arange(0, BK // 8))[None, :],
-                        mask=n_live[:, None], other=0)                                    # [BN, BK/8] int32
+        words = _words(packed_ptr, n, n_live, k0, K, BK)                                  # [BN, BK/8] int32
         nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF         # [BN, BK/8, 8]: q + 8
         nib = tl.reshape(nib, (BN, BK))
     else:
@@ -127,8 +136,7 @@ def _float_tile(packed_ptr, scale_ptr, n, n_live, k0, K, BN: tl.constexpr, BK: t
         words = tl.load(packed_ptr + n[:, None] * (K // 8) + (k // 8)[None, :], mask=n_live[:, None], other=0)
         nib = (words >> ((k % 8) * 4)[None, :]) & 0xF                                     # [BN, BK]: q + 8
     q = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0                     # 2^23 + q + 8 - (2^23 + 8)
-    s = tl.load(scale_ptr + n[:, None] * (K // 32) + (k0 // 32 + tl.arange(0, BK // 32))[None, :],
-                mask=n_live[:, None], other=0).to(tl.float32)                             # [BN, BK/32]
+    s = _scales(scale_ptr, n, n_live, k0, K, BK).to(tl.float32)                         # [BN, BK/32]
     w = tl.reshape(tl.reshape(q, (BN, BK // 32, 32)) * s[:, :, None], (BN, BK))
     return _to_bf16(w, INTERPRET)
 
@@ -165,8 +173,8 @@ def expert_tile(t, tile_offs_ptr, offs_ptr, E, N, E_PAD: tl.constexpr, BM: tl.co
 
 @triton.jit
 def grouped_mm_int4_kernel(x_ptr, packed_ptr, scale_ptr, y_ptr, offs_ptr, tile_offs_ptr, E, N, K,
-                     E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     UNPACK: tl.constexpr, W_FIRST: tl.constexpr, INTERPRET: tl.constexpr):
+                           E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           UNPACK: tl.constexpr, W_FIRST: tl.constexpr, INTERPRET: tl.constexpr):
     e, row0, end, col0 = expert_tile(tl.program_id(0), tile_offs_ptr, offs_ptr, E, N, E_PAD, BM, BN)
     if e < 0:
         return
@@ -224,6 +232,15 @@ def block_k(K: int, bk: int) -> int:
     return next(b for b in (bk, 64, 32) if K % b == 0)
 
 
+def tile_schedule(offs: torch.Tensor, P: int, N: int, t: Tiles) -> tuple[torch.Tensor, tuple[int]]:
+    """expert_tile's inputs from offs int32 [E]: (tile_offs int32 [E], each expert's cumulative row tiles of t.bm,
+    and the 1-D grid: every expert's row tiles, bounded by cdiv(P, bm) + E without a host sync, times the column
+    tiles of t.bn)."""
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    tile_offs = torch.cumsum((counts + t.bm - 1) // t.bm, 0).to(torch.int32)
+    return tile_offs, ((triton.cdiv(P, t.bm) + offs.numel()) * triton.cdiv(N, t.bn),)
+
+
 def grouped_mm_int4(x: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                     tiles: Tiles | None = None) -> torch.Tensor:
     """x [P, K] bf16 (rows sorted by expert), offs int32 [E] (inclusive end row of each expert, as F.grouped_mm's
@@ -241,10 +258,8 @@ def grouped_mm_int4(x: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, s
                          f"{packed.dtype}")
     t = usable(tiles or TILES.get((N, K), DEFAULT_TILES),
                torch.cuda.get_device_capability(x.device) if x.is_cuda else None)
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    tile_offs = torch.cumsum((counts + t.bm - 1) // t.bm, 0).to(torch.int32)
+    tile_offs, grid = tile_schedule(offs, P, N, t)
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
-    grid = ((triton.cdiv(P, t.bm) + E) * triton.cdiv(N, t.bn),)
     grouped_mm_int4_kernel[grid](x.contiguous(), packed.contiguous(), scale.contiguous(), y,
                                  offs.to(torch.int32), tile_offs, E, N, K, E_PAD=triton.next_power_of_2(E),
                                  BM=t.bm, BN=t.bn, BK=block_k(K, t.bk), UNPACK=t.unpack, W_FIRST=t.w_first,
