@@ -13,6 +13,8 @@ import psutil
 import pytest
 import torch
 
+import time_guard
+
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # tests never download: a hub lookup fails at once instead of retrying for ~20 s (huggingface_hub's HF_HUB_OFFLINE,
@@ -96,14 +98,8 @@ def pytest_configure(config):
 
 
 # `make test-fast` runs every test not marked slow or ui: an unmarked test must stay quick. The budget is for 2 cores;
-# on a machine loaded beyond its cores (a second test run beside this one) it grows with the load average.
+# on a machine that other jobs keep busy it grows by how busy they kept it during the test (time_guard.budget_s).
 FAST_TEST_S = float(os.environ.get("EAGLE3_FAST_TEST_S", "10"))
-
-
-def fast_test_budget_s() -> float:
-    """Seconds an unmarked test's call may take here: FAST_TEST_S (2 cores) times how far the 1-minute load average
-    exceeds this machine's cores (at least 1)."""
-    return FAST_TEST_S * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
 # session fixtures that run the pipeline end to end (minutes): a test that asks for one is slow whatever it does
@@ -119,18 +115,33 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Read the machine's and this process's CPU counters around the test's call (time_guard.Sample)."""
+    item.stash[_CALL_SAMPLES] = [time_guard.Sample.now()]
+    yield
+    item.stash[_CALL_SAMPLES].append(time_guard.Sample.now())
+
+
+_CALL_SAMPLES = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Fail an unmarked test whose call phase ran past fast_test_budget_s (fixtures are not counted: a session
-    fixture is paid once): mark it `slow`, or make it quicker."""
+    """Fail an unmarked test whose call phase ran past FAST_TEST_S scaled by how busy other processes kept the
+    machine during it (time_guard.budget_s; fixtures are not counted: a session fixture is paid once): mark it
+    `slow`, or make it quicker."""
     outcome = yield
     report = outcome.get_result()
     if call.when != "call" or not report.passed or item.get_closest_marker("slow") or item.get_closest_marker("ui"):
         return
-    budget = fast_test_budget_s()
+    before, after = item.stash.get(_CALL_SAMPLES, [None, None])
+    budget = (FAST_TEST_S if before is None else
+              time_guard.budget_s(FAST_TEST_S, before, after, call.duration, os.getloadavg()[0], os.cpu_count() or 1))
     if call.duration > budget:
         report.outcome = "failed"
         report.longrepr = (f"{item.nodeid} took {call.duration:.1f} s, over the {budget:.0f} s an unmarked test may "
-                           f"take (conftest.FAST_TEST_S, scaled by load): mark it @pytest.mark.slow or make it quicker")
+                           f"take (conftest.FAST_TEST_S, scaled by how busy the machine was): mark it "
+                           f"@pytest.mark.slow or make it quicker")
 
 
 # the reference case's rehearsal (issue budget: 8 min on the CI machine's 2 cores): its tests' time, fixtures included
