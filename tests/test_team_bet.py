@@ -223,3 +223,28 @@ def test_team_bet_flow_restores_generations_and_reads_committed_points(e2e_run, 
     assert out["ran"] == [] and out["left"] == [tb.point_name(p) for p in pts[1:]]
     assert [p["tau"] for p in out["points"]] == [1.8] and "not_yet" in out["surface"]
     assert json.loads((results / "summary.json").read_text())["left"] == out["left"]
+
+
+@pytest.mark.slow
+def test_the_data_rates_are_those_of_the_work_not_of_a_call_that_found_it_done(e2e_run, tmp_path):
+    """data_stages twice on restored generations: the generation rate is the shard records' completion tokens over
+    their busy seconds and the extraction rate the features manifest's, both calls alike (the second finds every
+    stage done; it used to divide the answers by its own ~0 s of generation: 6.4 million tok/s on an H100)."""
+    import shutil
+
+    from eagle3_core.contract.manifest import busy_seconds
+    from eagle3_core.studies import team_bet_run as tr
+    cfg0, _ = e2e_run
+    cfg = cfg0.model_copy(deep=True)
+    cfg.run_dir = tmp_path / "run"
+    results = tmp_path / "results"
+    shutil.copytree(cfg0.run_dir / "prompts", cfg.run_dir / "prompts")
+    shutil.copytree(cfg0.run_dir / "generations", results / "generations")
+    records = [json.loads(p.read_text()) for p in sorted((results / "generations").glob("shard_*.json"))]
+    want = sum(r["completion_tokens"] for r in records) / busy_seconds(records)
+    first = tr.data_stages(cfg, results, log=lambda *_: None)
+    feats = json.loads((cfg.run_dir / "features" / "manifest.json").read_text())
+    assert first["generation_tok_s"] == pytest.approx(want)
+    assert first["extraction_tok_s"] == pytest.approx(feats["tokens_per_s"]) and first["extraction_tok_s"] > 0
+    again = tr.data_stages(cfg, results, log=lambda *_: None)
+    assert again == first == json.loads((results / "data.json").read_text())

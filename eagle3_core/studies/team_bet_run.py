@@ -19,6 +19,7 @@ import torch
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
+from eagle3_core.contract.manifest import busy_seconds
 from eagle3_core.evaluation.replay_eval import record_target, replay_measure
 from eagle3_core.evaluation.speculate import TargetRunner
 from eagle3_core.pipeline.features_stage import run_features
@@ -48,29 +49,35 @@ def copy_new(src: Path, dst: Path, pattern: str = "shard_*") -> list[str]:
     return [p.name for p in new]
 
 
+def generation_rate(generations: Path) -> float | None:
+    """Output tok/s of the calls that generated the shards in `generations`: their completion tokens over the wall
+    time any of them ran (manifest.busy_seconds of the shard records' started_at/ended_at), wherever and whenever
+    they ran; None without a timed shard record."""
+    records = [json.loads(p.read_text()) for p in sorted(generations.glob("shard_*.json"))]
+    busy = busy_seconds(records)
+    return sum(r["completion_tokens"] for r in records) / busy if busy > 0 else None
+
+
 def data_stages(cfg: PipelineConfig, results: Path, log=print) -> dict:
     """prompts, generation (its shards restored from RESULTS/generations first, kept there after), tokenize,
-    features (timed), vocab. Returns data.json {generation_tok_s, output_tokens_per_sample, tokens_per_sample,
-    extraction_tok_s, hidden_size}: the generation rate of the call that generated (kept in RESULTS/data.json)."""
+    features, vocab. Returns data.json {generation_tok_s, output_tokens_per_sample, tokens_per_sample,
+    extraction_tok_s, hidden_size}, kept in RESULTS/data.json. The two rates are those of the work itself, never
+    of a call that found it done: generation from the shard records (generation_rate), extraction from the features
+    manifest's tokens_per_s (the shards this call extracted), else the value already in RESULTS/data.json."""
     run = RunLayout(cfg.run_dir)
     run_prompts(cfg, log=log)
     restored = copy_new(results / "generations", run.generations)
-    t0 = time.monotonic()
     gen = run_generation(cfg, log=log)
-    gen_s = time.monotonic() - t0
     kept = copy_new(run.generations, results / "generations")
     log(f"team bet: {len(restored)} generation file(s) restored from {results}, {len(kept)} kept there")
     tok = run_tokenize(cfg, log=log)
-    t0 = time.monotonic()
     feat = run_features(cfg, log=log)
-    feat_s = time.monotonic() - t0
     run_vocab(cfg, log=log)
     old = json.loads((results / "data.json").read_text()) if (results / "data.json").exists() else {}
-    answers = gen.get("completion_tokens", 0)
-    data = {"generation_tok_s": old.get("generation_tok_s") if restored and old else answers / max(gen_s, 1e-9),
-            "output_tokens_per_sample": answers / max(len(prompt_ids(cfg)["train_ids"]), 1),
+    data = {"generation_tok_s": generation_rate(results / "generations") or old.get("generation_tok_s"),
+            "output_tokens_per_sample": gen.get("completion_tokens", 0) / max(len(prompt_ids(cfg)["train_ids"]), 1),
             "tokens_per_sample": tok["tokens"] / tok["samples"],
-            "extraction_tok_s": old.get("extraction_tok_s") if feat_s < 1 and old else tok["tokens"] / feat_s,
+            "extraction_tok_s": feat.get("tokens_per_s") or old.get("extraction_tok_s"),
             "hidden_size": feat["hidden_size"]}
     (results / "data.json").write_text(json.dumps(data, indent=1) + "\n")
     return data
