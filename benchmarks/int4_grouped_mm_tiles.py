@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle3_core.target.int4_experts import dequantize_int4  # noqa: E402
-from eagle3_core.target.int4_grouped_mm import (Tiles, block_k, expert_tile,  # noqa: E402
-                                               grouped_mm_int4, grouped_mm_int4_kernel, tile_schedule)
+from eagle3_core.target.int4_grouped_mm import (Tiles, block_k, compile_sm90, expert_tile,  # noqa: E402
+                                               grouped_mm_int4, tile_schedule)
 from int4_ep_throughput import KIMI, TINY, random_packed, timed  # noqa: E402
 
 # (bm, bn, bk, warps, stages); unpack 1 is left out: 8.5-17x slower than unpack 0 on one H100 (2026-12-07)
@@ -159,17 +159,7 @@ def best(result: dict) -> dict | None:
 
 def sass_mix(t: Tiles) -> dict:
     """Instruction counts of the kernel compiled for sm_90 at tiles t (no GPU: Triton's ptxas and nvdisasm)."""
-    from triton.backends.compiler import GPUTarget   # only --sass compiles without a launch
-    from triton.compiler import ASTSource            # (as above)
-    args = ("x_ptr", "packed_ptr", "scale_ptr", "y_ptr", "offs_ptr", "tile_offs_ptr", "E", "N", "K")
-    sig = {a: "*bf16" if a in ("x_ptr", "scale_ptr", "y_ptr") else "*i32" if a.endswith("_ptr") else "i32"
-           for a in args} | {c: "constexpr" for c in ("E_PAD", "BM", "BN", "BK", "UNPACK", "W_FIRST", "INTERPRET")}
-    src = ASTSource(fn=grouped_mm_int4_kernel, signature=sig, attrs={(i,): [["tt.divisibility", 16]] for i in
-                                                               (0, 1, 2, 3, 4, 5, 7, 8)},
-                    constexprs={"E_PAD": 64, "BM": t.bm, "BN": t.bn, "BK": t.bk, "UNPACK": t.unpack,
-                                "W_FIRST": t.w_first, "INTERPRET": False})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": t.warps,
-                                                                        "num_stages": t.stages})
+    k = compile_sm90(t)
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])

@@ -39,18 +39,11 @@ torch.save(out, sys.argv[2])
 
 # the CUDA path compiled without a GPU: Triton's own LLVM and ptxas, for sm_90 (H100 and H200)
 COMPILE = """
-import json, re, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from eagle3_core.target.int4_grouped_mm import DEFAULT_TILES as T, grouped_mm_int4_kernel
-sig = {"x_ptr": "*bf16", "packed_ptr": "*i32", "scale_ptr": "*bf16", "y_ptr": "*bf16", "offs_ptr": "*i32",
-       "tile_offs_ptr": "*i32", "E": "i32", "N": "i32", "K": "i32", "E_PAD": "constexpr", "BM": "constexpr",
-       "BN": "constexpr", "BK": "constexpr", "UNPACK": "constexpr", "W_FIRST": "constexpr", "INTERPRET": "constexpr"}
+import json, re
+from eagle3_core.target.int4_grouped_mm import DEFAULT_TILES as T, compile_sm90
 out = {}
 for bk, unpack, w_first in ((128, 0, False), (64, 1, False), (32, 0, True), (128, 2, True), (64, 2, False)):
-    src = ASTSource(fn=grouped_mm_int4_kernel, signature=sig, constexprs={
-        "E_PAD": 64, "BM": T.bm, "BN": T.bn, "BK": bk, "UNPACK": unpack, "W_FIRST": w_first, "INTERPRET": False})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    ptx = compile_sm90(T._replace(bk=bk, unpack=unpack, w_first=w_first)).asm["ptx"]
     out[f"{bk}/{unpack}/{w_first}"] = {"mma": sorted(set(re.findall(r"wgmma\.mma_async[a-z0-9._]*", ptx))),
                                        "int_to_float": len(re.findall(r"cvt\.rn\.f32\.[su]32", ptx)),
                                        "to_bf16": len(re.findall(r"cvt\.rn\.bf16", ptx))}

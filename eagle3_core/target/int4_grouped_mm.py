@@ -265,3 +265,21 @@ def grouped_mm_int4(x: torch.Tensor, offs: torch.Tensor, packed: torch.Tensor, s
                                  BM=t.bm, BN=t.bn, BK=block_k(K, t.bk), UNPACK=t.unpack, W_FIRST=t.w_first,
                                  INTERPRET=interpreting(), num_warps=t.warps, num_stages=t.stages)
     return y
+
+
+def compile_sm90(t: Tiles, e_pad: int = 64):
+    """The kernel at tiles `t` compiled for sm_90 (H100, H200) without a GPU, by Triton's own LLVM and ptxas: the
+    compiled kernel (.asm["ptx"], .asm["cubin"], .metadata.shared). Pointers are assumed 16-byte aligned and N, K
+    multiples of 16, as every launch here has them (tt.divisibility, which Triton's launcher infers)."""
+    from triton.backends.compiler import GPUTarget   # only an ahead-of-time compile needs these
+    from triton.compiler import ASTSource            # (as above)
+    args = ("x_ptr", "packed_ptr", "scale_ptr", "y_ptr", "offs_ptr", "tile_offs_ptr", "E", "N", "K")
+    sig = {a: "*bf16" if a in ("x_ptr", "scale_ptr", "y_ptr") else "*i32" if a.endswith("_ptr") else "i32"
+           for a in args} | {c: "constexpr" for c in ("E_PAD", "BM", "BN", "BK", "UNPACK", "W_FIRST", "INTERPRET")}
+    src = ASTSource(fn=grouped_mm_int4_kernel, signature=sig,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8)},
+                    constexprs={"E_PAD": e_pad, "BM": t.bm, "BN": t.bn, "BK": t.bk, "UNPACK": t.unpack,
+                                "W_FIRST": t.w_first, "INTERPRET": False})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": t.warps,
+                                                                           "num_stages": t.stages})
+
