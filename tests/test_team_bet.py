@@ -61,9 +61,13 @@ def cfg(tmp_path):
 
 class FakeTrainer:
     """Stands in for train_subset (a real training run is the GPU session's): 0.01 s per sample-epoch on a
-    simulated clock that starts with the object; Unfinished when a phase would end after the deadline."""
+    simulated clock that starts with the object (`now`, run_points' clock); Unfinished when a phase would end
+    after the deadline."""
     def __init__(self):
         self.calls, self.start, self.spent = [], time.monotonic(), 0.0
+
+    def now(self) -> float:
+        return self.start + self.spent
 
     def __call__(self, cfg, n, recipe, seed, out, init_from, log, deadline):
         self.calls.append((n, recipe, seed, init_from))
@@ -108,17 +112,34 @@ def test_committed_points_are_not_rerun_and_warm_seconds_include_the_quarter(cfg
 def test_budget_runs_what_fits_then_stops_cleanly(cfg, tmp_path):
     pts = tb.study_points(400, [0.5, 1.0], ["e4"], seeds=1)
     names = [tb.point_name(p) for p in pts]
-    quiet = dict(train_fn=FakeTrainer(), log=lambda s: None)
-    # the first point runs on the default estimate (1 s); the warm arm's estimate from the first's rate (0.01 s per
-    # sample-epoch x 10 epochs x (100 + 400) samples = 50 s) does not fit in 45 s: it and all after it are left
-    res = tb.run_points(cfg, pts, tmp_path / "r", tmp_path / "w", measure, budget_s=45.0, default_s=1.0, **quiet)
+    assert names == ["n400-plateau-s0", "warm-n100to400-plateau-s0", "n400-e4-s0", "n200-plateau-s0", "n200-e4-s0"]
+
+    def call(budget_s: float, out: str, partial: bool = False) -> dict:
+        trainer = FakeTrainer()
+        return tb.run_points(cfg, pts, tmp_path / out, tmp_path / f"{out}-work", measure, budget_s=budget_s,
+                             default_s=1.0, partial=partial, train_fn=trainer, clock=trainer.now,
+                             log=lambda s: None)
+    # the first point runs on the default estimate (1 s) and takes 40 s; the estimates from its rate (0.01 s per
+    # sample-epoch, 10 epochs for a plateau point): warm arm (100 + 400) x 10 = 50 s, n400-e4 16 s, n200-plateau
+    # 20 s, n200-e4 8 s. In 45 s nothing after the first fits: all are left, in order
+    res = call(45.0, "r")
     assert res["ran"] == names[:1] and res["left"] == names[1:] and res["unfinished"] is None
     assert tb.estimate_seconds(pts[1], res["done"], 1.0) == pytest.approx(50.0)
     # partial: the warm arm starts anyway and stops at the deadline (its quarter's 10 s after the first's 40 s)
-    res = tb.run_points(cfg, pts, tmp_path / "r2", tmp_path / "w2", measure, budget_s=45.0, default_s=1.0,
-                        partial=True, **{**quiet, "train_fn": FakeTrainer()})
+    res = call(45.0, "r2", partial=True)
     assert res["ran"] == names[:1] and res["unfinished"] == names[1] and res["left"] == names[1:]
     assert not (tmp_path / "r2" / f"{names[1]}.json").exists()
+    # in 70 s a point that does not fit is passed over for later ones that do: 40 + 16 + 8 = 64 s
+    res = call(70.0, "r3")
+    assert res["ran"] == [names[0], names[2], names[4]] and res["left"] == [names[1], names[3]]
+    assert [d["name"] for d in res["done"]] == res["ran"] and res["unfinished"] is None
+    # the next call reads those back and runs what is left; results listed in the points' order
+    res = call(None, "r3")
+    assert res["ran"] == [names[1], names[3]] and res["left"] == [] and [d["name"] for d in res["done"]] == names
+    # partial after the pass: the most valuable point left gets the last 6 s of the 70
+    res = call(70.0, "r4", partial=True)
+    assert res["ran"] == [names[0], names[2], names[4]] and res["unfinished"] == names[1]
+    assert res["left"] == [names[1], names[3]]
 
 
 def test_trainer_calls_run_the_epochs_that_fit_before_the_deadline(tmp_path):

@@ -9,7 +9,8 @@ prompts: tau with its bootstrap 95% interval and the per-prompt counts for paire
 
 Resumable: each point's result is RESULTS/<name>.json holding the settings it was made with; a point whose file
 holds the same settings is not run again, so separate GPU calls add points to a committed folder. `run_points`
-stops before a point its estimate says would not finish within the budget.
+runs, most valuable first, the points its estimate says will finish within the budget and leaves the others for
+the next call.
 
 The surface: tau = a + b*x + c*y + d*x*y with x = log10(training samples), y = log10(epochs run), least squares
 over every measured point (fit_surface); its prediction at 10x the largest size is an extrapolation, and plan's
@@ -201,35 +202,45 @@ def estimate_seconds(point: dict, done: list[dict], default_s: float) -> float:
 
 def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Path, measure,
                budget_s: float | None = None, default_s: float = 600.0, partial: bool = False,
-               train_fn=train_subset, log=print) -> dict:
-    """Every point in order: one whose RESULTS/<name>.json holds the same settings is read back (not rerun); the
-    others run while their estimate (estimate_seconds) fits in what is left of budget_s (None: no budget), each
-    result written as soon as it is in. With `partial` a point that does not fit is started anyway and stopped at
-    the budget's end (Unfinished), its checkpoints left in `work` for the next call on the same machine. Points
-    after the first not run are left, in order. Returns {done: [results], ran: [names], left: [names not run],
-    unfinished: name or None}."""
+               train_fn=train_subset, log=print, clock=time.monotonic) -> dict:
+    """Every point in order: one whose RESULTS/<name>.json holds the same settings is read back (not rerun); each
+    other runs if its estimate (estimate_seconds) fits in what is left of budget_s (None: no budget), and is left
+    for a later call if not, so a call fills its budget with what fits, most valuable first; each result is written
+    as soon as it is in. With `partial`, the first point left is then started anyway with the rest of the budget and
+    stopped at its end (Unfinished), its checkpoints left in `work` for the next call on the same machine. `clock`:
+    seconds, the trainer's deadline clock (time.monotonic). Returns {done: [results], ran: [names], left: [names
+    not run, in order], unfinished: name or None}."""
     results.mkdir(parents=True, exist_ok=True)
-    t0, done, ran, left, unfinished = time.monotonic(), [], [], [], None
+    t0, done, ran, left, stopped = clock(), [], [], [], []
     deadline = None if budget_s is None else t0 + budget_s
+    todo = []
     for p in points:
-        settings = point_settings(cfg, p)
-        if old := cached_point(results, p, settings):
+        if old := cached_point(results, p, point_settings(cfg, p)):
             done.append(old)
-            continue
-        fits = budget_s is None or time.monotonic() - t0 + estimate_seconds(p, done, default_s) <= budget_s
-        if left or not (fits or partial):
-            left.append(point_name(p))
-            continue
+        else:
+            todo.append(p)
+
+    def run(p: dict) -> bool:
         try:
-            res = {"settings": settings, **run_point(cfg, p, work, measure, train_fn, log, deadline)}
+            res = {"settings": point_settings(cfg, p), **run_point(cfg, p, work, measure, train_fn, log, deadline)}
         except Unfinished as e:
             log(f"team bet: {point_name(p)} stopped at the budget's end ({e}); the next call resumes it")
-            unfinished = point_name(p)
-            left.append(unfinished)
-            continue
+            stopped.append(point_name(p))
+            return False
         (results / f"{res['name']}.json").write_text(json.dumps(res, indent=1) + "\n")
         done.append(res)
         ran.append(res["name"])
+        return True
+
+    for p in todo:
+        fits = budget_s is None or clock() - t0 + estimate_seconds(p, done, default_s) <= budget_s
+        if not (fits and run(p)):
+            left.append(p)
+    if partial and left and not stopped:
+        run(left[0])
+    left = [point_name(p) for p in left if point_name(p) not in ran]
     if left:
         log(f"team bet: budget spent; {len(left)} point(s) left for the next call: {', '.join(left)}")
-    return {"done": done, "ran": ran, "left": left, "unfinished": unfinished}
+    order = {point_name(p): i for i, p in enumerate(points)}
+    done.sort(key=lambda d: order.get(d["name"], len(order)))
+    return {"done": done, "ran": ran, "left": left, "unfinished": stopped[0] if stopped else None}
