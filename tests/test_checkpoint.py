@@ -123,3 +123,25 @@ def test_draft_hidden_other_than_target_hidden_trains_its_embedding_and_round_tr
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["hidden_size"], cfg["target_hidden_size"]) == (48, 32)
     assert torch.equal(_probe(d)[0], _probe(load_draft(out))[0])
+
+
+def test_training_checkpoints_leave_out_the_frozen_target_embedding_and_load_older_ones(tmp_path):
+    """trained_state drops embed_tokens where it is the target's (frozen), keeps it where the draft trains its own
+    (H != H_t); load_trained_state takes both kinds of checkpoint and refuses one that lacks a trained tensor."""
+    from eagle3_core.training.checkpoint import load_trained_state, trained_state
+    draft = tiny_draft(seed=1)
+    state = trained_state(draft)
+    assert "embed_tokens.weight" not in state
+    assert set(state) == set(draft.state_dict()) - {"embed_tokens.weight"} and {"d2t", "t2d"} <= set(state)
+    fresh = tiny_draft(seed=2)
+    with torch.no_grad():
+        fresh.embed_tokens.weight.copy_(draft.embed_tokens.weight)       # the run rebuilds it from the store
+    load_trained_state(fresh, state, tmp_path / "step.pt")
+    assert all(torch.equal(t, draft.state_dict()[k]) for k, t in fresh.state_dict().items())
+    older = tiny_draft(seed=3)
+    load_trained_state(older, draft.state_dict(), tmp_path / "step.pt")   # written before: holds the embedding
+    assert all(torch.equal(t, draft.state_dict()[k]) for k, t in older.state_dict().items())
+    with pytest.raises(CheckpointError, match=r"step\.pt.*'fc\.weight'"):
+        load_trained_state(tiny_draft(), {k: v for k, v in state.items() if k != "fc.weight"}, tmp_path / "step.pt")
+    wide = tiny_draft(hidden_size=48)                                   # H != H_t: the draft's own embedding
+    assert "embed_tokens.weight" in trained_state(wide)

@@ -268,6 +268,25 @@ def set_rng_states(states: dict) -> None:
     random.setstate((py[0], tuple(py[1]), py[2]))
 
 
+def trained_state(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
+    """The draft's state_dict for a training checkpoint: every tensor but its frozen parameters (the target's
+    embedding when H == H_t: fp32 [V, H], 4.7 GB of a Kimi-K2.5 draft's checkpoint), which the run rebuilds from
+    the feature store (startup.fresh_draft) and which the resume key ties to the same store."""
+    frozen = {n for n, p in draft.named_parameters() if not p.requires_grad}
+    return {k: v for k, v in draft.state_dict().items() if k not in frozen}
+
+
+def load_trained_state(draft: Eagle3Draft, model: dict[str, torch.Tensor], path: Path) -> None:
+    """Load a training checkpoint's `model` (trained_state's, or an older one that also holds the frozen
+    embedding) into `draft`. Raises CheckpointError naming `path` and the keys where a trained tensor is missing
+    or a key is not the draft's."""
+    frozen = {n for n, p in draft.named_parameters() if not p.requires_grad}
+    missing, unexpected = draft.load_state_dict(model, strict=False)
+    if (lost := sorted(set(missing) - frozen)) or unexpected:
+        raise CheckpointError(f"{path}: the checkpoint's draft lacks {lost} and has unknown {sorted(unexpected)}: "
+                              f"it was written for another draft shape; train into a new output directory")
+
+
 def save_training_state(out_dir: Path, state: dict, step: int, keep: int) -> Path:
     """Write `state` (tensors, dicts, lists, numbers, strings) as out_dir/checkpoints/step_{step}.pt atomically
     (temporary name, fsync, rename, fsync of the directory), then delete all but the newest `keep`.

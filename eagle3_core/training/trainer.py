@@ -2,18 +2,21 @@
 clipping, gradient accumulation, bf16 autocast on GPU (fp32 on CPU), token-budget batches, eval on the held-out
 split each epoch, best export by simulated tau, TensorBoard scalars, and atomic checkpoints every
 `checkpoint_every` optimizer steps that resume mid-epoch to the same bits. Read `train` top to bottom (one
-optimizer step: training.optimizer_step; the epoch end: _end_epoch); the data-parallel parts (rank slicing, zero-weight pads, no_sync, all-reduces, rank-0 writes) sit behind
-distributed.data_parallel.DataParallel, the identity on one process.
+optimizer step: training.optimizer_step; the epoch end: _end_epoch); the data-parallel parts (rank slicing,
+zero-weight pads, no_sync, all-reduces, rank-0 writes) sit behind distributed.data_parallel.DataParallel, the
+identity on one process.
 
 Legend: W ranks, G = cfg.grad_accum micro-batches per rank per optimizer step, K TTT steps, V target vocab,
 N draft vocab, H_t target hidden size.
 
-Recipe defaults follow SpecForge / EAGLE (SpecForge `scripts/train_eagle3.py`, EAGLE `train/main.py`): AdamW betas (0.9, 0.95), grad clip 0.5.
-Resumable state (checkpoint.save_training_state, the keys written in `_checkpoint` and read in restore_training_state):
-weights, optimizer, scheduler, epoch, position in the epoch's batch order (the order is a pure function of (seed,
-epoch, sample lengths)), optimizer steps, metric sums and tokens of the epoch so far (all ranks), best score,
-history and RNG states (rank 0's), and the resume key (checkpoint.resume_key: resolved batching, batch tokens,
-W*G, seed, window context, the samples), checked field by field before a resume (checkpoint.check_resume).
+Recipe defaults follow SpecForge / EAGLE (SpecForge `scripts/train_eagle3.py`, EAGLE `train/main.py`): AdamW betas
+(0.9, 0.95), grad clip 0.5.
+Resumable state (checkpoint.save_training_state, the keys written in `_checkpoint` and read in
+restore_training_state): weights (all but the frozen target embedding: checkpoint.trained_state), optimizer,
+scheduler, epoch, position in the epoch's batch order (the order is a pure function of (seed, epoch, sample
+lengths)), optimizer steps, metric sums and tokens of the epoch so far (all ranks), best score, history and RNG
+states (rank 0's), and the resume key (checkpoint.resume_key: resolved batching, batch tokens, W*G, seed, window
+context, the samples), checked field by field before a resume (checkpoint.check_resume).
 """
 from __future__ import annotations
 
@@ -36,10 +39,12 @@ from eagle3_core.contract.numbers import checkpoint_place, eta_text
 from eagle3_core.training.checkpoint import (
     check_resume,
     load_latest_training_state,
+    load_trained_state,
     rng_states,
     save_draft,
     resume_key,
     save_training_state,
+    trained_state,
     set_rng_states,
 )
 from eagle3_core.training.draft_model import Eagle3Draft
@@ -96,10 +101,11 @@ def _evaluate(draft: Eagle3Draft, samples: list[dict], head_draft: torch.Tensor,
     return summarize(total)
 
 
-def restore_training_state(state: dict, draft, opt, sched, device: torch.device) -> tuple:
-    """Load a training checkpoint (checkpoint.save_training_state's dict) into the draft, optimizer, scheduler and
-    RNGs. Returns (epoch, batch, step, metric sums on `device` or None, tokens, best, history) to continue from."""
-    draft.load_state_dict(state["model"])
+def restore_training_state(state: dict, draft, opt, sched, device: torch.device, path: Path) -> tuple:
+    """Load a training checkpoint (checkpoint.save_training_state's dict, read from `path`) into the draft
+    (checkpoint.load_trained_state), optimizer, scheduler and RNGs. Returns (epoch, batch, step, metric sums on
+    `device` or None, tokens, best, history) to continue from."""
+    load_trained_state(draft, state["model"], path)
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
     set_rng_states(state["rng"])
@@ -254,7 +260,8 @@ def _resume(draft: Eagle3Draft, train_samples: list[dict], cfg: TrainConfig, out
         check_resume(state, resume, path, lambda: checkpoint_fingerprint_v4(train_samples, cfg, group_size, pack))
         if rule is not None and state.get("stopping"):       # the rule decides on as it would have
             rule.load_state_dict(state["stopping"])
-        epoch0, batch0, step, sums, n_tokens, best, history = restore_training_state(state, draft, opt, sched, device)
+        epoch0, batch0, step, sums, n_tokens, best, history = restore_training_state(state, draft, opt, sched, device,
+                                                                                      path)
         say(f"train: resumed from {path.name} (epoch {epoch0 + 1}, batch {batch0}, step {step}){ranks}")
     else:
         epoch0, batch0, step, sums, n_tokens = 0, 0, 0, None, 0
@@ -286,7 +293,7 @@ def _checkpoint(run: TrainRun, prog: _Progress, epoch: int, batch: int) -> None:
     all_sums, tokens = dp.sum_stats(sums, run.cfg.ttt_length), dp.sum_int(prog.n_tokens)
     if dp.is_main:
         save_training_state(run.out_dir, {
-            "model": run.draft.state_dict(), "optimizer": run.opt.state_dict(), "scheduler": run.sched.state_dict(),
+            "model": trained_state(run.draft), "optimizer": run.opt.state_dict(), "scheduler": run.sched.state_dict(),
             "epoch": epoch, "batch": batch, "step": prog.step, "resume": run.resume, "tokens": tokens,
             "sums": {k: v.cpu() for k, v in all_sums.items()} if sums is not None else {},
             "best": prog.best, "history": json.dumps(prog.history), "rng": rng_states(),
