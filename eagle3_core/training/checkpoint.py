@@ -277,9 +277,9 @@ def trained_state(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
 
 
 def load_trained_state(draft: Eagle3Draft, model: dict[str, torch.Tensor], path: Path) -> None:
-    """Load a training checkpoint's `model` (trained_state's, or an older one that also holds the frozen
-    embedding) into `draft`. Raises CheckpointError naming `path` and the keys where a trained tensor is missing
-    or a key is not the draft's."""
+    """Load a training checkpoint's `model` (trained_state's, or one written before 42aa5c7 that also holds the
+    frozen embedding: compat.LEGACY_READERS) into `draft`. Raises CheckpointError naming `path` and the keys where
+    a trained tensor is missing or a key is not the draft's."""
     frozen = {n for n, p in draft.named_parameters() if not p.requires_grad}
     missing, unexpected = draft.load_state_dict(model, strict=False)
     if (lost := sorted(set(missing) - frozen)) or unexpected:
