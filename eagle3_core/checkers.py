@@ -45,7 +45,8 @@ from eagle3_core.target.family import (
 )
 from eagle3_core.target.loading import load_target_config
 from eagle3_core.target.memory import gpu_memory
-from eagle3_core.training.draft_geometry import draft_geometry, geometry_problems
+from eagle3_core.training.draft_geometry import draft_geometry, draft_shape, geometry_problems
+from eagle3_core.training.train_memory import row_fit
 from eagle3_core.training.warm_start import init_from_check
 
 EVALUATE_RUNS = {"decode": "HF transformers in process: the target verifies each draft step (speculate)",
@@ -219,6 +220,19 @@ def backends_check(run: RunToCheck) -> tuple[dict, list[tuple[str, str]]]:
     return facts, problems
 
 
+def train_memory_check(run: RunToCheck) -> tuple[dict, list[tuple[str, str]]]:
+    """Whether one packed row of train.batch_tokens tokens fits one training GPU (`gpus`, default this host's):
+    training.train_memory.row_fit; not checked where the draft geometry fails (geometry_check names that)."""
+    cfg = run.cfg
+    try:
+        shape = draft_shape(run.tcfg, cfg.draft.draft_vocab_size, run.ids or [], overrides=cfg.draft.geometry(),
+                            capacity=cfg.draft.capacity())
+    except ValueError:
+        return {}, []
+    fact, problems = row_fit(shape, cfg.train, gpu_memory() if run.gpus is DETECT else run.gpus)
+    return {"train_memory": fact}, problems
+
+
 def features_backend(run: RunToCheck) -> tuple[dict, list[tuple[str, str]], list[tuple[str, str]]]:
     """(facts, problems, fit problems) of the features backend, all read from its row (features.backends.BACKENDS):
     its bytes per GPU on `gpus` (default: this host's) and fit (its memory model: backends.memory_facts), what runs
@@ -284,8 +298,9 @@ def disk_space_check(run: RunToCheck) -> tuple[dict, list[tuple[str, str]]]:
     return {"disk": fact}, problems
 
 
+# in the order they report
 CHECKERS = (sources_check, target_check, geometry_check, chat_template_check, disk_rate_check, backends_check,
-            draft_dir_check, server_check, warm_start_check, disk_space_check)       # in the order they report
+            train_memory_check, draft_dir_check, server_check, warm_start_check, disk_space_check)
 
 
 def expert_parallel_check(cfg: PipelineConfig, t) -> tuple[PipelineConfig, list[tuple[str, str]]]:

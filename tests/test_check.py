@@ -171,3 +171,22 @@ def test_a_missing_prompt_file_is_refused_naming_the_source_and_the_fix(tmp_path
     assert "does not exist: give an existing .jsonl, .json or .parquet path" in problems[0][1]
     (tmp_path / "gone.jsonl").write_text('{"prompt": "hi"}\n')
     assert _fields(cfg) == []
+
+
+def test_a_training_row_too_long_for_the_gpu_is_refused_with_the_length_that_fits(kimi_k25):
+    """training.train_memory on the Kimi-K2.5 draft: 32K-token rows do not fit an 80 GB H100 (measured: out of
+    memory), 16K do (measured 73.3 GiB); the fix names the longest row that fits; without a GPU it is not checked."""
+    from eagle3_core.config import TrainConfig
+
+    def run(batch_tokens: int, gpus):
+        cfg = PipelineConfig(features=FeatureConfig(max_length=2048), train=TrainConfig(batch_tokens=batch_tokens))
+        facts, problems = check_run(cfg, target_config=kimi_k25, memory=(8 * TB, "a host that holds it"), gpus=gpus)
+        return facts["train_memory"], [m for f, m in problems if f == "train.batch_tokens"]
+    h100 = (8, int(79.18 * 2 ** 30))
+    fact, refused = run(32768, h100)
+    assert fact["gpu_gib"] == 79.2 and fact["peak_gib_estimate"] > 100 and len(refused) == 1
+    assert "32,768 tokens" in refused[0] and "set train.batch_tokens to 18," in refused[0]
+    fact, refused = run(16384, h100)
+    assert refused == [] and 70 < fact["peak_gib_estimate"] < 76
+    fact, refused = run(32768, None)
+    assert refused == [] and "not checked" in fact["gpu"]

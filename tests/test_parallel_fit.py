@@ -26,11 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _check(target, gpus, memory=TB, **features):
-    """memory: what the in-process stages get (evaluate loads the whole target); not what this test is about."""
+    """memory: what the in-process stages get (evaluate loads the whole target); not what this test is about. Nor is
+    the training row's fit on these GPUs of kilobytes (checkers.train_memory_check: tests/test_train_memory.py)."""
     cfg = PipelineConfig(features=FeatureConfig(max_length=256, aux_layer_ids=[1, 3, 4], **features),
                          generation=GenerationConfig(max_new_tokens=64))       # room for the prompt in 256
     facts, problems = check_run(cfg, target_config=target, memory=(memory, "test"), gpus=gpus)
-    return facts["backends"]["features"], problems
+    return facts["backends"]["features"], [(f, m) for f, m in problems if f != "train.batch_tokens"]
 
 
 def test_llama_bytes_per_rank_by_hand():
