@@ -271,7 +271,7 @@ def set_rng_states(states: dict) -> None:
 def trained_state(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
     """The draft's state_dict for a training checkpoint: every tensor but its frozen parameters (the target's
     embedding when H == H_t: fp32 [V, H], 4.7 GB of a Kimi-K2.5 draft's checkpoint), which the run rebuilds from
-    the feature store (startup.fresh_draft) and which the resume key ties to the same store."""
+    the feature store's copy of it (startup.fresh_draft) before it resumes."""
     frozen = {n for n, p in draft.named_parameters() if not p.requires_grad}
     return {k: v for k, v in draft.state_dict().items() if k not in frozen}
 

@@ -15,9 +15,10 @@ T tokens of the row):
 OVERHEAD, A and C are a least-squares fit to the peaks `benchmarks/train_throughput.py --mode long` measured
 (torch.cuda.max_memory_allocated of our compiled step, flex attention, TTT 7; MEASURED): every measured peak is
 within 0.4% of the model. Not measured, so extrapolated: other TTT lengths (taken as linear in K), more than one
-draft layer (linear in L), and the trainer's own extras beyond the benchmark's step (its batch of features, under
-1% at these sizes). What CUDA itself holds (its context, about 0.5 GiB) is outside torch's count: `fits` keeps
-CONTEXT_BYTES free.
+draft layer (linear in L), and the trainer's own extras beyond the benchmark's step (a batch of features copied
+ahead: 57 KB a token for Kimi-K2.5's aux and final hidden states in bf16, about 2% of the per-token estimate).
+What CUDA itself holds (its context, about 0.5 GiB) is outside torch's count: row_fit and
+TrainMemory.tokens_that_fit keep CONTEXT_BYTES free.
 """
 from __future__ import annotations
 
