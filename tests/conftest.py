@@ -114,15 +114,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+_CALL_SAMPLES = pytest.StashKey[list]()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     """Read the machine's and this process's CPU counters around the test's call (time_guard.Sample)."""
     item.stash[_CALL_SAMPLES] = [time_guard.Sample.now()]
     yield
     item.stash[_CALL_SAMPLES].append(time_guard.Sample.now())
-
-
-_CALL_SAMPLES = pytest.StashKey[list]()
 
 
 @pytest.hookimpl(hookwrapper=True)

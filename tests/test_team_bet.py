@@ -213,19 +213,24 @@ def test_points_train_and_replay_on_real_features(e2e_run, tmp_path):
     assert len(out["warm_against_scratch"]) == 1
 
 
+def restored_run(cfg0, tmp_path):
+    """(a copy of the end-to-end run's config in tmp_path/run with its prompts, tmp_path/results holding its
+    generations as a committed results folder does)."""
+    import shutil
+    cfg = cfg0.model_copy(deep=True)
+    cfg.run_dir = tmp_path / "run"
+    shutil.copytree(cfg0.run_dir / "prompts", cfg.run_dir / "prompts")
+    shutil.copytree(cfg0.run_dir / "generations", tmp_path / "results" / "generations")
+    return cfg, tmp_path / "results"
+
+
 @pytest.mark.slow
 def test_team_bet_flow_restores_generations_and_reads_committed_points(e2e_run, tmp_path):
     """The flow on debug_tiny's data: the committed generations are restored (the generation stage sends nothing),
     a committed point is read back, and a budget too small for any other point leaves them all, in order."""
-    import shutil
-
     from flows.scaling_study import team_bet_flow
     cfg0, _ = e2e_run
-    cfg = cfg0.model_copy(deep=True)
-    cfg.run_dir = tmp_path / "run"
-    results = tmp_path / "results"
-    shutil.copytree(cfg0.run_dir / "prompts", cfg.run_dir / "prompts")
-    shutil.copytree(cfg0.run_dir / "generations", results / "generations")
+    cfg, results = restored_run(cfg0, tmp_path)
     (results / "generations" / "manifest.json").unlink(missing_ok=True)
     from eagle3_core.features.reader import load_samples
     n = len(load_samples(cfg0.run_dir / "features", verify=False))
@@ -251,16 +256,9 @@ def test_the_data_rates_are_those_of_the_work_not_of_a_call_that_found_it_done(e
     """data_stages twice on restored generations: the generation rate is the shard records' completion tokens over
     their busy seconds and the extraction rate the features manifest's, both calls alike (the second finds every
     stage done; it used to divide the answers by its own ~0 s of generation: 6.4 million tok/s on an H100)."""
-    import shutil
-
     from eagle3_core.contract.manifest import busy_seconds
     from eagle3_core.studies import team_bet_run as tr
-    cfg0, _ = e2e_run
-    cfg = cfg0.model_copy(deep=True)
-    cfg.run_dir = tmp_path / "run"
-    results = tmp_path / "results"
-    shutil.copytree(cfg0.run_dir / "prompts", cfg.run_dir / "prompts")
-    shutil.copytree(cfg0.run_dir / "generations", results / "generations")
+    cfg, results = restored_run(e2e_run[0], tmp_path)
     records = [json.loads(p.read_text()) for p in sorted((results / "generations").glob("shard_*.json"))]
     want = sum(r["completion_tokens"] for r in records) / busy_seconds(records)
     first = tr.data_stages(cfg, results, log=lambda *_: None)
