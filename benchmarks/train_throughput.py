@@ -119,13 +119,17 @@ def make_inputs(s: dict, B: int, device: torch.device, seed: int = 0) -> dict:
             "d2t": (vocab - torch.arange(N)).to(device), "t2d": t2d.to(device), "vocab": vocab.to(device)}
 
 
+def draft_shape(s: dict) -> DraftShape:
+    """The DraftShape of the benchmark's shape dict `s` (SHAPES, TINY)."""
+    return DraftShape(hidden_size=s["H"], target_hidden_size=s["H"], num_attention_heads=s["nh"],
+                      num_key_value_heads=s["nkv"], head_dim=s["hd"], intermediate_size=s["I"],
+                      vocab_size=s["V"], draft_vocab_size=s["N"], rope_theta=s.get("theta", 500000.0),
+                      max_position_embeddings=max(8192, s["T"] * 2), aux_layer_ids=[1, 15, 28])
+
+
 def make_draft(s: dict, inp: dict, device: torch.device) -> Eagle3Draft:
-    shape = DraftShape(hidden_size=s["H"], target_hidden_size=s["H"], num_attention_heads=s["nh"],
-                       num_key_value_heads=s["nkv"], head_dim=s["hd"], intermediate_size=s["I"],
-                       vocab_size=s["V"], draft_vocab_size=s["N"], rope_theta=s.get("theta", 500000.0),
-                       max_position_embeddings=max(8192, s["T"] * 2), aux_layer_ids=[1, 15, 28])
     with torch.device(device):
-        draft = Eagle3Draft(shape)
+        draft = Eagle3Draft(draft_shape(s))
     draft.init_weights(0)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(inp["embed"])

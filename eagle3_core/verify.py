@@ -13,14 +13,13 @@ Exit 0: every file matches. Exit 1: the bad files are named; with --quarantine t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.contract.manifest import read_manifest
+from eagle3_core.contract.manifest import read_manifest, shard_records
 from eagle3_core.features.store import bad_shards
 
 
@@ -34,12 +33,7 @@ class VerifyReport:
 
 
 def _generation_records(out: Path) -> list[dict]:
-    records = []
-    for path in sorted(out.glob("shard_*.json")):
-        rec = json.loads(path.read_text())
-        if rec.get("complete") and "sha256" in rec:
-            records.append(rec)
-    return records
+    return [rec for rec in shard_records(out) if rec.get("complete") and "sha256" in rec]
 
 
 def verify_run(run_dir: Path, threads: int = 4) -> VerifyReport:

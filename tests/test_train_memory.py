@@ -11,7 +11,7 @@ from eagle3_core.training import train_memory as tm
 from eagle3_core.training.draft_model import DraftShape
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from train_throughput import SHAPES  # noqa: E402  (the drafts the peaks were measured on)
+from train_throughput import SHAPES, draft_shape  # noqa: E402  (the drafts the peaks were measured on)
 
 # torch.cuda.get_device_properties(0).total_memory of the H100 that ran out of memory at 32K (its OOM message:
 # "total capacity of 79.18 GiB"; benchmarks/data/kimi_draft_32k_h100.log)
@@ -19,12 +19,8 @@ H100_BYTES = int(79.18 * tm.GIB)
 
 
 def shape(name: str) -> DraftShape:
-    """The benchmark's draft `name` (train_throughput.make_draft's DraftShape)."""
-    s = SHAPES[name]
-    return DraftShape(hidden_size=s["H"], target_hidden_size=s["H"], num_attention_heads=s["nh"],
-                      num_key_value_heads=s["nkv"], head_dim=s["hd"], intermediate_size=s["I"], vocab_size=s["V"],
-                      draft_vocab_size=s["N"], rope_theta=s.get("theta", 500000.0),
-                      max_position_embeddings=max(8192, s["T"] * 2), aux_layer_ids=[1, 15, 28])
+    """The benchmark's draft `name` (the one train_throughput.make_draft builds)."""
+    return draft_shape(SHAPES[name])
 
 
 def test_the_constants_are_the_least_squares_fit_of_the_measured_peaks_and_reproduce_each():

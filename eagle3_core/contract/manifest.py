@@ -84,6 +84,11 @@ def cached_manifest(path: Path, key: str) -> dict[str, Any] | None:
     return None
 
 
+def shard_records(folder: Path) -> list[dict]:
+    """Every shard record (shard_*.json) in `folder`, in shard order; [] where the folder does not exist."""
+    return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("shard_*.json"))]
+
+
 def busy_seconds(records: list[dict]) -> float:
     """Wall seconds during which at least one of `records` ran: the length of the union of their
     [started_at, ended_at] intervals (Unix time, s), so that shards run side by side count once and the idle time

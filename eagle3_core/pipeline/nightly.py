@@ -13,14 +13,13 @@ In the run directory:
 """
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.contract.manifest import read_manifest, write_manifest
+from eagle3_core.contract.manifest import read_manifest, shard_records, write_manifest
 from eagle3_core.data.prompt_set import available_prompts
 from eagle3_core.pipeline.prompts_stage import prompts_key, prompts_older_keys
 
@@ -118,7 +117,7 @@ def finish_night(tonight: PipelineConfig, plan: dict, log=print) -> dict:
     run = Path(tonight.run_dir)
     nights = history(run)
     summary = (read_manifest(RunLayout(run).manifest("evaluate")) or {})["summary"]["trained"]
-    records = [json.loads(p.read_text()) for p in sorted((run / "generations").glob("shard_*.json"))]
+    records = shard_records(RunLayout(run).generations)
     generated = sum(r.get("generated", 0) for r in records if r.get("started_at", 0) >= plan["started_at"])
     best = next((n for n in reversed(nights) if n["night"] == (nights[-1]["promoted_night"] if nights else -1)),
                 None)

@@ -19,7 +19,7 @@ import torch
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
-from eagle3_core.contract.manifest import busy_seconds
+from eagle3_core.contract.manifest import busy_seconds, shard_records
 from eagle3_core.evaluation.replay_eval import record_target, replay_measure
 from eagle3_core.evaluation.speculate import TargetRunner
 from eagle3_core.pipeline.features_stage import run_features
@@ -53,7 +53,7 @@ def generation_rate(generations: Path) -> float | None:
     """Output tok/s of the calls that generated the shards in `generations`: their completion tokens over the wall
     time any of them ran (manifest.busy_seconds of the shard records' started_at/ended_at), wherever and whenever
     they ran; None without a timed shard record."""
-    records = [json.loads(p.read_text()) for p in sorted(generations.glob("shard_*.json"))]
+    records = shard_records(generations)
     busy = busy_seconds(records)
     return sum(r["completion_tokens"] for r in records) / busy if busy > 0 else None
 

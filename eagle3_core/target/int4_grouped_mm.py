@@ -282,4 +282,3 @@ def compile_sm90(t: Tiles, e_pad: int = 64):
                                 "W_FIRST": t.w_first, "INTERPRET": False})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": t.warps,
                                                                            "num_stages": t.stages})
-

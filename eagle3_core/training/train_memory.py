@@ -116,4 +116,3 @@ def row_fit(s: DraftShape, train: TrainConfig, gpus: tuple[int, int] | None) -> 
         f"a training row of {T:,} tokens needs about {mem.at(T) / GIB:.0f} GiB on the GPU ({mem.fixed_bytes / GIB:.0f} "
         f"GiB fixed + {mem.per_token_bytes / 2 ** 20:.2f} MiB per token at TTT {train.ttt_length}; "
         f"training.train_memory), more than the {have / GIB:.0f} GiB of one training GPU: {fix}"))]
-
