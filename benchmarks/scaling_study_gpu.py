@@ -84,13 +84,42 @@ def run_jobs(cfg: PipelineConfig, config: Path, sizes: list[int], side_by_side: 
                     str(n), "--seed", str(seed), "--out", str(out)])
 
 
+def write_answers(cfg: PipelineConfig, a: argparse.Namespace, run: dict, data: dict | None, where: str) -> dict:
+    """summary.json in RESULTS (and --out): what ran, what is left, the answers so far; the plots into
+    --plot-dir."""
+    import json
+    from eagle3_core.plan import markdown, plan_run
+    from eagle3_core.studies import team_bet_plots as tp
+    from eagle3_core.studies import team_bet_run as tr
+    out = {"ran": run["ran"], "left": run["left"], "unfinished": run["unfinished"], "device": where,
+           **tr.answers(cfg, run["done"], data, where, plan_run, markdown)}
+    if a.plot_dir:
+        out["plots"] = [str(p) for p in tp.plot_all(run["done"], out, a.plot_dir, where.split(",")[0])]
+    for path in filter(None, (a.team_bet / "summary.json", a.out)):
+        path.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def answers_only(cfg: PipelineConfig, a: argparse.Namespace) -> None:
+    """--answers-only: the answers and plots of the points committed in RESULTS, on any machine (no GPU)."""
+    import json
+    from eagle3_core.studies import team_bet_run as tr
+    res = a.team_bet
+    old = json.loads((res / "summary.json").read_text()) if (res / "summary.json").exists() else {}
+    data = json.loads((res / "data.json").read_text()) if (res / "data.json").exists() else None
+    run = {"done": tr.committed_points(res), "ran": old.get("ran", []), "left": old.get("left", []),
+           "unfinished": old.get("unfinished")}
+    out = write_answers(cfg, a, run, data, old.get("device", "unknown device"))
+    print(json.dumps({k: v for k, v in out.items() if k != "tenfold_plan"}, indent=1))
+
+
 def team_bet(cfg: PipelineConfig, a: argparse.Namespace) -> None:
     """The --team-bet call (module docstring): cost, data stages, points within the budget, answers."""
     import json
 
     from eagle3_core.contract.layout import RunLayout
     from eagle3_core.features.reader import load_samples
-    from eagle3_core.plan import DEFAULT_RATES, load_rates, markdown, plan_run
+    from eagle3_core.plan import DEFAULT_RATES, load_rates, plan_run
     from eagle3_core.studies import team_bet as tb
     from eagle3_core.studies import team_bet_run as tr
     from eagle3_core.studies import team_bet_surface as ts
@@ -118,12 +147,7 @@ def team_bet(cfg: PipelineConfig, a: argparse.Namespace) -> None:
     where = f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, {a.config}"
     if any(p["phases"] for p in run["done"]):
         (res / "rates.json").write_text(json.dumps(ts.study_rates(data, run["done"], where), indent=1) + "\n")
-    out = {"ran": run["ran"], "left": run["left"], "unfinished": run["unfinished"], "device": where,
-           **tr.answers(cfg, run["done"], data, where, plan_run, markdown)}
-    (res / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
-    if a.out:
-        a.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps(out, indent=1))
+    print(json.dumps(write_answers(cfg, a, run, data, where), indent=1))
 
 
 def main() -> None:
@@ -147,10 +171,13 @@ def main() -> None:
     ap.add_argument("--measure-device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--record-batch", type=int, default=64, help="team bet: prompts per batched replay recording")
     ap.add_argument("--out", type=Path, default=None, help="team bet: also write the answers JSON here")
+    ap.add_argument("--plot-dir", type=Path, default=None, help="team bet: write its two PNG plots here")
+    ap.add_argument("--answers-only", action="store_true",
+                    help="team bet: the answers and plots of the points committed in RESULTS (no GPU, no data)")
     a = ap.parse_args()
     cfg = load_config(a.config)
     if a.team_bet:
-        team_bet(cfg, a)
+        (answers_only if a.answers_only else team_bet)(cfg, a)
         return
     if a.size is not None:
         study.train_and_measure(cfg, a.size, a.seed)

@@ -16,7 +16,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.contract.layout import RunLayout
 from eagle3_core.plan import markdown, plan_run
 from eagle3_core.studies import scaling_study as study
-from eagle3_core.studies import team_bet, team_bet_run
+from eagle3_core.studies import team_bet, team_bet_plots, team_bet_run
 from tasks.artifacts import run_key
 from tasks.logs import run_log
 from tasks.retry import RETRY_OPTIONS, retry_if_transient
@@ -84,7 +84,8 @@ def team_bet_points_task(config: PipelineConfig, fractions: list[float], grid: l
 @task(name="team-bet-answers", cache_policy=NO_CACHE)
 def team_bet_answers_task(config: PipelineConfig, run: dict, results: str) -> dict:
     """The answers so far (team_bet_run.answers, plan's cost of 10x data with RESULTS/data.json's rates when a
-    benchmark call measured them), as RESULTS/summary.json and a Markdown artifact of every point."""
+    benchmark call measured them), as RESULTS/summary.json, a Markdown artifact of every point and the two plots
+    (team_bet_plots.plot_all) in RESULTS and as image artifacts."""
     data_file = Path(results) / "data.json"
     data = json.loads(data_file.read_text()) if data_file.exists() else None
     out = {"ran": run["ran"], "left": run["left"], "unfinished": run["unfinished"],
@@ -94,4 +95,8 @@ def team_bet_answers_task(config: PipelineConfig, run: dict, results: str) -> di
     md += [f"| {p['name']} | {p['samples']} | {p['epochs']} | {p['seconds']:.0f} | {p['tau']:.3f} "
            f"({p['tau_ci95'][0]:.2f}-{p['tau_ci95'][1]:.2f}) |" for p in out["points"]]
     create_markdown_artifact("\n".join(md), key=run_key(config.run_dir, "team-bet"), description="team bet points")
+    for path in team_bet_plots.plot_all(run["done"], out, Path(results), "team-bet flow"):
+        url = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+        create_image_artifact(url, key=run_key(config.run_dir, path.stem.replace("_", "-")),
+                              description=f"team bet: {path.stem}")
     return out

@@ -267,3 +267,34 @@ def test_the_data_rates_are_those_of_the_work_not_of_a_call_that_found_it_done(e
     assert first["extraction_tok_s"] == pytest.approx(feats["tokens_per_s"]) and first["extraction_tok_s"] > 0
     again = tr.data_stages(cfg, results, log=lambda *_: None)
     assert again == first == json.loads((results / "data.json").read_text())
+
+
+def test_committed_points_and_both_plots_from_them(tmp_path):
+    """committed_points reads every <point>.json (not data, rates or summary) by samples; plot_all draws the two PNGs
+    from them and their answers (surface lines, the tenfold marker, the warm arm joined to its quarter)."""
+    from matplotlib.image import imread
+
+    from eagle3_core.studies import team_bet_plots as tp
+    from eagle3_core.studies import team_bet_run as tr
+    for p in synthetic():
+        n, r = p["samples"], p["recipe"]
+        point = {"samples": n, "recipe": r, "seed": 0}
+        (tmp_path / f"{tb.point_name(point)}.json").write_text(json.dumps({
+            "name": tb.point_name(point), "point": point, "samples": n, "epochs": p["epochs"], "tau": p["tau"],
+            "tau_ci95": [p["tau"] - 0.1, p["tau"] + 0.1], "seconds": 0.01 * n * p["epochs"], "phases": [],
+            "per_prompt": [[10, 5], [12, 6]]}))
+    warm = {"samples": 7400, "recipe": "plateau", "seed": 0, "warm_from": 1800}
+    (tmp_path / "warm.json").write_text(json.dumps({"name": "warm", "point": warm, "samples": 7400, "epochs": 16,
+                                                    "tau": 2.9, "tau_ci95": [2.8, 3.0], "seconds": 1500.0,
+                                                    "phases": [], "per_prompt": [[10, 4], [12, 6]]}))
+    for other in ("data", "rates", "summary"):
+        (tmp_path / f"{other}.json").write_text(json.dumps({"tau": 1.0, "left": []}))
+    done = tr.committed_points(tmp_path)
+    assert len(done) == 17 and [p["samples"] for p in done] == sorted(p["samples"] for p in done)
+    out = tr.answers(None, done, None, "test")
+    assert out["surface"]["points"] == 16 and out["surface"]["b"] == pytest.approx(TRUE["b"])
+    assert out["warm_against_scratch"][0]["scratch_tau"] == pytest.approx(ts.surface_tau(TRUE, 7400, 16))
+    paths = tp.plot_all(done, out, tmp_path / "plots", "test device")
+    assert [p.name for p in paths] == list(tp.NAMES.values())
+    for p in paths:
+        assert imread(p).shape[:2] == (420, 700)            # figsize 7 x 4.2 inches at 100 dpi

@@ -107,6 +107,13 @@ def replay_measurer(cfg: PipelineConfig, device: str, batch: int, log=print):
     return measure
 
 
+def committed_points(results: Path) -> list[dict]:
+    """Every measured point in RESULTS (a <point>.json holding its point and tau), by samples then name, whatever
+    study settings wrote it (for answers and plots redrawn from the committed results, without a GPU)."""
+    pts = [json.loads(f.read_text()) for f in sorted(Path(results).glob("*.json"))]
+    return sorted((p for p in pts if "point" in p and "tau" in p), key=lambda p: (p["samples"], p["name"]))
+
+
 def answers(cfg: PipelineConfig, done: list[dict], data: dict | None, where: str, plan_run=None, markdown=None) -> dict:
     """What the measured points say so far: the surface and its 10x prediction with the cost of that 10x by
     `plan_run` and `markdown` (plan's, passed in: studies sit below plan; None: no cost), warm start against

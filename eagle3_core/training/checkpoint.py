@@ -268,11 +268,16 @@ def set_rng_states(states: dict) -> None:
     random.setstate((py[0], tuple(py[1]), py[2]))
 
 
+def frozen_names(draft: Eagle3Draft) -> set[str]:
+    """The names of the draft's parameters that training does not update (requires_grad False)."""
+    return {n for n, p in draft.named_parameters() if not p.requires_grad}
+
+
 def trained_state(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
     """The draft's state_dict for a training checkpoint: every tensor but its frozen parameters (the target's
     embedding when H == H_t: fp32 [V, H], 4.7 GB of a Kimi-K2.5 draft's checkpoint), which the run rebuilds from
     the feature store's copy of it (startup.fresh_draft) before it resumes."""
-    frozen = {n for n, p in draft.named_parameters() if not p.requires_grad}
+    frozen = frozen_names(draft)
     return {k: v for k, v in draft.state_dict().items() if k not in frozen}
 
 
@@ -280,9 +285,8 @@ def load_trained_state(draft: Eagle3Draft, model: dict[str, torch.Tensor], path:
     """Load a training checkpoint's `model` (trained_state's, or one written before 42aa5c7 that also holds the
     frozen embedding: compat.LEGACY_READERS) into `draft`. Raises CheckpointError naming `path` and the keys where
     a trained tensor is missing or a key is not the draft's."""
-    frozen = {n for n, p in draft.named_parameters() if not p.requires_grad}
     missing, unexpected = draft.load_state_dict(model, strict=False)
-    if (lost := sorted(set(missing) - frozen)) or unexpected:
+    if (lost := sorted(set(missing) - frozen_names(draft))) or unexpected:
         raise CheckpointError(f"{path}: the checkpoint's draft lacks {lost} and has unknown {sorted(unexpected)}: "
                               f"it was written for another draft shape; train into a new output directory")
 
