@@ -205,6 +205,7 @@ def test_points_train_and_replay_on_real_features(e2e_run, tmp_path):
     for p in res["done"]:
         assert 1.0 <= p["tau"] <= 1 + cfg.eval.num_draft_steps and p["tau_ci95"][0] <= p["tau"] <= p["tau_ci95"][1]
         assert len(p["per_prompt"]) == cfg.prompts.num_eval
+        assert p["device"] == "CPU"
     again = tb.run_points(cfg, pts, tmp_path / "results", tmp_path / "work", measure,
                           train_fn=lambda *a: pytest.fail("a committed point was trained again"), log=lines.append)
     assert again["ran"] == [] and [p["tau"] for p in again["done"]] == [p["tau"] for p in res["done"]]

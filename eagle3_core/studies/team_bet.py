@@ -170,7 +170,8 @@ def run_point(cfg: PipelineConfig, point: dict, work: Path, measure, train_fn=tr
     """Train one point under `work`/<name> (the warm arm: its quarter first, from scratch, then all of its samples
     from the quarter's draft) and measure its draft with `measure(export_dir) -> replay_measure's entry`. Returns
     the result {point, name, samples, epochs, seconds (GPU-seconds of all its training, the quarter's included),
-    phases, tau, tau_ci95, accept_per_position, per_prompt}. Unfinished from train_fn passes through."""
+    phases, tau, tau_ci95, accept_per_position, per_prompt, device (measure's, None if it names none)}. Unfinished
+    from train_fn passes through."""
     name, phases, init = point_name(point), [], None
     if point.get("warm_from"):
         q = train_fn(cfg, point["warm_from"], point["recipe"], point["seed"], work / name / "quarter", None, log,
@@ -184,7 +185,7 @@ def run_point(cfg: PipelineConfig, point: dict, work: Path, measure, train_fn=tr
         f"{r['epochs']} epochs, {sum(p['seconds'] for p in phases):.0f} GPU-s")
     return {"point": point, "name": name, "samples": point["samples"], "epochs": r["epochs"],
             "seconds": sum(p["seconds"] for p in phases), "phases": phases,
-            **{k: m[k] for k in ("tau", "tau_ci95", "accept_per_position", "per_prompt")}}
+            **{k: m[k] for k in ("tau", "tau_ci95", "accept_per_position", "per_prompt")}, "device": m.get("device")}
 
 
 def estimate_seconds(point: dict, done: list[dict], default_s: float) -> float:

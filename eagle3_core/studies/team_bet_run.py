@@ -85,7 +85,7 @@ def data_stages(cfg: PipelineConfig, results: Path, log=print) -> dict:
 
 def replay_measurer(cfg: PipelineConfig, device: str, batch: int, log=print):
     """measure(export_dir) -> replay_eval.replay_measure's entry (tau, tau_ci95, accept_per_position, per_prompt)
-    of that draft on the held-out prompts, against one recording of the target (fp32 on `device`, `batch` prompts
+    and the device's name (device: torch.cuda.get_device_name, or 'CPU') of that draft on the held-out prompts, against one recording of the target (fp32 on `device`, `batch` prompts
     per batched generate), kept at RUN_DIR/team_bet/recording.pt while its settings hold."""
     path = RunLayout(cfg.run_dir).team_bet / "recording.pt"
     settings = {"eval": cfg.eval.model_dump(mode="json"), "target": cfg.target.model_dump(mode="json"),
@@ -102,8 +102,11 @@ def replay_measurer(cfg: PipelineConfig, device: str, batch: int, log=print):
         torch.save({"settings": settings, "recordings": recs}, path)
         log(f"team bet: recorded the target on {len(prompts)} held-out prompts in {time.monotonic() - t0:.0f} s")
 
+    where = torch.cuda.get_device_name(device) if str(device).startswith("cuda") else "CPU"
+
     def measure(export: str) -> dict:
-        return replay_measure(load_draft(Path(export)).to(device).eval(), recs, cfg.eval.num_draft_steps)
+        return {**replay_measure(load_draft(Path(export)).to(device).eval(), recs, cfg.eval.num_draft_steps),
+                "device": where}
     return measure
 
 
