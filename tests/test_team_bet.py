@@ -142,6 +142,26 @@ def test_budget_runs_what_fits_then_stops_cleanly(cfg, tmp_path):
     assert res["left"] == [names[1], names[3]]
 
 
+def test_measurement_time_counts_in_the_estimate_and_is_left_room_before_the_deadline(cfg, tmp_path):
+    """A measurement of 5 s (on the simulated clock): recorded per point, added to every estimate after it, and
+    kept free at the budget's end, so a point whose training fits but whose measurement would not is not started
+    and a partial point's training stops 5 s early (a call killed mid-measurement lost a trained point)."""
+    pts = tb.study_points(400, [0.5, 1.0], ["e4"], seeds=1)
+    trainer = FakeTrainer()
+
+    def slow_measure(export):
+        trainer.spent += 5.0
+        return measure(export)
+    res = tb.run_points(cfg, pts, tmp_path / "r", tmp_path / "w", slow_measure, budget_s=66.0, default_s=1.0,
+                        partial=True, train_fn=trainer, clock=trainer.now, log=lambda s: None)
+    # n400-plateau 40 s + 5; n400-e4 16 + 5 = 66 fits exactly; n200-e4 8 + 5 would not (it would without the 5 s)
+    assert res["ran"] == ["n400-plateau-s0", "n400-e4-s0"] and res["done"][0]["measure_seconds"] == 5.0
+    assert tb.estimate_seconds(pts[4], res["done"], 1.0) == pytest.approx(8.0 + 5.0)
+    # partial: the warm arm starts with 0 s left before the 5 s kept for measuring: its quarter cannot run
+    assert res["unfinished"] == "warm-n100to400-plateau-s0" and trainer.calls[-1][0] == 100
+    assert trainer.now() - trainer.start == pytest.approx(66.0)
+
+
 def test_trainer_calls_run_the_epochs_that_fit_before_the_deadline(tmp_path):
     assert tb._epochs_that_fit(None, None, tmp_path, 0.0) is None                  # no deadline: one call, all
     now = time.monotonic()

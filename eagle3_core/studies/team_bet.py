@@ -166,12 +166,12 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
 
 
 def run_point(cfg: PipelineConfig, point: dict, work: Path, measure, train_fn=train_subset, log=print,
-              deadline: float | None = None) -> dict:
+              deadline: float | None = None, clock=time.monotonic) -> dict:
     """Train one point under `work`/<name> (the warm arm: its quarter first, from scratch, then all of its samples
     from the quarter's draft) and measure its draft with `measure(export_dir) -> replay_measure's entry`. Returns
     the result {point, name, samples, epochs, seconds (GPU-seconds of all its training, the quarter's included),
-    phases, tau, tau_ci95, accept_per_position, per_prompt, device (measure's, None if it names none)}. Unfinished
-    from train_fn passes through."""
+    phases, tau, tau_ci95, accept_per_position, per_prompt, device (measure's, None if it names none),
+    measure_seconds (the measurement's, by `clock`)}. Unfinished from train_fn passes through."""
     name, phases, init = point_name(point), [], None
     if point.get("warm_from"):
         q = train_fn(cfg, point["warm_from"], point["recipe"], point["seed"], work / name / "quarter", None, log,
@@ -180,25 +180,34 @@ def run_point(cfg: PipelineConfig, point: dict, work: Path, measure, train_fn=tr
         init = q["export"]
     r = train_fn(cfg, point["samples"], point["recipe"], point["seed"], work / name / "all", init, log, deadline)
     phases.append({"phase": "warm" if init else "scratch", "samples": point["samples"], **r})
+    t0 = clock()
     m = measure(r["export"])
+    measured = clock() - t0
     log(f"team bet: {name}: tau {m['tau']:.3f} ({m['tau_ci95'][0]:.2f}-{m['tau_ci95'][1]:.2f}) after "
         f"{r['epochs']} epochs, {sum(p['seconds'] for p in phases):.0f} GPU-s")
     return {"point": point, "name": name, "samples": point["samples"], "epochs": r["epochs"],
             "seconds": sum(p["seconds"] for p in phases), "phases": phases,
-            **{k: m[k] for k in ("tau", "tau_ci95", "accept_per_position", "per_prompt")}, "device": m.get("device")}
+            **{k: m[k] for k in ("tau", "tau_ci95", "accept_per_position", "per_prompt")}, "device": m.get("device"),
+            "measure_seconds": measured}
+
+
+def measure_reserve(done: list[dict]) -> float:
+    """Seconds a point's measurement is expected to take: the longest measure_seconds among the done points (0.0
+    when none recorded one)."""
+    return max((d.get("measure_seconds") or 0.0 for d in done), default=0.0)
 
 
 def estimate_seconds(point: dict, done: list[dict], default_s: float) -> float:
-    """Seconds a point's training is expected to take: the done points' seconds per (sample x epoch) times its
+    """Seconds a point is expected to take: the done points' training seconds per (sample x epoch) times its
     samples (plus the warm arm's quarter) x the epochs (its fixed epochs, else the most any done plateau point ran,
-    else 24); default_s when nothing is done."""
+    else 24), plus its measurement (measure_reserve); default_s when nothing is done."""
     rates = [ph["seconds"] / (ph["samples"] * ph["epochs"]) for d in done for ph in d["phases"] if ph["epochs"]]
     if not rates:
         return default_s
     rate = max(rates)
     E = recipe_epochs(point["recipe"]) or max((d["epochs"] for d in done if d["point"]["recipe"] == "plateau"),
                                                default=24)
-    return rate * E * (point["samples"] + point.get("warm_from", 0))
+    return rate * E * (point["samples"] + point.get("warm_from", 0)) + measure_reserve(done)
 
 
 def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Path, measure,
@@ -208,7 +217,8 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
     other runs if its estimate (estimate_seconds) fits in what is left of budget_s (None: no budget), and is left
     for a later call if not, so a call fills its budget with what fits, most valuable first; each result is written
     as soon as it is in. With `partial`, the first point left is then started anyway with the rest of the budget and
-    stopped at its end (Unfinished), its checkpoints left in `work` for the next call on the same machine. `clock`:
+    stopped at its end (Unfinished), its checkpoints left in `work` for the next call on the same machine. Training
+    stops measure_reserve(done) seconds before the budget's end, so the measurement fits in it too. `clock`:
     seconds, the trainer's deadline clock (time.monotonic). Returns {done: [results], ran: [names], left: [names
     not run, in order], unfinished: name or None}."""
     results.mkdir(parents=True, exist_ok=True)
@@ -223,7 +233,8 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
 
     def run(p: dict) -> bool:
         try:
-            res = {"settings": point_settings(cfg, p), **run_point(cfg, p, work, measure, train_fn, log, deadline)}
+            stop = None if deadline is None else deadline - measure_reserve(done)    # room left to measure it
+            res = {"settings": point_settings(cfg, p), **run_point(cfg, p, work, measure, train_fn, log, stop, clock)}
         except Unfinished as e:
             log(f"team bet: {point_name(p)} stopped at the budget's end ({e}); the next call resumes it")
             stopped.append(point_name(p))

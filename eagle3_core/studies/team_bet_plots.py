@@ -59,6 +59,7 @@ def epochs_against_data(points: list[dict], answers: dict, path: Path, where: st
                 label=f"surface at 10x data, {ten['epochs']} epochs: {ten['tau_10x']:.2f} (extrapolated)")
     ax.set(xscale="log", xlabel="training samples", ylabel="tau (replay, greedy, chain of 5)",
            title=f"Epochs against data{': ' + where if where else ''}")
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())        # after the log scale, which sets its own
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     return _save(plt, fig, path)
@@ -82,9 +83,9 @@ def tau_against_gpu_seconds(points: list[dict], path: Path, where: str = "") -> 
             ax.plot([q["seconds"], w["seconds"]], [q["tau"], w["tau"]], ":", color="black")
         _errorbar(ax, [{**w, "x": w["seconds"]}], fmt="*", markersize=11, color="black",
                   label=f"warm start {w['point']['warm_from']:,} -> {w['samples']:,} (seconds include the quarter)")
-    ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.set(xscale="log", xlabel="GPU-seconds of training", ylabel="tau (replay, greedy, chain of 5)",
            title=f"Warm start against scratch{': ' + where if where else ''}")
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())        # after the log scale, which sets its own
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     return _save(plt, fig, path)
