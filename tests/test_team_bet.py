@@ -318,4 +318,4 @@ def test_committed_points_and_both_plots_from_them(tmp_path):
     paths = tp.plot_all(done, out, tmp_path / "plots", "test device")
     assert [p.name for p in paths] == list(tp.NAMES.values())
     for p in paths:
-        assert imread(p).shape[:2] == (420, 700)            # figsize 7 x 4.2 inches at 100 dpi
+        assert imread(p).shape[:2] == (462, 770)            # figsize 7 x 4.2 inches at plots.save_figure's 110 dpi

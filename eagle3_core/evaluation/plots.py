@@ -21,7 +21,8 @@ def run_label(name: str, run: dict) -> str:
     return f"{LABELS.get(name, name)} ({shape})" if p else LABELS.get(name, name)
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
+    """Lay out `fig`, write it as a PNG at `path` (110 dpi; parent folders made), close it. Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -46,7 +47,7 @@ def plot_acceptance_per_position(runs: dict[str, dict], path: Path) -> Path:
     ax.set_title("Acceptance per draft position (offline, greedy)")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_tau(runs: dict[str, dict], path: Path, tau_sim: float | None = None) -> Path:
@@ -82,7 +83,7 @@ def plot_tau(runs: dict[str, dict], path: Path, tau_sim: float | None = None) ->
     ax2.axhline(1.0, color="grey", lw=1, ls=":")
     ax2.set_title("tau per prompt category")
     ax2.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def tok_s_annotation(bar: dict) -> str:
@@ -108,7 +109,7 @@ def plot_tok_s(bars: list[dict], path: Path, title: str = "Decoding speed, same 
     ax.set_xlim(0, max(vals) * 1.6)
     ax.set_xlabel("output tokens / s")
     ax.set_title(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_tok_s_vs_concurrency(per_level: list[dict], path: Path) -> Path:
@@ -128,4 +129,4 @@ def plot_tok_s_vs_concurrency(per_level: list[dict], path: Path) -> Path:
     ax.set_title("SGLang: tokens/s vs concurrency")
     ax.legend()
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -17,11 +17,18 @@ from eagle3_core.studies.team_bet_surface import surface_tau
 NAMES = {"epochs_against_data": "team_bet_epochs_data.png", "tau_against_gpu_seconds": "team_bet_warm_scratch.png"}
 
 
-def _pyplot():
-    import matplotlib  # slow import (matplotlib, ~0.3 s), for the plots only
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # slow import (matplotlib, ~0.3 s), for the plots only
-    return plt
+def _plots():
+    from eagle3_core.evaluation import plots  # matplotlib (Agg backend, ~0.3 s), loaded only when plots are drawn
+    return plots
+
+
+def _finish(fig, ax, path: Path, **labels) -> Path:
+    """Log x axis (minor ticks unlabeled), the labels, legend and grid; the figure saved at `path`."""
+    ax.set(xscale="log", ylabel="tau (replay, greedy, chain of 5)", **labels)
+    ax.xaxis.set_minor_formatter(_plots().plt.NullFormatter())        # after the log scale, which sets its own
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return _plots().save_figure(fig, path)
 
 
 def _errorbar(ax, pts: list[dict], **kw) -> None:
@@ -41,7 +48,7 @@ def _recipes(points: list[dict]) -> dict[str, list[dict]]:
 def epochs_against_data(points: list[dict], answers: dict, path: Path, where: str = "") -> Path:
     """PNG at `path`: tau against samples (log x) per recipe, seeds side by side; the surface (answers['surface'])
     as lines at each fixed epoch count and the tenfold prediction as a hollow marker, when answers hold them."""
-    plt = _pyplot()
+    plt = _plots().plt
     fig, ax = plt.subplots(figsize=(7, 4.2))
     fit, ten = answers.get("surface", {}), answers.get("tenfold")
     for i, (recipe, pts) in enumerate(_recipes(points).items()):
@@ -57,18 +64,14 @@ def epochs_against_data(points: list[dict], answers: dict, path: Path, where: st
         ax.plot([ten["samples"], ten["samples_10x"]], [ten["tau_now"], ten["tau_10x"]], "--", color="gray")
         ax.plot([ten["samples_10x"]], [ten["tau_10x"]], "o", mfc="none", color="gray",
                 label=f"surface at 10x data, {ten['epochs']} epochs: {ten['tau_10x']:.2f} (extrapolated)")
-    ax.set(xscale="log", xlabel="training samples", ylabel="tau (replay, greedy, chain of 5)",
-           title=f"Epochs against data{': ' + where if where else ''}")
-    ax.xaxis.set_minor_formatter(plt.NullFormatter())        # after the log scale, which sets its own
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    return _save(plt, fig, path)
+    return _finish(fig, ax, path, xlabel="training samples",
+                   title=f"Epochs against data{': ' + where if where else ''}")
 
 
 def tau_against_gpu_seconds(points: list[dict], path: Path, where: str = "") -> Path:
     """PNG at `path`: every point's tau against its GPU-seconds (log x), by recipe; each warm-arm point joined to
     the plateau point of its quarter (what it grew from) and marked apart."""
-    plt = _pyplot()
+    plt = _plots().plt
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for i, (recipe, pts) in enumerate(_recipes(points).items()):
         _errorbar(ax, [{**p, "x": p["seconds"]} for p in pts], fmt="o", color=f"C{i}", alpha=0.6,
@@ -83,21 +86,8 @@ def tau_against_gpu_seconds(points: list[dict], path: Path, where: str = "") -> 
             ax.plot([q["seconds"], w["seconds"]], [q["tau"], w["tau"]], ":", color="black")
         _errorbar(ax, [{**w, "x": w["seconds"]}], fmt="*", markersize=11, color="black",
                   label=f"warm start {w['point']['warm_from']:,} -> {w['samples']:,} (seconds include the quarter)")
-    ax.set(xscale="log", xlabel="GPU-seconds of training", ylabel="tau (replay, greedy, chain of 5)",
-           title=f"Warm start against scratch{': ' + where if where else ''}")
-    ax.xaxis.set_minor_formatter(plt.NullFormatter())        # after the log scale, which sets its own
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    return _save(plt, fig, path)
-
-
-def _save(plt, fig, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, xlabel="GPU-seconds of training",
+                   title=f"Warm start against scratch{': ' + where if where else ''}")
 
 
 def plot_all(points: list[dict], answers: dict, folder: Path, where: str = "") -> list[Path]:
