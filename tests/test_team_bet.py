@@ -162,6 +162,26 @@ def test_measurement_time_counts_in_the_estimate_and_is_left_room_before_the_dea
     assert trainer.now() - trainer.start == pytest.approx(66.0)
 
 
+def test_the_warm_arms_quarter_is_measured_as_its_point_not_trained_twice(cfg, tmp_path):
+    """With a quarter size among the points, the warm arm's quarter (that size, plateau, seed 0, from scratch) is
+    the n100-plateau-s0 point's training: measured and saved as it, its seconds the quarter's, never trained again
+    (a ~108 s point of the H100 study)."""
+    pts = tb.study_points(400, [0.25, 0.5, 1.0], ["e4"], seeds=1)
+    trainer = FakeTrainer()
+    res = tb.run_points(cfg, pts, tmp_path / "r", tmp_path / "w", measure, train_fn=trainer, clock=trainer.now,
+                        log=lambda s: None)
+    assert res["left"] == [] and sorted(res["ran"]) == sorted(tb.point_name(p) for p in pts)
+    assert [c for c in trainer.calls if c[:2] == (100, "plateau")] == [(100, "plateau", 0, None)]   # the quarter
+    quarter = json.loads((tmp_path / "r" / "n100-plateau-s0.json").read_text())
+    warm = json.loads((tmp_path / "r" / "warm-n100to400-plateau-s0.json").read_text())
+    assert quarter["seconds"] == warm["phases"][0]["seconds"] == pytest.approx(10.0)
+    assert quarter["phases"][0]["export"].endswith("warm-n100to400-plateau-s0/quarter/export")
+    assert quarter["settings"] == tb.point_settings(cfg, quarter["point"]) and quarter["tau"] == 2.1
+    again = tb.run_points(cfg, pts, tmp_path / "r", tmp_path / "w", measure, train_fn=FakeTrainer(),
+                          log=lambda s: None)
+    assert again["ran"] == [] and len(again["done"]) == len(pts)
+
+
 def test_trainer_calls_run_the_epochs_that_fit_before_the_deadline(tmp_path):
     assert tb._epochs_that_fit(None, None, tmp_path, 0.0) is None                  # no deadline: one call, all
     now = time.monotonic()
@@ -197,6 +217,10 @@ def test_study_plan_counts_every_point_and_the_warm_arms_quarter(cfg):
     assert rows["warm-n100to400-plateau-s0"]["hours"] > rows["n400-plateau-s0"]["hours"] == pytest.approx(
         E * 400 * 280 / 5000 / 3600)
     assert plan["total_hours"] == pytest.approx(plan["data_hours"] + sum(r["hours"] for r in plan["points"]))
+    quarter = {r["name"]: r for r in ts.study_plan(cfg, rates, tb.study_points(400, [0.25, 1.0], ["e4"], 1), 400,
+                                                   plan_run)["points"]}
+    assert quarter["n100-plateau-s0"]["hours"] == 0.0 and quarter["n100-e4-s0"]["hours"] > 0   # the warm arm trains it
+    assert quarter["warm-n100to400-plateau-s0"]["hours"] == pytest.approx(rows["warm-n100to400-plateau-s0"]["hours"])
 
 
 @pytest.mark.slow

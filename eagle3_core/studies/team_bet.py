@@ -168,10 +168,7 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
 def run_point(cfg: PipelineConfig, point: dict, work: Path, measure, train_fn=train_subset, log=print,
               deadline: float | None = None, clock=time.monotonic) -> dict:
     """Train one point under `work`/<name> (the warm arm: its quarter first, from scratch, then all of its samples
-    from the quarter's draft) and measure its draft with `measure(export_dir) -> replay_measure's entry`. Returns
-    the result {point, name, samples, epochs, seconds (GPU-seconds of all its training, the quarter's included),
-    phases, tau, tau_ci95, accept_per_position, per_prompt, device (measure's, None if it names none),
-    measure_seconds (the measurement's, by `clock`)}. Unfinished from train_fn passes through."""
+    from the quarter's draft) and measure its draft (measured_point). Unfinished from train_fn passes through."""
     name, phases, init = point_name(point), [], None
     if point.get("warm_from"):
         q = train_fn(cfg, point["warm_from"], point["recipe"], point["seed"], work / name / "quarter", None, log,
@@ -180,15 +177,38 @@ def run_point(cfg: PipelineConfig, point: dict, work: Path, measure, train_fn=tr
         init = q["export"]
     r = train_fn(cfg, point["samples"], point["recipe"], point["seed"], work / name / "all", init, log, deadline)
     phases.append({"phase": "warm" if init else "scratch", "samples": point["samples"], **r})
+    return measured_point(point, phases, measure, log, clock)
+
+
+def measured_point(point: dict, phases: list[dict], measure, log=print, clock=time.monotonic) -> dict:
+    """The last phase's draft measured with `measure(export_dir) -> replay_measure's entry`. Returns the result
+    {point, name, samples, epochs, seconds (GPU-seconds of all its phases, a warm arm's quarter included), phases,
+    tau, tau_ci95, accept_per_position, per_prompt, device (measure's, None if it names none), measure_seconds
+    (the measurement's, by `clock`)}."""
     t0 = clock()
-    m = measure(r["export"])
+    m = measure(phases[-1]["export"])
     measured = clock() - t0
+    name, seconds = point_name(point), sum(p["seconds"] for p in phases)
     log(f"team bet: {name}: tau {m['tau']:.3f} ({m['tau_ci95'][0]:.2f}-{m['tau_ci95'][1]:.2f}) after "
-        f"{r['epochs']} epochs, {sum(p['seconds'] for p in phases):.0f} GPU-s")
-    return {"point": point, "name": name, "samples": point["samples"], "epochs": r["epochs"],
-            "seconds": sum(p["seconds"] for p in phases), "phases": phases,
+        f"{phases[-1]['epochs']} epochs, {seconds:.0f} GPU-s")
+    return {"point": point, "name": name, "samples": point["samples"], "epochs": phases[-1]["epochs"],
+            "seconds": seconds, "phases": phases,
             **{k: m[k] for k in ("tau", "tau_ci95", "accept_per_position", "per_prompt")}, "device": m.get("device"),
             "measure_seconds": measured}
+
+
+def quarter_point(warm: dict) -> tuple[dict, list[dict]] | None:
+    """(the scratch point a warm arm's result trained on the way, its phases): the quarter is that point's own
+    training (same samples, recipe, seed; from scratch), so measuring its draft measures the point without
+    training it again. None for a result that is not a warm arm's."""
+    if not warm["point"].get("warm_from"):
+        return None
+    q = {"samples": warm["point"]["warm_from"], "recipe": warm["point"]["recipe"], "seed": warm["point"]["seed"]}
+    return q, [{**warm["phases"][0], "phase": "scratch"}]
+
+
+def names(done: list[dict]) -> set[str]:
+    return {d["name"] for d in done}
 
 
 def measure_reserve(done: list[dict]) -> float:
@@ -218,7 +238,8 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
     for a later call if not, so a call fills its budget with what fits, most valuable first; each result is written
     as soon as it is in. With `partial`, the first point left is then started anyway with the rest of the budget and
     stopped at its end (Unfinished), its checkpoints left in `work` for the next call on the same machine. Training
-    stops measure_reserve(done) seconds before the budget's end, so the measurement fits in it too. `clock`:
+    stops measure_reserve(done) seconds before the budget's end, so the measurement fits in it too. A warm arm's
+    quarter that is also a point of the study is measured as that point (quarter_point), not trained again. `clock`:
     seconds, the trainer's deadline clock (time.monotonic). Returns {done: [results], ran: [names], left: [names
     not run, in order], unfinished: name or None}."""
     results.mkdir(parents=True, exist_ok=True)
@@ -239,12 +260,21 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
             log(f"team bet: {point_name(p)} stopped at the budget's end ({e}); the next call resumes it")
             stopped.append(point_name(p))
             return False
+        save(res)
+        if (q := quarter_point(res)) and point_name(q[0]) in wanted and point_name(q[0]) not in names(done):
+            log(f"team bet: {point_name(q[0])} is {res['name']}'s quarter: measured, not trained again")
+            save({"settings": point_settings(cfg, q[0]), **measured_point(*q, measure, log, clock)})
+        return True
+
+    def save(res: dict) -> None:
         (results / f"{res['name']}.json").write_text(json.dumps(res, indent=1) + "\n")
         done.append(res)
         ran.append(res["name"])
-        return True
 
+    wanted = {point_name(p) for p in points}
     for p in todo:
+        if point_name(p) in names(done):              # measured on the way (a warm arm's quarter)
+            continue
         fits = budget_s is None or clock() - t0 + estimate_seconds(p, done, default_s) <= budget_s
         if not (fits and run(p)):
             left.append(p)

@@ -112,19 +112,23 @@ def study_plan(cfg: PipelineConfig, rates: dict, points: list[dict], n_train: in
     """What the study costs on one GPU under `rates`, before it runs: plan_run's (plan.plan_run, passed in as
     tenfold_plan's) data stages of cfg and, per
     point, E x samples x tokens_per_sample / train_tok_s_per_gpu (E: its fixed epochs, or plan's expected epochs
-    for the plateau rule, stopping.planned_epochs; the warm arm's quarter counted too). Returns {data_hours,
+    for the plateau rule, stopping.planned_epochs; the warm arm's quarter counted in the warm arm, and 0 for the
+    point that quarter is: team_bet.quarter_point). Returns {data_hours,
     points: [{name, epochs, hours}], train_hours, total_hours}."""
     p = plan_run(cfg, rates, 1)
     data_h = sum(r["hours"] for r in p["stages"] if r["stage"] in ("generation", "features"))
     T, rate = rates["tokens_per_sample"]["value"], rates["train_tok_s_per_gpu"]["value"]
+    quarters = {point_name({"samples": w["warm_from"], "recipe": w["recipe"], "seed": w["seed"]})
+                for w in points if w.get("warm_from")}
+
+    def epochs(pt: dict, n: int) -> int:
+        return recipe_epochs(pt["recipe"]) or planned_epochs(cfg.train.model_copy(update={"epochs": None}),
+                                                             round(n * T))[0]
     rows = []
     for pt in points:
-        hours = 0.0
-        for n in filter(None, (pt.get("warm_from"), pt["samples"])):
-            E = recipe_epochs(pt["recipe"]) or planned_epochs(cfg.train.model_copy(update={"epochs": None}),
-                                                               round(n * T))[0]
-            hours += E * n * T / rate / 3600
-        rows.append({"name": point_name(pt), "epochs": E, "hours": hours})
+        trained = [] if point_name(pt) in quarters else [n for n in (pt.get("warm_from"), pt["samples"]) if n]
+        rows.append({"name": point_name(pt), "epochs": epochs(pt, pt["samples"]),
+                     "hours": sum((epochs(pt, n) * n * T / rate / 3600 for n in trained), 0.0)})
     train_h = sum(r["hours"] for r in rows)
     return {"data_hours": data_h, "points": rows, "train_hours": train_h, "total_hours": data_h + train_h,
             "samples": n_train}
