@@ -241,7 +241,9 @@ def test_points_train_and_replay_on_real_features(e2e_run, tmp_path):
     lines = []
     measure = tr.replay_measurer(cfg, "cpu", batch=2, log=lines.append)
     res = tb.run_points(cfg, pts, tmp_path / "results", tmp_path / "work", measure, log=lines.append)
-    assert res["ran"] == [tb.point_name(p) for p in pts] and res["left"] == []
+    # the warm arm's quarter (3 samples, e2, seed 0) is the point n3-e2-s0: measured right after it, not trained
+    assert res["ran"] == [tb.point_name(p) for p in (pts[0], pts[1], pts[3], pts[2], pts[4])] and res["left"] == []
+    assert not (tmp_path / "work" / "n3-e2-s0").exists()
     warm = next(p for p in res["done"] if p["point"].get("warm_from"))
     assert [(ph["phase"], ph["samples"], ph["epochs"]) for ph in warm["phases"]] == [("quarter", 3, 2), ("warm", 6, 2)]
     assert warm["seconds"] == pytest.approx(sum(ph["seconds"] for ph in warm["phases"]))
