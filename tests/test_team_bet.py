@@ -180,6 +180,21 @@ def test_the_warm_arms_quarter_is_measured_as_its_point_not_trained_twice(cfg, t
     again = tb.run_points(cfg, pts, tmp_path / "r", tmp_path / "w", measure, train_fn=FakeTrainer(),
                           log=lambda s: None)
     assert again["ran"] == [] and len(again["done"]) == len(pts)
+    # room for both measurements (5 s each) before the budget's end: with the first point's 5 s on record, the warm
+    # arm (estimate 50 + 5 s) starts in 58 s but must stop training at 48 s; its 10 + 40 s of training end at 50
+    trainer = FakeTrainer()
+
+    def slow_measure(export):
+        trainer.spent += 5.0
+        return measure(export)
+    tb.run_points(cfg, pts[:1], tmp_path / "b", tmp_path / "wb", slow_measure, train_fn=trainer, clock=trainer.now,
+                  log=lambda s: None)
+    trainer = FakeTrainer()
+    res = tb.run_points(cfg, pts, tmp_path / "b", tmp_path / "wb2", slow_measure, budget_s=58.0, train_fn=trainer,
+                        clock=trainer.now, log=lambda s: None)
+    assert res["unfinished"] == "warm-n100to400-plateau-s0"               # started, stopped at 48 s (1x: done at 50)
+    assert not {"warm-n100to400-plateau-s0", "n100-plateau-s0"} & set(res["ran"])
+    assert [c[0] for c in trainer.calls[:2]] == [100, 400] and trainer.calls[1][3].endswith("quarter/export")
 
 
 def test_trainer_calls_run_the_epochs_that_fit_before_the_deadline(tmp_path):

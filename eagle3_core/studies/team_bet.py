@@ -197,17 +197,30 @@ def measured_point(point: dict, phases: list[dict], measure, log=print, clock=ti
             "measure_seconds": measured}
 
 
-def quarter_point(warm: dict) -> tuple[dict, list[dict]] | None:
-    """(the scratch point a warm arm's result trained on the way, its phases): the quarter is that point's own
-    training (same samples, recipe, seed; from scratch), so measuring its draft measures the point without
-    training it again. None for a result that is not a warm arm's."""
-    if not warm["point"].get("warm_from"):
+def quarter_of(point: dict) -> dict | None:
+    """The scratch point a warm arm trains on the way (its quarter: warm_from samples, same recipe and seed), None
+    for a point that is not a warm arm."""
+    if not point.get("warm_from"):
         return None
-    q = {"samples": warm["point"]["warm_from"], "recipe": warm["point"]["recipe"], "seed": warm["point"]["seed"]}
-    return q, [{**warm["phases"][0], "phase": "scratch"}]
+    return {"samples": point["warm_from"], "recipe": point["recipe"], "seed": point["seed"]}
+
+
+def quarter_point(warm: dict) -> tuple[dict, list[dict]] | None:
+    """(quarter_of(a warm arm's result's point), its phases): the quarter is that point's own training (same
+    samples, recipe, seed; from scratch), so measuring its draft measures the point without training it again.
+    None for a result that is not a warm arm's."""
+    q = quarter_of(warm["point"])
+    return (q, [{**warm["phases"][0], "phase": "scratch"}]) if q else None
+
+
+def quarter_to_measure(point: dict, wanted: set[str], done: list[dict]) -> bool:
+    """True when `point` is a warm arm whose quarter is a point of the study (named in `wanted`) not yet done."""
+    q = quarter_of(point)
+    return bool(q) and point_name(q) in wanted and point_name(q) not in names(done)
 
 
 def names(done: list[dict]) -> set[str]:
+    """The names of the done points' results."""
     return {d["name"] for d in done}
 
 
@@ -238,8 +251,9 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
     for a later call if not, so a call fills its budget with what fits, most valuable first; each result is written
     as soon as it is in. With `partial`, the first point left is then started anyway with the rest of the budget and
     stopped at its end (Unfinished), its checkpoints left in `work` for the next call on the same machine. Training
-    stops measure_reserve(done) seconds before the budget's end, so the measurement fits in it too. A warm arm's
-    quarter that is also a point of the study is measured as that point (quarter_point), not trained again. `clock`:
+    stops measure_reserve(done) seconds before the budget's end (twice that for a warm arm whose quarter is measured
+    too), so the measurements fit in it. A warm arm's quarter that is also a point of the study is measured as that
+    point (quarter_point), not trained again. `clock`:
     seconds, the trainer's deadline clock (time.monotonic). Returns {done: [results], ran: [names], left: [names
     not run, in order], unfinished: name or None}."""
     results.mkdir(parents=True, exist_ok=True)
@@ -254,14 +268,15 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
 
     def run(p: dict) -> bool:
         try:
-            stop = None if deadline is None else deadline - measure_reserve(done)    # room left to measure it
+            measures = 2 if quarter_to_measure(p, wanted, done) else 1
+            stop = None if deadline is None else deadline - measures * measure_reserve(done)   # room to measure
             res = {"settings": point_settings(cfg, p), **run_point(cfg, p, work, measure, train_fn, log, stop, clock)}
         except Unfinished as e:
             log(f"team bet: {point_name(p)} stopped at the budget's end ({e}); the next call resumes it")
             stopped.append(point_name(p))
             return False
         save(res)
-        if (q := quarter_point(res)) and point_name(q[0]) in wanted and point_name(q[0]) not in names(done):
+        if quarter_to_measure(p, wanted, done) and (q := quarter_point(res)):
             log(f"team bet: {point_name(q[0])} is {res['name']}'s quarter: measured, not trained again")
             save({"settings": point_settings(cfg, q[0]), **measured_point(*q, measure, log, clock)})
         return True
