@@ -267,16 +267,16 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
             todo.append(p)
 
     def run(p: dict) -> bool:
+        quarter = quarter_to_measure(p, wanted, done)                 # measured too, after p
         try:
-            measures = 2 if quarter_to_measure(p, wanted, done) else 1
-            stop = None if deadline is None else deadline - measures * measure_reserve(done)   # room to measure
+            stop = None if deadline is None else deadline - (1 + quarter) * measure_reserve(done)  # room to measure
             res = {"settings": point_settings(cfg, p), **run_point(cfg, p, work, measure, train_fn, log, stop, clock)}
         except Unfinished as e:
             log(f"team bet: {point_name(p)} stopped at the budget's end ({e}); the next call resumes it")
             stopped.append(point_name(p))
             return False
         save(res)
-        if quarter_to_measure(p, wanted, done) and (q := quarter_point(res)):
+        if quarter and (q := quarter_point(res)):
             log(f"team bet: {point_name(q[0])} is {res['name']}'s quarter: measured, not trained again")
             save({"settings": point_settings(cfg, q[0]), **measured_point(*q, measure, log, clock)})
         return True

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3_core.studies.team_bet import recipe_epochs
+from eagle3_core.studies.team_bet import quarter_of, recipe_epochs
 from eagle3_core.studies.team_bet_surface import surface_tau
 
 NAMES = {"epochs_against_data": "team_bet_epochs_data.png", "tau_against_gpu_seconds": "team_bet_warm_scratch.png"}
@@ -80,8 +80,7 @@ def tau_against_gpu_seconds(points: list[dict], path: Path, where: str = "") -> 
             ax.annotate(f"{p['samples']:,}", (p["seconds"], p["tau"]), fontsize=6, xytext=(3, -8),
                         textcoords="offset points")
     for w in (p for p in points if p["point"].get("warm_from")):
-        q = next((p for p in points if p["point"] == {"samples": w["point"]["warm_from"], "recipe":
-                                                       w["point"]["recipe"], "seed": w["point"]["seed"]}), None)
+        q = next((p for p in points if p["point"] == quarter_of(w["point"])), None)
         if q:
             ax.plot([q["seconds"], w["seconds"]], [q["tau"], w["tau"]], ":", color="black")
         _errorbar(ax, [{**w, "x": w["seconds"]}], fmt="*", markersize=11, color="black",

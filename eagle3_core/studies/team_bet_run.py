@@ -85,8 +85,9 @@ def data_stages(cfg: PipelineConfig, results: Path, log=print) -> dict:
 
 def replay_measurer(cfg: PipelineConfig, device: str, batch: int, log=print):
     """measure(export_dir) -> replay_eval.replay_measure's entry (tau, tau_ci95, accept_per_position, per_prompt)
-    and the device's name (device: torch.cuda.get_device_name, or 'CPU') of that draft on the held-out prompts, against one recording of the target (fp32 on `device`, `batch` prompts
-    per batched generate), kept at RUN_DIR/team_bet/recording.pt while its settings hold."""
+    of that draft on the held-out prompts and the device's name (device: torch.cuda.get_device_name, or 'CPU'),
+    against one recording of the target (fp32 on `device`, `batch` prompts per batched generate), kept at
+    RUN_DIR/team_bet/recording.pt while its settings hold."""
     path = RunLayout(cfg.run_dir).team_bet / "recording.pt"
     settings = {"eval": cfg.eval.model_dump(mode="json"), "target": cfg.target.model_dump(mode="json"),
                 "batch": batch, "eval_ids": prompt_ids(cfg)["eval_ids"]}

@@ -14,7 +14,7 @@ import torch
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.evaluation.acceptance import paired_bootstrap_diff_ci
-from eagle3_core.studies.team_bet import point_name, recipe_epochs
+from eagle3_core.studies.team_bet import point_name, quarter_of, recipe_epochs
 from eagle3_core.training.stopping import planned_epochs
 
 TERMS = ("a", "b", "c", "d")
@@ -118,8 +118,7 @@ def study_plan(cfg: PipelineConfig, rates: dict, points: list[dict], n_train: in
     p = plan_run(cfg, rates, 1)
     data_h = sum(r["hours"] for r in p["stages"] if r["stage"] in ("generation", "features"))
     T, rate = rates["tokens_per_sample"]["value"], rates["train_tok_s_per_gpu"]["value"]
-    quarters = {point_name({"samples": w["warm_from"], "recipe": w["recipe"], "seed": w["seed"]})
-                for w in points if w.get("warm_from")}
+    quarters = {point_name(q) for q in map(quarter_of, points) if q}
 
     def epochs(pt: dict, n: int) -> int:
         return recipe_epochs(pt["recipe"]) or planned_epochs(cfg.train.model_copy(update={"epochs": None}),
