@@ -135,6 +135,10 @@ def team_bet(cfg: PipelineConfig, a: argparse.Namespace) -> None:
         print(json.dumps({"plan": cost}, indent=1), flush=True)
     else:
         print("== no rates yet (no RESULTS/rates.json, no --profile): the cost is printed after the first point")
+    try:                                                 # a misspelt --only fails before the data stages
+        tb.call_order([], [n for n in a.only.split(",") if n] or None, {tb.point_name(p) for p in points})
+    except ValueError as e:
+        raise SystemExit(f"--only: {e}") from None
     if a.plan_only:
         return
     data = tr.data_stages(cfg, res)
@@ -143,7 +147,8 @@ def team_bet(cfg: PipelineConfig, a: argparse.Namespace) -> None:
     n_now = n_all - int(n_all * cfg.train.eval_frac)                   # the train split's samples
     points = tb.study_points(n_now, fractions, [g for g in a.grid.split(",") if g], a.seeds)
     left = None if a.budget_s is None else a.budget_s - (time.monotonic() - t0)
-    run = tb.run_points(cfg, points, res, cfg.run_dir / "team_bet", measure, budget_s=left, partial=a.partial)
+    run = tb.run_points(cfg, points, res, cfg.run_dir / "team_bet", measure, budget_s=left, partial=a.partial,
+                        only=[n for n in a.only.split(",") if n] or None)
     where = f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, {a.config}"
     if any(p["phases"] for p in run["done"]):
         (res / "rates.json").write_text(json.dumps(ts.study_rates(data, run["done"], where), indent=1) + "\n")
@@ -164,6 +169,8 @@ def main() -> None:
     ap.add_argument("--grid", default="e6,e12", help="team bet: fixed-epoch recipes beside the plateau rule")
     ap.add_argument("--seeds", type=int, default=2, help="team bet: draft seeds at the largest size")
     ap.add_argument("--budget-s", type=float, default=None, help="team bet: start no point past this many seconds")
+    ap.add_argument("--only", default="", help="team bet: the point names (comma-separated) this call may run, "
+                                               "in that order; the others wait for another call")
     ap.add_argument("--partial", action="store_true",
                     help="team bet: start a point that may not fit; stop it at the budget, resumable on this machine")
     ap.add_argument("--profile", default=None, help="team bet: rates profile for the cost printed first")

@@ -142,6 +142,21 @@ def test_budget_runs_what_fits_then_stops_cleanly(cfg, tmp_path):
     assert res["left"] == [names[1], names[3]]
 
 
+def test_only_runs_the_named_points_in_that_order_and_leaves_the_rest(cfg, tmp_path):
+    pts = tb.study_points(400, [0.5, 1.0], ["e4"], seeds=1)
+    trainer = FakeTrainer()
+    res = tb.run_points(cfg, pts, tmp_path / "r", tmp_path / "w", measure, only=["n200-e4-s0", "n400-e4-s0"],
+                        train_fn=trainer, clock=trainer.now, log=lambda s: None)
+    assert res["ran"] == ["n200-e4-s0", "n400-e4-s0"] and [c[:2] for c in trainer.calls] == [(200, "e4"), (400, "e4")]
+    assert res["left"] == ["n400-plateau-s0", "warm-n100to400-plateau-s0", "n200-plateau-s0"]
+    again = FakeTrainer()                    # done points are read back whatever `only` names; the others run
+    res = tb.run_points(cfg, pts, tmp_path / "r", tmp_path / "w", measure, only=["n400-e4-s0", "n200-plateau-s0"],
+                        train_fn=again, clock=again.now, log=lambda s: None)
+    assert res["ran"] == ["n200-plateau-s0"] and len(res["done"]) == 3 and len(res["left"]) == 2
+    with pytest.raises(ValueError, match=r"\['n5-e4-s0'\].*n200-e4-s0"):
+        tb.run_points(cfg, pts, tmp_path / "r", tmp_path / "w", measure, only=["n5-e4-s0"], train_fn=again)
+
+
 def test_measurement_time_counts_in_the_estimate_and_is_left_room_before_the_deadline(cfg, tmp_path):
     """A measurement of 5 s (on the simulated clock): recorded per point, added to every estimate after it, and
     kept free at the budget's end, so a point whose training fits but whose measurement would not is not started

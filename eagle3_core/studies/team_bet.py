@@ -243,9 +243,22 @@ def estimate_seconds(point: dict, done: list[dict], default_s: float) -> float:
     return rate * E * (point["samples"] + point.get("warm_from", 0)) + measure_reserve(done)
 
 
+def call_order(todo: list[dict], only: list[str] | None, study: set[str]) -> tuple[list[dict], list[dict]]:
+    """(the points of `todo` this call may run, in order; the ones it leaves for another call). `only`: names of
+    the points the call may run, in that order (a user's pick: the study's missing pieces first), None: all of
+    `todo` in the study's order. Raises ValueError naming any name of `only` that is not a point of the study
+    (`study`: its names), with the names that are, before anything runs."""
+    if only is None:
+        return todo, []
+    if unknown := [n for n in only if n not in study]:
+        raise ValueError(f"not points of this study: {unknown}; its points: {sorted(study)}")
+    by_name = {point_name(p): p for p in todo}
+    return [by_name[n] for n in only if n in by_name], [p for p in todo if point_name(p) not in only]
+
+
 def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Path, measure,
                budget_s: float | None = None, default_s: float = 600.0, partial: bool = False,
-               train_fn=train_subset, log=print, clock=time.monotonic) -> dict:
+               only: list[str] | None = None, train_fn=train_subset, log=print, clock=time.monotonic) -> dict:
     """Every point in order: one whose RESULTS/<name>.json holds the same settings is read back (not rerun); each
     other runs if its estimate (estimate_seconds) fits in what is left of budget_s (None: no budget), and is left
     for a later call if not, so a call fills its budget with what fits, most valuable first; each result is written
@@ -253,7 +266,8 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
     stopped at its end (Unfinished), its checkpoints left in `work` for the next call on the same machine. Training
     stops measure_reserve(done) seconds before the budget's end (twice that for a warm arm whose quarter is measured
     too), so the measurements fit in it. A warm arm's quarter that is also a point of the study is measured as that
-    point (quarter_point), not trained again. `clock`:
+    point (quarter_point), not trained again. `only`: the names this call may run, in that order (call_order);
+    the others are read back if done, else left. `clock`:
     seconds, the trainer's deadline clock (time.monotonic). Returns {done: [results], ran: [names], left: [names
     not run, in order], unfinished: name or None}."""
     results.mkdir(parents=True, exist_ok=True)
@@ -265,6 +279,8 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
             done.append(old)
         else:
             todo.append(p)
+    wanted = {point_name(p) for p in points}
+    todo, kept = call_order(todo, only, wanted)
 
     def run(p: dict) -> bool:
         quarter = quarter_to_measure(p, wanted, done)                 # measured too, after p
@@ -286,7 +302,6 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
         done.append(res)
         ran.append(res["name"])
 
-    wanted = {point_name(p) for p in points}
     for p in todo:
         if point_name(p) in names(done):              # measured on the way (a warm arm's quarter)
             continue
@@ -295,7 +310,7 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
             left.append(p)
     if partial and left and not stopped:
         run(left[0])
-    left = [point_name(p) for p in left if point_name(p) not in ran]
+    left = [point_name(p) for p in left + kept if point_name(p) not in ran]
     if left:
         log(f"team bet: budget spent; {len(left)} point(s) left for the next call: {', '.join(left)}")
     order = {point_name(p): i for i, p in enumerate(points)}
