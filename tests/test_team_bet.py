@@ -221,6 +221,15 @@ def test_trainer_calls_run_the_epochs_that_fit_before_the_deadline(tmp_path):
         tb._epochs_that_fit(now + 100, 120.0, tmp_path, 50.0)
 
 
+def test_epoch_seconds_per_call_and_steady_seconds_without_compiles():
+    first = [{"seconds": 10.0}, {"seconds": 12.0}, {"seconds": 14.5}]         # from the call's loop start
+    assert tb.epoch_seconds(first, 0) == pytest.approx([10.0, 2.0, 2.5])
+    assert tb.epoch_seconds([*first, {"seconds": 9.0}, {"seconds": 11.0}], 3) == pytest.approx([9.0, 2.0])
+    # two calls (first epochs 0 and 3, compile in each): those count at the median of the others, 2.0
+    assert tb.steady_seconds([10.0, 2.0, 2.5, 9.0, 2.0], [0, 3]) == pytest.approx(2.0 + 2.5 + 2.0 + 2 * 2.0)
+    assert tb.steady_seconds([10.0, 9.0], [0, 1]) is None
+
+
 def test_tenfold_plan_is_plan_runs_arithmetic(cfg):
     data = {"generation_tok_s": 3500.0, "output_tokens_per_sample": 190.0, "tokens_per_sample": 280.0,
             "extraction_tok_s": 40000.0, "hidden_size": 576}
@@ -277,6 +286,11 @@ def test_points_train_and_replay_on_real_features(e2e_run, tmp_path):
     warm = next(p for p in res["done"] if p["point"].get("warm_from"))
     assert [(ph["phase"], ph["samples"], ph["epochs"]) for ph in warm["phases"]] == [("quarter", 3, 2), ("warm", 6, 2)]
     assert warm["seconds"] == pytest.approx(sum(ph["seconds"] for ph in warm["phases"]))
+    for ph in (ph for p in res["done"] for ph in p["phases"]):          # one trainer call per phase: no deadline
+        assert len(ph["epoch_seconds"]) == ph["epochs"] and ph["call_firsts"] == [0]
+        assert 0 < sum(ph["epoch_seconds"]) <= ph["seconds"]
+        assert (ph["steady_seconds"] is None) == (ph["epochs"] == 1)
+    assert warm["steady_seconds"] == pytest.approx(sum(ph["steady_seconds"] for ph in warm["phases"]))
     assert any("warm start from" in s and "quarter" in s for s in lines)
     for p in res["done"]:
         assert 1.0 <= p["tau"] <= 1 + cfg.eval.num_draft_steps and p["tau_ci95"][0] <= p["tau"] <= p["tau_ci95"][1]

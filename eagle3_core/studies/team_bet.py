@@ -118,6 +118,23 @@ def _epochs_that_fit(deadline: float | None, per_epoch: float | None, out: Path,
     return k
 
 
+def epoch_seconds(history: list[dict], before: int) -> list[float]:
+    """Seconds of each epoch that one trainer call added (history[before:]), from the trainer's history, whose
+    `seconds` count from that call's loop start (training.trainer): the first one includes the call's compile."""
+    ends = [h["seconds"] for h in history[before:]]
+    return [b - a for a, b in zip([0.0, *ends[:-1]], ends)]
+
+
+def steady_seconds(seconds: list[float], call_firsts: list[int]) -> float | None:
+    """The epochs' seconds with each trainer call's first epoch (indices `call_firsts`, compile included) counted
+    at the median of the others: the training's cost without compiles, so a run split over several calls compares
+    with one run in one call. None when no epoch is a call's second or later."""
+    rest = sorted(x for i, x in enumerate(seconds) if i not in call_firsts)
+    if not rest:
+        return None
+    return sum(rest) + len(call_firsts) * rest[len(rest) // 2]
+
+
 def _train_call(train, args: tuple, log, epochs: int | None) -> dict:
     """One trainer call of at most `epochs` epochs (resuming from out's newest checkpoint); its summary with
     call_seconds, the wall time with the GPU synchronised (each call resets dynamo and compiles: calls are few)."""
@@ -134,8 +151,9 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
     of the nested subsets of cfg.run_dir's train split, into `out`, and export its best epoch. Without a deadline
     one trainer call; with one, a first call of one epoch times it and later calls run what fits
     (_epochs_that_fit). GPU-seconds: the wall time of those calls (the GPU synchronised; one GPU), summed over
-    resumed calls in out/gpu_seconds.json. Returns {export (dir), seconds, epochs (run), best_epoch, stopping,
-    epoch_tokens}. Raises Unfinished when not one more epoch fits before `deadline` (time.monotonic()), its
+    resumed calls in out/gpu_seconds.json with each epoch's seconds. Returns {export (dir), seconds, epoch_seconds,
+    call_firsts (the index of each trainer call's first epoch), steady_seconds (steady_seconds), epochs (run),
+    best_epoch, stopping, epoch_tokens}. Raises Unfinished when not one more epoch fits before `deadline` (time.monotonic()), its
     checkpoints kept for a later call; ValueError when n exceeds the train samples."""
     run = cfg.model_copy(deep=True)
     run.draft.seed, run.train.seed, run.train.epochs, run.train.init_from = seed, seed, recipe_epochs(recipe), init_from
@@ -147,20 +165,25 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
     key = f"{train_key(run)}-n{n}-s{seed}-{init_from}"
     claim_training_dir(out, key)
     clock = out / "gpu_seconds.json"
-    seconds = json.loads(clock.read_text())["seconds"] if clock.exists() and \
-        json.loads(clock.read_text())["key"] == key else 0.0
+    old = json.loads(clock.read_text()) if clock.exists() else {}
+    t = old if old.get("key") == key and "epoch_seconds" in old else {"key": key, "seconds": 0.0, "epoch_seconds": [], "call_firsts": []}
     per_epoch, ran = None, -1
     while True:
         summary = _train_call(train, (draft, subset, eval_s, lm_head, run.train, out), log,
-                              _epochs_that_fit(deadline, per_epoch, out, seconds))
-        seconds += summary["call_seconds"]
-        clock.write_text(json.dumps({"key": key, "seconds": seconds}))
+                              _epochs_that_fit(deadline, per_epoch, out, t["seconds"]))
+        before = len(t["epoch_seconds"])
+        t["seconds"] += summary["call_seconds"]
+        t["epoch_seconds"] += epoch_seconds(summary["history"], before)
+        t["call_firsts"] += [before] if len(t["epoch_seconds"]) > before else []
+        clock.write_text(json.dumps(t))
         added = 1 if ran < 0 else len(summary["history"]) - ran     # a first call: one epoch (a deadline) or all
         if _done(summary, run.train.epochs, run.train.max_epochs) or len(summary["history"]) == ran:
             break                       # no epoch added: the trainer's fixed rule (too few held-out tokens) ended
         ran, per_epoch = len(summary["history"]), summary["call_seconds"] / max(added, 1)
     export = export_draft(load_draft(out / "best"), out / "export", sglang_rule=sglang_rule(target_config(run)))
-    return {"export": str(export), "seconds": seconds, "epochs": len(summary["history"]),
+    return {"export": str(export), "seconds": t["seconds"], "epoch_seconds": t["epoch_seconds"],
+            "call_firsts": t["call_firsts"], "steady_seconds": steady_seconds(t["epoch_seconds"], t["call_firsts"]),
+            "epochs": len(summary["history"]),
             "best_epoch": summary["best"]["epoch"], "stopping": summary.get("stopping"),
             "epoch_tokens": sum(len(s["input_ids"]) for s in subset)}
 
@@ -182,17 +205,19 @@ def run_point(cfg: PipelineConfig, point: dict, work: Path, measure, train_fn=tr
 
 def measured_point(point: dict, phases: list[dict], measure, log=print, clock=time.monotonic) -> dict:
     """The last phase's draft measured with `measure(export_dir) -> replay_measure's entry`. Returns the result
-    {point, name, samples, epochs, seconds (GPU-seconds of all its phases, a warm arm's quarter included), phases,
+    {point, name, samples, epochs, seconds (GPU-seconds of all its phases, a warm arm's quarter included),
+    steady_seconds (the phases' steady_seconds summed: compiles out; None if a phase has none), phases,
     tau, tau_ci95, accept_per_position, per_prompt, device (measure's, None if it names none), measure_seconds
     (the measurement's, by `clock`)}."""
     t0 = clock()
     m = measure(phases[-1]["export"])
     measured = clock() - t0
     name, seconds = point_name(point), sum(p["seconds"] for p in phases)
+    steady = [p.get("steady_seconds") for p in phases]
     log(f"team bet: {name}: tau {m['tau']:.3f} ({m['tau_ci95'][0]:.2f}-{m['tau_ci95'][1]:.2f}) after "
         f"{phases[-1]['epochs']} epochs, {seconds:.0f} GPU-s")
     return {"point": point, "name": name, "samples": point["samples"], "epochs": phases[-1]["epochs"],
-            "seconds": seconds, "phases": phases,
+            "seconds": seconds, "steady_seconds": None if None in steady else sum(steady), "phases": phases,
             **{k: m[k] for k in ("tau", "tau_ci95", "accept_per_position", "per_prompt")}, "device": m.get("device"),
             "measure_seconds": measured}
 
