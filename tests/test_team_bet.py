@@ -105,6 +105,7 @@ def test_committed_points_are_not_rerun_and_warm_seconds_include_the_quarter(cfg
     rows = ts.warm_against_scratch(second["done"])
     assert len(rows) == 1 and rows[0]["warm_minus_scratch"] == pytest.approx(0.1)
     assert rows[0]["warm_seconds"] == pytest.approx(50.0) and rows[0]["scratch_seconds"] == pytest.approx(40.0)
+    assert rows[0]["warm_steady_seconds"] is None                     # the fake trainer times no epoch
     # paired: resamples of the two prompts give warm - scratch 0.2 (prompt 1 twice), 2/24 or 0 (prompt 2 twice)
     assert rows[0]["ci95_paired"] == pytest.approx([0.0, 0.2])
 

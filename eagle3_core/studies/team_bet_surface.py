@@ -93,7 +93,8 @@ def study_rates(data: dict, points: list[dict], where: str) -> dict:
 
 def warm_against_scratch(points: list[dict]) -> list[dict]:
     """Each warm-arm point against the scratch point of the same samples, recipe and seed: both taus, their
-    GPU-seconds (the warm arm's includes its quarter's) and the paired bootstrap 95% interval of warm - scratch
+    GPU-seconds (the warm arm's includes its quarter's) with their steady_seconds (team_bet.steady_seconds:
+    compiles out; None where a point has none) and the paired bootstrap 95% interval of warm - scratch
     (acceptance.paired_bootstrap_diff_ci: the same held-out prompts resampled for both)."""
     rows = []
     for w in (p for p in points if p["point"].get("warm_from")):
@@ -103,7 +104,8 @@ def warm_against_scratch(points: list[dict]) -> list[dict]:
             continue
         rows.append({"samples": w["samples"], "quarter": w["point"]["warm_from"], "warm_tau": w["tau"],
                      "warm_ci95": w["tau_ci95"], "warm_seconds": w["seconds"], "scratch_tau": s["tau"],
-                     "scratch_ci95": s["tau_ci95"], "scratch_seconds": s["seconds"], "warm_minus_scratch":
+                     "scratch_ci95": s["tau_ci95"], "scratch_seconds": s["seconds"], "warm_steady_seconds": w.get("steady_seconds"),
+                     "scratch_steady_seconds": s.get("steady_seconds"), "warm_minus_scratch":
                      w["tau"] - s["tau"], "ci95_paired": paired_bootstrap_diff_ci(w["per_prompt"], s["per_prompt"])})
     return rows
 
