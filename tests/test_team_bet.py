@@ -63,8 +63,8 @@ class FakeTrainer:
     """Stands in for train_subset (a real training run is the GPU session's): 0.01 s per sample-epoch on a
     simulated clock that starts with the object (`now`, run_points' clock); Unfinished when a phase would end
     after the deadline."""
-    def __init__(self):
-        self.calls, self.start, self.spent = [], time.monotonic(), 0.0
+    def __init__(self, rate: float = 0.01):
+        self.calls, self.start, self.spent, self.rate = [], time.monotonic(), 0.0, rate
 
     def now(self) -> float:
         return self.start + self.spent
@@ -72,7 +72,7 @@ class FakeTrainer:
     def __call__(self, cfg, n, recipe, seed, out, init_from, log, deadline):
         self.calls.append((n, recipe, seed, init_from))
         epochs = tb.recipe_epochs(recipe) or 10
-        cost = 0.01 * n * epochs
+        cost = self.rate * n * epochs
         if deadline is not None and self.start + self.spent + cost > deadline:
             raise tb.Unfinished(f"{out}: would pass the deadline")
         self.spent += cost
@@ -154,6 +154,19 @@ def test_only_runs_the_named_points_in_that_order_and_leaves_the_rest(cfg, tmp_p
     res = tb.run_points(cfg, pts, tmp_path / "r", tmp_path / "w", measure, only=["n400-e4-s0", "n200-plateau-s0"],
                         train_fn=again, clock=again.now, log=lambda s: None)
     assert res["ran"] == ["n200-plateau-s0"] and len(res["done"]) == 3 and len(res["left"]) == 2
+    # partial goes on in order past a point that finishes: estimates at a slow call's rate (0.05 s per
+    # sample-epoch: warm arm 250 s, n400-e4 80 s) fit neither in 70 s; at 0.01 the warm arm takes 10 + 40 s, then
+    # n400-e4 16 s (done at 66 s); in 60 s n400-e4 is the one stopped
+    slow = FakeTrainer(rate=0.05)
+    for budget_s, out, unfinished in ((70.0, "p", None), (60.0, "q", "n400-e4-s0")):
+        tb.run_points(cfg, pts, tmp_path / out, tmp_path / f"{out}-w", measure, only=["n400-plateau-s0"],
+                      train_fn=slow, log=lambda s: None)
+        fast = FakeTrainer()
+        res = tb.run_points(cfg, pts, tmp_path / out, tmp_path / f"{out}-w", measure, budget_s=budget_s,
+                            partial=True, only=["warm-n100to400-plateau-s0", "n400-e4-s0"], train_fn=fast,
+                            clock=fast.now, log=lambda s: None)
+        assert res["ran"][0] == "warm-n100to400-plateau-s0" and res["unfinished"] == unfinished
+        assert ("n400-e4-s0" in res["ran"]) == (unfinished is None)
     with pytest.raises(ValueError, match=r"\['n5-e4-s0'\].*n200-e4-s0"):
         tb.run_points(cfg, pts, tmp_path / "r", tmp_path / "w", measure, only=["n5-e4-s0"], train_fn=again)
 

@@ -287,8 +287,9 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
     """Every point in order: one whose RESULTS/<name>.json holds the same settings is read back (not rerun); each
     other runs if its estimate (estimate_seconds) fits in what is left of budget_s (None: no budget), and is left
     for a later call if not, so a call fills its budget with what fits, most valuable first; each result is written
-    as soon as it is in. With `partial`, the first point left is then started anyway with the rest of the budget and
-    stopped at its end (Unfinished), its checkpoints left in `work` for the next call on the same machine. Training
+    as soon as it is in. With `partial`, the points left are then started anyway, in order, with the rest of the
+    budget, the one running at its end stopped (Unfinished), its checkpoints left in `work` for the next call on the
+    same machine. Training
     stops measure_reserve(done) seconds before the budget's end (twice that for a warm arm whose quarter is measured
     too), so the measurements fit in it. A warm arm's quarter that is also a point of the study is measured as that
     point (quarter_point), not trained again. `only`: the names this call may run, in that order (call_order);
@@ -298,13 +299,10 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
     results.mkdir(parents=True, exist_ok=True)
     t0, done, ran, left, stopped = clock(), [], [], [], []
     deadline = None if budget_s is None else t0 + budget_s
-    todo = []
-    for p in points:
-        if old := cached_point(results, p, point_settings(cfg, p)):
-            done.append(old)
-        else:
-            todo.append(p)
+    cached = {point_name(p): cached_point(results, p, point_settings(cfg, p)) for p in points}
+    done += [r for r in cached.values() if r]
     wanted = {point_name(p) for p in points}
+    todo = [p for p in points if not cached[point_name(p)]]
     todo, kept = call_order(todo, only, wanted)
 
     def run(p: dict) -> bool:
@@ -333,8 +331,9 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
         fits = budget_s is None or clock() - t0 + estimate_seconds(p, done, default_s) <= budget_s
         if not (fits and run(p)):
             left.append(p)
-    if partial and left and not stopped:
-        run(left[0])
+    for p in left if partial and not stopped else []:
+        if point_name(p) not in names(done) and not run(p):  # in order until one is stopped at the budget's end
+            break
     left = [point_name(p) for p in left + kept if point_name(p) not in ran]
     if left:
         log(f"team bet: budget spent; {len(left)} point(s) left for the next call: {', '.join(left)}")
