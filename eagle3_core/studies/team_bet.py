@@ -153,8 +153,8 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
     (_epochs_that_fit). GPU-seconds: the wall time of those calls (the GPU synchronised; one GPU), summed over
     resumed calls in out/gpu_seconds.json with each epoch's seconds. Returns {export (dir), seconds, epoch_seconds,
     call_firsts (the index of each trainer call's first epoch), steady_seconds (steady_seconds), epochs (run),
-    best_epoch, stopping, epoch_tokens}. Raises Unfinished when not one more epoch fits before `deadline` (time.monotonic()), its
-    checkpoints kept for a later call; ValueError when n exceeds the train samples."""
+    best_epoch, stopping, epoch_tokens}. Raises Unfinished when not one more epoch fits before `deadline`
+    (time.monotonic()), its checkpoints kept for a later call; ValueError when n exceeds the train samples."""
     run = cfg.model_copy(deep=True)
     run.draft.seed, run.train.seed, run.train.epochs, run.train.init_from = seed, seed, recipe_epochs(recipe), init_from
     train_all, eval_s = train_split(run)
@@ -166,7 +166,8 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
     claim_training_dir(out, key)
     clock = out / "gpu_seconds.json"
     old = json.loads(clock.read_text()) if clock.exists() else {}
-    t = old if old.get("key") == key and "epoch_seconds" in old else {"key": key, "seconds": 0.0, "epoch_seconds": [], "call_firsts": []}
+    fresh = {"key": key, "seconds": 0.0, "epoch_seconds": [], "call_firsts": []}
+    t = old if old.get("key") == key and "epoch_seconds" in old else fresh
     per_epoch, ran = None, -1
     while True:
         summary = _train_call(train, (draft, subset, eval_s, lm_head, run.train, out), log,
@@ -289,12 +290,11 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
     for a later call if not, so a call fills its budget with what fits, most valuable first; each result is written
     as soon as it is in. With `partial`, the points left are then started anyway, in order, with the rest of the
     budget, the one running at its end stopped (Unfinished), its checkpoints left in `work` for the next call on the
-    same machine. Training
-    stops measure_reserve(done) seconds before the budget's end (twice that for a warm arm whose quarter is measured
-    too), so the measurements fit in it. A warm arm's quarter that is also a point of the study is measured as that
-    point (quarter_point), not trained again. `only`: the names this call may run, in that order (call_order);
-    the others are read back if done, else left. `clock`:
-    seconds, the trainer's deadline clock (time.monotonic). Returns {done: [results], ran: [names], left: [names
+    same machine. Training stops measure_reserve(done) seconds before the budget's end (twice that for a warm arm
+    whose quarter is measured too), so the measurements fit in it. A warm arm's quarter that is also a point of the
+    study is measured as that point (quarter_point), not trained again. `only`: the names this call may run, in that
+    order (call_order); the others are read back if done, else left. `clock`: seconds, the trainer's deadline clock
+    (time.monotonic). Returns {done: [results], ran: [names], left: [names
     not run, in order], unfinished: name or None}."""
     results.mkdir(parents=True, exist_ok=True)
     t0, done, ran, left, stopped = clock(), [], [], [], []

@@ -104,7 +104,8 @@ def warm_against_scratch(points: list[dict]) -> list[dict]:
             continue
         rows.append({"samples": w["samples"], "quarter": w["point"]["warm_from"], "warm_tau": w["tau"],
                      "warm_ci95": w["tau_ci95"], "warm_seconds": w["seconds"], "scratch_tau": s["tau"],
-                     "scratch_ci95": s["tau_ci95"], "scratch_seconds": s["seconds"], "warm_steady_seconds": w.get("steady_seconds"),
+                     "scratch_ci95": s["tau_ci95"], "scratch_seconds": s["seconds"],
+                     "warm_steady_seconds": w.get("steady_seconds"),
                      "scratch_steady_seconds": s.get("steady_seconds"), "warm_minus_scratch":
                      w["tau"] - s["tau"], "ci95_paired": paired_bootstrap_diff_ci(w["per_prompt"], s["per_prompt"])})
     return rows
