@@ -135,8 +135,9 @@ def team_bet(cfg: PipelineConfig, a: argparse.Namespace) -> None:
         print(json.dumps({"plan": cost}, indent=1), flush=True)
     else:
         print("== no rates yet (no RESULTS/rates.json, no --profile): the cost is printed after the first point")
+    only = [n for n in a.only.split(",") if n] or None
     try:                                                 # a misspelt --only fails before the data stages
-        tb.call_order([], [n for n in a.only.split(",") if n] or None, {tb.point_name(p) for p in points})
+        tb.call_order([], only, {tb.point_name(p) for p in points})
     except ValueError as e:
         raise SystemExit(f"--only: {e}") from None
     if a.plan_only:
@@ -148,7 +149,7 @@ def team_bet(cfg: PipelineConfig, a: argparse.Namespace) -> None:
     points = tb.study_points(n_now, fractions, [g for g in a.grid.split(",") if g], a.seeds)
     left = None if a.budget_s is None else a.budget_s - (time.monotonic() - t0)
     run = tb.run_points(cfg, points, res, cfg.run_dir / "team_bet", measure, budget_s=left, partial=a.partial,
-                        only=[n for n in a.only.split(",") if n] or None)
+                        only=only)
     where = f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, {a.config}"
     if any(p["phases"] for p in run["done"]):
         (res / "rates.json").write_text(json.dumps(ts.study_rates(data, run["done"], where), indent=1) + "\n")

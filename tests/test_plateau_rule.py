@@ -167,6 +167,9 @@ def test_a_resumed_run_decides_the_same(tmp_path, monkeypatch, split):
     keep = ("reason", "decay_start", "decay_epochs", "stopped_at")
     assert {k: resumed["stopping"][k] for k in keep} == {k: whole["stopping"][k] for k in keep}
     assert [h["lr"] for h in resumed["history"]] == [h["lr"] for h in whole["history"]]
+    # each epoch's own seconds, and which epoch began its train() call (its compile), kept across the resume
+    assert [i for i, h in enumerate(resumed["history"]) if h["call_first"]] == [0, split]
+    assert all(0 < h["epoch_seconds"] <= h["seconds"] for h in resumed["history"])
     assert resumed["best"] == whole["best"]
     a, b = load_draft(tmp_path / "w" / "last"), load_draft(tmp_path / "r" / "last")
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))

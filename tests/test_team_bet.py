@@ -235,10 +235,7 @@ def test_trainer_calls_run_the_epochs_that_fit_before_the_deadline(tmp_path):
         tb._epochs_that_fit(now + 100, 120.0, tmp_path, 50.0)
 
 
-def test_epoch_seconds_per_call_and_steady_seconds_without_compiles():
-    first = [{"seconds": 10.0}, {"seconds": 12.0}, {"seconds": 14.5}]         # from the call's loop start
-    assert tb.epoch_seconds(first, 0) == pytest.approx([10.0, 2.0, 2.5])
-    assert tb.epoch_seconds([*first, {"seconds": 9.0}, {"seconds": 11.0}], 3) == pytest.approx([9.0, 2.0])
+def test_steady_seconds_without_compiles():
     # two calls (first epochs 0 and 3, compile in each): those count at the median of the others, 2.0
     assert tb.steady_seconds([10.0, 2.0, 2.5, 9.0, 2.0], [0, 3]) == pytest.approx(2.0 + 2.5 + 2.0 + 2 * 2.0)
     assert tb.steady_seconds([10.0, 9.0], [0, 1]) is None

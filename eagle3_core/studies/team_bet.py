@@ -118,13 +118,6 @@ def _epochs_that_fit(deadline: float | None, per_epoch: float | None, out: Path,
     return k
 
 
-def epoch_seconds(history: list[dict], before: int) -> list[float]:
-    """Seconds of each epoch that one trainer call added (history[before:]), from the trainer's history, whose
-    `seconds` count from that call's loop start (training.trainer): the first one includes the call's compile."""
-    ends = [h["seconds"] for h in history[before:]]
-    return [b - a for a, b in zip([0.0, *ends[:-1]], ends)]
-
-
 def steady_seconds(seconds: list[float], call_firsts: list[int]) -> float | None:
     """The epochs' seconds with each trainer call's first epoch (indices `call_firsts`, compile included) counted
     at the median of the others: the training's cost without compiles, so a run split over several calls compares
@@ -151,9 +144,9 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
     of the nested subsets of cfg.run_dir's train split, into `out`, and export its best epoch. Without a deadline
     one trainer call; with one, a first call of one epoch times it and later calls run what fits
     (_epochs_that_fit). GPU-seconds: the wall time of those calls (the GPU synchronised; one GPU), summed over
-    resumed calls in out/gpu_seconds.json with each epoch's seconds. Returns {export (dir), seconds, epoch_seconds,
-    call_firsts (the index of each trainer call's first epoch), steady_seconds (steady_seconds), epochs (run),
-    best_epoch, stopping, epoch_tokens}. Raises Unfinished when not one more epoch fits before `deadline`
+    resumed calls in out/gpu_seconds.json. Returns {export (dir), seconds, epoch_seconds and call_firsts (each
+    epoch's seconds, the indices of each trainer call's first epoch: from the trainer's history; None for a history
+    from before it kept them), steady_seconds (steady_seconds), epochs (run), best_epoch, stopping, epoch_tokens}. Raises Unfinished when not one more epoch fits before `deadline`
     (time.monotonic()), its checkpoints kept for a later call; ValueError when n exceeds the train samples."""
     run = cfg.model_copy(deep=True)
     run.draft.seed, run.train.seed, run.train.epochs, run.train.init_from = seed, seed, recipe_epochs(recipe), init_from
@@ -165,26 +158,24 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
     key = f"{train_key(run)}-n{n}-s{seed}-{init_from}"
     claim_training_dir(out, key)
     clock = out / "gpu_seconds.json"
-    old = json.loads(clock.read_text()) if clock.exists() else {}
-    fresh = {"key": key, "seconds": 0.0, "epoch_seconds": [], "call_firsts": []}
-    t = old if old.get("key") == key and "epoch_seconds" in old else fresh
+    seconds = json.loads(clock.read_text())["seconds"] if clock.exists() and \
+        json.loads(clock.read_text())["key"] == key else 0.0
     per_epoch, ran = None, -1
     while True:
         summary = _train_call(train, (draft, subset, eval_s, lm_head, run.train, out), log,
-                              _epochs_that_fit(deadline, per_epoch, out, t["seconds"]))
-        before = len(t["epoch_seconds"])
-        t["seconds"] += summary["call_seconds"]
-        t["epoch_seconds"] += epoch_seconds(summary["history"], before)
-        t["call_firsts"] += [before] if len(t["epoch_seconds"]) > before else []
-        clock.write_text(json.dumps(t))
+                              _epochs_that_fit(deadline, per_epoch, out, seconds))
+        seconds += summary["call_seconds"]
+        clock.write_text(json.dumps({"key": key, "seconds": seconds}))
         added = 1 if ran < 0 else len(summary["history"]) - ran     # a first call: one epoch (a deadline) or all
         if _done(summary, run.train.epochs, run.train.max_epochs) or len(summary["history"]) == ran:
             break                       # no epoch added: the trainer's fixed rule (too few held-out tokens) ended
         ran, per_epoch = len(summary["history"]), summary["call_seconds"] / max(added, 1)
     export = export_draft(load_draft(out / "best"), out / "export", sglang_rule=sglang_rule(target_config(run)))
-    return {"export": str(export), "seconds": t["seconds"], "epoch_seconds": t["epoch_seconds"],
-            "call_firsts": t["call_firsts"], "steady_seconds": steady_seconds(t["epoch_seconds"], t["call_firsts"]),
-            "epochs": len(summary["history"]),
+    history = summary["history"]
+    secs = None if any("epoch_seconds" not in h for h in history) else [h["epoch_seconds"] for h in history]
+    firsts = None if secs is None else [i for i, h in enumerate(history) if h["call_first"]]
+    return {"export": str(export), "seconds": seconds, "epoch_seconds": secs, "call_firsts": firsts,
+            "steady_seconds": None if secs is None else steady_seconds(secs, firsts), "epochs": len(history),
             "best_epoch": summary["best"]["epoch"], "stopping": summary.get("stopping"),
             "epoch_tokens": sum(len(s["input_ids"]) for s in subset)}
 

@@ -203,7 +203,9 @@ def train(draft: Eagle3Draft, train_samples: list[dict], eval_samples: list[dict
 class _Progress:
     """What a train() call changes as it goes: optimizer steps done, this epoch's metric sums (per-step tensors,
     loss weighted by counts; None before its first batch) and tokens, best {'tau_sim', 'epoch'}, history (one dict
-    per epoch), this call's step losses, tokens of this rank and steps."""
+    per epoch: epoch, train, eval, tokens, seconds since this call's loop start, epoch_seconds (its own, eval
+    included), call_first (the first epoch of its train() call: compile included), lr), this call's step losses,
+    tokens of this rank and steps."""
     step: int
     sums: dict | None
     n_tokens: int
@@ -311,11 +313,13 @@ def _end_epoch(run: TrainRun, prog: _Progress, epoch: int, epoch0: int, epoch_t0
     train_m = summarize(epoch_sums)
     eval_m = evaluate_ttt(run.draft, eval_samples, run.head_draft, run.cfg, dp) if eval_samples else None
     score = (eval_m or train_m)["tau_sim"]
+    now = time.monotonic()
     prog.history.append({"epoch": epoch + 1, "train": train_m, "eval": eval_m, "tokens": dp.sum_int(prog.n_tokens),
-                         "seconds": time.monotonic() - t0, "lr": run.sched.get_last_lr()[0]})
+                         "seconds": now - t0, "epoch_seconds": now - epoch_t0, "call_first": epoch == epoch0,
+                         "lr": run.sched.get_last_lr()[0]})
     decaying = rule is not None and rule.decay_start is not None
     if rule is not None:        # the ranks' mean seconds: every rank decides the same (scores are all-reduced)
-        secs = dp.sum(torch.tensor([time.monotonic() - epoch_t0], dtype=torch.float64, device=run.device))
+        secs = dp.sum(torch.tensor([now - epoch_t0], dtype=torch.float64, device=run.device))
         rule.update(epoch + 1, score, float(secs[0]) / dp.world)
     if run.tb:
         _epoch_scalars(run.tb, prog.step, train_m, eval_m)
