@@ -239,6 +239,11 @@ def test_steady_seconds_without_compiles():
     # two calls (first epochs 0 and 3, compile in each): those count at the median of the others, 2.0
     assert tb.steady_seconds([10.0, 2.0, 2.5, 9.0, 2.0], [0, 3]) == pytest.approx(2.0 + 2.5 + 2.0 + 2 * 2.0)
     assert tb.steady_seconds([10.0, 9.0], [0, 1]) is None
+    hist = [{"epoch_seconds": x, "call_first": i in (0, 3)} for i, x in enumerate([10.0, 2.0, 2.5, 9.0, 2.0])]
+    assert tb.epoch_timing(hist) == {"epoch_seconds": [10.0, 2.0, 2.5, 9.0, 2.0], "call_firsts": [0, 3],
+                                     "steady_seconds": pytest.approx(10.5)}
+    old = [{"seconds": 10.0}, {"seconds": 12.0}]                      # a history written before 44a2f29
+    assert tb.epoch_timing(old) == {"epoch_seconds": None, "call_firsts": None, "steady_seconds": None}
 
 
 def test_tenfold_plan_is_plan_runs_arithmetic(cfg):

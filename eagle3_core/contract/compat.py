@@ -139,6 +139,11 @@ class LegacyReader:
 
 _GONE = "remove when runs written before {} are no longer supported: "
 LEGACY_READERS = (
+    LegacyReader("trainer history without epoch seconds", ("studies.team_bet.epoch_timing",),
+                 "training checkpoints whose history has no epoch_seconds / call_first", "44a2f29",
+                 _GONE.format("44a2f29") + "a team-bet point resumed from such a checkpoint fails (KeyError) instead "
+                 "of recording no steady seconds",
+                 ("tests/test_team_bet.py::test_steady_seconds_without_compiles",)),
     LegacyReader("record without mtime_ns", ("contract.manifest.file_intact",),
                  "data-file records (stage manifests, shard records) without mtime_ns", "bc5e252",
                  "nothing to remove: such a record takes the path of a changed mtime (its sha256 compared); only the "

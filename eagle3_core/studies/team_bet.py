@@ -128,6 +128,16 @@ def steady_seconds(seconds: list[float], call_firsts: list[int]) -> float | None
     return sum(rest) + len(call_firsts) * rest[len(rest) // 2]
 
 
+def epoch_timing(history: list[dict]) -> dict:
+    """{epoch_seconds (each epoch's, s), call_firsts (the indices of each trainer call's first epoch, compile
+    included), steady_seconds (steady_seconds)} from the trainer's history; all None for a history written before
+    44a2f29, which kept neither (compat.LEGACY_READERS)."""
+    if any("epoch_seconds" not in h for h in history):
+        return {"epoch_seconds": None, "call_firsts": None, "steady_seconds": None}
+    secs, firsts = [h["epoch_seconds"] for h in history], [i for i, h in enumerate(history) if h["call_first"]]
+    return {"epoch_seconds": secs, "call_firsts": firsts, "steady_seconds": steady_seconds(secs, firsts)}
+
+
 def _train_call(train, args: tuple, log, epochs: int | None) -> dict:
     """One trainer call of at most `epochs` epochs (resuming from out's newest checkpoint); its summary with
     call_seconds, the wall time with the GPU synchronised (each call resets dynamo and compiles: calls are few)."""
@@ -144,9 +154,8 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
     of the nested subsets of cfg.run_dir's train split, into `out`, and export its best epoch. Without a deadline
     one trainer call; with one, a first call of one epoch times it and later calls run what fits
     (_epochs_that_fit). GPU-seconds: the wall time of those calls (the GPU synchronised; one GPU), summed over
-    resumed calls in out/gpu_seconds.json. Returns {export (dir), seconds, epoch_seconds and call_firsts (each
-    epoch's seconds, the indices of each trainer call's first epoch: from the trainer's history; None for a history
-    from before it kept them), steady_seconds (steady_seconds), epochs (run), best_epoch, stopping, epoch_tokens}. Raises Unfinished when not one more epoch fits before `deadline`
+    resumed calls in out/gpu_seconds.json. Returns {export (dir), seconds, epoch_seconds, call_firsts,
+    steady_seconds (epoch_timing), epochs (run), best_epoch, stopping, epoch_tokens}. Raises Unfinished when not one more epoch fits before `deadline`
     (time.monotonic()), its checkpoints kept for a later call; ValueError when n exceeds the train samples."""
     run = cfg.model_copy(deep=True)
     run.draft.seed, run.train.seed, run.train.epochs, run.train.init_from = seed, seed, recipe_epochs(recipe), init_from
@@ -171,11 +180,8 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
             break                       # no epoch added: the trainer's fixed rule (too few held-out tokens) ended
         ran, per_epoch = len(summary["history"]), summary["call_seconds"] / max(added, 1)
     export = export_draft(load_draft(out / "best"), out / "export", sglang_rule=sglang_rule(target_config(run)))
-    history = summary["history"]
-    secs = None if any("epoch_seconds" not in h for h in history) else [h["epoch_seconds"] for h in history]
-    firsts = None if secs is None else [i for i, h in enumerate(history) if h["call_first"]]
-    return {"export": str(export), "seconds": seconds, "epoch_seconds": secs, "call_firsts": firsts,
-            "steady_seconds": None if secs is None else steady_seconds(secs, firsts), "epochs": len(history),
+    return {"export": str(export), "seconds": seconds, **epoch_timing(summary["history"]),
+            "epochs": len(summary["history"]),
             "best_epoch": summary["best"]["epoch"], "stopping": summary.get("stopping"),
             "epoch_tokens": sum(len(s["input_ids"]) for s in subset)}
 
