@@ -85,12 +85,15 @@ def run_jobs(cfg: PipelineConfig, config: Path, sizes: list[int], side_by_side: 
 
 
 def write_answers(cfg: PipelineConfig, a: argparse.Namespace, run: dict, data: dict | None, where: str) -> dict:
-    """summary.json in RESULTS (and --out): what ran, what is left, the answers so far; the plots into
-    --plot-dir."""
+    """summary.json in RESULTS (and --out): what ran, what is left, the answers so far; rates.json in RESULTS (plan's
+    rates measured by the study, from `data` and the points); the plots into --plot-dir."""
     import json
     from eagle3_core.plan import markdown, plan_run
     from eagle3_core.studies import team_bet_plots as tp
     from eagle3_core.studies import team_bet_run as tr
+    from eagle3_core.studies import team_bet_surface as ts
+    if data and any(p["phases"] for p in run["done"]):
+        (a.team_bet / "rates.json").write_text(json.dumps(ts.study_rates(data, run["done"], where), indent=1) + "\n")
     out = {"ran": run["ran"], "left": run["left"], "unfinished": run["unfinished"], "device": where,
            **tr.answers(cfg, run["done"], data, where, plan_run, markdown)}
     if a.plot_dir:
@@ -151,8 +154,6 @@ def team_bet(cfg: PipelineConfig, a: argparse.Namespace) -> None:
     run = tb.run_points(cfg, points, res, cfg.run_dir / "team_bet", measure, budget_s=left, partial=a.partial,
                         only=only)
     where = f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, {a.config}"
-    if any(p["phases"] for p in run["done"]):
-        (res / "rates.json").write_text(json.dumps(ts.study_rates(data, run["done"], where), indent=1) + "\n")
     print(json.dumps(write_answers(cfg, a, run, data, where), indent=1))
 
 

@@ -187,9 +187,11 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
 
 
 def run_point(cfg: PipelineConfig, point: dict, work: Path, measure, train_fn=train_subset, log=print,
-              deadline: float | None = None, clock=time.monotonic) -> dict:
+              deadline: float | None = None, clock=time.monotonic, measure_by: float | None = None) -> dict:
     """Train one point under `work`/<name> (the warm arm: its quarter first, from scratch, then all of its samples
-    from the quarter's draft) and measure its draft (measured_point). Unfinished from train_fn passes through."""
+    from the quarter's draft) and measure its draft (measured_point). Unfinished from train_fn passes through;
+    Unfinished too when its training ends past `measure_by` (by `clock`; None: always measured), its trained
+    checkpoints left for the next call on the machine to measure (train_subset resumes a finished run at once)."""
     name, phases, init = point_name(point), [], None
     if point.get("warm_from"):
         q = train_fn(cfg, point["warm_from"], point["recipe"], point["seed"], work / name / "quarter", None, log,
@@ -198,6 +200,9 @@ def run_point(cfg: PipelineConfig, point: dict, work: Path, measure, train_fn=tr
         init = q["export"]
     r = train_fn(cfg, point["samples"], point["recipe"], point["seed"], work / name / "all", init, log, deadline)
     phases.append({"phase": "warm" if init else "scratch", "samples": point["samples"], **r})
+    if measure_by is not None and clock() > measure_by:
+        raise Unfinished(f"{work / name}: trained, {clock() - measure_by:.0f} s too late to measure before the "
+                         "budget's end; the next call measures it")
     return measured_point(point, phases, measure, log, clock)
 
 
@@ -282,17 +287,18 @@ def call_order(todo: list[dict], only: list[str] | None, study: set[str]) -> tup
 def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Path, measure,
                budget_s: float | None = None, default_s: float = 600.0, partial: bool = False,
                only: list[str] | None = None, train_fn=train_subset, log=print, clock=time.monotonic) -> dict:
-    """Every point in order: one whose RESULTS/<name>.json holds the same settings is read back (not rerun); each
-    other runs if its estimate (estimate_seconds) fits in what is left of budget_s (None: no budget), and is left
-    for a later call if not, so a call fills its budget with what fits, most valuable first; each result is written
-    as soon as it is in. With `partial`, the points left are then started anyway, in order, with the rest of the
+    """Every point in order: one whose RESULTS/<name>.json holds the same settings is read back (not rerun); each other
+    runs if its estimate (estimate_seconds) fits in what is left of budget_s (None: no budget), and is left for a
+    later call if not, so a call fills its budget with what fits, most valuable first; each result is written as
+    soon as it is in. With `partial`, the points left are then started anyway, in order, with the rest of the
     budget, the one running at its end stopped (Unfinished), its checkpoints left in `work` for the next call on the
     same machine. Training stops measure_reserve(done) seconds before the budget's end (twice that for a warm arm
-    whose quarter is measured too), so the measurements fit in it. A warm arm's quarter that is also a point of the
-    study is measured as that point (quarter_point), not trained again. `only`: the names this call may run, in that
-    order (call_order); the others are read back if done, else left. `clock`: seconds, the trainer's deadline clock
-    (time.monotonic). Returns {done: [results], ran: [names], left: [names
-    not run, in order], unfinished: name or None}."""
+    whose quarter is measured too), so the measurements fit in it; a partial point trains to the budget's end and is
+    measured if its training ended that early, else by the next call (run_point's measure_by). A warm arm's quarter
+    that is also a point of the study is measured as that point (quarter_point), not trained again. `only`: the
+    names this call may run, in that order (call_order); the others are read back if done, else left. `clock`:
+    seconds, the trainer's deadline clock (time.monotonic). Returns {done: [results], ran: [names], left: [names not
+    run, in order], unfinished: name or None}."""
     results.mkdir(parents=True, exist_ok=True)
     t0, done, ran, left, stopped = clock(), [], [], [], []
     deadline = None if budget_s is None else t0 + budget_s
@@ -302,11 +308,12 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
     todo = [p for p in points if not cached[point_name(p)]]
     todo, kept = call_order(todo, only, wanted)
 
-    def run(p: dict) -> bool:
+    def run(p: dict, to_the_end: bool = False) -> bool:
         quarter = quarter_to_measure(p, wanted, done)                 # measured too, after p
+        by = None if deadline is None else deadline - (1 + quarter) * measure_reserve(done)  # room to measure
+        stop, by = (deadline, by) if to_the_end else (by, None)
         try:
-            stop = None if deadline is None else deadline - (1 + quarter) * measure_reserve(done)  # room to measure
-            res = {"settings": point_settings(cfg, p), **run_point(cfg, p, work, measure, train_fn, log, stop, clock)}
+            res = {"settings": point_settings(cfg, p), **run_point(cfg, p, work, measure, train_fn, log, stop, clock, by)}
         except Unfinished as e:
             log(f"team bet: {point_name(p)} stopped at the budget's end ({e}); the next call resumes it")
             stopped.append(point_name(p))
@@ -329,7 +336,7 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
         if not (fits and run(p)):
             left.append(p)
     for p in left if partial and not stopped else []:
-        if point_name(p) not in names(done) and not run(p):  # in order until one is stopped at the budget's end
+        if point_name(p) not in names(done) and not run(p, to_the_end=True):  # in order until one is stopped
             break
     left = [point_name(p) for p in left + kept if point_name(p) not in ran]
     if left:

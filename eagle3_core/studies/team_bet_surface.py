@@ -73,14 +73,18 @@ def tenfold_plan(cfg: PipelineConfig, rates: dict, samples: int, epochs: int, pl
 
 def study_rates(data: dict, points: list[dict], where: str) -> dict:
     """plan's rates measured by this study: `data` {generation_tok_s, output_tokens_per_sample, tokens_per_sample,
-    extraction_tok_s, hidden_size} from its data stages, and train token passes/s as the median over the points'
-    phases of epoch_tokens x epochs / seconds. Each rate marked 'measured' with `where`. Raises ValueError when no
-    point has a trained phase."""
+    extraction_tok_s, hidden_size} from its data stages, and train token passes/s pooled over the points' phases:
+    the sum of epoch_tokens x epochs over the sum of their steady_seconds (compiles out, team_bet.steady_seconds;
+    seconds where a phase has none), so the large points that a 10x run resembles weigh by their tokens, not the
+    small ones' per-epoch overheads by their number. Each rate marked 'measured' with `where`. Raises ValueError
+    when no point has a trained phase."""
     def r(v, unit):
         return {"value": v, "unit": unit, "status": "measured", "source": where}
-    passes = sorted(ph["epoch_tokens"] * ph["epochs"] / ph["seconds"] for p in points for ph in p["phases"])
-    if not passes:
+    phases = [ph for p in points for ph in p["phases"] if ph["epochs"]]
+    if not phases:
         raise ValueError("no trained phase among the points yet: the training rate is not measured")
+    passes = sum(ph["epoch_tokens"] * ph["epochs"] for ph in phases) / sum(
+        ph.get("steady_seconds") or ph["seconds"] for ph in phases)
     return {"generation_tok_s_per_server": r(data["generation_tok_s"], "output tok/s"),
             "gpus_per_server": {"value": 1, "unit": "devices", "status": "given", "source": "one GPU"},
             "output_tokens_per_sample": r(data["output_tokens_per_sample"], "tokens"),
@@ -88,7 +92,7 @@ def study_rates(data: dict, points: list[dict], where: str) -> dict:
             "extraction_tok_s_per_replica": r(data["extraction_tok_s"], "tok/s"),
             "gpus_per_extraction_replica": {"value": 1, "unit": "devices", "status": "given", "source": "one GPU"},
             "target_hidden_size": r(data["hidden_size"], "H_t"),
-            "train_tok_s_per_gpu": r(passes[len(passes) // 2], "token passes/s")}
+            "train_tok_s_per_gpu": r(passes, "token passes/s")}
 
 
 def warm_against_scratch(points: list[dict]) -> list[dict]:
