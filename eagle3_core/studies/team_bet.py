@@ -155,8 +155,9 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
     one trainer call; with one, a first call of one epoch times it and later calls run what fits
     (_epochs_that_fit). GPU-seconds: the wall time of those calls (the GPU synchronised; one GPU), summed over
     resumed calls in out/gpu_seconds.json. Returns {export (dir), seconds, epoch_seconds, call_firsts,
-    steady_seconds (epoch_timing), epochs (run), best_epoch, stopping, epoch_tokens}. Raises Unfinished when not one more epoch fits before `deadline`
-    (time.monotonic()), its checkpoints kept for a later call; ValueError when n exceeds the train samples."""
+    steady_seconds (epoch_timing), epochs (run), best_epoch, stopping, epoch_tokens}. Raises Unfinished when not
+    one more epoch fits before `deadline` (time.monotonic()), its checkpoints kept for a later call; ValueError
+    when n exceeds the train samples."""
     run = cfg.model_copy(deep=True)
     run.draft.seed, run.train.seed, run.train.epochs, run.train.init_from = seed, seed, recipe_epochs(recipe), init_from
     train_all, eval_s = train_split(run)
@@ -167,8 +168,8 @@ def train_subset(cfg: PipelineConfig, n: int, recipe: str, seed: int, out: Path,
     key = f"{train_key(run)}-n{n}-s{seed}-{init_from}"
     claim_training_dir(out, key)
     clock = out / "gpu_seconds.json"
-    seconds = json.loads(clock.read_text())["seconds"] if clock.exists() and \
-        json.loads(clock.read_text())["key"] == key else 0.0
+    old = json.loads(clock.read_text()) if clock.exists() else {}
+    seconds = old["seconds"] if old.get("key") == key else 0.0
     per_epoch, ran = None, -1
     while True:
         summary = _train_call(train, (draft, subset, eval_s, lm_head, run.train, out), log,
@@ -200,9 +201,9 @@ def run_point(cfg: PipelineConfig, point: dict, work: Path, measure, train_fn=tr
         init = q["export"]
     r = train_fn(cfg, point["samples"], point["recipe"], point["seed"], work / name / "all", init, log, deadline)
     phases.append({"phase": "warm" if init else "scratch", "samples": point["samples"], **r})
-    if measure_by is not None and clock() > measure_by:
-        raise Unfinished(f"{work / name}: trained, {clock() - measure_by:.0f} s too late to measure before the "
-                         "budget's end; the next call measures it")
+    if measure_by is not None and (late := clock() - measure_by) > 0:
+        raise Unfinished(f"{work / name}: trained, {late:.0f} s too late to measure before the budget's end; the "
+                         "next call measures it")
     return measured_point(point, phases, measure, log, clock)
 
 
@@ -304,16 +305,15 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
     deadline = None if budget_s is None else t0 + budget_s
     cached = {point_name(p): cached_point(results, p, point_settings(cfg, p)) for p in points}
     done += [r for r in cached.values() if r]
-    wanted = {point_name(p) for p in points}
-    todo = [p for p in points if not cached[point_name(p)]]
-    todo, kept = call_order(todo, only, wanted)
+    wanted = set(cached)
+    todo, kept = call_order([p for p in points if not cached[point_name(p)]], only, wanted)
 
     def run(p: dict, to_the_end: bool = False) -> bool:
         quarter = quarter_to_measure(p, wanted, done)                 # measured too, after p
         by = None if deadline is None else deadline - (1 + quarter) * measure_reserve(done)  # room to measure
         stop, by = (deadline, by) if to_the_end else (by, None)
         try:
-            res = {"settings": point_settings(cfg, p), **run_point(cfg, p, work, measure, train_fn, log, stop, clock, by)}
+            res = run_point(cfg, p, work, measure, train_fn, log, stop, clock, by)
         except Unfinished as e:
             log(f"team bet: {point_name(p)} stopped at the budget's end ({e}); the next call resumes it")
             stopped.append(point_name(p))
@@ -321,10 +321,11 @@ def run_points(cfg: PipelineConfig, points: list[dict], results: Path, work: Pat
         save(res)
         if quarter and (q := quarter_point(res)):
             log(f"team bet: {point_name(q[0])} is {res['name']}'s quarter: measured, not trained again")
-            save({"settings": point_settings(cfg, q[0]), **measured_point(*q, measure, log, clock)})
+            save(measured_point(*q, measure, log, clock))
         return True
 
-    def save(res: dict) -> None:
+    def save(res: dict) -> None:                    # with the settings it was measured under (cached_point)
+        res = {"settings": point_settings(cfg, res["point"]), **res}
         (results / f"{res['name']}.json").write_text(json.dumps(res, indent=1) + "\n")
         done.append(res)
         ran.append(res["name"])
